@@ -1,0 +1,140 @@
+"""The planner report: plan a synthetic model and measure what planning costs.
+
+`rl-sync plan configs/plan_kimi_k2.yaml` runs `plan_report` and prints
+`format_report`: seconds and peak memory to plan, the size of the message
+every rank receives, how long the busiest rank takes to expand its slice, and
+the plan statistics (bytes per rank, transfer counts, busiest source against
+its lower bound, and what the broadcast baseline would move).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import dataclass
+
+from .plan import PlanStats, plan_model
+from .plan_info import PlanInfo
+from .schedule import build_schedule
+from .synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
+from .wire import decode, encode
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanReportConfig:
+    """A synthetic model and its two parallel layouts."""
+
+    model: ModelShape
+    """Architecture shapes."""
+    trainer: TrainerParallel
+    """Trainer ranks and their sharding."""
+    inference: InferenceParallel
+    """Engines and tensor parallelism."""
+    bucket_bytes: int = 256 << 20
+    """Per-rank bytes (sent + received) in one bucket."""
+    coalesce_bytes: int = 1 << 20
+    """Segments under this size share one packed message per peer."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes <= 0 or self.coalesce_bytes < 0:
+            raise ValueError("bucket_bytes must be > 0 and coalesce_bytes >= 0")
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """Measured figures of one planner run."""
+
+    parameters: int
+    tensors: int
+    templates: int
+    buckets: int
+    plan_seconds: float
+    schedule_seconds: float
+    peak_rss_bytes: int
+    added_rss_bytes: int
+    message_bytes: int
+    uncompressed_message_bytes: int
+    decode_seconds: float
+    slice_rank: int
+    slice_seconds: float
+    slice_segments: int
+    stats: PlanStats
+
+    @property
+    def total_seconds(self) -> float:
+        return self.plan_seconds + self.schedule_seconds
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def plan_report(cfg: PlanReportConfig) -> PlanReport:
+    """Plan `cfg`'s model as the coordinator would, then expand the busiest rank."""
+    specs = model_specs(cfg.model, cfg.trainer, cfg.inference)
+    rss_before = _rss_bytes()
+    start = time.perf_counter()
+    plan = plan_model(specs)
+    stats = plan.stats
+    planned = time.perf_counter()
+    schedule = build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes)
+    scheduled = time.perf_counter()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    info = PlanInfo.from_schedule(schedule)
+    blob, raw = encode(info, compress=True), encode(info)
+    busiest = max(stats.recv_bytes, key=stats.recv_bytes.get, default=0)
+    begin = time.perf_counter()
+    rebuilt = decode(PlanInfo, blob).to_schedule()
+    decoded = time.perf_counter()
+    mine = rebuilt.rank_slice(busiest)
+    sliced = time.perf_counter()
+    return PlanReport(
+        parameters=sum(math.prod(s.shape) for s in specs),
+        tensors=len(specs),
+        templates=len(plan.templates),
+        buckets=schedule.num_buckets,
+        plan_seconds=planned - start,
+        schedule_seconds=scheduled - planned,
+        peak_rss_bytes=peak,
+        added_rss_bytes=max(0, peak - rss_before),
+        message_bytes=len(blob),
+        uncompressed_message_bytes=len(raw),
+        decode_seconds=decoded - begin,
+        slice_rank=busiest,
+        slice_seconds=sliced - decoded,
+        slice_segments=sum(len(m.segments) for b in mine.buckets for m in b.sends + b.recvs),
+        stats=stats,
+    )
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
+def format_report(name: str, r: PlanReport) -> str:
+    """Human-readable lines for `plan_report`'s result."""
+    s = r.stats
+    recv = sorted(s.recv_bytes.values()) or [0]
+    send = sorted(s.send_bytes.values()) or [0]
+    rows = [
+        ("model", f"{name}: {r.parameters / 1e9:,.2f}B parameters, {r.tensors:,} tensors, {r.templates} templates"),
+        ("plan + stats", f"{r.plan_seconds:.3f} s"),
+        ("schedule", f"{r.schedule_seconds:.3f} s ({r.buckets} buckets)"),
+        ("total", f"{r.total_seconds:.3f} s"),
+        ("peak memory", f"{r.peak_rss_bytes / 2**20:,.0f} MiB RSS ({r.added_rss_bytes / 2**20:,.0f} MiB added by planning)"),
+        ("plan message", f"{r.message_bytes / 2**20:.2f} MiB to every rank ({r.uncompressed_message_bytes / 2**20:.2f} MiB uncompressed)"),
+        ("rank expansion", f"rank {r.slice_rank}: decode + rebuild {r.decode_seconds:.3f} s, "
+                           f"own slice {r.slice_seconds:.3f} s, {r.slice_segments:,} segments"),
+        ("transfers", f"{s.num_transfers:,} ({_gb(s.total_bytes)} on the wire)"),
+        ("send per rank", f"max {_gb(send[-1])}, min {_gb(send[0])}, over {len(send)} ranks"),
+        ("recv per rank", f"max {_gb(recv[-1])}, min {_gb(recv[0])}, over {len(recv)} ranks"),
+        ("transfer counts", f"max sent {max(s.send_counts.values(), default=0):,}, "
+                            f"max received {max(s.recv_counts.values(), default=0):,}"),
+        ("busiest source", f"{_gb(s.busiest_source_bytes)} = {s.busiest_over_bound:.3f} x lower bound"),
+        ("broadcast would", f"move {_gb(s.broadcast_bytes)} ({s.broadcast_bytes / max(1, s.total_bytes):.1f}x), "
+                            f"{_gb(s.broadcast_recv_bytes)} into the busiest worker"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,58 @@
+"""YAML configs into dataclasses, overrides, and the `rl-sync` command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rl_sync.cli import main
+from rl_sync.config import load_config, parse_overrides
+from rl_sync.report import PlanReportConfig
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+
+
+@pytest.mark.parametrize("name", ["plan_dense_8b", "plan_qwen3_235b", "plan_kimi_k2"])
+def test_shipped_plan_configs_load(name):
+    cfg = load_config(CONFIGS / f"{name}.yaml", PlanReportConfig)
+    assert cfg.trainer.ranks > 0 and cfg.inference.engines > 0
+
+
+def test_unknown_keys_name_the_key_and_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text((CONFIGS / "plan_dense_8b.yaml").read_text() + "\nbucket_byts: 5\n")
+    with pytest.raises(ValueError, match=rf"{path}: unknown key\(s\) bucket_byts"):
+        load_config(path, PlanReportConfig)
+    path.write_text((CONFIGS / "plan_dense_8b.yaml").read_text().replace("layers: 32", "layers: 32\n  layerz: 2"))
+    with pytest.raises(ValueError, match=r"unknown key\(s\) model.layerz"):
+        load_config(path, PlanReportConfig)
+
+
+def test_ill_typed_values_are_refused(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text((CONFIGS / "plan_dense_8b.yaml").read_text().replace("ranks: 8", "ranks: eight"))
+    with pytest.raises(ValueError, match=r'wrong value type for field "trainer.ranks"'):
+        load_config(path, PlanReportConfig)
+
+
+def test_overrides_in_both_forms():
+    assert parse_overrides(["a.b=1", "--c", "x", "--d-e=2.5"]) == [(["a", "b"], 1), (["c"], "x"), (["d_e"], 2.5)]
+    cfg = load_config(CONFIGS / "plan_dense_8b.yaml", PlanReportConfig, ["trainer.ranks=16", "--inference.engines", "4"])
+    assert cfg.trainer.ranks == 16 and cfg.inference.engines == 4
+    with pytest.raises(ValueError, match="cannot read override 'oops'"):
+        parse_overrides(["oops"])
+
+
+def test_plan_command_prints_the_report(capsys):
+    assert main(["plan", str(CONFIGS / "plan_dense_8b.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "plan_dense_8b: 8.03B parameters, 291 tensors" in out
+    assert "busiest source   4.02 GB = 1.000 x lower bound" in out
+
+
+def test_plan_command_reports_bad_config(capsys, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: {}\n")
+    assert main(["plan", str(path)]) == 2
+    assert 'missing value for field "model.layers"' in capsys.readouterr().err

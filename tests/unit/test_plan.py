@@ -1,0 +1,159 @@
+"""The planner: exact-once delivery, sources hold what they send, balance, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rl_sync import plan as plan_module
+from rl_sync import template
+from rl_sync.layout import Box, Layout, Mesh, Replicate, Shard
+from rl_sync.plan import SideSpec, TensorSpec, join_specs, plan_model, plan_reshard
+
+from .strategies import layouts, shapes
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+
+
+def _contains(outer: Box, inner: Box) -> bool:
+    return all(o <= i and i + s <= o + z for o, z, i, s in zip(outer.offsets, outer.sizes, inner.offsets, inner.sizes))
+
+
+def check_exact_once(shape, src: Layout, dst: Layout, plan) -> None:
+    delivered = {r: torch.zeros(shape, dtype=torch.int32) for r in dst.mesh.ranks}
+    for t in plan.transfers:
+        assert t.src_rank != t.dst_rank
+        assert _contains(src.local_box(shape, t.src_rank), t.box), f"{t} not held by its source"
+        assert _contains(dst.local_box(shape, t.dst_rank), t.box), f"{t} not kept by its destination"
+        held = src.local_box(shape, t.dst_rank)
+        assert held is None or held.intersect(t.box) is None, f"{t} resends what the destination holds"
+        delivered[t.dst_rank][_slices(t.box)] += 1
+    for t in plan.local_copies:
+        assert t.src_rank == t.dst_rank
+        assert _contains(src.local_box(shape, t.src_rank), t.box)
+        delivered[t.dst_rank][_slices(t.box)] += 1
+    for rank in dst.mesh.ranks:
+        want = torch.zeros(shape, dtype=torch.int32)
+        want[_slices(dst.local_box(shape, rank))] = 1
+        assert torch.equal(delivered[rank], want), f"rank {rank}: not every element delivered exactly once"
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_every_element_delivered_exactly_once(data):
+    shape = data.draw(shapes())
+    src = data.draw(layouts(len(shape)))
+    dst = data.draw(layouts(len(shape), start=src.mesh.size))
+    check_exact_once(shape, src, dst, plan_reshard(shape, src, dst))
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_colocated_ranks_copy_locally_what_they_hold(data):
+    shape = data.draw(shapes())
+    src = data.draw(layouts(len(shape)))
+    dst = data.draw(layouts(len(shape), start=data.draw(st.integers(0, src.mesh.size))))
+    check_exact_once(shape, src, dst, plan_reshard(shape, src, dst, colocated=True))
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_plans_are_deterministic(data):
+    shape = data.draw(shapes())
+    src = data.draw(layouts(len(shape)))
+    dst = data.draw(layouts(len(shape), start=src.mesh.size))
+    first = plan_reshard(shape, src, dst)
+    template.build_template.cache_clear()
+    plan_module._plan_reshard.cache_clear()
+    assert plan_reshard(shape, src, dst) == first
+
+
+def test_fsdp_to_tensor_parallel_columns():
+    src = Layout(Mesh((4,)), (Shard(0),))
+    dst = Layout(Mesh((2, 2), start_rank=4), (Replicate(), Shard(1)))
+    plan = plan_reshard((8, 6), src, dst)
+    to_rank_4 = sorted((t.src_rank, t.offsets, t.sizes) for t in plan.transfers if t.dst_rank == 4)
+    assert to_rank_4 == [(0, (0, 0), (2, 3)), (1, (2, 0), (2, 3)), (2, (4, 0), (2, 3)), (3, (6, 0), (2, 3))]
+
+
+def test_replicated_sources_share_the_load():
+    src = Layout(Mesh((2, 2)), (Replicate(), Shard(0)))
+    dst = Layout(Mesh((2, 2), start_rank=4), (Replicate(), Shard(1)))
+    plan = plan_model([TensorSpec("w", "bfloat16", (1024, 1024), src, dst)])
+    stats = plan.stats
+    assert set(stats.send_bytes) == {0, 1, 2, 3}
+    assert stats.busiest_source_bytes == stats.busiest_source_lower_bound == 1024 * 1024 * 2 * 2 // 4
+
+
+def test_small_replicated_pieces_rotate_over_replicas():
+    src = Layout(Mesh((4,)), (Replicate(),))
+    dst = Layout(Mesh((8,), start_rank=4), (Replicate(),))
+    plan = plan_reshard((16,), src, dst)
+    senders = [t.src_rank for t in sorted(plan.transfers, key=lambda t: t.dst_rank)]
+    assert sorted(senders) == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_model_stats_match_the_transfers():
+    src = Layout(Mesh((4,)), (Shard(0),))
+    dst = Layout(Mesh((2, 2), start_rank=4), (Replicate(), Shard(0)))
+    specs = [
+        TensorSpec("a", "float32", (13, 7), src, dst),
+        TensorSpec("b", "bfloat16", (5,), src, Layout.replicated(Mesh((4,), start_rank=4))),
+        TensorSpec("c", "int64", (9, 2), Layout(Mesh((2,), start_rank=1), (Shard(1),)), dst),
+    ]
+    model = plan_model(specs)
+    send, recv, count = {}, {}, 0
+    for i, spec in enumerate(specs):
+        size = {"float32": 4, "bfloat16": 2, "int64": 8}[spec.dtype]
+        for t in model.tensor_plan(i).transfers:
+            send[t.src_rank] = send.get(t.src_rank, 0) + t.numel * size
+            recv[t.dst_rank] = recv.get(t.dst_rank, 0) + t.numel * size
+            count += 1
+    stats = model.stats
+    assert stats.send_bytes == send and stats.recv_bytes == recv
+    assert stats.num_transfers == count and stats.total_bytes == sum(send.values())
+    model_bytes = 13 * 7 * 4 + 5 * 2 + 9 * 2 * 8
+    assert stats.broadcast_recv_bytes == model_bytes
+    assert stats.broadcast_bytes == model_bytes * 4
+
+
+def _spec(name="w", dtype="float32", shape=(4, 4), src=None, dst=None):
+    src = src or Layout(Mesh((2,)), (Shard(0),))
+    dst = dst or Layout(Mesh((2,), start_rank=2), (Shard(1),))
+    return TensorSpec(name, dtype, shape, src, dst)
+
+
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        ([_spec(src=Layout(Mesh((2,)), (Shard(2),)))],
+         r"tensor 'w' source layout: Shard\(2\) on mesh axis 0 is past the tensor's rank 2"),
+        ([_spec(dtype="bfloat17")], r"tensor 'w': unknown dtype name 'bfloat17'"),
+        ([_spec(), _spec()], r"tensor 'w': duplicate tensor name \(also at position 0\)"),
+        ([_spec(dst=Layout(Mesh((2,), start_rank=1), (Shard(1),)))],
+         r"tensor 'w': source mesh .* and destination mesh .* overlap at ranks \[1\]"),
+        ([_spec(shape=(4, -1))], r"tensor 'w': shape must be a sequence of non-negative ints"),
+    ],
+)
+def test_bad_model_input_fails_at_planning_time(specs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_model(specs)
+
+
+def test_join_specs_names_disagreements():
+    layout = Layout(Mesh((2,)), (Shard(0),))
+    other = Layout(Mesh((2,), start_rank=2), (Shard(0),))
+    with pytest.raises(ValueError, match=r"tensor 'w': source shape \(4, 4\) and destination shape \(4, 5\) disagree"):
+        join_specs([SideSpec("w", "float32", (4, 4), layout)], [SideSpec("w", "float32", (4, 5), other)])
+    with pytest.raises(ValueError, match=r"tensor 'w': source dtype 'float32' and destination dtype 'bfloat16'"):
+        join_specs([SideSpec("w", "float32", (4, 4), layout)], [SideSpec("w", "bfloat16", (4, 4), other)])
+    with pytest.raises(ValueError, match=r"tensor 'v': the source declares it but no destination binds it"):
+        join_specs([SideSpec("v", "float32", (4,), layout)], [])
+    with pytest.raises(ValueError, match=r"tensors \['u'\]: bound by the destination but the source does not declare"):
+        join_specs([], [SideSpec("u", "float32", (4,), other)])
+    joined = join_specs([SideSpec("w", "float32", (4, 4), layout)], [SideSpec("w", "float32", [4, 4], other)])
+    assert joined == [TensorSpec("w", "float32", (4, 4), layout, other)]

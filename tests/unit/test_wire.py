@@ -1,0 +1,142 @@
+"""Wire codecs: round trips, strict decoding, and only ValueError on bad bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rl_sync.layout import Layout, Mesh, Replicate, Shard
+from rl_sync.plan import TensorSpec, plan_model
+from rl_sync.plan_info import PlanInfo
+from rl_sync.schedule import build_schedule
+from rl_sync.wire import SCHEMA_VERSION, decode, encode
+
+from .strategies import layouts, shapes
+
+
+@dataclass(frozen=True)
+class Inner:
+    size: int
+    tag: str | None
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    shape: tuple[int, ...]
+    items: list[Inner]
+    table: dict[str, float]
+    blob: bytes
+    ok: bool
+
+
+SAMPLE = Sample("w", (2, 3), [Inner(1, None), Inner(2, "x")], {"a": 1.5}, b"\x00\x01", True)
+
+
+def _envelope(body, schema=SCHEMA_VERSION, type_name="Sample"):
+    return msgpack.packb({"schema": schema, "type": type_name, "zlib": False, "body": body}, use_bin_type=True)
+
+
+def _body():
+    return msgpack.unpackb(encode(SAMPLE), raw=False)["body"]
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_round_trip(compress):
+    assert decode(Sample, encode(SAMPLE, compress=compress)) == SAMPLE
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda b: b.pop("ok"), r"Sample: missing fields \['ok'\], unexpected fields \[\]"),
+        (lambda b: b.update(extra=1), r"Sample: missing fields \[\], unexpected fields \['extra'\]"),
+        (lambda b: b.update(ok=1), r"Sample.ok: expected bool, got int"),
+        (lambda b: b.update(shape=[2, "3"]), r"Sample.shape\[1\]: expected int, got str"),
+        (lambda b: b["items"][1].update(size=True), r"Sample.items\[1\].size: expected int, got bool"),
+        (lambda b: b.update(table={"a": "x"}), r"Sample.table\['a'\]: expected float, got str"),
+        (lambda b: b.update(blob="text"), r"Sample.blob: expected bytes, got str"),
+    ],
+)
+def test_strict_decoding_names_the_field(mutate, message):
+    body = _body()
+    mutate(body)
+    with pytest.raises(ValueError, match=message):
+        decode(Sample, _envelope(body))
+
+
+def test_schema_version_and_type_are_checked():
+    with pytest.raises(ValueError, match=r"schema version 99 is not supported; expected 1"):
+        decode(Sample, _envelope(_body(), schema=99))
+    with pytest.raises(ValueError, match=r"expected a Sample message, got type 'Inner'"):
+        decode(Sample, _envelope(_body(), type_name="Inner"))
+
+
+def test_truncated_and_oversized_messages_are_refused():
+    blob = encode(SAMPLE)
+    for cut in range(len(blob)):
+        with pytest.raises(ValueError):
+            decode(Sample, blob[:cut])
+    with pytest.raises(ValueError, match=r"exceeds the 10-byte limit"):
+        decode(Sample, blob, max_bytes=10)
+
+
+def test_compressed_bomb_is_refused():
+    body = b"\x00" * (1 << 20)
+    import zlib
+
+    bomb = msgpack.packb({"schema": 1, "type": "Sample", "zlib": True, "body": zlib.compress(body)})
+    with pytest.raises(ValueError, match=r"inflates past the 4096-byte limit"):
+        decode(Sample, bomb, max_bytes=4096)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_only_raise_value_error(data):
+    for cls in (Sample, PlanInfo):
+        try:
+            decode(cls, data)
+        except ValueError:
+            pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=5) | st.binary(max_size=5),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)))
+def test_random_well_formed_msgpack_only_raises_value_error(body):
+    for cls in (Sample, PlanInfo):
+        with pytest.raises(ValueError):
+            decode(cls, _envelope(body, type_name=cls.__name__))
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_plan_info_round_trip_rebuilds_the_same_schedule(data):
+    specs = []
+    for i in range(data.draw(st.integers(1, 4))):
+        shape = data.draw(shapes())
+        specs.append(TensorSpec(f"layers.{i}.w", "bfloat16", shape,
+                                data.draw(layouts(len(shape))), data.draw(layouts(len(shape), start=64))))
+    schedule = build_schedule(plan_model(specs), bucket_bytes=data.draw(st.integers(1, 4096)))
+    rebuilt = decode(PlanInfo, encode(PlanInfo.from_schedule(schedule), compress=True)).to_schedule()
+    assert rebuilt.plan.specs == schedule.plan.specs
+    assert rebuilt.cuts == schedule.cuts
+    for rank in (0, 64):
+        assert rebuilt.rank_slice(rank) == schedule.rank_slice(rank)
+
+
+def test_plan_info_refuses_inconsistent_tables():
+    layout = Layout(Mesh((1,)), (Replicate(),))
+    other = Layout(Mesh((2,), start_rank=1), (Shard(0),))
+    info = PlanInfo.from_schedule(build_schedule(plan_model([TensorSpec("w", "float32", (4,), layout, other)])))
+    body = msgpack.unpackb(encode(info), raw=False)["body"]
+    body["src_index"] = [5]
+    with pytest.raises(ValueError, match=r"PlanInfo.src_index holds an index outside \[0, 2\)"):
+        decode(PlanInfo, _envelope(body, type_name="PlanInfo"))
+    body["src_index"], body["cuts"] = [0], [0, 7]
+    with pytest.raises(ValueError, match=r"bucket cuts must rise strictly from 0 to the piece count 1"):
+        decode(PlanInfo, _envelope(body, type_name="PlanInfo")).to_schedule()
