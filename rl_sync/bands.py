@@ -23,8 +23,10 @@ Row = tuple[int, tuple[int, ...], tuple[int, ...], int]
 
 @dataclass(frozen=True, eq=False)
 class Band:
-    """The transfers of one row band, as columns, with per-position lookups."""
+    """The transfers of one row band (global rows `[lo, hi)`), as columns, with per-position lookups."""
 
+    lo: int
+    hi: int
     src: np.ndarray
     dst: np.ndarray
     offsets: np.ndarray
@@ -64,7 +66,7 @@ def _clip(template: Template, lo: int, hi: int) -> Band:
     src, dst, offsets, sizes = template.src[keep], template.dst[keep], offsets[keep], sizes[keep]
     numel = sizes.prod(axis=1)
     return Band(
-        src, dst, offsets, sizes, numel,
+        lo, hi, src, dst, offsets, sizes, numel,
         sum_by(src, numel, len(template.send_numel)),
         sum_by(dst, numel, len(template.recv_numel)),
     )

@@ -175,6 +175,9 @@ class Mesh:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Mesh is immutable")
 
+    def __reduce__(self) -> tuple:
+        return (_mesh, (self.shape, self.ranks))
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mesh) and self.shape == other.shape and self.ranks == other.ranks
 
@@ -210,6 +213,10 @@ class Mesh:
             coord.append(index % extent)
             index //= extent
         return tuple(reversed(coord))
+
+
+def _mesh(shape: tuple[int, ...], ranks: tuple[int, ...]) -> Mesh:
+    return Mesh(shape, ranks=ranks)
 
 
 def _nested_shape(nested: Any) -> tuple[int, ...]:
@@ -256,6 +263,11 @@ class Layout:
     @classmethod
     def replicated(cls, mesh: Mesh) -> Layout:
         return cls(mesh, (Replicate(),) * mesh.ndim)
+
+    def shifted(self, offset: int) -> Layout:
+        """The same layout with every mesh rank moved by `offset`."""
+        ranks = tuple(r + offset for r in self.mesh.ranks)
+        return Layout(Mesh(self.mesh.shape, ranks=ranks), self.placements)
 
     def check_shape(self, shape: Sequence[int], what: str = "tensor") -> None:
         """Raise `ValueError` if a placement shards a dim the tensor lacks."""

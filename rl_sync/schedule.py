@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import cached_property
 import numpy as np
 
 from .bands import Band, make_bands
@@ -120,6 +121,15 @@ class Schedule:
     @property
     def num_buckets(self) -> int:
         return len(self.cuts) - 1
+
+    @cached_property
+    def pieces(self) -> list[tuple[int, int]]:
+        """(tensor, band) of every piece, in schedule order."""
+        return [(t, b) for t in self.order.tolist() for b in range(len(self.bands[t]))]
+
+    def bucket_pieces(self, bucket: int) -> list[tuple[int, int]]:
+        """(tensor, band) of every piece in `bucket`, in schedule order."""
+        return self.pieces[self.cuts[bucket] : self.cuts[bucket + 1]]
 
     def _loads(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(piece, rank, bytes) of every rank's send + receive load in every piece."""

@@ -1,0 +1,48 @@
+"""Init-time checks on what ranks report: workers agree, trainers are consistent."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rl_sync.messages import SideReport, TensorReport
+from rl_sync.plan import SideSpec
+
+
+def _describe(t: TensorReport) -> str:
+    return f"dtype {t.dtype}, shape {t.shape}, layout {t.layout.to_layout()}"
+
+
+def check_agreement(workers: Sequence[SideReport], offset: int) -> None:
+    """Every worker must resolve the same (name, dtype, shape, layout) list as worker 0.
+
+    Raises `ValueError` naming the first worker and tensor that differ.
+    """
+    first = workers[0].tensors
+    by_name = {t.name: t for t in first}
+    for report in workers[1:]:
+        mine = {t.name: t for t in report.tensors}
+        rank = offset + report.rank
+        for name in list(by_name) + [n for n in mine if n not in by_name]:
+            a, b = by_name.get(name), mine.get(name)
+            if a != b:
+                theirs = "does not bind it" if b is None else f"resolved {_describe(b)}"
+                ours = "does not bind it" if a is None else f"resolved {_describe(a)}"
+                raise ValueError(
+                    f"inference workers disagree on tensor {name!r}: worker rank {rank} {theirs}, but worker rank "
+                    f"{offset} {ours}; all workers must run the same model and parallel config"
+                )
+
+
+def merge_sources(trainers: Sequence[SideReport]) -> list[SideSpec]:
+    """Union of the trainers' tensors in first-seen order; conflicting reports are refused."""
+    seen: dict[str, tuple[TensorReport, int]] = {}
+    for report in trainers:
+        for t in report.tensors:
+            if t.name in seen and seen[t.name][0] != t:
+                first, rank = seen[t.name]
+                raise ValueError(
+                    f"trainers disagree on tensor {t.name!r}: rank {report.rank} reports {_describe(t)}, rank {rank} "
+                    f"reports {_describe(first)}"
+                )
+            seen.setdefault(t.name, (t, report.rank))
+    return [SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout()) for t, _ in seen.values()]

@@ -1,0 +1,95 @@
+"""Mixins that make a user's own Ray actor classes take part in a sync group.
+
+A trainer actor inherits `SyncTrainerMixin` and defines `rl_sync_sources()`
+returning `{checkpoint name: DTensor | Sharded | Tensor}`; a worker actor
+inherits `SyncWorkerMixin` and defines `rl_sync_destinations()` returning
+`{checkpoint name: Destination}`. The coordinator calls the `_rl_sync_*`
+methods; users never do. Trainer sources are re-read every round (FSDP may
+swap storage between steps); worker destinations are resolved once at init
+and must stay the live storage (inference engines keep parameters in place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import ray
+import torch
+
+from rl_sync.engine.sources import trainer_entries, worker_entries
+from rl_sync.engine.session import RankSession
+from rl_sync.messages import InitInfo, RoundInfo, SideReport
+from rl_sync.plan_info import PlanInfo
+from rl_sync.transport.nccl import new_unique_id
+from rl_sync.wire import decode, encode
+
+
+class _Participant:
+    """State and coordinator-facing methods shared by both sides."""
+
+    _rl_sync_session: RankSession | None = None
+    _rl_sync_side_rank: int = 0
+    _rl_sync_side_size: int = 1
+
+    def _rl_sync_entries(self):
+        raise TypeError(f"{type(self).__name__} must inherit SyncTrainerMixin or SyncWorkerMixin")
+
+    def _rl_sync_describe(self, side_rank: int, side_size: int) -> bytes:
+        self._rl_sync_side_rank, self._rl_sync_side_size = side_rank, side_size
+        reports, endpoints = self._rl_sync_entries()
+        devices = {str(e.tensor.device) for e in endpoints.values()}
+        if len(devices) > 1:
+            raise ValueError(f"rank {side_rank} of {type(self).__name__}: tensors span devices {sorted(devices)}")
+        device = devices.pop() if devices else "cpu"
+        fallbacks = tuple(getattr(self, "_rl_sync_fallbacks", ()))
+        return encode(SideReport(side_rank, device, tuple(reports), fallbacks), compress=True)
+
+    def _rl_sync_nccl_ids(self) -> tuple[list[int], list[int]]:
+        return new_unique_id(), new_unique_id()
+
+    def _rl_sync_connect(self, init: bytes, plan: bytes, bind_host: str | None, device: str) -> None:
+        info = decode(InitInfo, init)
+        host = bind_host or ray.util.get_node_ip_address()
+        self._rl_sync_session = RankSession(info, decode(PlanInfo, plan), bind_host=host, device=torch.device(device))
+
+    def _rl_sync_run(self, round_blob: bytes) -> bytes:
+        if self._rl_sync_session is None:
+            raise RuntimeError("rl-sync: this actor has not joined a sync group")
+        round_info = decode(RoundInfo, round_blob)
+        _, endpoints = self._rl_sync_entries()
+        session = self._rl_sync_session
+        if session.role == "trainer":
+            return encode(session.run(round_info, endpoints, {}))
+        return encode(session.run(round_info, {}, endpoints))
+
+    def _rl_sync_close(self, abort: bool = False) -> None:
+        session, self._rl_sync_session = self._rl_sync_session, None
+        if session is not None and abort:
+            session.transport.abort()
+        elif session is not None:
+            session.close()
+
+
+class SyncTrainerMixin(_Participant):
+    """Inherit in a trainer actor and define `rl_sync_sources()`."""
+
+    def _rl_sync_entries(self):
+        sources = getattr(self, "rl_sync_sources", None)
+        if sources is None:
+            raise TypeError(f"{type(self).__name__} must define rl_sync_sources() -> {{name: DTensor | Sharded | Tensor}}")
+        tensors: Mapping = sources()
+        return trainer_entries(tensors, self._rl_sync_side_rank, self._rl_sync_side_size)
+
+
+class SyncWorkerMixin(_Participant):
+    """Inherit in an inference-worker actor and define `rl_sync_destinations()`."""
+
+    _rl_sync_cached: tuple | None = None
+
+    def _rl_sync_entries(self):
+        if self._rl_sync_cached is None:
+            destinations = getattr(self, "rl_sync_destinations", None)
+            if destinations is None:
+                raise TypeError(f"{type(self).__name__} must define rl_sync_destinations() -> {{name: Destination}}")
+            self._rl_sync_cached = worker_entries(destinations(), self._rl_sync_side_rank)
+        return self._rl_sync_cached

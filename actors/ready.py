@@ -1,0 +1,43 @@
+"""Ready trainer and worker actor classes, for examples, tests and quick starts.
+
+Each holds whatever its `build(rank, size)` callable returns (tensors for a
+trainer, `Destination`s for a worker) and runs arbitrary functions on itself
+with `call`, so a test or example can step an optimizer or read weights
+without defining a class::
+
+    Trainer = ray.remote(TrainerActor)
+    t = Trainer.options(**placement.trainer(0)).remote(0, 4, build_sources)
+    ray.get(t.call.remote(train_step, batch))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .participant import SyncTrainerMixin, SyncWorkerMixin
+
+
+class _Holder:
+    def __init__(self, rank: int, size: int, build: Callable[[int, int], Mapping[str, Any]]):
+        self.rank, self.size = rank, size
+        self.state: dict[str, Any] = {}
+        self.held = dict(build(rank, size))
+
+    def call(self, fn: Callable, *args, **kwargs) -> Any:
+        """Run `fn(self, *args, **kwargs)` in this actor."""
+        return fn(self, *args, **kwargs)
+
+
+class TrainerActor(_Holder, SyncTrainerMixin):
+    """A trainer rank whose sources are `build(rank, size)`'s tensors."""
+
+    def rl_sync_sources(self) -> Mapping[str, Any]:
+        return self.held
+
+
+class InferenceWorker(_Holder, SyncWorkerMixin):
+    """A worker rank whose destinations are `build(rank, size)`'s `Destination`s."""
+
+    def rl_sync_destinations(self) -> Mapping[str, Any]:
+        return self.held

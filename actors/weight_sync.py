@@ -1,0 +1,60 @@
+"""`WeightSync`: the driver-side handle of one sync group.
+
+Typical use, between training steps::
+
+    sync = WeightSync.create(trainers, workers, SyncConfig(bucket_bytes=64 << 20))
+    stats = sync.push()                 # every tensor, next version
+    stats = sync.push(names=["lm_head.weight"], mode="broadcast")
+    sync.close()
+
+`trainers[i]` must be the actor whose layouts call it rank i (its default
+process-group rank for DTensors); workers follow in their own order.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from rl_sync.stats import RoundStats
+from rl_sync.sync_config import SyncConfig
+
+from .calls import SyncError
+from .coordinator import Coordinator
+
+
+def _unwrap(ref, timeout_s: float):
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise SyncError(f"the coordinator did not answer within {timeout_s:.0f} s") from None
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause
+        if isinstance(cause, (ValueError, TypeError, SyncError)):
+            raise type(cause)(str(cause)) from None
+        raise SyncError(str(cause)) from None
+
+
+class WeightSync:
+    """Handle to a Coordinator actor that owns one sync group."""
+
+    def __init__(self, coordinator, config: SyncConfig, summary: dict):
+        self.coordinator, self.config, self.summary = coordinator, config, summary
+
+    @classmethod
+    def create(cls, trainers: list, workers: list, config: SyncConfig | None = None) -> WeightSync:
+        """Start a coordinator, plan, and connect every rank (bounded by `init_timeout_s`)."""
+        config = config or SyncConfig()
+        coordinator = ray.remote(Coordinator).options(num_cpus=0).remote(trainers, workers, config)
+        summary = _unwrap(coordinator.setup.remote(), config.init_timeout_s * 2 + 10)
+        return cls(coordinator, config, summary)
+
+    def push(self, version: int | None = None, names: list[str] | None = None, mode: str | None = None) -> RoundStats:
+        """Move the trainers' current weights into every worker; returns the round's statistics."""
+        return _unwrap(self.coordinator.push.remote(version, names, mode), self.config.round_timeout_s + 30)
+
+    def close(self) -> None:
+        """Release the group and the coordinator."""
+        try:
+            _unwrap(self.coordinator.close.remote(), self.config.init_timeout_s + 10)
+        finally:
+            ray.kill(self.coordinator)

@@ -1,0 +1,107 @@
+"""One rank's side of a sync group: its schedule, transport, staging and rounds.
+
+Typical use (what the Ray mixins do)::
+
+    session = RankSession(init_info, plan_info, bind_host="127.0.0.1", device=torch.device("cpu"))
+    stats = session.run(round_info, sources={...}, dests={...})   # every round
+    session.close()
+
+Ordering contract: every rank of the group runs the same rounds in the same
+order; within a round, buckets go in schedule order (`runner.run_buckets`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import torch
+
+from ..messages import InitInfo, RankStats, RoundInfo
+from ..plan_info import PlanInfo
+from ..transport.base import Transport
+from .broadcast import ROOT, gather_schedule, run_broadcast
+from .endpoint import Endpoint
+from .runner import BucketError, BucketIO, Staging, deadline_in, run_buckets
+
+
+def make_transport(info: InitInfo, bind_host: str, device: torch.device) -> Transport:
+    """Join the group `info` describes with the transport it names."""
+    broadcast_ranks = [ROOT] + list(range(info.num_trainers, info.world_size))
+    if info.transport == "nccl":
+        from ..transport.nccl import NcclTransport
+
+        return NcclTransport(info.rank, info.world_size, info.nccl_id, device,
+                             broadcast_ranks=broadcast_ranks, broadcast_id=info.nccl_broadcast_id)
+    from ..transport.gloo import GlooTransport
+
+    return GlooTransport(info.rank, info.world_size, info.store_host, info.store_port, bind_host=bind_host,
+                         prefix=info.prefix, timeout_s=info.timeout_s, broadcast_ranks=broadcast_ranks)
+
+
+class RankSession:
+    """Joined to the group; runs rounds between `sources` and `dests` endpoints."""
+
+    def __init__(self, info: InitInfo, plan: PlanInfo, *, bind_host: str, device: torch.device):
+        self.info, self.rank = info, info.rank
+        self.role = "trainer" if info.rank < info.num_trainers else "worker"
+        self.schedule = plan.to_schedule()
+        self.plan = self.schedule.plan
+        self.names = [s.name for s in self.plan.specs]
+        self.dtypes = [getattr(torch, s.dtype) for s in self.plan.specs]
+        self.full_slice = self.schedule.rank_slice(self.rank)
+        self._gather = None
+        self.staging = Staging(device)
+        self.transport = make_transport(info, bind_host, device)
+
+    def _indices(self, endpoints: Mapping[str, Endpoint], side: str) -> dict[int, Endpoint]:
+        out = {}
+        for i, spec in enumerate(self.plan.specs):
+            layout = spec.src if side == "source" else spec.dst
+            box = layout.local_box(spec.shape, self.rank)
+            if box is None or box.is_empty():
+                continue
+            endpoint = endpoints.get(spec.name)
+            if endpoint is None:
+                raise ValueError(f"rank {self.rank}: the plan needs {side} tensor {spec.name!r} here, but it was not provided")
+            if endpoint.origin != box.offsets or tuple(endpoint.tensor.shape) != box.sizes:
+                raise ValueError(f"rank {self.rank}: {side} tensor {spec.name!r} covers {tuple(endpoint.tensor.shape)} at "
+                                 f"{endpoint.origin}, the plan expects {box}")
+            out[i] = endpoint
+        return out
+
+    def run(self, round_info: RoundInfo, sources: Mapping[str, Endpoint], dests: Mapping[str, Endpoint]) -> RankStats:
+        """Run one round; raises `BucketError` naming the round, bucket and tensors on failure."""
+        start = time.perf_counter()
+        deadline = deadline_in(round_info.timeout_s)
+        src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
+        wanted = None if round_info.names is None else [self.plan.index[n] for n in round_info.names]
+        context = f"round {round_info.version} ({round_info.mode})"
+        if round_info.mode == "broadcast":
+            try:
+                counters = run_broadcast(self._gather_schedule(), self.plan, self.rank, src, dst, self.dtypes,
+                                         self.transport, self.staging, deadline, wanted)
+            except Exception as exc:
+                self.transport.abort()
+                raise BucketError(f"rank {self.rank}, {context}: {type(exc).__name__}: {exc}") from exc
+        else:
+            mine = self.full_slice if wanted is None else self.schedule.rank_slice(self.rank, wanted)
+            io = BucketIO(lambda _b, t: src[t], lambda _b, t: dst[t], self.dtypes)
+            counters = run_buckets(mine.buckets, io, self.transport, self.staging, deadline,
+                                   names=self.names, context=context)
+        return RankStats(
+            rank=self.rank, role=self.role, version=round_info.version, mode=round_info.mode,
+            seconds=time.perf_counter() - start, sent_bytes=counters.sent_bytes,
+            received_bytes=counters.received_bytes, zero_copy_bytes=counters.zero_copy_bytes,
+            staged_bytes=counters.staged_bytes, local_bytes=counters.local_bytes, messages=counters.messages,
+            buckets=counters.buckets, staging_bytes=self.staging.nbytes,
+        )
+
+    def _gather_schedule(self):
+        if self._gather is None:
+            self._gather = gather_schedule(self.plan, self.schedule.bucket_bytes, self.schedule.coalesce_bytes)
+        return self._gather
+
+    def close(self) -> None:
+        self.transport.close()
+        self.staging.release()

@@ -1,0 +1,94 @@
+"""What trainers send from and workers receive into, as endpoints and reports.
+
+Trainers hand rl-sync a mapping of checkpoint names to DTensors (their layout is
+read off the tensor), `Sharded` local shards with an explicit layout, or plain
+tensors (replicated on every trainer). Workers hand it `Destination`s: a view
+of live storage holding this rank's box (a whole parameter, a fused slot of
+one, a TP shard) and the layout over the worker ranks. Layouts are over each
+side's own ranks `[0, n)`; the coordinator places workers after trainers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..dtypes import dtype_name
+from ..layout import Layout, Mesh
+from ..messages import TensorReport
+from ..plan_info import LayoutInfo
+from .endpoint import Endpoint
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """A trainer's local shard of a tensor of global `shape` laid out by `layout`."""
+
+    local: torch.Tensor
+    layout: Layout
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Destination:
+    """A worker's live storage for its box of a checkpoint tensor.
+
+    `view` is `None` on a worker outside `layout`'s mesh (another pipeline
+    stage or expert group): it still reports the layout, for agreement."""
+
+    view: torch.Tensor | None
+    layout: Layout
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _entry(name: str, local: torch.Tensor | None, dtype: torch.dtype, layout: Layout, shape: tuple[int, ...],
+           rank: int, side: str):
+    report = TensorReport(name, dtype_name(dtype), tuple(shape), LayoutInfo.of(layout))
+    box = layout.local_box(shape, rank)
+    if box is None:
+        return report, None
+    if local is None or tuple(local.shape) != box.sizes:
+        raise ValueError(
+            f"{side} rank {rank}: tensor {name!r} holds local shape {None if local is None else tuple(local.shape)} but its layout "
+            f"{layout} gives this rank the box {box} of global shape {shape}; the rank order passed to "
+            "WeightSync must match the ranks the layout names"
+        )
+    if local.dtype != dtype:
+        raise ValueError(f"{side} rank {rank}: tensor {name!r} storage is {local.dtype}, declared {dtype}")
+    return report, Endpoint(local, box.offsets)
+
+
+def trainer_entries(tensors: Mapping[str, object], rank: int, num_trainers: int):
+    """(reports, endpoints by name) for a trainer's tensors at side rank `rank`."""
+    reports, endpoints = [], {}
+    for name, value in tensors.items():
+        if isinstance(value, Sharded):
+            local, layout, shape = value.local, value.layout, tuple(value.shape)
+        elif hasattr(value, "_spec"):
+            local, layout, shape = value.to_local(), Layout.from_dtensor(value), tuple(value.shape)
+        elif isinstance(value, torch.Tensor):
+            local, layout, shape = value, Layout.replicated(Mesh((num_trainers,))), tuple(value.shape)
+        else:
+            raise TypeError(f"trainer rank {rank}: tensor {name!r} is a {type(value).__name__}; expected a DTensor, "
+                            "a Sharded or a torch.Tensor")
+        report, endpoint = _entry(name, local.detach(), local.dtype, layout, shape, rank, "trainer")
+        reports.append(report)
+        if endpoint is not None:
+            endpoints[name] = endpoint
+    return reports, endpoints
+
+
+def worker_entries(destinations: Mapping[str, Destination], rank: int):
+    """(reports, endpoints by name) for a worker's destinations at side rank `rank`."""
+    reports, endpoints = [], {}
+    for name, dest in destinations.items():
+        if not isinstance(dest, Destination):
+            raise TypeError(f"worker rank {rank}: destination {name!r} is a {type(dest).__name__}; expected a Destination")
+        report, endpoint = _entry(name, dest.view, dest.dtype, dest.layout, tuple(dest.shape), rank, "worker")
+        reports.append(report)
+        if endpoint is not None:
+            endpoints[name] = endpoint
+    return reports, endpoints

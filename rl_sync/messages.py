@@ -1,0 +1,91 @@
+"""Wire types between the coordinator and the ranks (encoded with `rl_sync.wire`).
+
+Init: each rank reports its tensors (`SideReport`), the coordinator answers
+with `InitInfo` plus the shared plan message (`PlanInfo`). Per round:
+`RoundInfo` (a version, a mode and optionally a subset of names; never
+layouts) goes out and `RankStats` comes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .plan_info import LayoutInfo
+
+Mode = Literal["m2n", "broadcast"]
+TransportName = Literal["gloo", "nccl"]
+
+
+@dataclass(frozen=True)
+class TensorReport:
+    """One tensor as a side sees it: layout over that side's own ranks `[0, n)`."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    layout: LayoutInfo
+
+
+@dataclass(frozen=True)
+class SideReport:
+    """What one rank reports at init."""
+
+    rank: int
+    device: str
+    tensors: tuple[TensorReport, ...]
+    fallbacks: tuple[str, ...]
+    """Names received whole and handed to a load hook instead of bound in place."""
+
+
+@dataclass(frozen=True)
+class InitInfo:
+    """How a rank joins the sync group."""
+
+    rank: int
+    world_size: int
+    num_trainers: int
+    transport: TransportName
+    store_host: str
+    store_port: int
+    prefix: str
+    nccl_id: tuple[int, ...]
+    nccl_broadcast_id: tuple[int, ...]
+    timeout_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size or not 0 < self.num_trainers < self.world_size:
+            raise ValueError(
+                f"InitInfo: rank {self.rank}, {self.num_trainers} trainers and world size {self.world_size} are inconsistent"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(f"InitInfo: timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """One round: the version it produces, the mode, and `None` for every tensor."""
+
+    version: int
+    mode: Mode
+    names: tuple[str, ...] | None
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """What one rank did in one round."""
+
+    rank: int
+    role: Literal["trainer", "worker"]
+    version: int
+    mode: Mode
+    seconds: float
+    sent_bytes: int
+    received_bytes: int
+    zero_copy_bytes: int
+    staged_bytes: int
+    local_bytes: int
+    messages: int
+    buckets: int
+    staging_bytes: int

@@ -1,0 +1,47 @@
+"""Per-round statistics as the driver sees them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .messages import RankStats
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """One round: wall seconds on the coordinator and what every rank did."""
+
+    version: int
+    mode: str
+    seconds: float
+    ranks: tuple[RankStats, ...]
+
+    def _of(self, role: str) -> list[RankStats]:
+        return [r for r in self.ranks if r.role == role]
+
+    @property
+    def busiest_sender_bytes(self) -> int:
+        return max((r.sent_bytes for r in self._of("trainer")), default=0)
+
+    @property
+    def worker_received_bytes(self) -> int:
+        """Bytes the busiest worker received."""
+        return max((r.received_bytes for r in self._of("worker")), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.received_bytes for r in self.ranks)
+
+    @property
+    def gbps(self) -> float:
+        """Bytes into the busiest worker per second of the round (GB/s)."""
+        return self.worker_received_bytes / max(self.seconds, 1e-9) / 1e9
+
+    @property
+    def staging_bytes(self) -> int:
+        return max((r.staging_bytes for r in self.ranks), default=0)
+
+    def log_line(self) -> str:
+        return (f"rl-sync round {self.version} [{self.mode}]: {self.seconds:.3f} s, busiest trainer sent "
+                f"{self.busiest_sender_bytes / 1e6:.1f} MB, busiest worker received "
+                f"{self.worker_received_bytes / 1e6:.1f} MB ({self.gbps:.2f} GB/s), staging {self.staging_bytes / 1e6:.1f} MB")

@@ -1,0 +1,44 @@
+"""`SyncConfig`: how a sync group moves weights (transport, mode, buckets, timeouts).
+
+Loaded from the `sync:` section of the YAML files in `configs/`, or built in
+code: `SyncConfig(transport="gloo", bucket_bytes=64 << 20)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """Settings of one `WeightSync`."""
+
+    transport: Literal["auto", "gloo", "nccl"] = "auto"
+    """`auto`: NCCL when the tensors are on CUDA and CuPy imports, Gloo otherwise."""
+    mode: Literal["m2n", "broadcast"] = "m2n"
+    """Default mode of `push`: resharded point-to-point, or the broadcast baseline."""
+    bucket_bytes: int = 256 << 20
+    """Bytes one rank sends plus receives in one bucket (one grouped launch)."""
+    coalesce_bytes: int = 1 << 20
+    """Segments under this size are packed into one message per peer."""
+    init_timeout_s: float = 120.0
+    """Bound on planning and forming the group."""
+    round_timeout_s: float = 300.0
+    """Bound on one round, on every rank and on the coordinator."""
+    rendezvous_host: str | None = None
+    """Address of the rendezvous store; `None`: the coordinator's Ray node address."""
+    rendezvous_port: int = 0
+    """Port of the rendezvous store; 0 picks a free one."""
+    bind_host: str | None = None
+    """Address each rank's Gloo device binds; `None`: that rank's Ray node address."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"SyncConfig.bucket_bytes must be > 0, got {self.bucket_bytes}")
+        if self.coalesce_bytes < 0:
+            raise ValueError(f"SyncConfig.coalesce_bytes must be >= 0, got {self.coalesce_bytes}")
+        if self.init_timeout_s <= 0 or self.round_timeout_s <= 0:
+            raise ValueError("SyncConfig timeouts must be > 0 seconds")
+        if not 0 <= self.rendezvous_port < 65536:
+            raise ValueError(f"SyncConfig.rendezvous_port must be in [0, 65536), got {self.rendezvous_port}")

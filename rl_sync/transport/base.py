@@ -1,0 +1,86 @@
+"""The transport interface: grouped point-to-point byte transfers between ranks.
+
+A transport connects the ranks `[0, world_size)` of one sync group (trainers
+first, then workers). The engine hands it contiguous `uint8` tensors only, so
+every dtype (bf16, fp8, ints) travels as bytes.
+
+Ordering contract: all ranks post their buckets in the same order; within one
+`post` call a rank's sends to a peer and that peer's receives from it are
+listed in the same order. `post` returns without waiting; `Pending.wait` makes
+later work (host code for Gloo, the current CUDA stream for NCCL) wait for the
+bucket; `finish` blocks the host until everything posted has completed or the
+deadline passes, and then raises `TimeoutError` after aborting the group, so
+no rank hangs.
+
+Typical use::
+
+    pending = transport.post(sends=[(peer, buf)], recvs=[(peer, out)])
+    pending.wait(deadline)
+    transport.finish(deadline)
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+Ops = Sequence[tuple[int, torch.Tensor]]
+
+
+def check_ops(ops: Ops, world_size: int, rank: int, what: str) -> None:
+    """Refuse a peer outside the group, or a buffer that is not contiguous bytes."""
+    for peer, buf in ops:
+        if not 0 <= peer < world_size or peer == rank and world_size > 1:
+            raise ValueError(f"rank {rank}: {what} peer {peer} is not another rank of a group of {world_size}")
+        if buf.dtype != torch.uint8 or not buf.is_contiguous():
+            raise ValueError(f"rank {rank}: {what} buffers must be contiguous uint8, got {buf.dtype}")
+
+
+def remaining(deadline: float, what: str) -> float:
+    """Seconds left before `deadline` (a `time.monotonic()` value), or `TimeoutError`."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"{what}: deadline passed")
+    return left
+
+
+class Pending(ABC):
+    """One posted bucket."""
+
+    @abstractmethod
+    def wait(self, deadline: float) -> None:
+        """Order later work after this bucket (see the module docstring)."""
+
+
+class Transport(ABC):
+    """Grouped point-to-point transfers plus broadcast, barrier and teardown."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @abstractmethod
+    def post(self, sends: Ops, recvs: Ops) -> Pending:
+        """Start every send and receive of one bucket as one grouped launch."""
+
+    @abstractmethod
+    def broadcast(self, buf: torch.Tensor, root: int, deadline: float) -> None:
+        """Broadcast `buf` from `root` over the broadcast group (root + workers)."""
+
+    @abstractmethod
+    def barrier(self, deadline: float) -> None:
+        """Block until every rank of the group reaches the barrier."""
+
+    def finish(self, deadline: float) -> None:
+        """Block the host until everything posted has completed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the group after a clean round; idempotent."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Tear the group down now, failing any operation in flight; idempotent."""

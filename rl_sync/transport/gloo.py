@@ -1,0 +1,112 @@
+"""Gloo transport: CPU tensors over `torch.distributed.ProcessGroupGloo`.
+
+The group is built on its own `TCPStore` (hosted by the coordinator) under a
+per-group prefix, so it is independent of any default process group the
+user's trainer already has. Each rank binds its Gloo device to `bind_host`
+(its own node address; `127.0.0.1` in tests). Every wait has a deadline;
+Gloo's own timeout is set to the same bound so a stalled peer fails the round
+instead of hanging it.
+
+Typical use::
+
+    t = GlooTransport(rank, world, store_host, store_port, bind_host="127.0.0.1",
+                      prefix="sync-0", timeout_s=60, broadcast_ranks=[0, 2, 3])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .base import Ops, Pending, Transport, check_ops, remaining
+
+
+class _GlooPending(Pending):
+    def __init__(self, works: list, rank: int):
+        self.works, self.rank = works, rank
+
+    def wait(self, deadline: float) -> None:
+        for work in self.works:
+            left = remaining(deadline, f"rank {self.rank}: Gloo bucket")
+            if not work.wait(timedelta(seconds=left)):
+                raise TimeoutError(f"rank {self.rank}: Gloo bucket did not complete in time")
+        self.works = []
+
+
+def _group(store, prefix: str, rank: int, size: int, bind_host: str, timeout_s: float):
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    options._timeout = timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
+
+
+class GlooTransport(Transport):
+    """Grouped send/recv of CPU byte tensors through Gloo."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store_host: str,
+        store_port: int,
+        *,
+        bind_host: str,
+        prefix: str,
+        timeout_s: float,
+        broadcast_ranks: Sequence[int] = (),
+    ):
+        self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
+        store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.pg = _group(store, f"{prefix}/p2p/", rank, world_size, bind_host, timeout_s)
+        self.bcast_ranks = list(broadcast_ranks)
+        self.bcast = None
+        if rank in self.bcast_ranks:
+            index = self.bcast_ranks.index(rank)
+            self.bcast = _group(store, f"{prefix}/bcast/", index, len(self.bcast_ranks), bind_host, timeout_s)
+        self._closed = False
+
+    def post(self, sends: Ops, recvs: Ops) -> Pending:
+        check_ops(sends, self.world_size, self.rank, "send")
+        check_ops(recvs, self.world_size, self.rank, "receive")
+        works = []
+        for ops, start in ((sends, self.pg.send), (recvs, self.pg.recv)):
+            counts: dict[int, int] = {}
+            for peer, buf in ops:
+                tag = counts.get(peer, 0)
+                counts[peer] = tag + 1
+                works.append(start([buf], peer, tag))
+        return _GlooPending(works, self.rank)
+
+    def broadcast(self, buf: torch.Tensor, root: int, deadline: float) -> None:
+        if self.bcast is None:
+            raise ValueError(f"rank {self.rank} is not in the broadcast group {self.bcast_ranks}")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.bcast_ranks.index(root)
+        work = self.bcast.broadcast([buf], opts)
+        if not work.wait(timedelta(seconds=remaining(deadline, f"rank {self.rank}: broadcast"))):
+            raise TimeoutError(f"rank {self.rank}: broadcast did not complete in time")
+
+    def barrier(self, deadline: float) -> None:
+        work = self.pg.barrier()
+        if not work.wait(timedelta(seconds=remaining(deadline, f"rank {self.rank}: barrier"))):
+            raise TimeoutError(f"rank {self.rank}: barrier did not complete in time")
+
+    def close(self) -> None:
+        self._release("shutdown")
+
+    def abort(self) -> None:
+        self._release("abort")
+
+    def _release(self, how: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for group in (self.pg, self.bcast):
+            if group is not None:
+                try:
+                    getattr(group, how)()
+                except RuntimeError:
+                    pass

@@ -1,0 +1,154 @@
+"""NCCL transport through CuPy's bindings, on torch CUDA tensors.
+
+Buffers are passed as raw pointers and byte counts (`ncclUint8`), so bf16 and
+fp8 travel unchanged. A bucket is one `ncclGroupStart` / `ncclGroupEnd` on a
+dedicated transfer stream that first waits for the caller's current stream
+(where the engine packed); `Pending.wait` makes the current stream wait for
+the transfer (no host block), so packing bucket k+1 overlaps bucket k's
+transfer. `finish` is the watchdog: it polls the last event until the
+deadline, then aborts the communicator (waking every peer with an error
+instead of a hang) and raises `TimeoutError`.
+
+The unique id is created by `new_unique_id()` on one rank and handed to the
+others by the coordinator. NCCL refuses two ranks of one communicator on the
+same GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from .base import Ops, Pending, Transport, check_ops
+
+POLL_S = 0.0005
+
+
+def _nccl():
+    try:
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        raise ValueError(
+            "the NCCL transport needs CuPy with NCCL: pip install 'rl-sync[cuda12]' or 'rl-sync[cuda13]' "
+            f"({exc})"
+        ) from None
+    return nccl
+
+
+def nccl_available() -> bool:
+    """True when CuPy's NCCL bindings import and CUDA is usable."""
+    try:
+        _nccl()
+    except (ValueError, RuntimeError, OSError):
+        return False
+    return torch.cuda.is_available()
+
+
+def new_unique_id() -> list[int]:
+    """A fresh NCCL unique id as plain ints (travels through the coordinator)."""
+    return list(_nccl().get_unique_id())
+
+
+class _NcclPending(Pending):
+    def __init__(self, done: torch.cuda.Event):
+        self.done = done
+
+    def wait(self, deadline: float) -> None:
+        torch.cuda.current_stream().wait_event(self.done)
+
+
+class NcclTransport(Transport):
+    """Grouped send/recv of CUDA byte tensors through one NCCL communicator."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        unique_id: Sequence[int],
+        device: torch.device,
+        *,
+        broadcast_ranks: Sequence[int] = (),
+        broadcast_id: Sequence[int] | None = None,
+    ):
+        nccl = _nccl()
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        torch.cuda.set_device(self.device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.comm = nccl.NcclCommunicator(world_size, tuple(unique_id), rank)
+        self.bcast_ranks = list(broadcast_ranks)
+        self.bcast = None
+        if rank in self.bcast_ranks and broadcast_id is not None:
+            self.bcast = nccl.NcclCommunicator(len(self.bcast_ranks), tuple(broadcast_id), self.bcast_ranks.index(rank))
+        self._last: torch.cuda.Event | None = None
+        self._closed = False
+
+    def post(self, sends: Ops, recvs: Ops) -> Pending:
+        nccl = _nccl()
+        check_ops(sends, self.world_size, self.rank, "send")
+        check_ops(recvs, self.world_size, self.rank, "receive")
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        handle = self.stream.cuda_stream
+        nccl.groupStart()
+        try:
+            for peer, buf in sends:
+                self.comm.send(buf.data_ptr(), buf.numel(), nccl.NCCL_UINT8, peer, handle)
+            for peer, buf in recvs:
+                self.comm.recv(buf.data_ptr(), buf.numel(), nccl.NCCL_UINT8, peer, handle)
+        finally:
+            nccl.groupEnd()
+        for _, buf in list(sends) + list(recvs):
+            buf.record_stream(self.stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        self._last = done
+        return _NcclPending(done)
+
+    def broadcast(self, buf: torch.Tensor, root: int, deadline: float) -> None:
+        nccl = _nccl()
+        if self.bcast is None:
+            raise ValueError(f"rank {self.rank} is not in the broadcast group {self.bcast_ranks}")
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.bcast.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), nccl.NCCL_UINT8,
+                             self.bcast_ranks.index(root), self.stream.cuda_stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        self._last = done
+        torch.cuda.current_stream(self.device).wait_event(done)
+        self.finish(deadline)
+
+    def barrier(self, deadline: float) -> None:
+        token = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        nccl = _nccl()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.comm.allReduce(token.data_ptr(), token.data_ptr(), 1, nccl.NCCL_UINT8, nccl.NCCL_SUM, self.stream.cuda_stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        self._last = done
+        self.finish(deadline)
+
+    def finish(self, deadline: float) -> None:
+        if self._last is None:
+            return
+        while not self._last.query():
+            if time.monotonic() > deadline:
+                self.abort()
+                raise TimeoutError(f"rank {self.rank}: NCCL transfers did not complete in time; communicator aborted")
+            time.sleep(POLL_S)
+        self._last = None
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            torch.cuda.synchronize(self.device)
+            for comm in (self.comm, self.bcast):
+                if comm is not None:
+                    comm.destroy()
+
+    def abort(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for comm in (self.comm, self.bcast):
+                if comm is not None:
+                    comm.abort()
