@@ -4,9 +4,9 @@ placement groups, and the driver-side `WeightSync` handle."""
 from .calls import SyncError
 from .participant import SyncTrainerMixin, SyncWorkerMixin
 from .placement import SyncPlacement
-from .ready import InferenceWorker, TrainerActor
+from .ready import HybridActor, InferenceWorker, TrainerActor
 from .weight_sync import WeightSync
 
 __all__ = [
-    "InferenceWorker", "SyncError", "SyncPlacement", "SyncTrainerMixin", "SyncWorkerMixin", "TrainerActor", "WeightSync",
+    "HybridActor", "InferenceWorker", "SyncError", "SyncPlacement", "SyncTrainerMixin", "SyncWorkerMixin", "TrainerActor", "WeightSync",
 ]

@@ -12,7 +12,7 @@ def _describe(t: TensorReport) -> str:
     return f"dtype {t.dtype}, shape {t.shape}, layout {t.layout.to_layout()}"
 
 
-def check_agreement(workers: Sequence[SideReport], offset: int) -> None:
+def check_agreement(workers: Sequence[SideReport], ranks: Sequence[int]) -> None:
     """Every worker must resolve the same (name, dtype, shape, layout) list as worker 0.
 
     Raises `ValueError` naming the first worker and tensor that differ.
@@ -21,7 +21,7 @@ def check_agreement(workers: Sequence[SideReport], offset: int) -> None:
     by_name = {t.name: t for t in first}
     for report in workers[1:]:
         mine = {t.name: t for t in report.tensors}
-        rank = offset + report.rank
+        rank = ranks[report.rank]
         for name in list(by_name) + [n for n in mine if n not in by_name]:
             a, b = by_name.get(name), mine.get(name)
             if a != b:
@@ -29,7 +29,7 @@ def check_agreement(workers: Sequence[SideReport], offset: int) -> None:
                 ours = "does not bind it" if a is None else f"resolved {_describe(a)}"
                 raise ValueError(
                     f"inference workers disagree on tensor {name!r}: worker rank {rank} {theirs}, but worker rank "
-                    f"{offset} {ours}; all workers must run the same model and parallel config"
+                    f"{ranks[0]} {ours}; all workers must run the same model and parallel config"
                 )
 
 
@@ -38,6 +38,9 @@ def merge_sources(trainers: Sequence[SideReport]) -> list[SideSpec]:
     seen: dict[str, tuple[TensorReport, int]] = {}
     for report in trainers:
         for t in report.tensors:
+            if max(t.layout.ranks) >= len(trainers):
+                raise ValueError(f"trainer rank {report.rank}: tensor {t.name!r} is laid out over ranks "
+                                 f"{list(t.layout.ranks)[:8]}, past the {len(trainers)} trainers passed to WeightSync")
             if t.name in seen and seen[t.name][0] != t:
                 first, rank = seen[t.name]
                 raise ValueError(

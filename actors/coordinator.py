@@ -46,36 +46,48 @@ class Coordinator:
         if not trainers or not workers:
             raise ValueError(f"a sync group needs trainers and workers, got {len(trainers)} and {len(workers)}")
         self.trainers, self.workers, self.config = list(trainers), list(workers), config
-        self.ranks = self.trainers + self.workers
+        ids = [h._actor_id for h in self.trainers]
+        extra = [w for w in self.workers if w._actor_id not in ids]
+        self.ranks = self.trainers + extra
+        all_ids = [h._actor_id for h in self.ranks]
+        self.worker_ranks = tuple(all_ids.index(w._actor_id) for w in self.workers)
         self.labels = [f"trainer {i} (rank {i})" for i in range(len(trainers))] + [
-            f"worker {j} (rank {len(trainers) + j})" for j in range(len(workers))]
+            f"worker {self.worker_ranks.index(r)} (rank {r})" for r in range(len(trainers), len(self.ranks))]
         self.version = 0
         self.broken: str | None = None
-        self._store = self._socket = None
+        self._store = None
 
     def setup(self) -> dict:
         """Describe, plan, rendezvous and connect; returns a summary of the plan."""
         start, cfg = time.perf_counter(), self.config
         T, N = len(self.trainers), len(self.workers)
-        blobs = call_all(self.ranks, "_rl_sync_describe",
-                         [(i, T) for i in range(T)] + [(j, N) for j in range(N)], cfg.init_timeout_s,
-                         self.labels, "init (describe)")
+        handles = self.trainers + self.workers
+        labels = self.labels[:T] + [self.labels[r] if r >= T else f"worker {j} (rank {r})"
+                                    for j, r in enumerate(self.worker_ranks)]
+        args = [("trainer", i, T) for i in range(T)] + [("worker", j, N) for j in range(N)]
+        blobs = call_all(handles, "_rl_sync_describe", args, cfg.init_timeout_s, labels, "init (describe)")
         reports = [decode(SideReport, b) for b in blobs]
-        check_agreement(reports[T:], offset=T)
+        check_agreement(reports[T:], ranks=self.worker_ranks)
         sources = merge_sources(reports[:T])
-        destinations = [SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout().shifted(T)) for t in reports[T].tensors]
-        self.schedule = build_schedule(plan_model(join_specs(sources, destinations)), cfg.bucket_bytes, cfg.coalesce_bytes)
-        self.names = set(self.schedule.plan.index)
-        info = self._init_info([r.device for r in reports])
+        remap = self.worker_ranks
+        destinations = [SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout().remapped(remap))
+                        for t in reports[T].tensors]
+        colocated = any(r < T for r in self.worker_ranks)
+        plan = plan_model(join_specs(sources, destinations), colocated=colocated)
+        self.schedule = build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes)
+        self.names = set(plan.index)
+        devices = [r.device for r in reports[:T]] + [reports[T + self.worker_ranks.index(r)].device
+                                                    for r in range(T, len(self.ranks))]
+        info = self._init_info(devices)
         plan_ref = ray.put(encode(PlanInfo.from_schedule(self.schedule), compress=True))
-        devices = [r.device for r in reports]
         call_all(self.ranks, "_rl_sync_connect",
-                 [(encode(replace(info, rank=i)), plan_ref, cfg.bind_host, devices[i]) for i in range(T + N)],
+                 [(encode(replace(info, rank=i)), plan_ref, cfg.bind_host, devices[i]) for i in range(len(self.ranks))],
                  cfg.init_timeout_s, self.labels, "init (connect)")
-        stats = self.schedule.plan.stats
+        stats = plan.stats
         return {
-            "tensors": len(self.schedule.plan), "buckets": self.schedule.num_buckets, "transport": info.transport,
-            "world_size": T + N, "plan_bytes": stats.total_bytes, "broadcast_bytes": stats.broadcast_bytes,
+            "tensors": len(plan), "buckets": self.schedule.num_buckets, "transport": info.transport,
+            "world_size": len(self.ranks), "colocated": colocated, "plan_bytes": stats.total_bytes,
+            "local_copy_bytes": stats.local_copy_bytes, "broadcast_bytes": stats.broadcast_bytes,
             "fallbacks": sorted({n for r in reports[T:] for n in r.fallbacks}),
             "seconds": time.perf_counter() - start,
         }
@@ -90,13 +102,14 @@ class Coordinator:
         host = cfg.rendezvous_host or ray.util.get_node_ip_address()
         port = 0
         if transport == "gloo":
-            self._socket = _listen(host, cfg.rendezvous_port)
-            port = self._socket.getsockname()[1]
+            sock = _listen(host, cfg.rendezvous_port)
+            port = sock.getsockname()[1]
             self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=cfg.init_timeout_s),
-                                        master_listen_fd=self._socket.fileno())
+                                        timeout=timedelta(seconds=cfg.init_timeout_s), master_listen_fd=sock.fileno())
+            sock.detach()  # the store owns the listening socket now
         ids = ids or ((), ())
-        return InitInfo(rank=0, world_size=T + len(self.workers), num_trainers=T, transport=transport,
+        return InitInfo(rank=0, world_size=len(self.ranks), num_trainers=T, worker_ranks=self.worker_ranks,
+                        transport=transport,
                         store_host=host, store_port=port, prefix=f"rl-sync-{uuid.uuid4().hex[:12]}",
                         nccl_id=ids[0], nccl_broadcast_id=ids[1], timeout_s=cfg.round_timeout_s)
 
@@ -140,6 +153,3 @@ class Coordinator:
         refs = [h._rl_sync_close.remote(self.broken is not None) for h in self.ranks]
         ray.wait(refs, num_returns=len(refs), timeout=self.config.init_timeout_s)
         self._store = None
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None

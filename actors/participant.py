@@ -25,18 +25,28 @@ from rl_sync.wire import decode, encode
 
 
 class _Participant:
-    """State and coordinator-facing methods shared by both sides."""
+    """State and coordinator-facing methods shared by both sides.
+
+    An actor inheriting both mixins is a trainer and a worker at once (one
+    process holding the training shards and the inference weights); it joins
+    the group as one rank and its overlap is copied locally."""
 
     _rl_sync_session: RankSession | None = None
-    _rl_sync_side_rank: int = 0
-    _rl_sync_side_size: int = 1
+    _rl_sync_sides: dict | None = None
 
-    def _rl_sync_entries(self):
-        raise TypeError(f"{type(self).__name__} must inherit SyncTrainerMixin or SyncWorkerMixin")
+    def _rl_sync_entries(self, side: str):
+        method = getattr(self, f"_rl_sync_{side}_entries", None)
+        if method is None:
+            raise TypeError(f"{type(self).__name__} is asked to be a {side} but does not inherit the {side} mixin")
+        rank, size = self._rl_sync_sides[side]
+        return method(rank, size)
 
-    def _rl_sync_describe(self, side_rank: int, side_size: int) -> bytes:
-        self._rl_sync_side_rank, self._rl_sync_side_size = side_rank, side_size
-        reports, endpoints = self._rl_sync_entries()
+    def _rl_sync_endpoints(self, side: str) -> dict:
+        return self._rl_sync_entries(side)[1] if side in (self._rl_sync_sides or {}) else {}
+
+    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int) -> bytes:
+        self._rl_sync_sides = dict(self._rl_sync_sides or {}, **{side: (side_rank, side_size)})
+        reports, endpoints = self._rl_sync_entries(side)
         devices = {str(e.tensor.device) for e in endpoints.values()}
         if len(devices) > 1:
             raise ValueError(f"rank {side_rank} of {type(self).__name__}: tensors span devices {sorted(devices)}")
@@ -56,11 +66,8 @@ class _Participant:
         if self._rl_sync_session is None:
             raise RuntimeError("rl-sync: this actor has not joined a sync group")
         round_info = decode(RoundInfo, round_blob)
-        _, endpoints = self._rl_sync_entries()
-        session = self._rl_sync_session
-        if session.role == "trainer":
-            return encode(session.run(round_info, endpoints, {}))
-        return encode(session.run(round_info, {}, endpoints))
+        sources, dests = self._rl_sync_endpoints("trainer"), self._rl_sync_endpoints("worker")
+        return encode(self._rl_sync_session.run(round_info, sources, dests))
 
     def _rl_sync_close(self, abort: bool = False) -> None:
         session, self._rl_sync_session = self._rl_sync_session, None
@@ -73,12 +80,12 @@ class _Participant:
 class SyncTrainerMixin(_Participant):
     """Inherit in a trainer actor and define `rl_sync_sources()`."""
 
-    def _rl_sync_entries(self):
+    def _rl_sync_trainer_entries(self, rank: int, size: int):
         sources = getattr(self, "rl_sync_sources", None)
         if sources is None:
             raise TypeError(f"{type(self).__name__} must define rl_sync_sources() -> {{name: DTensor | Sharded | Tensor}}")
         tensors: Mapping = sources()
-        return trainer_entries(tensors, self._rl_sync_side_rank, self._rl_sync_side_size)
+        return trainer_entries(tensors, rank, size)
 
 
 class SyncWorkerMixin(_Participant):
@@ -86,10 +93,10 @@ class SyncWorkerMixin(_Participant):
 
     _rl_sync_cached: tuple | None = None
 
-    def _rl_sync_entries(self):
+    def _rl_sync_worker_entries(self, rank: int, size: int):
         if self._rl_sync_cached is None:
             destinations = getattr(self, "rl_sync_destinations", None)
             if destinations is None:
                 raise TypeError(f"{type(self).__name__} must define rl_sync_destinations() -> {{name: Destination}}")
-            self._rl_sync_cached = worker_entries(destinations(), self._rl_sync_side_rank)
+            self._rl_sync_cached = worker_entries(destinations(), rank)
         return self._rl_sync_cached

@@ -22,7 +22,8 @@ class _Holder:
     def __init__(self, rank: int, size: int, build: Callable[[int, int], Mapping[str, Any]]):
         self.rank, self.size = rank, size
         self.state: dict[str, Any] = {}
-        self.held = dict(build(rank, size))
+        built = build(rank, size)
+        self.held = dict(built) if isinstance(built, Mapping) else {"sources": built[0], "destinations": built[1]}
 
     def call(self, fn: Callable, *args, **kwargs) -> Any:
         """Run `fn(self, *args, **kwargs)` in this actor."""
@@ -41,3 +42,16 @@ class InferenceWorker(_Holder, SyncWorkerMixin):
 
     def rl_sync_destinations(self) -> Mapping[str, Any]:
         return self.held
+
+
+class HybridActor(_Holder, SyncTrainerMixin, SyncWorkerMixin):
+    """One process that trains and serves: `build` returns `(sources, destinations)`.
+
+    Pass the same handle in both the trainer and the worker lists: it joins the
+    group as one rank and copies its own overlap locally."""
+
+    def rl_sync_sources(self) -> Mapping[str, Any]:
+        return self.held["sources"]
+
+    def rl_sync_destinations(self) -> Mapping[str, Any]:
+        return self.held["destinations"]

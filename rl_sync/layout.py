@@ -264,10 +264,13 @@ class Layout:
     def replicated(cls, mesh: Mesh) -> Layout:
         return cls(mesh, (Replicate(),) * mesh.ndim)
 
-    def shifted(self, offset: int) -> Layout:
-        """The same layout with every mesh rank moved by `offset`."""
-        ranks = tuple(r + offset for r in self.mesh.ranks)
-        return Layout(Mesh(self.mesh.shape, ranks=ranks), self.placements)
+    def remapped(self, ranks: Sequence[int]) -> Layout:
+        """The same layout with mesh rank `r` renamed `ranks[r]` (side ranks to group ranks)."""
+        try:
+            new = tuple(ranks[r] for r in self.mesh.ranks)
+        except IndexError:
+            raise ValueError(f"layout {self} names a rank past the {len(ranks)} ranks of its side") from None
+        return Layout(Mesh(self.mesh.shape, ranks=new), self.placements)
 
     def check_shape(self, shape: Sequence[int], what: str = "tensor") -> None:
         """Raise `ValueError` if a placement shards a dim the tensor lacks."""

@@ -45,6 +45,7 @@ class InitInfo:
     rank: int
     world_size: int
     num_trainers: int
+    worker_ranks: tuple[int, ...]
     transport: TransportName
     store_host: str
     store_port: int
@@ -54,10 +55,12 @@ class InitInfo:
     timeout_s: float
 
     def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size or not 0 < self.num_trainers < self.world_size:
+        if not 0 <= self.rank < self.world_size or not 0 < self.num_trainers <= self.world_size:
             raise ValueError(
                 f"InitInfo: rank {self.rank}, {self.num_trainers} trainers and world size {self.world_size} are inconsistent"
             )
+        if not self.worker_ranks or not all(0 <= r < self.world_size for r in self.worker_ranks):
+            raise ValueError(f"InitInfo: worker ranks {self.worker_ranks} must be non-empty and inside the group")
         if self.timeout_s <= 0:
             raise ValueError(f"InitInfo: timeout_s must be > 0, got {self.timeout_s}")
 
@@ -77,7 +80,7 @@ class RankStats:
     """What one rank did in one round."""
 
     rank: int
-    role: Literal["trainer", "worker"]
+    role: Literal["trainer", "worker", "both"]
     version: int
     mode: Mode
     seconds: float

@@ -8,16 +8,16 @@ a MoE layer, the same projection in every layer) shares one template, so a
 them. Ranks are mesh positions here (`src` indexes the source mesh's ranks in
 row-major order, `dst` the destination mesh's); `plan.py` maps them to ranks.
 
-Choosing among replicas is a pure function of the piece and the destination
-position (no running load counter), so the result is deterministic and any
-rank could compute its own transfers alone:
+Choosing among replicas is deterministic: destinations are visited in mesh
+order and each source cell counts how many times it has been asked for (its
+turn t):
 
 * a piece held by k > 1 replicas and at least `SPLIT_MIN_ELEMENTS` per
-  replica is split into k row bands, band j sent by replica (j + dst) mod k;
-* a smaller piece goes whole to replica (dst + cell) mod k.
+  replica is split into k row bands, band j sent by replica (j + t) mod k;
+* a smaller piece goes whole to replica t mod k.
 
-Rotating by destination position spreads replicated destinations (engine
-replicas) over source replicas; splitting spreads a single large piece.
+Turns spread replicated destinations (engine replicas) over source replicas;
+splitting spreads a single large piece.
 """
 
 from __future__ import annotations
@@ -122,15 +122,15 @@ class _SourceGrid:
         return list(itertools.product(*per_dim))
 
 
-def _assign(piece: Box, holders: list[int], dst_pos: int, cell: int) -> list[tuple[int, Box]]:
+def _assign(piece: Box, holders: list[int], turn: int) -> list[tuple[int, Box]]:
     """Which replica sends which part of `piece` (see module docstring)."""
     k = len(holders)
     if k == 1:
         return [(holders[0], piece)]
     if piece.numel >= k * SPLIT_MIN_ELEMENTS:
         parts = piece.split_rows(k)
-        return [(holders[(j + dst_pos) % k], part) for j, part in enumerate(parts)]
-    return [(holders[(dst_pos + cell) % k], piece)]
+        return [(holders[(j + turn) % k], part) for j, part in enumerate(parts)]
+    return [(holders[turn % k], piece)]
 
 
 def _pieces(grid: _SourceGrid, region: Box) -> list[tuple[Box, list[int], int]]:
@@ -170,6 +170,7 @@ def build_template(key: TemplateKey) -> Template:
     blocks: list[tuple[np.ndarray, ...]] = []
     local: list[tuple[int, int, Box]] = []
     needed_of: dict[tuple[Box, Box | None], _Needed] = {}
+    turns: dict[int, int] = {}
     for dst_pos, box in enumerate(dst_layout.all_boxes(key.shape)):
         if box.is_empty():
             continue
@@ -181,8 +182,10 @@ def build_template(key: TemplateKey) -> Template:
             needed_of[(box, held)] = _Needed.of(grid, box.minus(held) if held is not None else [box], ndim)
         needed = needed_of[(box, held)]
         blocks.append((needed.src, np.full(len(needed.src), dst_pos), needed.offsets, needed.sizes))
-        rotated = [(s, dst_pos, part) for piece, holders, cell in needed.replicated
-                   for s, part in _assign(piece, holders, dst_pos, cell)]
+        rotated = []
+        for piece, holders, cell in needed.replicated:
+            rotated.extend((s, dst_pos, part) for s, part in _assign(piece, holders, turns.get(cell, 0)))
+            turns[cell] = turns.get(cell, 0) + 1
         blocks.append(_columns(rotated, ndim))
     columns = tuple(np.concatenate([b[i] for b in blocks]) if blocks else _columns([], ndim)[i] for i in range(4))
     sole = np.zeros(len(src_boxes), dtype=np.int64)

@@ -22,12 +22,12 @@ from ..plan_info import PlanInfo
 from ..transport.base import Transport
 from .broadcast import ROOT, gather_schedule, run_broadcast
 from .endpoint import Endpoint
-from .runner import BucketError, BucketIO, Staging, deadline_in, run_buckets
+from .runner import BucketError, BucketIO, Counters, Staging, deadline_in, run_buckets
 
 
 def make_transport(info: InitInfo, bind_host: str, device: torch.device) -> Transport:
     """Join the group `info` describes with the transport it names."""
-    broadcast_ranks = [ROOT] + list(range(info.num_trainers, info.world_size))
+    broadcast_ranks = sorted({ROOT, *info.worker_ranks})
     if info.transport == "nccl":
         from ..transport.nccl import NcclTransport
 
@@ -44,9 +44,10 @@ class RankSession:
 
     def __init__(self, info: InitInfo, plan: PlanInfo, *, bind_host: str, device: torch.device):
         self.info, self.rank = info, info.rank
-        self.role = "trainer" if info.rank < info.num_trainers else "worker"
         self.schedule = plan.to_schedule()
         self.plan = self.schedule.plan
+        sends = info.rank < info.num_trainers
+        self.role = "both" if sends and info.rank in info.worker_ranks else "trainer" if sends else "worker"
         self.names = [s.name for s in self.plan.specs]
         self.dtypes = [getattr(torch, s.dtype) for s in self.plan.specs]
         self.full_slice = self.schedule.rank_slice(self.rank)
@@ -71,24 +72,19 @@ class RankSession:
         return out
 
     def run(self, round_info: RoundInfo, sources: Mapping[str, Endpoint], dests: Mapping[str, Endpoint]) -> RankStats:
-        """Run one round; raises `BucketError` naming the round, bucket and tensors on failure."""
+        """Run one round; raises `BucketError` naming the round, bucket and tensors on failure.
+
+        Any failure aborts this rank's transport first, so its peers fail fast
+        instead of waiting out their timeout."""
         start = time.perf_counter()
-        deadline = deadline_in(round_info.timeout_s)
-        src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
-        wanted = None if round_info.names is None else [self.plan.index[n] for n in round_info.names]
         context = f"round {round_info.version} ({round_info.mode})"
-        if round_info.mode == "broadcast":
-            try:
-                counters = run_broadcast(self._gather_schedule(), self.plan, self.rank, src, dst, self.dtypes,
-                                         self.transport, self.staging, deadline, wanted)
-            except Exception as exc:
-                self.transport.abort()
-                raise BucketError(f"rank {self.rank}, {context}: {type(exc).__name__}: {exc}") from exc
-        else:
-            mine = self.full_slice if wanted is None else self.schedule.rank_slice(self.rank, wanted)
-            io = BucketIO(lambda _b, t: src[t], lambda _b, t: dst[t], self.dtypes)
-            counters = run_buckets(mine.buckets, io, self.transport, self.staging, deadline,
-                                   names=self.names, context=context)
+        try:
+            counters = self._run(round_info, sources, dests, context)
+        except BucketError:
+            raise
+        except Exception as exc:
+            self.transport.abort()
+            raise BucketError(f"rank {self.rank}, {context}: {type(exc).__name__}: {exc}") from exc
         return RankStats(
             rank=self.rank, role=self.role, version=round_info.version, mode=round_info.mode,
             seconds=time.perf_counter() - start, sent_bytes=counters.sent_bytes,
@@ -96,6 +92,17 @@ class RankSession:
             staged_bytes=counters.staged_bytes, local_bytes=counters.local_bytes, messages=counters.messages,
             buckets=counters.buckets, staging_bytes=self.staging.nbytes,
         )
+
+    def _run(self, round_info: RoundInfo, sources, dests, context: str) -> Counters:
+        deadline = deadline_in(round_info.timeout_s)
+        src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
+        wanted = None if round_info.names is None else [self.plan.index[n] for n in round_info.names]
+        if round_info.mode == "broadcast":
+            return run_broadcast(self._gather_schedule(), self.plan, self.rank, src, dst, self.dtypes,
+                                 self.transport, self.staging, deadline, wanted)
+        mine = self.full_slice if wanted is None else self.schedule.rank_slice(self.rank, wanted)
+        io = BucketIO(lambda _b, t: src[t], lambda _b, t: dst[t], self.dtypes)
+        return run_buckets(mine.buckets, io, self.transport, self.staging, deadline, names=self.names, context=context)
 
     def _gather_schedule(self):
         if self._gather is None:

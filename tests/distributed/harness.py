@@ -8,7 +8,7 @@ import torch
 from actors import InferenceWorker, TrainerActor, WeightSync
 
 from .conftest import loopback_config
-from .recipes import expected, read_all, set_version, trainer_build, worker_build
+from .recipes import as_bytes, expected, read_all, set_version, trainer_build, worker_build
 
 Trainer = ray.remote(num_cpus=0.1)(TrainerActor)
 Worker = ray.remote(num_cpus=0.1)(InferenceWorker)
@@ -50,6 +50,4 @@ class Group:
             for name, value in want.items():
                 if names is not None and name not in names:
                     continue
-                assert torch.equal(tensors[name].view(torch.uint8) if value.dtype != torch.bool else tensors[name],
-                                   value.view(torch.uint8) if value.dtype != torch.bool else value), \
-                    f"worker {j}: tensor {name} differs at version {version}"
+                assert torch.equal(tensors[name], as_bytes(value)), f"worker {j}: tensor {name} differs at version {version}"

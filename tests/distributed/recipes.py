@@ -72,9 +72,14 @@ def set_version(actor, recipes, version: int) -> None:
             actor.held[r.name].local.copy_(full_value(r, version)[_box_slices(box)])
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor (any dtype, fp8 included, pickles through Ray)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+
+
 def read_all(actor) -> dict:
-    """Run inside a worker actor: its live destination tensors."""
-    return {name: d.view.clone() for name, d in actor.held.items() if d.view is not None}
+    """Run inside a worker actor: the bytes of its live destination tensors."""
+    return {name: as_bytes(d.view) for name, d in actor.held.items() if d.view is not None}
 
 
 def expected(recipes, rank: int, version: int) -> dict:

@@ -1,0 +1,124 @@
+"""Bad input fails init or the round with a clear error; failures never hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from actors import HybridActor, SyncError, WeightSync
+from rl_sync.layout import Layout, Mesh, Replicate, Shard
+
+from .conftest import loopback_config
+from .harness import Group
+from .recipes import Recipe, expected, read_all, set_version, trainer_build, worker_build
+
+FSDP2 = Layout(Mesh((2,)), (Shard(0),))
+TP2 = Layout(Mesh((2,)), (Shard(1),))
+W = [Recipe("w", torch.bfloat16, (8, 6), FSDP2, TP2), Recipe("b", torch.float32, (6,), FSDP2, Layout.replicated(Mesh((2,))))]
+
+
+def test_undeclared_name_is_refused_before_any_transfer(ray_session):
+    with Group(W, 2, 2) as g:
+        sync = g.connect()
+        with pytest.raises(ValueError, match=r"push: tensors \['nope'\] were not declared at init"):
+            sync.push(names=["w", "nope"])
+        g.step(1)
+        sync.push()
+        g.check(1)
+
+
+@pytest.mark.parametrize(
+    "other, message",
+    [
+        (Recipe("w", torch.float32, (8, 6), FSDP2, TP2), r"worker rank 3 resolved dtype float32, .* but worker rank 2 resolved dtype bfloat16"),
+        (Recipe("w", torch.bfloat16, (8, 7), FSDP2, Layout(Mesh((2,)), (Shard(1),))), r"worker rank 3 resolved dtype bfloat16, shape \(8, 7\)"),
+        (Recipe("w", torch.bfloat16, (8, 6), FSDP2, Layout(Mesh((2,)), (Shard(0),))), r"worker rank 3 .* layout Mesh\(\(2,\), start_rank=0\)\[S\(0\)\]"),
+    ],
+)
+def test_workers_that_disagree_fail_init_naming_the_tensor(ray_session, other, message):
+    trainers = [ray.remote(num_cpus=0.1)(__import__("actors").TrainerActor).remote(i, 2, trainer_build(W)) for i in range(2)]
+    Worker = ray.remote(num_cpus=0.1)(__import__("actors").InferenceWorker)
+    workers = [Worker.remote(0, 2, worker_build(W)), Worker.remote(1, 2, worker_build([other, W[1]]))]
+    try:
+        with pytest.raises(ValueError, match=r"inference workers disagree on tensor 'w': " + message):
+            WeightSync.create(trainers, workers, loopback_config())
+    finally:
+        for a in trainers + workers:
+            ray.kill(a)
+
+
+def test_trainer_and_worker_dtypes_must_match(ray_session):
+    worker_side = [Recipe("w", torch.float32, (8, 6), FSDP2, TP2), W[1]]
+    with Group(W, 2, 2, worker_recipes=worker_side) as g:
+        with pytest.raises(ValueError, match=r"tensor 'w': source dtype 'bfloat16' and destination dtype 'float32' disagree"):
+            g.connect()
+
+
+def test_a_rank_that_raises_names_rank_round_and_tensor_and_nothing_hangs(ray_session):
+    with Group(W, 2, 2, round_timeout_s=4.0) as g:
+        sync = g.connect()
+        sync.push()
+        ray.get(g.trainers[0].call.remote(lambda self: self.held.pop("w")))
+        start = time.monotonic()
+        with pytest.raises(SyncError) as info:
+            sync.push()
+        assert time.monotonic() - start < 20
+        text = str(info.value)
+        assert "round 2 (m2n) failed on" in text
+        assert "trainer 0 (rank 0): BucketError: rank 0, round 2 (m2n): ValueError: rank 0: the plan needs source tensor 'w' here" in text
+        assert "worker 0 (rank 2): BucketError: rank 2, round 2 (m2n), bucket 0 (tensors 'w', 'b')" in text
+        with pytest.raises(SyncError, match=r"broken by an earlier failure \(round 2\)"):
+            sync.push()
+
+
+def test_a_stalled_peer_fails_the_round_within_the_timeout(ray_session):
+    with Group(W, 2, 2, round_timeout_s=3.0) as g:
+        sync = g.connect()
+        stall = g.workers[1].call.remote(lambda self: time.sleep(20))
+        time.sleep(1.0)  # the idle worker starts the stall before the coordinator's round reaches it
+        start = time.monotonic()
+        with pytest.raises(SyncError) as info:
+            sync.push()
+        elapsed = time.monotonic() - start
+        assert elapsed < 15, f"the round should fail near its 3 s timeout, took {elapsed:.1f} s"
+        assert "worker 1 (rank 3): no answer within 8 s" in str(info.value)
+        ray.cancel(stall)
+
+
+def test_colocated_hybrid_ranks_copy_their_overlap_locally(ray_session):
+    src = Layout(Mesh((2,)), (Shard(0),))
+    dst = Layout(Mesh((2,)), (Shard(1),))
+    recipes = [Recipe("w", torch.float32, (6, 4), src, dst)]
+
+    def build(rank, size):
+        return trainer_build(recipes)(rank, size), worker_build(recipes)(rank, size)
+
+    Hybrid = ray.remote(num_cpus=0.1)(HybridActor)
+    actors = [Hybrid.remote(i, 2, build) for i in range(2)]
+    try:
+        sync = WeightSync.create(actors, actors, loopback_config())
+        assert sync.summary["colocated"] and sync.summary["world_size"] == 2
+        ray.get([a.call.remote(lambda self, v: set_version(_Sources(self), recipes, v), 1) for a in actors])
+        stats = sync.push()
+        for j, a in enumerate(actors):
+            got = ray.get(a.call.remote(lambda self: read_all(_Dests(self))))
+            want = expected(recipes, j, 1)["w"]
+            assert torch.equal(got["w"], want.reshape(-1).view(torch.uint8))
+        assert all(r.role == "both" and r.local_bytes == 3 * 2 * 4 for r in stats.ranks)
+        sync.close()
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+class _Sources:
+    def __init__(self, actor):
+        self.rank, self.held = actor.rank, actor.held["sources"]
+
+
+class _Dests:
+    def __init__(self, actor):
+        self.rank, self.held = actor.rank, actor.held["destinations"]
