@@ -49,3 +49,19 @@ def merge_sources(trainers: Sequence[SideReport]) -> list[SideSpec]:
                 )
             seen.setdefault(t.name, (t, report.rank))
     return [SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout()) for t, _ in seen.values()]
+
+
+def colocated_mates(trainers: Sequence[SideReport], workers: Sequence[SideReport]) -> list[int] | None:
+    """The trainer rank sharing each worker's GPU, or None unless every worker has exactly one
+    and no trainer has two."""
+    if not workers or not all(w.gpu for w in workers):
+        return None
+    by_gpu: dict[str, list[int]] = {}
+    for t in trainers:
+        if t.gpu:
+            by_gpu.setdefault(t.gpu, []).append(t.rank)
+    mates = [by_gpu.get(w.gpu, []) for w in workers]
+    if any(len(m) != 1 for m in mates):
+        return None
+    ranks = [m[0] for m in mates]
+    return ranks if len(set(ranks)) == len(ranks) else None

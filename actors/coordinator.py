@@ -2,10 +2,15 @@
 
 Init: gather what every trainer and worker reports, check the workers agree,
 plan and schedule, host the rendezvous store (or relay NCCL ids), and connect
-every rank. Round: start `send` on trainers and `receive` on workers together,
-wait for all within the round timeout, and record the version only when every
-rank finished. Any failure becomes a `SyncError` naming the ranks, the round and
-(from the ranks' own errors) the bucket and tensors.
+every rank. When every worker shares its GPU with a trainer (fractional GPUs
+in one placement-group bundle), the workers instead export their live memory
+through CUDA IPC and only the trainers form a group: each writes its mate's
+destinations itself (`rl_sync.transport.cuda_ipc`).
+
+Round: start the ranks together, wait for all within the round timeout, and
+record the version only when every rank finished. Any failure becomes a
+`SyncError` naming the ranks, the round and (from the ranks' own errors) the
+bucket and tensors.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from rl_sync.stats import RoundStats
 from rl_sync.sync_config import SyncConfig
 from rl_sync.wire import decode, encode
 
-from .agreement import check_agreement, merge_sources
+from .agreement import check_agreement, colocated_mates, merge_sources
 from .calls import SyncError, call_all
 
 
@@ -47,58 +52,82 @@ class Coordinator:
             raise ValueError(f"a sync group needs trainers and workers, got {len(trainers)} and {len(workers)}")
         self.trainers, self.workers, self.config = list(trainers), list(workers), config
         ids = [h._actor_id for h in self.trainers]
-        extra = [w for w in self.workers if w._actor_id not in ids]
-        self.ranks = self.trainers + extra
+        self.ranks = self.trainers + [w for w in self.workers if w._actor_id not in ids]
         all_ids = [h._actor_id for h in self.ranks]
         self.worker_ranks = tuple(all_ids.index(w._actor_id) for w in self.workers)
-        self.labels = [f"trainer {i} (rank {i})" for i in range(len(trainers))] + [
-            f"worker {self.worker_ranks.index(r)} (rank {r})" for r in range(len(trainers), len(self.ranks))]
+        self.ipc = False
         self.version = 0
         self.broken: str | None = None
         self._store = None
+
+    def _labels(self) -> list[str]:
+        T = len(self.trainers)
+        return [f"trainer {i} (rank {i})" for i in range(T)] + [
+            f"worker {self.worker_ranks.index(r)} (rank {r})" for r in range(T, len(self.ranks))]
+
+    def _worker_labels(self) -> list[str]:
+        return [f"worker {j} (rank {r})" for j, r in enumerate(self.worker_ranks)]
 
     def setup(self) -> dict:
         """Describe, plan, rendezvous and connect; returns a summary of the plan."""
         start, cfg = time.perf_counter(), self.config
         T, N = len(self.trainers), len(self.workers)
-        handles = self.trainers + self.workers
-        labels = self.labels[:T] + [self.labels[r] if r >= T else f"worker {j} (rank {r})"
-                                    for j, r in enumerate(self.worker_ranks)]
         args = [("trainer", i, T) for i in range(T)] + [("worker", j, N) for j in range(N)]
-        blobs = call_all(handles, "_rl_sync_describe", args, cfg.init_timeout_s, labels, "init (describe)")
+        labels = self._labels()[:T] + self._worker_labels()
+        blobs = call_all(self.trainers + self.workers, "_rl_sync_describe", args, cfg.init_timeout_s, labels,
+                         "init (describe)")
         reports = [decode(SideReport, b) for b in blobs]
+        self._choose_colocation(reports[:T], reports[T:])
         check_agreement(reports[T:], ranks=self.worker_ranks)
-        sources = merge_sources(reports[:T])
-        remap = self.worker_ranks
-        destinations = [SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout().remapped(remap))
+        destinations = [SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout().remapped(self.worker_ranks))
                         for t in reports[T].tensors]
         colocated = any(r < T for r in self.worker_ranks)
-        plan = plan_model(join_specs(sources, destinations), colocated=colocated)
+        plan = plan_model(join_specs(merge_sources(reports[:T]), destinations), colocated=colocated)
         self.schedule = build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes)
         self.names = set(plan.index)
         devices = [r.device for r in reports[:T]] + [reports[T + self.worker_ranks.index(r)].device
                                                     for r in range(T, len(self.ranks))]
         info = self._init_info(devices)
-        plan_ref = ray.put(encode(PlanInfo.from_schedule(self.schedule), compress=True))
-        call_all(self.ranks, "_rl_sync_connect",
-                 [(encode(replace(info, rank=i)), plan_ref, cfg.bind_host, devices[i]) for i in range(len(self.ranks))],
-                 cfg.init_timeout_s, self.labels, "init (connect)")
+        self._connect(info, devices, [r.device for r in reports[T:]])
         stats = plan.stats
         return {
             "tensors": len(plan), "buckets": self.schedule.num_buckets, "transport": info.transport,
-            "world_size": len(self.ranks), "colocated": colocated, "plan_bytes": stats.total_bytes,
-            "local_copy_bytes": stats.local_copy_bytes, "broadcast_bytes": stats.broadcast_bytes,
-            "fallbacks": sorted({n for r in reports[T:] for n in r.fallbacks}),
+            "cuda_ipc": self.ipc, "world_size": len(self.ranks), "colocated": colocated,
+            "plan_bytes": stats.total_bytes, "local_copy_bytes": stats.local_copy_bytes,
+            "broadcast_bytes": stats.broadcast_bytes, "fallbacks": sorted({n for r in reports[T:] for n in r.fallbacks}),
             "seconds": time.perf_counter() - start,
         }
+
+    def _choose_colocation(self, trainers: list[SideReport], workers: list[SideReport]) -> None:
+        mode = self.config.colocate
+        mates = None if mode == "off" else colocated_mates(trainers, workers)
+        if mode == "ipc" and mates is None:
+            raise ValueError("colocate='ipc' needs every worker on the same GPU as exactly one trainer "
+                             "(fractional GPUs in one placement-group bundle)")
+        if mates is not None:
+            self.ipc, self.worker_ranks, self.ranks = True, tuple(mates), list(self.trainers)
+
+    def _connect(self, info: InitInfo, devices: list[str], worker_devices: list[str]) -> None:
+        cfg = self.config
+        plan_ref = ray.put(encode(PlanInfo.from_schedule(self.schedule), compress=True))
+        ipc: list = [None] * len(self.ranks)
+        if self.ipc:
+            exports = call_all(self.workers, "_rl_sync_ipc_export", [(d,) for d in worker_devices],
+                               cfg.init_timeout_s, self._worker_labels(), "init (CUDA IPC export)")
+            for rank, export in zip(self.worker_ranks, exports):
+                ipc[rank] = export
+        call_all(self.ranks, "_rl_sync_connect",
+                 [(encode(replace(info, rank=i)), plan_ref, cfg.bind_host, devices[i], ipc[i]) for i in range(len(self.ranks))],
+                 cfg.init_timeout_s, self._labels(), "init (connect)")
 
     def _init_info(self, devices: list[str]) -> InitInfo:
         cfg, T = self.config, len(self.trainers)
         on_cuda = all(d.startswith("cuda") for d in devices)
-        ids = self._nccl_ids() if cfg.transport == "nccl" or (cfg.transport == "auto" and on_cuda) else None
-        if cfg.transport == "nccl" and ids is None:
+        wants_nccl = cfg.transport == "nccl" or (cfg.transport == "auto" and on_cuda)
+        ids = self._nccl_ids() if wants_nccl and len(self.ranks) > 1 else None
+        if cfg.transport == "nccl" and len(self.ranks) > 1 and ids is None:
             raise SyncError("transport 'nccl' was asked for, but trainer 0 cannot create an NCCL id (is CuPy installed?)")
-        transport = "nccl" if ids is not None else "gloo"
+        transport = "local" if len(self.ranks) == 1 else "nccl" if ids is not None else "gloo"
         host = cfg.rendezvous_host or ray.util.get_node_ip_address()
         port = 0
         if transport == "gloo":
@@ -109,9 +138,9 @@ class Coordinator:
             sock.detach()  # the store owns the listening socket now
         ids = ids or ((), ())
         return InitInfo(rank=0, world_size=len(self.ranks), num_trainers=T, worker_ranks=self.worker_ranks,
-                        transport=transport,
-                        store_host=host, store_port=port, prefix=f"rl-sync-{uuid.uuid4().hex[:12]}",
-                        nccl_id=ids[0], nccl_broadcast_id=ids[1], timeout_s=cfg.round_timeout_s)
+                        transport=transport, store_host=host, store_port=port,
+                        prefix=f"rl-sync-{uuid.uuid4().hex[:12]}", nccl_id=ids[0], nccl_broadcast_id=ids[1],
+                        timeout_s=cfg.round_timeout_s)
 
     def _nccl_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """Two fresh NCCL ids from trainer 0 (p2p group, broadcast group), or None without NCCL."""
@@ -121,32 +150,43 @@ class Coordinator:
             return None
         return tuple(ids[0]), tuple(ids[1])
 
-    def push(self, version: int | None, names: list[str] | None, mode: str | None) -> RoundStats:
-        """Run one round on every rank; see the module docstring."""
+    def _check_push(self, version: int | None, names: list[str] | None, mode: str | None) -> tuple[int, str]:
         if self.broken is not None:
             raise SyncError(f"the sync group is broken by an earlier failure ({self.broken}); close it and create a new WeightSync")
         version = self.version + 1 if version is None else version
         if version <= self.version:
             raise ValueError(f"push: version {version} is not newer than the last applied version {self.version}")
-        if names is not None:
-            unknown = [n for n in names if n not in self.names]
-            if unknown:
-                raise ValueError(f"push: tensors {unknown[:5]} were not declared at init; the round may carry only "
-                                 f"names the trainers declared ({len(self.names)} of them)")
+        unknown = [n for n in names or () if n not in self.names]
+        if unknown:
+            raise ValueError(f"push: tensors {unknown[:5]} were not declared at init; the round may carry only "
+                             f"names the trainers declared ({len(self.names)} of them)")
         mode = mode or self.config.mode
         if mode not in ("m2n", "broadcast"):
             raise ValueError(f"push: mode must be 'm2n' or 'broadcast', got {mode!r}")
+        return version, mode
+
+    def push(self, version: int | None, names: list[str] | None, mode: str | None) -> RoundStats:
+        """Run one round on every rank; see the module docstring."""
+        version, mode = self._check_push(version, names, mode)
         blob = encode(RoundInfo(version, mode, None if names is None else tuple(names), self.config.round_timeout_s))
+        what, timeout = f"round {version} ({mode})", self.config.round_timeout_s + 5
         start = time.perf_counter()
         try:
-            results = call_all(self.ranks, "_rl_sync_run", [(blob,)] * len(self.ranks),
-                               self.config.round_timeout_s + 5, self.labels, f"round {version} ({mode})")
-        except SyncError as exc:
+            if self.ipc:
+                call_all(self.workers, "_rl_sync_ipc_begin", [()] * len(self.workers), timeout, self._worker_labels(), what)
+            results = [decode(RankStats, r) for r in call_all(
+                self.ranks, "_rl_sync_run", [(blob,)] * len(self.ranks), timeout, self._labels(), what)]
+            if self.ipc:
+                call_all(self.workers, "_rl_sync_ipc_end", [()] * len(self.workers), timeout, self._worker_labels(), what)
+        except SyncError:
             self.broken = f"round {version}"
-            raise exc
-        seconds = time.perf_counter() - start
+            raise
         self.version = version
-        return RoundStats(version, mode, seconds, tuple(decode(RankStats, r) for r in results))
+        if self.ipc:
+            results += [replace(results[r], rank=r, role="worker", sent_bytes=0,
+                                received_bytes=results[r].received_bytes + results[r].local_bytes)
+                        for r in self.worker_ranks]
+        return RoundStats(version, mode, time.perf_counter() - start, tuple(results))
 
     def close(self) -> None:
         """Release every rank's transport and the rendezvous store."""

@@ -19,6 +19,7 @@ import torch
 from rl_sync.engine.sources import trainer_entries, worker_entries
 from rl_sync.engine.session import RankSession
 from rl_sync.messages import InitInfo, RoundInfo, SideReport
+from rl_sync.transport.cuda_ipc import IpcExport, MappedDestinations, WorkerExport, device_uuid
 from rl_sync.plan_info import PlanInfo
 from rl_sync.transport.nccl import new_unique_id
 from rl_sync.wire import decode, encode
@@ -51,26 +52,52 @@ class _Participant:
         if len(devices) > 1:
             raise ValueError(f"rank {side_rank} of {type(self).__name__}: tensors span devices {sorted(devices)}")
         device = devices.pop() if devices else "cpu"
+        gpu = ""
+        if device.startswith("cuda"):
+            gpu = f"{ray.get_runtime_context().get_node_id()}/{device_uuid(torch.device(device))}"
         fallbacks = tuple(getattr(self, "_rl_sync_fallbacks", ()))
-        return encode(SideReport(side_rank, device, tuple(reports), fallbacks), compress=True)
+        return encode(SideReport(side_rank, device, gpu, tuple(reports), fallbacks), compress=True)
 
     def _rl_sync_nccl_ids(self) -> tuple[list[int], list[int]]:
         return new_unique_id(), new_unique_id()
 
-    def _rl_sync_connect(self, init: bytes, plan: bytes, bind_host: str | None, device: str) -> None:
+    def _rl_sync_connect(self, init: bytes, plan: bytes, bind_host: str | None, device: str,
+                         ipc: bytes | None = None) -> None:
         info = decode(InitInfo, init)
         host = bind_host or ray.util.get_node_ip_address()
         self._rl_sync_session = RankSession(info, decode(PlanInfo, plan), bind_host=host, device=torch.device(device))
+        self._rl_sync_mapped = None if ipc is None else MappedDestinations(decode(IpcExport, ipc), torch.device(device))
 
     def _rl_sync_run(self, round_blob: bytes) -> bytes:
-        if self._rl_sync_session is None:
+        session = self._rl_sync_session
+        if session is None:
             raise RuntimeError("rl-sync: this actor has not joined a sync group")
         round_info = decode(RoundInfo, round_blob)
         sources, dests = self._rl_sync_endpoints("trainer"), self._rl_sync_endpoints("worker")
-        return encode(self._rl_sync_session.run(round_info, sources, dests))
+        mapped = getattr(self, "_rl_sync_mapped", None)
+        if mapped is None:
+            return encode(session.run(round_info, sources, dests))
+        mapped.before_writes()
+        stats = session.run(round_info, sources, session.destination_endpoints(mapped.views))
+        mapped.after_writes()
+        return encode(stats)
+
+    def _rl_sync_ipc_export(self, device: str) -> bytes:
+        views = {name: e.tensor for name, e in self._rl_sync_endpoints("worker").items()}
+        self._rl_sync_ipc = WorkerExport(views, torch.device(device))
+        return encode(self._rl_sync_ipc.export)
+
+    def _rl_sync_ipc_begin(self) -> None:
+        self._rl_sync_ipc.begin()
+
+    def _rl_sync_ipc_end(self) -> None:
+        self._rl_sync_ipc.end()
 
     def _rl_sync_close(self, abort: bool = False) -> None:
         session, self._rl_sync_session = self._rl_sync_session, None
+        mapped, self._rl_sync_mapped = getattr(self, "_rl_sync_mapped", None), None
+        if mapped is not None:
+            mapped.close()
         if session is not None and abort:
             session.transport.abort()
         elif session is not None:

@@ -14,7 +14,7 @@ from typing import Literal
 from .plan_info import LayoutInfo
 
 Mode = Literal["m2n", "broadcast"]
-TransportName = Literal["gloo", "nccl"]
+TransportName = Literal["gloo", "nccl", "local"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class SideReport:
 
     rank: int
     device: str
+    gpu: str
+    """`node/uuid` of the GPU this rank's tensors are on ('' on CPU): finds colocated pairs."""
     tensors: tuple[TensorReport, ...]
     fallbacks: tuple[str, ...]
     """Names received whole and handed to a load hook instead of bound in place."""

@@ -16,6 +16,9 @@ class SyncConfig:
 
     transport: Literal["auto", "gloo", "nccl"] = "auto"
     """`auto`: NCCL when the tensors are on CUDA and CuPy imports, Gloo otherwise."""
+    colocate: Literal["auto", "ipc", "off"] = "auto"
+    """`auto`: when every worker shares its GPU with a trainer, trainers write straight into the
+    workers' memory through CUDA IPC (`ipc` insists on it, `off` never does)."""
     mode: Literal["m2n", "broadcast"] = "m2n"
     """Default mode of `push`: resharded point-to-point, or the broadcast baseline."""
     bucket_bytes: int = 256 << 20

@@ -115,18 +115,33 @@ def post_bucket(bucket: RankBucket, io: BucketIO, transport: Transport, buf_of, 
                 target = as_bytes(endpoint(bucket.index, seg.tensor).view(seg.offsets, seg.sizes))
                 counters.zero_copy_bytes += msg.nbytes
             (sends if side == "send" else recvs).append((msg.peer, target))
-    for seg in bucket.local:
-        dst = io.dest(bucket.index, seg.tensor).view(seg.offsets, seg.sizes)
-        src = io.source(bucket.index, seg.tensor).view(seg.offsets, seg.sizes)
-        if dst.data_ptr() != src.data_ptr() or dst.stride() != src.stride():
-            dst.copy_(src)
-        counters.local_bytes += seg.nbytes
+    _local_copies(bucket, io, counters)
     counters.sent_bytes += sum(seg.nbytes for m in bucket.sends for seg in m.segments)
     counters.received_bytes += sum(seg.nbytes for m in bucket.recvs for seg in m.segments)
     counters.messages += len(bucket.sends) + len(bucket.recvs)
     counters.buckets += 1
     prepared.pending = transport.post(sends, recvs) if sends or recvs else None
     return prepared
+
+
+def _local_copies(bucket: RankBucket, io: BucketIO, counters: Counters) -> None:
+    """Copy what this rank holds on both sides: contiguous pairs as bytes in one batched
+    `_foreach_copy_` (thousands of small tensors cost a few launches), the rest one by one."""
+    dsts, srcs = [], []
+    for seg in bucket.local:
+        dst = io.dest(bucket.index, seg.tensor).view(seg.offsets, seg.sizes)
+        src = io.source(bucket.index, seg.tensor).view(seg.offsets, seg.sizes)
+        counters.local_bytes += seg.nbytes
+        if dst.data_ptr() == src.data_ptr() and dst.stride() == src.stride():
+            continue
+        dst_bytes, src_bytes = as_bytes(dst), as_bytes(src)
+        if dst_bytes is not None and src_bytes is not None:
+            dsts.append(dst_bytes)
+            srcs.append(src_bytes)
+        else:
+            dst.copy_(src)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def complete_bucket(prepared: Prepared, io: BucketIO, deadline: float) -> None:

@@ -28,6 +28,10 @@ from .runner import BucketError, BucketIO, Counters, Staging, deadline_in, run_b
 def make_transport(info: InitInfo, bind_host: str, device: torch.device) -> Transport:
     """Join the group `info` describes with the transport it names."""
     broadcast_ranks = sorted({ROOT, *info.worker_ranks})
+    if info.transport == "local" or info.world_size == 1:
+        from ..transport.local import LocalTransport
+
+        return LocalTransport(device)
     if info.transport == "nccl":
         from ..transport.nccl import NcclTransport
 
@@ -54,6 +58,16 @@ class RankSession:
         self._gather = None
         self.staging = Staging(device)
         self.transport = make_transport(info, bind_host, device)
+
+    def destination_endpoints(self, views: Mapping[str, torch.Tensor]) -> dict[str, Endpoint]:
+        """Endpoints for live views of this rank's destination boxes (e.g. CUDA-IPC mapped memory)."""
+        out = {}
+        for name, view in views.items():
+            spec = self.plan.specs[self.plan.index[name]]
+            box = spec.dst.local_box(spec.shape, self.rank)
+            if box is not None:
+                out[name] = Endpoint(view, box.offsets)
+        return out
 
     def _indices(self, endpoints: Mapping[str, Endpoint], side: str) -> dict[int, Endpoint]:
         out = {}
