@@ -129,14 +129,16 @@ class NcclTransport(Transport):
         self.finish(deadline)
 
     def finish(self, deadline: float) -> None:
-        if self._last is None:
-            return
-        while not self._last.query():
-            if time.monotonic() > deadline:
-                self.abort()
-                raise TimeoutError(f"rank {self.rank}: NCCL transfers did not complete in time; communicator aborted")
-            time.sleep(POLL_S)
-        self._last = None
+        """Watchdog: poll the last transfer until `deadline` (abort and raise past it), then let
+        the caller's stream (unpacking after that transfer) drain."""
+        if self._last is not None:
+            while not self._last.query():
+                if time.monotonic() > deadline:
+                    self.abort()
+                    raise TimeoutError(f"rank {self.rank}: NCCL transfers did not complete in time; communicator aborted")
+                time.sleep(POLL_S)
+            self._last = None
+        torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
         if not self._closed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="session")
 def ray_session():
     ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+             configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}})
     yield
     ray.shutdown()
 

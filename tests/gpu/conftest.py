@@ -1,0 +1,29 @@
+"""GPU tests: marked `gpu`, skipped without CUDA; one Ray instance per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/gpu" in str(item.fspath):
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture(scope="session")
+def gpu_ray():
+    import ray
+
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}})
+    yield ray
+    ray.shutdown()
