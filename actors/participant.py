@@ -11,6 +11,7 @@ and must stay the live storage (inference engines keep parameters in place).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import ray
@@ -65,8 +66,11 @@ class _Participant:
                          ipc: bytes | None = None) -> None:
         info = decode(InitInfo, init)
         host = bind_host or ray.util.get_node_ip_address()
-        self._rl_sync_session = RankSession(info, decode(PlanInfo, plan), bind_host=host, device=torch.device(device))
+        session = RankSession(info, decode(PlanInfo, plan), bind_host=host, device=torch.device(device))
+        self._rl_sync_session = session
         self._rl_sync_mapped = None if ipc is None else MappedDestinations(decode(IpcExport, ipc), torch.device(device))
+        if self._rl_sync_mapped is not None:
+            self._rl_sync_mapped_dests = session.destination_endpoints(self._rl_sync_mapped.views)
 
     def _rl_sync_run(self, round_blob: bytes) -> bytes:
         session = self._rl_sync_session
@@ -78,7 +82,7 @@ class _Participant:
         if mapped is None:
             return encode(session.run(round_info, sources, dests))
         mapped.before_writes()
-        stats = session.run(round_info, sources, session.destination_endpoints(mapped.views))
+        stats = session.run(round_info, sources, self._rl_sync_mapped_dests)
         mapped.after_writes()
         return encode(stats)
 
@@ -105,14 +109,28 @@ class _Participant:
 
 
 class SyncTrainerMixin(_Participant):
-    """Inherit in a trainer actor and define `rl_sync_sources()`."""
+    """Inherit in a trainer actor and define `rl_sync_sources()`.
+
+    `rl_sync_sources()` is called every round. When it returns the same mapping
+    holding the same tensor objects as last round, the compiled round is
+    replayed as is (no per-tensor work); anything else is resolved afresh. A
+    trainer that swaps a tensor's storage in place (`p.data = ...`) must return
+    a new mapping so the change is seen."""
+
+    _rl_sync_source_cache: tuple | None = None
 
     def _rl_sync_trainer_entries(self, rank: int, size: int):
         sources = getattr(self, "rl_sync_sources", None)
         if sources is None:
             raise TypeError(f"{type(self).__name__} must define rl_sync_sources() -> {{name: DTensor | Sharded | Tensor}}")
         tensors: Mapping = sources()
-        return trainer_entries(tensors, rank, size)
+        cache = self._rl_sync_source_cache
+        if (cache is not None and cache[0] is tensors and cache[1] == (rank, size) and len(cache[2]) == len(tensors)
+                and all(map(operator.is_, tensors.values(), cache[2]))):
+            return cache[3]
+        entries = trainer_entries(tensors, rank, size)
+        self._rl_sync_source_cache = (tensors, (rank, size), list(tensors.values()), entries)
+        return entries
 
 
 class SyncWorkerMixin(_Participant):

@@ -22,9 +22,28 @@ from ..plan import ModelPlan, TensorSpec
 from ..schedule import ALIGN, Schedule
 from ..transport.base import Transport
 from .endpoint import Endpoint
-from .runner import BucketIO, Counters, Staging, complete_bucket, post_bucket
+from .runner import BucketIO, Counters, compile_bucket, complete_bucket, staging_need, start_bucket
 
 ROOT = 0
+
+
+class BroadcastStaging:
+    """Slot 0: packed gather messages; slot 1: the broadcast bucket. Grown on demand."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers: list[torch.Tensor | None] = [None, None]
+
+    def get(self, slot: int, nbytes: int) -> torch.Tensor:
+        buf = self.buffers[slot]
+        if buf is None or buf.numel() < nbytes:
+            self.buffers[slot] = None
+            buf = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers if b is not None)
 
 
 def gather_schedule(plan: ModelPlan, bucket_bytes: int, coalesce_bytes: int) -> Schedule:
@@ -75,13 +94,11 @@ def run_broadcast(
     dests: Mapping[int, Endpoint],
     dtypes: Sequence[torch.dtype],
     transport: Transport,
-    staging: Staging,
+    staging: BroadcastStaging,
     deadline: float,
     wanted: Collection[int] | None,
 ) -> Counters:
-    """One broadcast-mode round on `rank` (see the module docstring).
-
-    Staging slot 0 holds packed gather messages, slot 1 the broadcast bucket."""
+    """One broadcast-mode round on `rank` (see the module docstring)."""
     counters = Counters()
     mine = {b.index: b for b in schedule.rank_slice(rank, wanted).buckets}
     is_worker = any(rank in s.dst.mesh.ranks for s in plan.specs)
@@ -93,11 +110,14 @@ def run_broadcast(
         views = {t: _region_endpoint(buf, r, plan.specs[t].shape, dtypes[t]) for t, r in regions.items()} if buf is not None else {}
         if index in mine:
             io = BucketIO(lambda _b, t: sources[t], lambda _b, t: views[t], dtypes)
-            complete_bucket(post_bucket(mine[index], io, transport, lambda n: staging.get(0, n), counters), io, deadline)
+            ops = compile_bucket(mine[index], io, staging.get(0, staging_need(mine[index], io)))
+            start_bucket(ops, transport)
+            complete_bucket(ops, deadline)
             transport.finish(deadline)
+            counters.add(ops.counters)
         if rank == ROOT or is_worker:
             transport.broadcast(buf[:nbytes], ROOT, deadline)
-            counters.buckets += 1
+            counters.buckets += index not in mine
         if is_worker:
             counters.received_bytes += nbytes
             _unpack(plan, rank, regions, views, dests)

@@ -2,18 +2,21 @@
 
 Zero copy where it can be: a message of one segment whose box is contiguous in
 local storage is sent from, or received into, that storage directly (a live
-parameter on a worker). Everything else goes through a staging buffer.
-Staging is two reusable buffers (double buffering: bucket k+1 is packed while
-bucket k is in flight), each grown to the largest bucket this rank stages, so
-its size is bounded by about two buckets and reported in the statistics.
+parameter on a worker). Everything else goes through staging. A round is
+first *compiled* (`compile_program`): every view, staging slice and copy list
+is resolved once, so replaying it costs a few batched calls per bucket
+however many tensors there are; a session keeps the program while its
+endpoints stay the same objects. Staging is two buffers (double buffering:
+bucket k+1 is packed while bucket k is in flight), each sized to the largest
+bucket that uses it: bounded by about two buckets, and reported.
 
-Ordering contract: every rank of the group calls `run_buckets` for the same
-round with its own `RankSchedule`; buckets are posted in increasing index.
+Ordering contract: every rank of the group runs the same round with its own
+`RankSchedule`; buckets are posted in increasing index.
 
 Typical use::
 
-    stats = run_buckets(mine.buckets, BucketIO(source, dest, dtypes), transport,
-                        staging, deadline, context="round 3")
+    program = compile_program(mine.buckets, BucketIO(source, dest, dtypes), device)
+    counters = run_program(program, transport, deadline, names=names, context="round 3")
 """
 
 from __future__ import annotations
@@ -28,32 +31,26 @@ from ..schedule import ALIGN, Message, RankBucket
 from ..transport.base import Pending, Transport
 from .endpoint import Endpoint, as_bytes, region
 
+LARGE_COPY_BYTES = 4 << 20
+"""Local copies at least this large run as single copies (full copy-engine bandwidth);
+smaller ones are batched into one `_foreach_copy_` launch."""
+
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-class Staging:
-    """Two reusable byte buffers on one device, grown on demand."""
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.buffers: list[torch.Tensor | None] = [None, None]
 
-    def get(self, slot: int, nbytes: int) -> torch.Tensor:
-        buf = self.buffers[slot]
-        if buf is None or buf.numel() < nbytes:
-            self.buffers[slot] = None
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.buffers[slot] = buf
-        return buf
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers if b is not None)
-
-    def release(self) -> None:
-        self.buffers = [None, None]
+def _widest(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two byte views retyped to the widest word both are aligned to (a batched copy of
+    bytes moves one byte per thread step; of 8-byte integers, eight)."""
+    n = dst.numel()
+    for width, dtype in _WORDS:
+        if n % width == 0 and dst.data_ptr() % width == 0 and src.data_ptr() % width == 0:
+            return dst.view(dtype), src.view(dtype)
+    return dst, src
 
 
 @dataclass
@@ -68,6 +65,10 @@ class Counters:
     messages: int = 0
     buckets: int = 0
 
+    def add(self, other: Counters) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
 
 @dataclass(frozen=True)
 class BucketIO:
@@ -79,107 +80,149 @@ class BucketIO:
 
 
 @dataclass
-class Prepared:
+class Copies:
+    """Copies to run together: big contiguous ones singly, the rest in one batch."""
+
+    big: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    dsts: list[torch.Tensor] = field(default_factory=list)
+    srcs: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst_bytes, src_bytes = as_bytes(dst), as_bytes(src)
+        if dst_bytes is not None and src_bytes is not None:
+            if dst_bytes.numel() >= LARGE_COPY_BYTES:
+                self.big.append((dst_bytes, src_bytes))
+            else:
+                dst_words, src_words = _widest(dst_bytes, src_bytes)
+                self.dsts.append(dst_words)
+                self.srcs.append(src_words)
+        else:
+            self.dsts.append(dst)
+            self.srcs.append(src)
+
+    def run(self) -> None:
+        for dst, src in self.big:
+            dst.copy_(src)
+        if self.dsts:
+            torch._foreach_copy_(self.dsts, self.srcs)
+
+
+@dataclass
+class BucketOps:
+    """One bucket with every view resolved."""
+
     bucket: RankBucket
+    sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    pack: Copies = field(default_factory=Copies)
+    unpack: Copies = field(default_factory=Copies)
+    local: Copies = field(default_factory=Copies)
+    counters: Counters = field(default_factory=Counters)
     pending: Pending | None = None
-    unpack: list[tuple[torch.Tensor, Message]] = field(default_factory=list)
 
 
-def _needs_staging(msg: Message, endpoint: Callable[[int, int], Endpoint], bucket: int) -> bool:
+def _staged(msg: Message, endpoint: Callable[[int, int], Endpoint], bucket: int) -> bool:
     if len(msg.segments) != 1:
         return True
     seg = msg.segments[0]
     return not endpoint(bucket, seg.tensor).view(seg.offsets, seg.sizes).is_contiguous()
 
 
-def post_bucket(bucket: RankBucket, io: BucketIO, transport: Transport, buf_of, counters: Counters) -> Prepared:
-    staged_sends = [m for m in bucket.sends if _needs_staging(m, io.source, bucket.index)]
-    staged_recvs = [m for m in bucket.recvs if _needs_staging(m, io.dest, bucket.index)]
-    buf = buf_of(sum(_aligned(m.nbytes) for m in staged_sends + staged_recvs))
-    cursor, sends, recvs, prepared = 0, [], [], Prepared(bucket)
-    for side, messages, staged in (("send", bucket.sends, staged_sends), ("recv", bucket.recvs, staged_recvs)):
-        endpoint = io.source if side == "send" else io.dest
+def staging_need(bucket: RankBucket, io: BucketIO) -> int:
+    """Bytes of staging `bucket` needs on this rank."""
+    staged = [m for m in bucket.sends if _staged(m, io.source, bucket.index)]
+    staged += [m for m in bucket.recvs if _staged(m, io.dest, bucket.index)]
+    return sum(_aligned(m.nbytes) for m in staged)
+
+
+def compile_bucket(bucket: RankBucket, io: BucketIO, buf: torch.Tensor | None) -> BucketOps:
+    """Resolve every view of `bucket`; staged messages take consecutive slices of `buf`."""
+    ops, cursor = BucketOps(bucket), 0
+    for side, messages, endpoint in (("send", bucket.sends, io.source), ("recv", bucket.recvs, io.dest)):
         for msg in messages:
-            if any(m is msg for m in staged):
+            if _staged(msg, endpoint, bucket.index):
                 target = buf[cursor : cursor + msg.nbytes]
                 cursor += _aligned(msg.nbytes)
-                counters.staged_bytes += msg.nbytes
-                if side == "send":
-                    for seg in msg.segments:
-                        region(target, seg, io.dtypes[seg.tensor]).copy_(
-                            endpoint(bucket.index, seg.tensor).view(seg.offsets, seg.sizes))
-                else:
-                    prepared.unpack.append((target, msg))
+                ops.counters.staged_bytes += msg.nbytes
+                for seg in msg.segments:
+                    box = endpoint(bucket.index, seg.tensor).view(seg.offsets, seg.sizes)
+                    packed = region(target, seg, io.dtypes[seg.tensor])
+                    if side == "send":
+                        ops.pack.add(packed, box)
+                    else:
+                        ops.unpack.add(box, packed)
             else:
                 seg = msg.segments[0]
                 target = as_bytes(endpoint(bucket.index, seg.tensor).view(seg.offsets, seg.sizes))
-                counters.zero_copy_bytes += msg.nbytes
-            (sends if side == "send" else recvs).append((msg.peer, target))
-    _local_copies(bucket, io, counters)
-    counters.sent_bytes += sum(seg.nbytes for m in bucket.sends for seg in m.segments)
-    counters.received_bytes += sum(seg.nbytes for m in bucket.recvs for seg in m.segments)
-    counters.messages += len(bucket.sends) + len(bucket.recvs)
-    counters.buckets += 1
-    prepared.pending = transport.post(sends, recvs) if sends or recvs else None
-    return prepared
-
-
-def _local_copies(bucket: RankBucket, io: BucketIO, counters: Counters) -> None:
-    """Copy what this rank holds on both sides: contiguous pairs as bytes in one batched
-    `_foreach_copy_` (thousands of small tensors cost a few launches), the rest one by one."""
-    dsts, srcs = [], []
+                ops.counters.zero_copy_bytes += msg.nbytes
+            (ops.sends if side == "send" else ops.recvs).append((msg.peer, target))  # noqa: B018
     for seg in bucket.local:
         dst = io.dest(bucket.index, seg.tensor).view(seg.offsets, seg.sizes)
         src = io.source(bucket.index, seg.tensor).view(seg.offsets, seg.sizes)
-        counters.local_bytes += seg.nbytes
-        if dst.data_ptr() == src.data_ptr() and dst.stride() == src.stride():
-            continue
-        dst_bytes, src_bytes = as_bytes(dst), as_bytes(src)
-        if dst_bytes is not None and src_bytes is not None:
-            dsts.append(dst_bytes)
-            srcs.append(src_bytes)
-        else:
-            dst.copy_(src)
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
+        ops.counters.local_bytes += seg.nbytes
+        if dst.data_ptr() != src.data_ptr() or dst.stride() != src.stride():
+            ops.local.add(dst, src)
+    ops.counters.sent_bytes = sum(seg.nbytes for m in bucket.sends for seg in m.segments)
+    ops.counters.received_bytes = sum(seg.nbytes for m in bucket.recvs for seg in m.segments)
+    ops.counters.messages = len(bucket.sends) + len(bucket.recvs)
+    ops.counters.buckets = 1
+    return ops
 
 
-def complete_bucket(prepared: Prepared, io: BucketIO, deadline: float) -> None:
-    if prepared.pending is not None:
-        prepared.pending.wait(deadline)
-    for target, msg in prepared.unpack:
-        for seg in msg.segments:
-            io.dest(prepared.bucket.index, seg.tensor).view(seg.offsets, seg.sizes).copy_(
-                region(target, seg, io.dtypes[seg.tensor]))
+def start_bucket(ops: BucketOps, transport: Transport) -> None:
+    """Pack, copy locally, and post the bucket's grouped send/recv."""
+    ops.pack.run()
+    ops.local.run()
+    ops.pending = transport.post(ops.sends, ops.recvs) if ops.sends or ops.recvs else None
+
+
+def complete_bucket(ops: BucketOps, deadline: float) -> None:
+    """Wait for the bucket's transfers, then unpack what was staged."""
+    if ops.pending is not None:
+        ops.pending.wait(deadline)
+        ops.pending = None
+    ops.unpack.run()
+
+
+@dataclass
+class Program:
+    """A compiled round: its buckets and the staging they share."""
+
+    buckets: list[BucketOps]
+    staging: list[torch.Tensor]
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.numel() for b in self.staging)
+
+
+def compile_program(buckets: Sequence[RankBucket], io: BucketIO, device: torch.device) -> Program:
+    """Compile `buckets` with two alternating staging buffers (see the module docstring)."""
+    needs = [staging_need(b, io) for b in buckets]
+    sizes = [max(needs[slot::2], default=0) for slot in (0, 1)]
+    staging = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+    return Program([compile_bucket(b, io, staging[i % 2]) for i, b in enumerate(buckets)], staging)
 
 
 class BucketError(RuntimeError):
     """A bucket failed on this rank; the message names the bucket and its tensors."""
 
 
-def run_buckets(
-    buckets: Sequence[RankBucket],
-    io: BucketIO,
-    transport: Transport,
-    staging: Staging,
-    deadline: float,
-    *,
-    names: Sequence[str],
-    context: str,
-) -> Counters:
-    """Run `buckets` in order with double-buffered staging; see the module docstring."""
+def run_program(program: Program, transport: Transport, deadline: float, *, names: Sequence[str], context: str) -> Counters:
+    """Replay a compiled round, bucket k+1 packed while bucket k is in flight."""
     counters, previous, active = Counters(), None, None
     try:
-        for step, bucket in enumerate(buckets):
-            active = bucket
-            current = post_bucket(bucket, io, transport, lambda n, s=step % 2: staging.get(s, n), counters)
+        for ops in program.buckets:
+            active = ops.bucket
+            start_bucket(ops, transport)
             if previous is not None:
                 active = previous.bucket
-                complete_bucket(previous, io, deadline)
-            previous = current
+                complete_bucket(previous, deadline)
+            previous = ops
+            counters.add(ops.counters)
         if previous is not None:
             active = previous.bucket
-            complete_bucket(previous, io, deadline)
+            complete_bucket(previous, deadline)
         transport.finish(deadline)
     except Exception as exc:
         transport.abort()

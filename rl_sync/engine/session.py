@@ -20,9 +20,12 @@ import torch
 from ..messages import InitInfo, RankStats, RoundInfo
 from ..plan_info import PlanInfo
 from ..transport.base import Transport
-from .broadcast import ROOT, gather_schedule, run_broadcast
+from .broadcast import ROOT, BroadcastStaging, gather_schedule, run_broadcast
 from .endpoint import Endpoint
-from .runner import BucketError, BucketIO, Counters, Staging, deadline_in, run_buckets
+from .runner import BucketError, BucketIO, Counters, Program, compile_program, deadline_in, run_program
+
+MAX_PROGRAMS = 4
+"""Compiled rounds kept per session (the full round plus recent subsets)."""
 
 
 def make_transport(info: InitInfo, bind_host: str, device: torch.device) -> Transport:
@@ -54,9 +57,10 @@ class RankSession:
         self.role = "both" if sends and info.rank in info.worker_ranks else "trainer" if sends else "worker"
         self.names = [s.name for s in self.plan.specs]
         self.dtypes = [getattr(torch, s.dtype) for s in self.plan.specs]
-        self.full_slice = self.schedule.rank_slice(self.rank)
+        self.device = torch.device(device)
         self._gather = None
-        self.staging = Staging(device)
+        self._programs: dict[tuple | None, tuple[Mapping, Mapping, Program]] = {}
+        self.broadcast_staging = BroadcastStaging(self.device)
         self.transport = make_transport(info, bind_host, device)
 
     def destination_endpoints(self, views: Mapping[str, torch.Tensor]) -> dict[str, Endpoint]:
@@ -104,19 +108,36 @@ class RankSession:
             seconds=time.perf_counter() - start, sent_bytes=counters.sent_bytes,
             received_bytes=counters.received_bytes, zero_copy_bytes=counters.zero_copy_bytes,
             staged_bytes=counters.staged_bytes, local_bytes=counters.local_bytes, messages=counters.messages,
-            buckets=counters.buckets, staging_bytes=self.staging.nbytes,
+            buckets=counters.buckets, staging_bytes=self.staging_bytes,
         )
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.broadcast_staging.nbytes + sum(p.staging_bytes for _, _, p in self._programs.values())
 
     def _run(self, round_info: RoundInfo, sources, dests, context: str) -> Counters:
         deadline = deadline_in(round_info.timeout_s)
-        src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
-        wanted = None if round_info.names is None else [self.plan.index[n] for n in round_info.names]
+        wanted = None if round_info.names is None else tuple(sorted({self.plan.index[n] for n in round_info.names}))
         if round_info.mode == "broadcast":
+            src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
             return run_broadcast(self._gather_schedule(), self.plan, self.rank, src, dst, self.dtypes,
-                                 self.transport, self.staging, deadline, wanted)
-        mine = self.full_slice if wanted is None else self.schedule.rank_slice(self.rank, wanted)
+                                 self.transport, self.broadcast_staging, deadline, wanted)
+        program = self._program(wanted, sources, dests)
+        return run_program(program, self.transport, deadline, names=self.names, context=context)
+
+    def _program(self, wanted: tuple[int, ...] | None, sources: Mapping, dests: Mapping) -> Program:
+        """The compiled round for this subset, rebuilt only when the endpoint mappings change."""
+        cached = self._programs.get(wanted)
+        if cached is not None and cached[0] is sources and cached[1] is dests:
+            return cached[2]
+        self._programs.pop(wanted, None)
+        src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
         io = BucketIO(lambda _b, t: src[t], lambda _b, t: dst[t], self.dtypes)
-        return run_buckets(mine.buckets, io, self.transport, self.staging, deadline, names=self.names, context=context)
+        program = compile_program(self.schedule.rank_slice(self.rank, wanted).buckets, io, self.device)
+        if len(self._programs) >= MAX_PROGRAMS:
+            self._programs.pop(next(iter(self._programs)))
+        self._programs[wanted] = (sources, dests, program)
+        return program
 
     def _gather_schedule(self):
         if self._gather is None:
@@ -125,4 +146,4 @@ class RankSession:
 
     def close(self) -> None:
         self.transport.close()
-        self.staging.release()
+        self._programs.clear()

@@ -47,8 +47,15 @@ def nccl_available() -> bool:
 
 
 def new_unique_id() -> list[int]:
-    """A fresh NCCL unique id as plain ints (travels through the coordinator)."""
-    return list(_nccl().get_unique_id())
+    """A fresh NCCL unique id as ints in [0, 256) (travels through the coordinator)."""
+    return [x & 0xFF for x in _nccl().get_unique_id()]
+
+
+def _comm_id(nccl, unique_id: Sequence[int]):
+    """The id in the form this CuPy takes: bytes (CuPy 14) or a tuple of signed chars."""
+    if isinstance(nccl.get_unique_id(), bytes):
+        return bytes(x & 0xFF for x in unique_id)
+    return tuple(x - 256 if x > 127 else x for x in unique_id)
 
 
 class _NcclPending(Pending):
@@ -76,11 +83,12 @@ class NcclTransport(Transport):
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         torch.cuda.set_device(self.device)
         self.stream = torch.cuda.Stream(self.device)
-        self.comm = nccl.NcclCommunicator(world_size, tuple(unique_id), rank)
+        self.comm = nccl.NcclCommunicator(world_size, _comm_id(nccl, unique_id), rank)
         self.bcast_ranks = list(broadcast_ranks)
         self.bcast = None
         if rank in self.bcast_ranks and broadcast_id is not None:
-            self.bcast = nccl.NcclCommunicator(len(self.bcast_ranks), tuple(broadcast_id), self.bcast_ranks.index(rank))
+            self.bcast = nccl.NcclCommunicator(len(self.bcast_ranks), _comm_id(nccl, broadcast_id),
+                                               self.bcast_ranks.index(rank))
         self._last: torch.cuda.Event | None = None
         self._closed = False
 
