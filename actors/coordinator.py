@@ -56,6 +56,8 @@ class Coordinator:
         all_ids = [h._actor_id for h in self.ranks]
         self.worker_ranks = tuple(all_ids.index(w._actor_id) for w in self.workers)
         self.ipc = False
+        self.sparse_used = self.sparse_ready = False
+        self.since_dense = 0
         self.version = 0
         self.broken: str | None = None
         self._store = None
@@ -140,7 +142,7 @@ class Coordinator:
         return InitInfo(rank=0, world_size=len(self.ranks), num_trainers=T, worker_ranks=self.worker_ranks,
                         transport=transport, store_host=host, store_port=port,
                         prefix=f"rl-sync-{uuid.uuid4().hex[:12]}", nccl_id=ids[0], nccl_broadcast_id=ids[1],
-                        timeout_s=cfg.round_timeout_s)
+                        timeout_s=cfg.round_timeout_s, baseline_device=cfg.sparse_baseline)
 
     def _nccl_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """Two fresh NCCL ids from trainer 0 (p2p group, broadcast group), or None without NCCL."""
@@ -161,14 +163,20 @@ class Coordinator:
             raise ValueError(f"push: tensors {unknown[:5]} were not declared at init; the round may carry only "
                              f"names the trainers declared ({len(self.names)} of them)")
         mode = mode or self.config.mode
-        if mode not in ("m2n", "broadcast"):
-            raise ValueError(f"push: mode must be 'm2n' or 'broadcast', got {mode!r}")
+        if mode not in ("m2n", "broadcast", "sparse", "auto"):
+            raise ValueError(f"push: mode must be 'm2n', 'broadcast', 'sparse' or 'auto', got {mode!r}")
+        if mode in ("sparse", "auto"):
+            self.sparse_used = True
+            every = self.config.dense_refresh_every
+            if not self.sparse_ready or (every and self.since_dense + 1 >= every):
+                mode = "m2n"  # first round, a worker without a full copy, or a scheduled refresh
         return version, mode
 
     def push(self, version: int | None, names: list[str] | None, mode: str | None) -> RoundStats:
         """Run one round on every rank; see the module docstring."""
         version, mode = self._check_push(version, names, mode)
-        blob = encode(RoundInfo(version, mode, None if names is None else tuple(names), self.config.round_timeout_s))
+        blob = encode(RoundInfo(version, mode, None if names is None else tuple(names), self.config.round_timeout_s,
+                                self.sparse_used))
         what, timeout = f"round {version} ({mode})", self.config.round_timeout_s + 5
         start = time.perf_counter()
         try:
@@ -182,6 +190,10 @@ class Coordinator:
             self.broken = f"round {version}"
             raise
         self.version = version
+        if mode in ("sparse", "auto"):
+            self.since_dense += 1
+        elif self.sparse_used and names is None:
+            self.sparse_ready, self.since_dense = True, 0
         if self.ipc:
             results += [replace(results[r], rank=r, role="worker", sent_bytes=0,
                                 received_bytes=results[r].received_bytes + results[r].local_bytes)

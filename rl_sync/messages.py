@@ -13,7 +13,7 @@ from typing import Literal
 
 from .plan_info import LayoutInfo
 
-Mode = Literal["m2n", "broadcast"]
+Mode = Literal["m2n", "broadcast", "sparse", "auto"]
 TransportName = Literal["gloo", "nccl", "local"]
 
 
@@ -55,6 +55,7 @@ class InitInfo:
     nccl_id: tuple[int, ...]
     nccl_broadcast_id: tuple[int, ...]
     timeout_s: float
+    baseline_device: Literal["device", "pinned_cpu"]
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size or not 0 < self.num_trainers <= self.world_size:
@@ -75,6 +76,8 @@ class RoundInfo:
     mode: Mode
     names: tuple[str, ...] | None
     timeout_s: float
+    baseline: bool
+    """Trainers keep per-tensor baselines (the last synced values) up to date this round."""
 
 
 @dataclass(frozen=True)
@@ -94,3 +97,10 @@ class RankStats:
     messages: int
     buckets: int
     staging_bytes: int
+    baseline_bytes: int
+    """Memory holding the last synced values for sparse rounds (0 until sparse is used)."""
+    dense_bytes: int
+    """What a dense round would have moved for the same transfers (sparse rounds)."""
+    changed_elements: int
+    encodings: dict[str, int]
+    """Sparse transfers per encoding: indices, bitmap, dense."""

@@ -41,6 +41,24 @@ class RoundStats:
     def staging_bytes(self) -> int:
         return max((r.staging_bytes for r in self.ranks), default=0)
 
+    @property
+    def dense_bytes(self) -> int:
+        """What the trainers would have sent dense for the same transfers (sparse rounds)."""
+        return sum(r.dense_bytes for r in self.ranks if r.role != "worker")
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(r.sent_bytes for r in self.ranks)
+
+    @property
+    def encodings(self) -> dict[str, int]:
+        mix: dict[str, int] = {}
+        for r in self.ranks:
+            if r.role != "worker":
+                for name, count in r.encodings.items():
+                    mix[name] = mix.get(name, 0) + count
+        return mix
+
     def log_line(self) -> str:
         return (f"rl-sync round {self.version} [{self.mode}]: {self.seconds:.3f} s, busiest trainer sent "
                 f"{self.busiest_sender_bytes / 1e6:.1f} MB, busiest worker received "

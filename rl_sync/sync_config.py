@@ -19,8 +19,14 @@ class SyncConfig:
     colocate: Literal["auto", "ipc", "off"] = "auto"
     """`auto`: when every worker shares its GPU with a trainer, trainers write straight into the
     workers' memory through CUDA IPC (`ipc` insists on it, `off` never does)."""
-    mode: Literal["m2n", "broadcast"] = "m2n"
-    """Default mode of `push`: resharded point-to-point, or the broadcast baseline."""
+    mode: Literal["m2n", "broadcast", "sparse", "auto"] = "m2n"
+    """Default mode of `push`: resharded dense point-to-point, the broadcast baseline, changed
+    elements only (`sparse`: indices or bitmap), or per transfer whichever is smallest (`auto`)."""
+    sparse_baseline: Literal["device", "pinned_cpu"] = "device"
+    """Where trainers keep the last synced values sparse rounds diff against (one copy of each
+    local shard, allocated at the first sparse or auto push)."""
+    dense_refresh_every: int = 0
+    """Run every K-th sparse or auto round dense (0: never)."""
     bucket_bytes: int = 256 << 20
     """Bytes one rank sends plus receives in one bucket (one grouped launch)."""
     coalesce_bytes: int = 1 << 20
@@ -43,5 +49,7 @@ class SyncConfig:
             raise ValueError(f"SyncConfig.coalesce_bytes must be >= 0, got {self.coalesce_bytes}")
         if self.init_timeout_s <= 0 or self.round_timeout_s <= 0:
             raise ValueError("SyncConfig timeouts must be > 0 seconds")
+        if self.dense_refresh_every < 0:
+            raise ValueError(f"SyncConfig.dense_refresh_every must be >= 0, got {self.dense_refresh_every}")
         if not 0 <= self.rendezvous_port < 65536:
             raise ValueError(f"SyncConfig.rendezvous_port must be in [0, 65536), got {self.rendezvous_port}")

@@ -23,6 +23,7 @@ from ..transport.base import Transport
 from .broadcast import ROOT, BroadcastStaging, gather_schedule, run_broadcast
 from .endpoint import Endpoint
 from .runner import BucketError, BucketIO, Counters, Program, compile_program, deadline_in, run_program
+from .sparse_round import SparseCounters, SparseIO, run_sparse_bucket
 
 MAX_PROGRAMS = 4
 """Compiled rounds kept per session (the full round plus recent subsets)."""
@@ -60,6 +61,7 @@ class RankSession:
         self.device = torch.device(device)
         self._gather = None
         self._programs: dict[tuple | None, tuple[Mapping, Mapping, Program]] = {}
+        self.baselines: dict[int, Endpoint] | None = None
         self.broadcast_staging = BroadcastStaging(self.device)
         self.transport = make_transport(info, bind_host, device)
 
@@ -98,18 +100,24 @@ class RankSession:
         context = f"round {round_info.version} ({round_info.mode})"
         try:
             counters = self._run(round_info, sources, dests, context)
-        except BucketError:
-            raise
         except Exception as exc:
             self.transport.abort()
+            if isinstance(exc, BucketError):
+                raise
             raise BucketError(f"rank {self.rank}, {context}: {type(exc).__name__}: {exc}") from exc
+        sparse = counters if isinstance(counters, SparseCounters) else SparseCounters()
         return RankStats(
             rank=self.rank, role=self.role, version=round_info.version, mode=round_info.mode,
             seconds=time.perf_counter() - start, sent_bytes=counters.sent_bytes,
             received_bytes=counters.received_bytes, zero_copy_bytes=counters.zero_copy_bytes,
             staged_bytes=counters.staged_bytes, local_bytes=counters.local_bytes, messages=counters.messages,
-            buckets=counters.buckets, staging_bytes=self.staging_bytes,
+            buckets=counters.buckets, staging_bytes=self.staging_bytes, baseline_bytes=self.baseline_bytes,
+            dense_bytes=sparse.dense_bytes, changed_elements=sparse.changed, encodings=sparse.encodings,
         )
+
+    @property
+    def baseline_bytes(self) -> int:
+        return sum(e.tensor.numel() * e.tensor.element_size() for e in (self.baselines or {}).values())
 
     @property
     def staging_bytes(self) -> int:
@@ -118,12 +126,45 @@ class RankSession:
     def _run(self, round_info: RoundInfo, sources, dests, context: str) -> Counters:
         deadline = deadline_in(round_info.timeout_s)
         wanted = None if round_info.names is None else tuple(sorted({self.plan.index[n] for n in round_info.names}))
+        if round_info.mode in ("sparse", "auto"):
+            return self._run_sparse(round_info, wanted, sources, dests, deadline, context)
         if round_info.mode == "broadcast":
             src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
-            return run_broadcast(self._gather_schedule(), self.plan, self.rank, src, dst, self.dtypes,
-                                 self.transport, self.broadcast_staging, deadline, wanted)
-        program = self._program(wanted, sources, dests)
-        return run_program(program, self.transport, deadline, names=self.names, context=context)
+            counters = run_broadcast(self._gather_schedule(), self.plan, self.rank, src, dst, self.dtypes,
+                                     self.transport, self.broadcast_staging, deadline, wanted)
+        else:
+            counters = run_program(self._program(wanted, sources, dests), self.transport, deadline, names=self.names,
+                                   context=context)
+        if round_info.baseline:
+            self._refresh_baselines(self._indices(sources, "source"), wanted)
+        return counters
+
+    def _refresh_baselines(self, src: dict[int, Endpoint], wanted: tuple[int, ...] | None) -> None:
+        """After a dense round: the last synced values are the current ones."""
+        if self.baselines is None:
+            self.baselines = {i: Endpoint(self._baseline_like(e.tensor), e.origin) for i, e in src.items()}
+        for i, endpoint in src.items():
+            if wanted is None or i in wanted:
+                self.baselines[i].tensor.copy_(endpoint.tensor, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _baseline_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.info.baseline_device == "pinned_cpu" and tensor.is_cuda:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+    def _run_sparse(self, round_info: RoundInfo, wanted, sources, dests, deadline: float, context: str) -> SparseCounters:
+        src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
+        if src and self.baselines is None:
+            raise ValueError(f"rank {self.rank}: a {round_info.mode} round needs the baselines a dense round leaves; "
+                             "the coordinator runs the first round dense")
+        io = SparseIO(src, self.baselines or {}, dst, self.dtypes, allow_dense=round_info.mode == "auto")
+        counters = SparseCounters()
+        for bucket in self.schedule.rank_slice(self.rank, wanted).buckets:
+            run_sparse_bucket(bucket, io, self.transport, deadline, counters, self.names)
+        self.transport.finish(deadline)
+        return counters
 
     def _program(self, wanted: tuple[int, ...] | None, sources: Mapping, dests: Mapping) -> Program:
         """The compiled round for this subset, rebuilt only when the endpoint mappings change."""

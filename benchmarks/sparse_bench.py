@@ -1,0 +1,154 @@
+"""Sparse against dense: wire bytes and seconds at densities from 0.1% to 100%.
+
+`--e2e` (CPU, Gloo, Ray actors): 2 FSDP trainers push a ~50M-parameter bf16
+model to one engine of TP2; for each density, exactly that fraction of every
+tensor changes, then one sparse (`auto`) round and one dense round run; the
+table shows wire bytes, seconds and the encoding mix, and the crossover.
+`--codec` (any device): diff + encode + decode + apply for 1 GiB of bf16
+parameters at each density, against a device-to-device copy of the same bytes
+measured in the same run.
+
+    python benchmarks/sparse_bench.py --e2e
+    python benchmarks/sparse_bench.py --codec --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from rl_sync.engine import sparse_codec
+from rl_sync.sparse import BITMAP, BLOCKED, DENSE, INDICES, NAMES, choose, encoded_nbytes
+
+DENSITIES = (0.001, 0.01, 0.1, 0.3, 0.5, 1.0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, repeat: int = 3) -> float:
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int = 16) -> Table:
+    """Diff + encode + decode + apply for `total_bytes` of bf16 in `tensors` tensors."""
+    n = total_bytes // 2 // tensors
+    gen = torch.Generator(device=device).manual_seed(0)
+    base = [torch.randn(n, generator=gen, device=device).to(torch.bfloat16) for _ in range(tensors)]
+    live = [b.clone() for b in base]
+    copy_s = _timed(lambda: [l.copy_(b) for l, b in zip(live, base)], device)
+    table = Table(title=f"sparse codec on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}: "
+                        f"{total_bytes / 2**30:.0f} GiB bf16 in {tensors} tensors; copy {copy_s * 1e3:.2f} ms "
+                        f"({total_bytes / copy_s / 1e9:.0f} GB/s)")
+    for column in ("density", "encoding", "wire / dense", "diff+encode ms", "decode+apply ms", "total / copy"):
+        table.add_column(column, justify="right")
+    for density in DENSITIES:
+        cur = []
+        for b in base:
+            c = b.clone()
+            idx = torch.randperm(n, generator=gen, device=device)[: int(n * density)]
+            c[idx] = (c[idx].float() + 1.0).to(torch.bfloat16)
+            cur.append(c)
+        masks = [sparse_codec.changed(c, b) for c, b in zip(cur, base)]
+        ks = [int(m.sum()) for m in masks]
+        codes = [choose(n, k, 2, allow_dense=True) for k in ks]
+        blocks = [torch.empty(encoded_nbytes(code, n, k, 2), dtype=torch.uint8, device=device) for code, k in zip(codes, ks)]
+
+        def encode_all():
+            for c, b, blk, code in zip(cur, base, blocks, codes):
+                mask = sparse_codec.changed(c, b)
+                sparse_codec.encode(code, c, mask, int(mask.sum()), blk)
+
+        def apply_all():
+            for blk, code, k, l in zip(blocks, codes, ks, live):
+                index, values, ok = sparse_codec.decode(code, k, n, torch.bfloat16, blk)
+                assert bool(ok)
+                sparse_codec.apply(code, l, index, values)
+
+        encode_s, apply_s = _timed(encode_all, device), _timed(apply_all, device)
+        assert all(torch.equal(l.view(torch.int16), c.view(torch.int16)) for l, c in zip(live, cur))
+        wire = sum(b.numel() for b in blocks)
+        table.add_row(f"{density:.1%}", NAMES[codes[0]], f"{wire / total_bytes:.2%}", f"{encode_s * 1e3:.2f}",
+                      f"{apply_s * 1e3:.2f}", f"{(encode_s + apply_s) / copy_s:.1f}x")
+        for l, b in zip(live, base):
+            l.copy_(b)
+    return table
+
+
+def e2e_table(repeat: int) -> Table:
+    import ray
+
+    from actors import InferenceWorker, TrainerActor, WeightSync
+    from actors.synthetic import trainer_build, worker_build
+    from rl_sync.sync_config import SyncConfig
+    from rl_sync.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
+
+    shape = ModelShape(layers=4, hidden=512, intermediate=1536, vocab=32000, heads=8, kv_heads=8, head_dim=64)
+    specs = model_specs(shape, TrainerParallel(ranks=2), InferenceParallel(engines=1, tensor_parallel=2))
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    Trainer, Worker = ray.remote(num_cpus=0.25)(TrainerActor), ray.remote(num_cpus=0.25)(InferenceWorker)
+    trainers = [Trainer.remote(i, 2, trainer_build(specs)) for i in range(2)]
+    workers = [Worker.remote(j, 2, worker_build(specs, 2)) for j in range(2)]
+    sync = WeightSync.create(trainers, workers, SyncConfig(transport="gloo", rendezvous_host="127.0.0.1",
+                                                           bind_host="127.0.0.1", bucket_bytes=64 << 20))
+    sync.push(mode="auto")
+    params = sum(s.nbytes for s in specs) / 2
+    table = Table(title=f"CPU / Gloo, {params / 1e6:.0f}M bf16 parameters, 2 FSDP trainers -> TP2: sparse (auto) vs dense")
+    for column in ("density", "transfers indices/blocked/bitmap/dense", "sparse wire", "dense wire", "wire ratio",
+                   "sparse s", "dense s"):
+        table.add_column(column, justify="right")
+    for density in DENSITIES:
+        def perturb(actor, d=density):
+            gen = torch.Generator().manual_seed(int(d * 1e6))
+            for s in actor.held.values():
+                flat = s.local.view(-1)
+                idx = torch.randperm(flat.numel(), generator=gen)[: int(flat.numel() * d)]
+                flat[idx] = (flat[idx].float() + 1.0).to(flat.dtype)
+
+        sparse_s, dense_s, wire, dense_wire, mix = [], [], 0, 0, {}
+        for _ in range(repeat):
+            ray.get([t.call.remote(perturb) for t in trainers])
+            stats = sync.push(mode="auto")
+            sparse_s.append(stats.seconds)
+            wire = sum(r.sent_bytes for r in stats.ranks if r.role == "trainer")
+            dense_wire, mix = stats.dense_bytes, stats.encodings
+            dense_s.append(sync.push(mode="m2n").seconds)
+        counts = "/".join(str(mix.get(NAMES[c], 0)) for c in (INDICES, BLOCKED, BITMAP, DENSE))
+        table.add_row(f"{density:.1%}", counts, f"{wire / 1e6:.2f} MB", f"{dense_wire / 1e6:.2f} MB",
+                      f"{wire / dense_wire:.2%}", f"{statistics.median(sparse_s):.3f}", f"{statistics.median(dense_s):.3f}")
+    sync.close()
+    ray.shutdown()
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--e2e", action="store_true", help="end to end over Ray actors and Gloo (CPU)")
+    parser.add_argument("--codec", action="store_true", help="codec throughput for 1 GiB on --device")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    console = Console(width=160)
+    if args.codec:
+        console.print(codec_table(torch.device(args.device)))
+    if args.e2e:
+        console.print(e2e_table(args.repeat))
+
+
+if __name__ == "__main__":
+    main()

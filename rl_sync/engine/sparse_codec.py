@@ -1,0 +1,129 @@
+"""Torch side of sparse deltas: find changed elements, encode, validate, apply.
+
+Changes are found bit-exactly (elements compared as integers of their width,
+so NaN payloads and -0.0 count). Indices are flat, row-major, local to the
+transfer's box. Decoding validates everything (ranges, order, bit counts,
+sizes) and only then writes, so malformed input never reaches live storage
+and never triggers a device-side assert.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sparse import BITMAP, BLOCK, BLOCKED, DENSE, INDICES, encoded_nbytes
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements reinterpreted as same-width integers (bit patterns)."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t if t.dtype == _BITS[t.element_size()] else t.view(_BITS[t.element_size()])
+
+
+def changed(cur: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Flat bool mask of elements whose bits differ (row-major over the box).
+
+    Elements wider than 8 bytes (complex128) are all marked changed: they travel dense."""
+    if cur.element_size() not in _BITS:
+        return torch.ones(cur.numel(), dtype=torch.bool, device=cur.device)
+    return (as_bits(cur) != as_bits(base.to(cur.device, non_blocking=True))).reshape(-1)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """One bit per element, little-endian within each byte; trailing bits zero."""
+    pad = (-mask.numel()) % 8
+    bits = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
+    weights = (1 << torch.arange(8, device=mask.device, dtype=torch.int32)).to(torch.uint8)
+    return (bits * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    return ((packed[:, None] >> shifts) & 1).reshape(-1)[: ((n + 7) // 8) * 8]
+
+
+def _up(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def encode(code: int, cur: torch.Tensor, mask: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    """Write transfer `cur` (a box view) encoded as `code` into byte buffer `out`."""
+    flat = cur.reshape(-1)
+    size = cur.element_size()
+    if code == DENSE:
+        out[: size * flat.numel()].view(cur.dtype).copy_(flat)
+        return
+    values = flat[mask]
+    if code == INDICES:
+        out[: 4 * k].view(torch.int32).copy_(torch.nonzero(mask).reshape(-1))
+        out[_up(4 * k) : _up(4 * k) + size * k].view(cur.dtype).copy_(values)
+    elif code == BLOCKED:
+        index = torch.nonzero(mask).reshape(-1)
+        blocks = -(-flat.numel() // BLOCK)
+        counts, offsets = _up(4 * blocks), _up(4 * blocks) + _up(2 * k)
+        out[: 4 * blocks].view(torch.int32).copy_(torch.bincount(index >> 16, minlength=blocks))
+        out[counts : counts + 2 * k].view(torch.int16).copy_((index & 0xFFFF).to(torch.int32).to(torch.int16))
+        out[offsets : offsets + size * k].view(cur.dtype).copy_(values)
+    else:
+        nbits = _up(-(-flat.numel() // 8))
+        out[: -(-flat.numel() // 8)].copy_(pack_bits(mask))
+        out[nbits : nbits + size * k].view(cur.dtype).copy_(values)
+
+
+def decode(code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions, values, ok) of one transfer; `ok` is a 0-dim bool tensor (no host sync here).
+    Dense transfers return no positions: `apply` copies them whole."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if block.numel() != encoded_nbytes(code, n, k, size):
+        raise ValueError(f"payload of {block.numel()} bytes, header implies {encoded_nbytes(code, n, k, size)}")
+    if code == DENSE:
+        return torch.empty(0, dtype=torch.long, device=block.device), block[: size * n].view(dtype), \
+            torch.ones((), dtype=torch.bool, device=block.device)
+    if code == INDICES:
+        index = block[: 4 * k].view(torch.int32).long()
+        values = block[_up(4 * k) : _up(4 * k) + size * k].view(dtype)
+        ok = ((index >= 0) & (index < n)).all() & (index[1:] > index[:-1]).all()
+        return index, values, ok
+    if code == BLOCKED:
+        return _decode_blocked(k, n, dtype, size, block)
+    nbits = -(-n // 8)
+    bits = unpack_bits(block[:nbits], n)
+    ok = (bits[n:] == 0).all() & (bits[:n].sum() == k)
+    index = torch.nonzero(bits[:n]).reshape(-1)
+    values = block[_up(nbits) : _up(nbits) + size * k].view(dtype)
+    return index, values, ok
+
+
+def _decode_blocked(k: int, n: int, dtype: torch.dtype, size: int, block: torch.Tensor):
+    blocks = -(-n // BLOCK)
+    start_off, start_val = _up(4 * blocks), _up(4 * blocks) + _up(2 * k)
+    counts = block[: 4 * blocks].view(torch.int32).long()
+    offsets = block[start_off : start_off + 2 * k].view(torch.int16).long() & 0xFFFF
+    ends = torch.cumsum(counts.clamp(min=0), 0)
+    owner = torch.searchsorted(ends, torch.arange(k, device=block.device), right=True).clamp(max=blocks - 1)
+    index = owner * BLOCK + offsets
+    ok = (counts >= 0).all() & (counts.sum() == k) & (index < n).all() & (index[1:] > index[:-1]).all()
+    return index, block[start_val : start_val + size * k].view(dtype), ok
+
+
+def apply(code: int, view: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """Write decoded values into a (possibly strided) live box view, in place."""
+    if code == DENSE:
+        view.copy_(values.view(view.shape))
+        return
+    if not index.numel():
+        return
+    if view.is_contiguous():
+        view.view(-1)[index] = values
+        return
+    offsets = torch.zeros_like(index)
+    rest = index
+    for size, stride in zip(reversed(view.shape), reversed(view.stride())):
+        offsets += (rest % size) * stride
+        rest = rest // size
+    span = 1 + sum((s - 1) * st for s, st in zip(view.shape, view.stride()))
+    flat = view.as_strided((span,), (1,))
+    flat[offsets] = values.to(view.dtype)

@@ -1,0 +1,57 @@
+"""Sparse delta encodings: which one a transfer uses, and how many bytes it takes.
+
+A transfer of `n` elements of `itemsize` bytes, `k` of them changed since the
+last sync, travels as whichever is smallest:
+
+* `INDICES`: k int32 box-local flat indices, then the k values (4k + bk bytes);
+* `BLOCKED`: the box cut into blocks of 65,536 elements, an int32 count per
+  block, then k uint16 offsets inside their blocks, then the k values
+  (4 ceil(n / 65536) + 2k + bk bytes: 2% of dense for bf16 at 1% density,
+  where int32 indices take 3%);
+* `BITMAP`: one bit per element (ceil(n / 8) bytes), then the k values;
+* `DENSE`: all n values (bn bytes).
+
+Blocks inside a message start 16-byte aligned. Pure arithmetic: the torch side
+is `rl_sync.engine.sparse_codec`.
+"""
+
+from __future__ import annotations
+
+INDICES, BITMAP, DENSE, BLOCKED = 0, 1, 2, 3
+NAMES = {INDICES: "indices", BITMAP: "bitmap", DENSE: "dense", BLOCKED: "blocked"}
+BLOCK = 1 << 16
+ALIGN = 16
+MAX_INDEX = 2**31 - 1
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def encoded_nbytes(code: int, n: int, k: int, itemsize: int) -> int:
+    """Bytes of one encoded transfer (its parts each 16-byte aligned)."""
+    if code == INDICES:
+        return _up(4 * k) + _up(itemsize * k) if k else 0
+    if code == BITMAP:
+        return _up(-(-n // 8)) + _up(itemsize * k)
+    if code == BLOCKED:
+        return _up(4 * -(-n // BLOCK)) + _up(2 * k) + _up(itemsize * k)
+    if code == DENSE:
+        return _up(itemsize * n)
+    raise ValueError(f"unknown sparse encoding code {code!r}; expected 0 (indices), 1 (bitmap), 2 (dense) or 3 (blocked)")
+
+
+def choose(n: int, k: int, itemsize: int, allow_dense: bool) -> int:
+    """The smallest encoding for `k` changes in `n` elements (ties prefer the sparser one)."""
+    options = [INDICES, BLOCKED, BITMAP] + ([DENSE] if allow_dense else [])
+    if n > MAX_INDEX:
+        options.remove(INDICES)
+    return min(options, key=lambda code: (encoded_nbytes(code, n, k, itemsize), code))
+
+
+def check_count(code: int, k: int, n: int, what: str) -> None:
+    """Refuse a header that cannot describe a transfer of `n` elements."""
+    if code not in NAMES:
+        raise ValueError(f"{what}: encoding code {code} is not 0, 1, 2 or 3")
+    if not 0 <= k <= n or (code == DENSE and k != n) or (code == INDICES and n > MAX_INDEX):
+        raise ValueError(f"{what}: {NAMES[code]} header claims {k} changed of {n} elements")

@@ -1,0 +1,112 @@
+"""Sparse encodings and the codec: exact round trips, bit-exact change detection, strict validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rl_sync.engine import sparse_codec
+from rl_sync.sparse import BITMAP, BLOCKED, DENSE, INDICES, check_count, choose, encoded_nbytes
+
+
+def _round_trip(code: int, cur: torch.Tensor, base: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    mask = sparse_codec.changed(cur, base)
+    k = int(mask.sum())
+    block = torch.zeros(encoded_nbytes(code, cur.numel(), k, cur.element_size()), dtype=torch.uint8)
+    sparse_codec.encode(code, cur, mask, k, block)
+    index, values, ok = sparse_codec.decode(code, k, cur.numel(), cur.dtype, block)
+    assert bool(ok)
+    sparse_codec.apply(code, live, index, values)
+    return live
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 9), cols=st.integers(1, 9), density=st.floats(0, 1), code=st.sampled_from([INDICES, BITMAP, DENSE, BLOCKED]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.int8, torch.float16]), strided=st.booleans(),
+       seed=st.integers(0, 1000))
+def test_every_encoding_round_trips_into_strided_live_views(rows, cols, density, code, dtype, strided, seed):
+    gen = torch.Generator().manual_seed(seed)
+    base = (torch.randn(rows, cols, generator=gen) * 10).to(dtype)
+    change = torch.rand(rows, cols, generator=gen) < density
+    cur = torch.where(change, (torch.randn(rows, cols, generator=gen) * 10).to(dtype), base)
+    holder = torch.zeros(cols + 3, rows, dtype=dtype)
+    live = holder[1 : cols + 1].t() if strided else torch.zeros(rows, cols, dtype=dtype)
+    live.copy_(base)
+    out = _round_trip(code, cur, base, live)
+    dense = torch.contiguous_format
+    assert torch.equal(out.clone(memory_format=dense).view(torch.uint8), cur.clone(memory_format=dense).view(torch.uint8))
+    if strided:
+        assert (holder[0] == 0).all() and (holder[cols + 1 :] == 0).all()
+
+
+def test_changes_are_found_by_bit_pattern():
+    base = torch.tensor([0.0, float("nan"), 1.0, -0.0], dtype=torch.bfloat16)
+    cur = torch.tensor([-0.0, float("nan"), 1.0, 0.0], dtype=torch.bfloat16)
+    cur.view(torch.int16)[1] = base.view(torch.int16)[1] ^ 1  # another NaN payload
+    assert sparse_codec.changed(cur, base).tolist() == [True, True, False, True]
+    assert sparse_codec.changed(base.clone(), base).tolist() == [False, False, False, False]
+
+
+def test_choice_follows_density():
+    n, size = 1_000_000, 2
+    assert choose(n, 10, size, allow_dense=True) == INDICES
+    assert choose(n, 10_000, size, allow_dense=True) == BLOCKED
+    assert choose(n, 200_000, size, allow_dense=True) == BITMAP
+    assert choose(n, 990_000, size, allow_dense=True) == DENSE
+    assert choose(n, 990_000, size, allow_dense=False) == BITMAP
+    assert encoded_nbytes(BLOCKED, n, n // 100, size) <= 0.021 * n * size
+
+
+def test_blocked_round_trip_across_many_blocks():
+    n = 3 * (1 << 16) + 5
+    base = torch.zeros(n, dtype=torch.bfloat16)
+    cur = base.clone()
+    cur[[0, 1, 65535, 65536, 140000, n - 1]] = 1.0
+    out = _round_trip(BLOCKED, cur, base, base.clone())
+    assert torch.equal(out.view(torch.int16), cur.view(torch.int16))
+
+
+def test_blocked_counts_are_checked():
+    n, k = 70_000, 2
+    block = _block(BLOCKED, n, k)
+    block[:8].view(torch.int32).copy_(torch.tensor([3, -1], dtype=torch.int32))
+    assert not bool(sparse_codec.decode(BLOCKED, k, n, torch.float32, block)[2])
+
+
+def _block(code, n, k, dtype=torch.float32):
+    return torch.zeros(encoded_nbytes(code, n, k, torch.empty((), dtype=dtype).element_size()), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("indices", [[0, 5, 3], [1, 1, 2], [0, 2, 8], [-1, 0, 1]])
+def test_bad_indices_are_caught_before_writing(indices):
+    block = _block(INDICES, 8, 3)
+    block[:12].view(torch.int32).copy_(torch.tensor(indices, dtype=torch.int32))
+    _, _, ok = sparse_codec.decode(INDICES, 3, 8, torch.float32, block)
+    assert not bool(ok)
+
+
+def test_bitmap_count_and_padding_are_checked():
+    block = _block(BITMAP, 10, 2)
+    block[0] = 0b00000111
+    assert not bool(sparse_codec.decode(BITMAP, 2, 10, torch.float32, block)[2])
+    block = _block(BITMAP, 10, 3)
+    block[0], block[1] = 0b00000011, 0b00001000  # bit 11 is past n = 10
+    assert not bool(sparse_codec.decode(BITMAP, 3, 10, torch.float32, block)[2])
+
+
+def test_payload_size_must_match_its_header():
+    with pytest.raises(ValueError, match=r"payload of 8 bytes, header implies 32"):
+        sparse_codec.decode(INDICES, 3, 8, torch.float32, torch.zeros(8, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("code, k, n, message", [
+    (7, 1, 4, "encoding code 7 is not 0, 1, 2 or 3"),
+    (INDICES, 5, 4, "indices header claims 5 changed of 4 elements"),
+    (DENSE, 2, 4, "dense header claims 2 changed of 4 elements"),
+    (BITMAP, -1, 4, "bitmap header claims -1 changed of 4 elements"),
+])
+def test_headers_are_bounded_by_the_plan(code, k, n, message):
+    with pytest.raises(ValueError, match=message):
+        check_count(code, k, n, "segment")
