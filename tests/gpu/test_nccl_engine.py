@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rl_sync.engine.endpoint import Endpoint
-from rl_sync.engine.runner import BucketIO, Counters, RankBucket, Staging, complete_bucket, deadline_in, post_bucket
+from rl_sync.engine.runner import BucketIO, RankBucket, compile_bucket, complete_bucket, deadline_in, staging_need, start_bucket
 from rl_sync.layout import Layout, Mesh, Shard
 from rl_sync.plan import TensorSpec, plan_model
 from rl_sync.schedule import Message, build_schedule
@@ -40,10 +40,12 @@ def test_bf16_parameters_move_bit_exact_through_grouped_self_send_recv():
     io = BucketIO(lambda _b, t: Endpoint(sources[t], (0,) * sources[t].ndim),
                   lambda _b, t: Endpoint(dests[t], (0,) * dests[t].ndim), [getattr(torch, s.dtype) for s in specs])
     transport = NcclTransport(0, 1, new_unique_id(), device)
-    counters = Counters()
     deadline = deadline_in(60)
-    complete_bucket(post_bucket(bucket, io, transport, lambda n: Staging(device).get(0, n), counters), io, deadline)
+    ops = compile_bucket(bucket, io, torch.empty(staging_need(bucket, io), dtype=torch.uint8, device=device))
+    start_bucket(ops, transport)
+    complete_bucket(ops, deadline)
     transport.finish(deadline)
+    counters = ops.counters
     for s, a, b in zip(specs, sources, dests):
         assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8)), s.name
     assert torch.isnan(fused[:256].float()).all() and torch.isnan(fused[512:].float()).all()
