@@ -29,6 +29,7 @@ import torch
 
 from ..schedule import ALIGN, Message, RankBucket
 from ..transport.base import Pending, Transport
+from .batched_copy import BatchedCopy
 from .endpoint import Endpoint, as_bytes, region
 
 LARGE_COPY_BYTES = 4 << 20
@@ -81,30 +82,42 @@ class BucketIO:
 
 @dataclass
 class Copies:
-    """Copies to run together: big contiguous ones singly, the rest in one batch."""
+    """Copies to run together: big contiguous ones singly (copy engines at full bandwidth),
+    small contiguous ones in one batched launch, strided ones in one `_foreach_copy_`."""
 
     big: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    dsts: list[torch.Tensor] = field(default_factory=list)
-    srcs: list[torch.Tensor] = field(default_factory=list)
+    small: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    strided: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _batched: BatchedCopy | None = None
+    _fallback: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst_bytes, src_bytes = as_bytes(dst), as_bytes(src)
-        if dst_bytes is not None and src_bytes is not None:
-            if dst_bytes.numel() >= LARGE_COPY_BYTES:
-                self.big.append((dst_bytes, src_bytes))
-            else:
-                dst_words, src_words = _widest(dst_bytes, src_bytes)
-                self.dsts.append(dst_words)
-                self.srcs.append(src_words)
+        if dst_bytes is None or src_bytes is None:
+            self.strided.append((dst, src))
+        elif dst_bytes.numel() >= LARGE_COPY_BYTES:
+            self.big.append((dst_bytes, src_bytes))
         else:
-            self.dsts.append(dst)
-            self.srcs.append(src)
+            self.small.append((dst_bytes, src_bytes))
+
+    def _prepare(self) -> None:
+        """Decided once: Triton's one-launch copy on CUDA, else `_foreach_copy_` over words."""
+        dsts, srcs = [d for d, _ in self.small], [s for _, s in self.small]
+        self._batched = BatchedCopy.build(dsts, srcs)
+        words = [_widest(d, s) for d, s in self.small] + self.strided
+        self._fallback = ([d for d, _ in words], [s for _, s in words])
+        if self._batched is not None:
+            self._fallback = ([d for d, _ in self.strided], [s for _, s in self.strided])
 
     def run(self) -> None:
         for dst, src in self.big:
             dst.copy_(src)
-        if self.dsts:
-            torch._foreach_copy_(self.dsts, self.srcs)
+        if self._fallback is None:
+            self._prepare()
+        if self._batched is not None:
+            self._batched.run()
+        if self._fallback[0]:
+            torch._foreach_copy_(*self._fallback)
 
 
 @dataclass
