@@ -24,9 +24,14 @@ from typing import Any, Union
 
 @dataclass(frozen=True)
 class Shard:
-    """Split tensor dimension `dim` across one mesh axis (`torch.chunk` sizes)."""
+    """Split tensor dimension `dim` across one mesh axis.
+
+    `block=0` (the default, DTensor's semantics): `torch.chunk` sizes. `block=b`:
+    position i holds `[i * b, (i + 1) * b)` clipped to the dim, the layout of a
+    vocab-parallel embedding whose rows are padded to `b * axis size`."""
 
     dim: int
+    block: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
@@ -34,9 +39,11 @@ class Shard:
                 f"Shard dim must be a non-negative int, got {self.dim!r}; "
                 "normalise negative dims against the tensor's rank first"
             )
+        if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block < 0:
+            raise ValueError(f"Shard block must be a non-negative int (0: torch.chunk sizes), got {self.block!r}")
 
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if not self.block else f"S({self.dim}, block={self.block})"
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,12 @@ def chunk_at(length: int, parts: int, index: int) -> tuple[int, int]:
     chunk = -(-length // parts)
     start = min(length, chunk * index)
     return start, max(0, min(length, start + chunk) - start)
+
+
+def block_at(length: int, block: int, index: int) -> tuple[int, int]:
+    """`(start, size)` of fixed-size block `index` of `length` (clipped, maybe empty)."""
+    start = min(length, block * index)
+    return start, max(0, min(length, start + block) - start)
 
 
 def chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
@@ -273,13 +286,22 @@ class Layout:
         return Layout(Mesh(self.mesh.shape, ranks=new), self.placements)
 
     def check_shape(self, shape: Sequence[int], what: str = "tensor") -> None:
-        """Raise `ValueError` if a placement shards a dim the tensor lacks."""
+        """Raise `ValueError` if a placement shards a dim the tensor lacks, or a blocked
+        shard does not cover its dim (or shares it with another axis)."""
         for axis, placement in enumerate(self.placements):
-            if isinstance(placement, Shard) and placement.dim >= len(shape):
+            if not isinstance(placement, Shard):
+                continue
+            if placement.dim >= len(shape):
                 raise ValueError(
                     f"{what}: Shard({placement.dim}) on mesh axis {axis} is past the "
                     f"tensor's rank {len(shape)} (shape {tuple(shape)}); expected a dim "
                     f"in [0, {len(shape)})"
+                )
+            sharing = [p for p in self.placements if isinstance(p, Shard) and p.dim == placement.dim]
+            if placement.block and (len(sharing) > 1 or placement.block * self.mesh.shape[axis] < shape[placement.dim]):
+                raise ValueError(
+                    f"{what}: {placement} on mesh axis {axis} must be the only axis sharding dim "
+                    f"{placement.dim} and cover its {shape[placement.dim]} rows (block x axis size >= size)"
                 )
 
     def local_box(self, shape: Sequence[int], rank: int) -> Box | None:
@@ -297,7 +319,10 @@ class Layout:
             if isinstance(placement, Replicate):
                 continue
             dim = placement.dim
-            start, size = chunk_at(sizes[dim], self.mesh.shape[axis], coord[axis])
+            if placement.block:
+                start, size = block_at(sizes[dim], placement.block, coord[axis])
+            else:
+                start, size = chunk_at(sizes[dim], self.mesh.shape[axis], coord[axis])
             sizes[dim] = size
             offsets[dim] = offsets[dim] + start if size else shape[dim]
         return Box(tuple(offsets), tuple(sizes))

@@ -28,21 +28,26 @@ from .schedule import Schedule
 
 @dataclass(frozen=True)
 class LayoutInfo:
-    """A layout on the wire: mesh shape, flat ranks, placements (-1 = Replicate)."""
+    """A layout on the wire: mesh shape, flat ranks, placements (-1 = Replicate) and
+    each Shard's block size (0: torch.chunk sizes)."""
 
     mesh_shape: tuple[int, ...]
     ranks: tuple[int, ...]
     placements: tuple[int, ...]
+    blocks: tuple[int, ...]
 
     @classmethod
     def of(cls, layout: Layout) -> LayoutInfo:
         codes = tuple(p.dim if isinstance(p, Shard) else -1 for p in layout.placements)
-        return cls(layout.mesh.shape, layout.mesh.ranks, codes)
+        blocks = tuple(p.block if isinstance(p, Shard) else 0 for p in layout.placements)
+        return cls(layout.mesh.shape, layout.mesh.ranks, codes, blocks)
 
     def to_layout(self) -> Layout:
-        if any(code < -1 for code in self.placements):
-            raise ValueError(f"placement codes must be -1 (Replicate) or a dim >= 0, got {self.placements}")
-        placements = tuple(Replicate() if code == -1 else Shard(code) for code in self.placements)
+        if any(code < -1 for code in self.placements) or len(self.blocks) != len(self.placements):
+            raise ValueError(f"placement codes must be -1 (Replicate) or a dim >= 0, one block each, "
+                             f"got {self.placements} and {self.blocks}")
+        placements = tuple(Replicate() if code == -1 else Shard(code, block)
+                           for code, block in zip(self.placements, self.blocks))
         return Layout(Mesh(self.mesh_shape, ranks=self.ranks), placements)
 
 

@@ -27,7 +27,7 @@ def _torch_placements(layout: Layout):
 @given(data=st.data())
 def test_local_box_matches_dtensor(data):
     shape = data.draw(shapes())
-    layout = data.draw(layouts(len(shape), start=data.draw(st.integers(0, 5))))
+    layout = data.draw(layouts(shape, start=data.draw(st.integers(0, 5)), blocks=False))
     for rank in layout.mesh.ranks:
         coord = list(layout.mesh.coordinate(rank))
         sizes, offsets = _compute_local_shape_and_global_offset(
@@ -42,7 +42,7 @@ def test_local_box_matches_dtensor(data):
 @given(data=st.data())
 def test_distinct_boxes_partition_the_tensor(data):
     shape = data.draw(shapes())
-    layout = data.draw(layouts(len(shape)))
+    layout = data.draw(layouts(shape))
     count = torch.zeros(shape, dtype=torch.int32)
     for box in {b for b in layout.all_boxes(shape) if not b.is_empty()}:
         count[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))] += 1
@@ -59,6 +59,12 @@ def test_uneven_sizes_follow_torch_chunk():
 def test_two_axes_sharding_one_dim_split_left_to_right():
     layout = Layout(Mesh((2, 2)), (Shard(0), Shard(0)))
     assert [layout.local_box((8, 3), r).offsets[0] for r in range(4)] == [0, 2, 4, 6]
+
+
+def test_block_sharding_is_a_padded_vocab_split():
+    layout = Layout(Mesh((4,)), (Shard(0, block=256),))
+    assert [layout.local_box((1000, 8), r).sizes[0] for r in range(4)] == [256, 256, 256, 232]
+    assert layout.local_box((1000, 8), 3).offsets == (768, 0)
 
 
 def test_rank_outside_mesh_has_no_box():

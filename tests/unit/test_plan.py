@@ -46,8 +46,8 @@ def check_exact_once(shape, src: Layout, dst: Layout, plan) -> None:
 @given(data=st.data())
 def test_every_element_delivered_exactly_once(data):
     shape = data.draw(shapes())
-    src = data.draw(layouts(len(shape)))
-    dst = data.draw(layouts(len(shape), start=src.mesh.size))
+    src = data.draw(layouts(shape))
+    dst = data.draw(layouts(shape, start=src.mesh.size))
     check_exact_once(shape, src, dst, plan_reshard(shape, src, dst))
 
 
@@ -55,8 +55,8 @@ def test_every_element_delivered_exactly_once(data):
 @given(data=st.data())
 def test_colocated_ranks_copy_locally_what_they_hold(data):
     shape = data.draw(shapes())
-    src = data.draw(layouts(len(shape)))
-    dst = data.draw(layouts(len(shape), start=data.draw(st.integers(0, src.mesh.size))))
+    src = data.draw(layouts(shape))
+    dst = data.draw(layouts(shape, start=data.draw(st.integers(0, src.mesh.size))))
     check_exact_once(shape, src, dst, plan_reshard(shape, src, dst, colocated=True))
 
 
@@ -64,8 +64,8 @@ def test_colocated_ranks_copy_locally_what_they_hold(data):
 @given(data=st.data())
 def test_plans_are_deterministic(data):
     shape = data.draw(shapes())
-    src = data.draw(layouts(len(shape)))
-    dst = data.draw(layouts(len(shape), start=src.mesh.size))
+    src = data.draw(layouts(shape))
+    dst = data.draw(layouts(shape, start=src.mesh.size))
     first = plan_reshard(shape, src, dst)
     template.build_template.cache_clear()
     plan_module._plan_reshard.cache_clear()

@@ -54,8 +54,8 @@ def test_random_models_schedule_every_transfer_in_matching_order(data):
     specs = []
     for i in range(data.draw(st.integers(1, 5))):
         shape = data.draw(shapes())
-        src = data.draw(layouts(len(shape)))
-        dst = data.draw(layouts(len(shape), start=64))
+        src = data.draw(layouts(shape))
+        dst = data.draw(layouts(shape, start=64))
         specs.append(TensorSpec(f"t{i}", data.draw(st.sampled_from(["float32", "bfloat16", "int8"])), shape, src, dst))
     schedule = build_schedule(plan_model(specs), bucket_bytes=data.draw(st.integers(1, 2048)),
                               coalesce_bytes=data.draw(st.integers(0, 512)))

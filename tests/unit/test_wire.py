@@ -120,7 +120,7 @@ def test_plan_info_round_trip_rebuilds_the_same_schedule(data):
     for i in range(data.draw(st.integers(1, 4))):
         shape = data.draw(shapes())
         specs.append(TensorSpec(f"layers.{i}.w", "bfloat16", shape,
-                                data.draw(layouts(len(shape))), data.draw(layouts(len(shape), start=64))))
+                                data.draw(layouts(shape)), data.draw(layouts(shape, start=64))))
     schedule = build_schedule(plan_model(specs), bucket_bytes=data.draw(st.integers(1, 4096)))
     rebuilt = decode(PlanInfo, encode(PlanInfo.from_schedule(schedule), compress=True)).to_schedule()
     assert rebuilt.plan.specs == schedule.plan.specs
