@@ -74,17 +74,20 @@ class Coordinator:
         """Describe, plan, rendezvous and connect; returns a summary of the plan."""
         start, cfg = time.perf_counter(), self.config
         T, N = len(self.trainers), len(self.workers)
-        args = [("trainer", i, T) for i in range(T)] + [("worker", j, N) for j in range(N)]
-        labels = self._labels()[:T] + self._worker_labels()
-        blobs = call_all(self.trainers + self.workers, "_rl_sync_describe", args, cfg.init_timeout_s, labels,
-                         "init (describe)")
-        reports = [decode(SideReport, b) for b in blobs]
+        blobs = call_all(self.trainers, "_rl_sync_describe", [("trainer", i, T) for i in range(T)], cfg.init_timeout_s,
+                         self._labels()[:T], "init (describe trainers)")
+        trainer_reports = [decode(SideReport, b) for b in blobs]
+        sources = merge_sources(trainer_reports)
+        checkpoint = {s.name: (s.dtype, list(s.shape)) for s in sources}
+        blobs = call_all(self.workers, "_rl_sync_describe", [("worker", j, N, checkpoint) for j in range(N)],
+                         cfg.init_timeout_s, self._worker_labels(), "init (bind workers)")
+        reports = trainer_reports + [decode(SideReport, b) for b in blobs]
         self._choose_colocation(reports[:T], reports[T:])
         check_agreement(reports[T:], ranks=self.worker_ranks)
         destinations = [SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout().remapped(self.worker_ranks))
                         for t in reports[T].tensors]
         colocated = any(r < T for r in self.worker_ranks)
-        plan = plan_model(join_specs(merge_sources(reports[:T]), destinations), colocated=colocated)
+        plan = plan_model(join_specs(sources, destinations), colocated=colocated)
         self.schedule = build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes)
         self.names = set(plan.index)
         devices = [r.device for r in reports[:T]] + [reports[T + self.worker_ranks.index(r)].device

@@ -12,6 +12,7 @@ and must stay the live storage (inference engines keep parameters in place).
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from collections.abc import Mapping
 
 import ray
@@ -40,14 +41,18 @@ class _Participant:
         method = getattr(self, f"_rl_sync_{side}_entries", None)
         if method is None:
             raise TypeError(f"{type(self).__name__} is asked to be a {side} but does not inherit the {side} mixin")
-        rank, size = self._rl_sync_sides[side]
-        return method(rank, size)
+        rank, size, checkpoint = self._rl_sync_sides[side]
+        return method(rank, size, checkpoint) if side == "worker" else method(rank, size)
 
     def _rl_sync_endpoints(self, side: str) -> dict:
         return self._rl_sync_entries(side)[1] if side in (self._rl_sync_sides or {}) else {}
 
-    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int) -> bytes:
-        self._rl_sync_sides = dict(self._rl_sync_sides or {}, **{side: (side_rank, side_size)})
+    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int, checkpoint: dict | None = None) -> bytes:
+        """Report this side's tensors; a worker is given the trainers' checkpoint
+        (`{name: (dtype name, shape)}`) to bind."""
+        if checkpoint is not None:
+            checkpoint = {n: (getattr(torch, d), tuple(s)) for n, (d, s) in checkpoint.items()}
+        self._rl_sync_sides = dict(self._rl_sync_sides or {}, **{side: (side_rank, side_size, checkpoint)})
         reports, endpoints = self._rl_sync_entries(side)
         devices = {str(e.tensor.device) for e in endpoints.values()}
         if len(devices) > 1:
@@ -56,8 +61,14 @@ class _Participant:
         gpu = ""
         if device.startswith("cuda"):
             gpu = f"{ray.get_runtime_context().get_node_id()}/{device_uuid(torch.device(device))}"
-        fallbacks = tuple(getattr(self, "_rl_sync_fallbacks", ()))
+        fallbacks = tuple(self._rl_sync_fallback_names()) if side == "worker" else ()
+        if fallbacks and not hasattr(self, "rl_sync_load_fallbacks"):
+            raise ValueError(f"worker rank {side_rank}: {len(fallbacks)} tensors fall back ({list(fallbacks)[:8]}) but "
+                             f"{type(self).__name__} defines no rl_sync_load_fallbacks(pairs) hook")
         return encode(SideReport(side_rank, device, gpu, tuple(reports), fallbacks), compress=True)
+
+    def _rl_sync_fallback_names(self) -> list[str]:
+        return []
 
     def _rl_sync_nccl_ids(self) -> tuple[list[int], list[int]]:
         return new_unique_id(), new_unique_id()
@@ -80,11 +91,20 @@ class _Participant:
         sources, dests = self._rl_sync_endpoints("trainer"), self._rl_sync_endpoints("worker")
         mapped = getattr(self, "_rl_sync_mapped", None)
         if mapped is None:
-            return encode(session.run(round_info, sources, dests))
-        mapped.before_writes()
-        stats = session.run(round_info, sources, self._rl_sync_mapped_dests)
-        mapped.after_writes()
-        return encode(stats)
+            stats = session.run(round_info, sources, dests)
+        else:
+            mapped.before_writes()
+            stats = session.run(round_info, sources, self._rl_sync_mapped_dests)
+            mapped.after_writes()
+        return encode(replace(stats, fallbacks=self._rl_sync_hand_over(round_info)))
+
+    def _rl_sync_hand_over(self, round_info: RoundInfo) -> int:
+        """Give the round's fallback tensors, received whole, to the load hook; how many."""
+        names = [n for n in self._rl_sync_fallback_names() if round_info.names is None or n in round_info.names]
+        if names:
+            views = self._rl_sync_cached[1]
+            self.rl_sync_load_fallbacks([(n, views[n].tensor) for n in names])
+        return len(names)
 
     def _rl_sync_ipc_export(self, device: str) -> bytes:
         views = {name: e.tensor for name, e in self._rl_sync_endpoints("worker").items()}
@@ -137,11 +157,17 @@ class SyncWorkerMixin(_Participant):
     """Inherit in an inference-worker actor and define `rl_sync_destinations()`."""
 
     _rl_sync_cached: tuple | None = None
+    _rl_sync_fallbacks: tuple[str, ...] = ()
 
-    def _rl_sync_worker_entries(self, rank: int, size: int):
+    def _rl_sync_worker_entries(self, rank: int, size: int, checkpoint: dict | None):
         if self._rl_sync_cached is None:
             destinations = getattr(self, "rl_sync_destinations", None)
             if destinations is None:
-                raise TypeError(f"{type(self).__name__} must define rl_sync_destinations() -> {{name: Destination}}")
-            self._rl_sync_cached = worker_entries(destinations(), rank)
+                raise TypeError(f"{type(self).__name__} must define rl_sync_destinations(checkpoint) -> {{name: Destination}}")
+            bound = destinations(checkpoint)
+            self._rl_sync_fallbacks = tuple(n for n, d in bound.items() if d.fallback)
+            self._rl_sync_cached = worker_entries(bound, rank)
         return self._rl_sync_cached
+
+    def _rl_sync_fallback_names(self) -> list[str]:
+        return list(self._rl_sync_fallbacks)

@@ -40,7 +40,7 @@ class TrainerActor(_Holder, SyncTrainerMixin):
 class InferenceWorker(_Holder, SyncWorkerMixin):
     """A worker rank whose destinations are `build(rank, size)`'s `Destination`s."""
 
-    def rl_sync_destinations(self) -> Mapping[str, Any]:
+    def rl_sync_destinations(self, checkpoint=None) -> Mapping[str, Any]:
         return self.held
 
 
@@ -53,5 +53,5 @@ class HybridActor(_Holder, SyncTrainerMixin, SyncWorkerMixin):
     def rl_sync_sources(self) -> Mapping[str, Any]:
         return self.held["sources"]
 
-    def rl_sync_destinations(self) -> Mapping[str, Any]:
+    def rl_sync_destinations(self, checkpoint=None) -> Mapping[str, Any]:
         return self.held["destinations"]

@@ -103,4 +103,6 @@ class RankStats:
     """What a dense round would have moved for the same transfers (sparse rounds)."""
     changed_elements: int
     encodings: dict[str, int]
-    """Sparse transfers per encoding: indices, bitmap, dense."""
+    """Sparse transfers per encoding: indices, blocked, bitmap, dense."""
+    fallbacks: int = 0
+    """Tensors this worker received whole and handed to its load hook."""

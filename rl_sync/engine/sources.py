@@ -11,7 +11,6 @@ side's own ranks `[0, n)`; the coordinator places workers after trainers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
@@ -19,29 +18,10 @@ from ..dtypes import dtype_name
 from ..layout import Layout, Mesh
 from ..messages import TensorReport
 from ..plan_info import LayoutInfo
+from ..storage import Destination, Sharded
 from .endpoint import Endpoint
 
-
-@dataclass(frozen=True)
-class Sharded:
-    """A trainer's local shard of a tensor of global `shape` laid out by `layout`."""
-
-    local: torch.Tensor
-    layout: Layout
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Destination:
-    """A worker's live storage for its box of a checkpoint tensor.
-
-    `view` is `None` on a worker outside `layout`'s mesh (another pipeline
-    stage or expert group): it still reports the layout, for agreement."""
-
-    view: torch.Tensor | None
-    layout: Layout
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+__all__ = ["Destination", "Sharded", "trainer_entries", "worker_entries"]
 
 
 def _entry(name: str, local: torch.Tensor | None, dtype: torch.dtype, layout: Layout, shape: tuple[int, ...],

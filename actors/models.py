@@ -1,0 +1,128 @@
+"""Ready actors around real models: a Hugging Face trainer sharded with FSDP2,
+and an inference engine worker holding `rl_sync.models.TPModel`.
+
+Both form their own Gloo process groups (trainers: one FSDP group; workers:
+one world for every worker and a TP group per engine stage), independent of
+rl-sync's sync group. Wrap them with `ray.remote` like any class::
+
+    Trainer = ray.remote(HFTrainer)
+    t = Trainer.remote(rank, 2, hf_config.to_dict(), "tcp://127.0.0.1:29500")
+    Worker = ray.remote(EngineWorker)
+    w = Worker.remote(rank, Parallel(tp=2), hf_config.to_dict(), "tcp://127.0.0.1:29501")
+
+Requires `transformers` (the `hf` extra).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rl_sync.bind.binder import Binder
+from rl_sync.bind.rules import Rule
+from rl_sync.models.config import ModelConfig, Parallel
+from rl_sync.models.tp_model import TPModel
+
+from .participant import SyncTrainerMixin, SyncWorkerMixin
+
+
+def hf_config(config: Mapping[str, Any]):
+    """A transformers config object from its `to_dict()` form."""
+    from transformers import AutoConfig
+
+    values = dict(config)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+class HFTrainer(SyncTrainerMixin):
+    """A trainer rank: a `transformers` causal LM from a config (random init, no download),
+    every decoder layer and the root `fully_shard`-ed over the trainers' Gloo group."""
+
+    def __init__(self, rank: int, size: int, config: Mapping[str, Any], init_method: str, seed: int = 0,
+                 norm_noise: float = 0.1):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        self.rank, self.size = rank, size
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=120))
+        torch.manual_seed(seed)
+        self.model = AutoModelForCausalLM.from_config(hf_config(config)).float()
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if "norm" in name:
+                    param.normal_(1.0, norm_noise)  # ones would hide a norm bound to the wrong slot
+        mesh = init_device_mesh("cpu", (size,))
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.optimizer = None
+
+    def rl_sync_sources(self) -> dict[str, Any]:
+        return dict(self.model.named_parameters())
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole (collective: every trainer calls it)."""
+        return {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The trainer model's logits (collective: every trainer calls it, same tokens)."""
+        with torch.no_grad():
+            return self.model(tokens).logits
+
+    def train_step(self, tokens: torch.Tensor, lr: float = 1e-3) -> float:
+        """One next-token step with AdamW (collective)."""
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        logits = self.model(tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+    def call(self, fn, *args, **kwargs):
+        return fn(self, *args, **kwargs)
+
+
+class EngineWorker(SyncWorkerMixin):
+    """An inference worker rank holding its `TPModel` shard; binds checkpoint names with
+    the built-in rules (plus `rules`); `load_hook(self, pairs)` takes what falls back."""
+
+    def __init__(self, rank: int, par: Parallel, config: Mapping[str, Any], init_method: str,
+                 rules: Iterable[Rule] = (), load_hook=None):
+        self.rank, self.par = rank, par
+        self.cfg = ModelConfig.from_hf(hf_config(config))
+        self.model = TPModel(self.cfg, par, rank)
+        self.binder = Binder(self.cfg, par, tuple(rules))
+        self.load_hook = load_hook
+        self.fallback_calls = 0
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=par.size,
+                                timeout=timedelta(seconds=120))
+        self.groups = {}
+        for e in range(par.engines):
+            for s in range(par.pp):
+                ranks = [par.rank(e, s, t) for t in range(par.tp)]
+                self.groups[(e, s)] = dist.new_group(ranks, backend="gloo")
+        engine, stage, _ = par.coords(rank)
+        self.group = self.groups[(engine, stage)]
+
+    def rl_sync_destinations(self, checkpoint: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]):
+        binding = self.binder.bind(checkpoint, self.model.params, self.rank, allow_fallback=self.load_hook is not None)
+        return binding.destinations
+
+    def rl_sync_load_fallbacks(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        self.fallback_calls += 1
+        self.load_hook(self, pairs)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """This rank's stage forward (every TP rank of the stage calls it with the same inputs)."""
+        with torch.no_grad():
+            return self.model.forward(inputs, self.group)
+
+    def call(self, fn, *args, **kwargs):
+        return fn(self, *args, **kwargs)

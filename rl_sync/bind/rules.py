@@ -1,0 +1,89 @@
+"""Binding rules: checkpoint names to live inference parameters, as data.
+
+A rule matches a Hugging Face checkpoint name (`pattern`, a regex with named
+groups) and says where it lives on an inference worker: the live parameter
+(`target`, formatted with the groups), the fused slot inside it (`slot`, one
+of the target's `FUSED` slots) and how it is split across tensor-parallel
+ranks (`split`):
+
+* `column` / `row`: `Shard(0)` / `Shard(1)` over TP;
+* `kv`: like `column`, but with more TP ranks than KV heads each head is
+  replicated over `tp / kv_heads` ranks (as vLLM does);
+* `vocab`: `Shard(0)` in blocks of `padded_vocab / tp` rows;
+* `replicated`;
+* `experts`: stacked `(E, ...)` expert weights: with expert parallelism whole
+  experts split over TP ranks; without it, `tp_dim` is TP-sharded, or, when
+  `tp_dim` is None, the tensor cannot be split in place and falls back;
+* `expert_column` / `expert_row`: one expert's weight (`expert` group): with
+  expert parallelism replicated on the rank owning the expert, else column /
+  row split, bound at the expert's index of the stacked target.
+
+Users add rules through `SyncConfig`-style config or `Binder(rules=...)`;
+earlier rules win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Split = Literal["column", "row", "kv", "vocab", "replicated", "experts", "expert_column", "expert_row"]
+
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj.weight": ("q", "k", "v"),
+    "qkv_proj.bias": ("q", "k", "v"),
+    "gate_up_proj.weight": ("gate", "up"),
+    "w13_weight": ("gate", "up"),
+}
+"""Fused live parameters (by name suffix) and the order of their slots along the fused dim."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One checkpoint pattern and where it binds (see the module docstring)."""
+
+    pattern: str
+    target: str
+    split: Split
+    slot: str | None = None
+    expert: str | None = None
+    tp_dim: int | None = None
+
+
+L = r"model\.layers\.(?P<layer>\d+)"
+
+DENSE_RULES: tuple[Rule, ...] = (
+    Rule(r"model\.embed_tokens\.weight", "model.embed_tokens.weight", "vocab"),
+    Rule(r"lm_head\.weight", "lm_head.weight", "vocab"),
+    Rule(r"model\.norm\.weight", "model.norm.weight", "replicated"),
+    Rule(L + r"\.(?P<norm>input_layernorm|post_attention_layernorm)\.weight", "model.layers.{layer}.{norm}.weight", "replicated"),
+    Rule(L + r"\.self_attn\.q_proj\.(?P<p>weight|bias)", "model.layers.{layer}.self_attn.qkv_proj.{p}", "column", slot="q"),
+    Rule(L + r"\.self_attn\.(?P<s>k|v)_proj\.(?P<p>weight|bias)", "model.layers.{layer}.self_attn.qkv_proj.{p}", "kv", slot="{s}"),
+    Rule(L + r"\.self_attn\.(?P<n>q_norm|k_norm)\.weight", "model.layers.{layer}.self_attn.{n}.weight", "replicated"),
+    Rule(L + r"\.self_attn\.o_proj\.weight", "model.layers.{layer}.self_attn.o_proj.weight", "row"),
+    Rule(L + r"\.mlp\.(?P<s>gate|up)_proj\.weight", "model.layers.{layer}.mlp.gate_up_proj.weight", "column", slot="{s}"),
+    Rule(L + r"\.mlp\.down_proj\.weight", "model.layers.{layer}.mlp.down_proj.weight", "row"),
+)
+"""Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms) dense models."""
+
+MOE_RULES: tuple[Rule, ...] = (
+    Rule(L + r"\.(?:mlp|block_sparse_moe)\.gate\.weight", "model.layers.{layer}.mlp.gate.weight", "replicated"),
+    Rule(L + r"\.mlp\.experts\.gate_up_proj", "model.layers.{layer}.mlp.experts.w13_weight", "experts", tp_dim=None),
+    Rule(L + r"\.mlp\.experts\.down_proj", "model.layers.{layer}.mlp.experts.w2_weight", "experts", tp_dim=2),
+    Rule(L + r"\.mlp\.experts\.(?P<e>\d+)\.(?P<s>gate|up)_proj\.weight", "model.layers.{layer}.mlp.experts.w13_weight",
+         "expert_column", slot="{s}", expert="{e}"),
+    Rule(L + r"\.mlp\.experts\.(?P<e>\d+)\.down_proj\.weight", "model.layers.{layer}.mlp.experts.w2_weight",
+         "expert_row", expert="{e}"),
+    Rule(L + r"\.block_sparse_moe\.experts\.(?P<e>\d+)\.w1\.weight", "model.layers.{layer}.mlp.experts.w13_weight",
+         "expert_column", slot="gate", expert="{e}"),
+    Rule(L + r"\.block_sparse_moe\.experts\.(?P<e>\d+)\.w3\.weight", "model.layers.{layer}.mlp.experts.w13_weight",
+         "expert_column", slot="up", expert="{e}"),
+    Rule(L + r"\.block_sparse_moe\.experts\.(?P<e>\d+)\.w2\.weight", "model.layers.{layer}.mlp.experts.w2_weight",
+         "expert_row", expert="{e}"),
+)
+"""Qwen3-MoE and Mixtral: routers, stacked (transformers 5) and per-expert (checkpoint files) experts."""
+
+BUILTIN: dict[str, tuple[Rule, ...]] = {
+    "llama": DENSE_RULES, "qwen2": DENSE_RULES, "qwen3": DENSE_RULES,
+    "qwen3_moe": MOE_RULES + DENSE_RULES, "mixtral": MOE_RULES + DENSE_RULES,
+}

@@ -1,0 +1,37 @@
+"""Where tensors live: a trainer's local shard, a worker's live destination.
+
+Plain records shared by the engine (which reads and writes them) and the
+binder (which builds destinations from rules).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import Layout
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """A trainer's local shard of a tensor of global `shape` laid out by `layout`."""
+
+    local: torch.Tensor
+    layout: Layout
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Destination:
+    """A worker's live storage for its box of a checkpoint tensor.
+
+    `view` is `None` on a worker outside `layout`'s mesh (another pipeline
+    stage or expert group): it still reports the layout, for agreement."""
+
+    view: torch.Tensor | None
+    layout: Layout
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fallback: bool = False
+    """Delivered whole and handed to the worker's load hook instead of written in place."""
