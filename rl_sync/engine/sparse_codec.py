@@ -56,21 +56,22 @@ def encode(code: int, cur: torch.Tensor, mask: torch.Tensor, k: int, out: torch.
     if code == DENSE:
         out[: size * flat.numel()].view(cur.dtype).copy_(flat)
         return
-    values = flat[mask]
-    if code == INDICES:
-        out[: 4 * k].view(torch.int32).copy_(torch.nonzero(mask).reshape(-1))
-        out[_up(4 * k) : _up(4 * k) + size * k].view(cur.dtype).copy_(values)
-    elif code == BLOCKED:
-        index = torch.nonzero(mask).reshape(-1)
-        blocks = -(-flat.numel() // BLOCK)
-        counts, offsets = _up(4 * blocks), _up(4 * blocks) + _up(2 * k)
-        out[: 4 * blocks].view(torch.int32).copy_(torch.bincount(index >> 16, minlength=blocks))
-        out[counts : counts + 2 * k].view(torch.int16).copy_((index & 0xFFFF).to(torch.int32).to(torch.int16))
-        out[offsets : offsets + size * k].view(cur.dtype).copy_(values)
-    else:
+    if code == BITMAP:
         nbits = _up(-(-flat.numel() // 8))
         out[: -(-flat.numel() // 8)].copy_(pack_bits(mask))
-        out[nbits : nbits + size * k].view(cur.dtype).copy_(values)
+        out[nbits : nbits + size * k].view(cur.dtype).copy_(flat[mask])
+        return
+    index = torch.nonzero(mask).reshape(-1)  # the one host sync of a sparse encode
+    values = flat.index_select(0, index)
+    if code == INDICES:
+        out[: 4 * k].view(torch.int32).copy_(index)
+        out[_up(4 * k) : _up(4 * k) + size * k].view(cur.dtype).copy_(values)
+        return
+    blocks = -(-flat.numel() // BLOCK)
+    counts, offsets = _up(4 * blocks), _up(4 * blocks) + _up(2 * k)
+    out[: 4 * blocks].view(torch.int32).copy_(torch.bincount(index >> 16, minlength=blocks))
+    out[counts : counts + 2 * k].view(torch.int16).copy_((index & 0xFFFF).to(torch.int32).to(torch.int16))
+    out[offsets : offsets + size * k].view(cur.dtype).copy_(values)
 
 
 def decode(code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
