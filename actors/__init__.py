@@ -2,7 +2,8 @@
 placement groups, and the driver-side `WeightSync` handle."""
 
 from .calls import SyncError
-from .participant import SyncTrainerMixin, SyncWorkerMixin
+from .trainer_mixin import SyncTrainerMixin
+from .worker_mixin import SyncWorkerMixin
 from .placement import SyncPlacement
 from .ready import HybridActor, InferenceWorker, TrainerActor
 from .weight_sync import WeightSync

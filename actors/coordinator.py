@@ -51,16 +51,23 @@ class Coordinator:
         if not trainers or not workers:
             raise ValueError(f"a sync group needs trainers and workers, got {len(trainers)} and {len(workers)}")
         self.trainers, self.workers, self.config = list(trainers), list(workers), config
-        ids = [h._actor_id for h in self.trainers]
-        self.ranks = self.trainers + [w for w in self.workers if w._actor_id not in ids]
-        all_ids = [h._actor_id for h in self.ranks]
-        self.worker_ranks = tuple(all_ids.index(w._actor_id) for w in self.workers)
+        self._assign_ranks()
         self.ipc = False
+        self.repairs = 0
+        self.needs_full_round = False
         self.sparse_used = self.sparse_ready = False
         self.since_dense = 0
         self.version = 0
         self.broken: str | None = None
         self._store = None
+
+    def _assign_ranks(self) -> None:
+        """Trainers take ranks [0, T); workers that are not also trainers follow."""
+        ids = [h._actor_id for h in self.trainers]
+        self.ranks = self.trainers + [w for w in self.workers if w._actor_id not in ids]
+        all_ids = [h._actor_id for h in self.ranks]
+        self.worker_ranks = tuple(all_ids.index(w._actor_id) for w in self.workers)
+        self.ipc = False
 
     def _labels(self) -> list[str]:
         T = len(self.trainers)
@@ -78,8 +85,8 @@ class Coordinator:
                          self._labels()[:T], "init (describe trainers)")
         trainer_reports = [decode(SideReport, b) for b in blobs]
         sources = merge_sources(trainer_reports)
-        checkpoint = {s.name: (s.dtype, list(s.shape)) for s in sources}
-        blobs = call_all(self.workers, "_rl_sync_describe", [("worker", j, N, checkpoint) for j in range(N)],
+        options = {"checkpoint": {s.name: (s.dtype, list(s.shape)) for s in sources}, "double_buffer": cfg.double_buffer}
+        blobs = call_all(self.workers, "_rl_sync_describe", [("worker", j, N, options) for j in range(N)],
                          cfg.init_timeout_s, self._worker_labels(), "init (bind workers)")
         reports = trainer_reports + [decode(SideReport, b) for b in blobs]
         self._choose_colocation(reports[:T], reports[T:])
@@ -156,8 +163,6 @@ class Coordinator:
         return tuple(ids[0]), tuple(ids[1])
 
     def _check_push(self, version: int | None, names: list[str] | None, mode: str | None) -> tuple[int, str]:
-        if self.broken is not None:
-            raise SyncError(f"the sync group is broken by an earlier failure ({self.broken}); close it and create a new WeightSync")
         version = self.version + 1 if version is None else version
         if version <= self.version:
             raise ValueError(f"push: version {version} is not newer than the last applied version {self.version}")
@@ -175,33 +180,81 @@ class Coordinator:
                 mode = "m2n"  # first round, a worker without a full copy, or a scheduled refresh
         return version, mode
 
+    def repair(self) -> dict:
+        """Re-form the group after a failure: abort what is left of it, describe every actor again
+        (survivors keep their bindings, restarted or replacement actors bind anew), re-plan,
+        reconnect; the next round is a full dense one."""
+        refs = [h._rl_sync_close.remote(True) for h in self.ranks]
+        ray.wait(refs, num_returns=len(refs), timeout=self.config.init_timeout_s)
+        self._store = None
+        self._assign_ranks()
+        summary = self.setup()
+        self.broken, self.needs_full_round, self.sparse_ready = None, True, False
+        self.repairs += 1
+        return summary
+
+    def replace_worker(self, index: int, handle) -> None:
+        """Put a new actor in worker slot `index` (the group is re-formed at the next push)."""
+        if not 0 <= index < len(self.workers):
+            raise ValueError(f"replace_worker: index {index} is outside the {len(self.workers)} workers")
+        refs = [h._rl_sync_close.remote(True) for h in self.ranks]
+        ray.wait(refs, num_returns=len(refs), timeout=self.config.init_timeout_s)
+        self.workers[index] = handle
+        self._assign_ranks()
+        self.broken = self.broken or f"worker {index} replaced"
+
     def push(self, version: int | None, names: list[str] | None, mode: str | None) -> RoundStats:
         """Run one round on every rank; see the module docstring."""
+        if self.broken is not None:
+            if not self.config.auto_repair:
+                raise SyncError(f"the sync group is broken by an earlier failure ({self.broken}); call repair()")
+            self.repair()
         version, mode = self._check_push(version, names, mode)
+        if self.needs_full_round:
+            names, mode = None, "m2n" if mode in ("sparse", "auto") else mode
         blob = encode(RoundInfo(version, mode, None if names is None else tuple(names), self.config.round_timeout_s,
                                 self.sparse_used))
         what, timeout = f"round {version} ({mode})", self.config.round_timeout_s + 5
         start = time.perf_counter()
         try:
-            if self.ipc:
-                call_all(self.workers, "_rl_sync_ipc_begin", [()] * len(self.workers), timeout, self._worker_labels(), what)
-            results = [decode(RankStats, r) for r in call_all(
-                self.ranks, "_rl_sync_run", [(blob,)] * len(self.ranks), timeout, self._labels(), what)]
-            if self.ipc:
-                call_all(self.workers, "_rl_sync_ipc_end", [()] * len(self.workers), timeout, self._worker_labels(), what)
+            results = self._run_round(blob, version, what, timeout)
         except SyncError:
             self.broken = f"round {version}"
             raise
-        self.version = version
+        self.version, self.needs_full_round = version, False
         if mode in ("sparse", "auto"):
             self.since_dense += 1
         elif self.sparse_used and names is None:
             self.sparse_ready, self.since_dense = True, 0
+        return RoundStats(version, mode, time.perf_counter() - start, tuple(results))
+
+    def _run_round(self, blob: bytes, version: int, what: str, timeout: float) -> list[RankStats]:
+        workers, labels = self.workers, self._worker_labels()
         if self.ipc:
+            call_all(workers, "_rl_sync_ipc_begin", [()] * len(workers), timeout, labels, what)
+        results = [decode(RankStats, r) for r in call_all(
+            self.ranks, "_rl_sync_run", [(blob,)] * len(self.ranks), timeout, self._labels(), what)]
+        if self.ipc:
+            call_all(workers, "_rl_sync_ipc_end", [(version,)] * len(workers), timeout, labels, what)
             results += [replace(results[r], rank=r, role="worker", sent_bytes=0,
                                 received_bytes=results[r].received_bytes + results[r].local_bytes)
                         for r in self.worker_ranks]
-        return RoundStats(version, mode, time.perf_counter() - start, tuple(results))
+        if self.config.double_buffer:
+            call_all(workers, "_rl_sync_commit", [(version,)] * len(workers), timeout, labels, f"{what} commit")
+        return results
+
+    def versions(self) -> list[int | None]:
+        """The version each worker's live weights fully hold; None: torn, in flight, never
+        synced, or not answering."""
+        refs = [w._rl_sync_version_of.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.init_timeout_s)
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in ready else None)
+            except ray.exceptions.RayError:
+                out.append(None)
+        return out
 
     def close(self) -> None:
         """Release every rank's transport and the rendezvous store."""

@@ -27,7 +27,8 @@ from rl_sync.bind.rules import Rule
 from rl_sync.models.config import ModelConfig, Parallel
 from rl_sync.models.tp_model import TPModel
 
-from .participant import SyncTrainerMixin, SyncWorkerMixin
+from .trainer_mixin import SyncTrainerMixin
+from .worker_mixin import SyncWorkerMixin
 
 
 def hf_config(config: Mapping[str, Any]):

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .participant import SyncTrainerMixin, SyncWorkerMixin
+from .trainer_mixin import SyncTrainerMixin
+from .worker_mixin import SyncWorkerMixin
 
 
 class _Holder:

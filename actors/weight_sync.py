@@ -52,6 +52,19 @@ class WeightSync:
         """Move the trainers' current weights into every worker; returns the round's statistics."""
         return _unwrap(self.coordinator.push.remote(version, names, mode), self.config.round_timeout_s + 30)
 
+    def versions(self) -> list[int | None]:
+        """The version each worker's live weights fully hold (None: torn, in flight, never synced, dead)."""
+        return _unwrap(self.coordinator.versions.remote(), self.config.init_timeout_s + 10)
+
+    def repair(self) -> dict:
+        """Re-form the group now (push does this by itself after a failure with `auto_repair`)."""
+        return _unwrap(self.coordinator.repair.remote(), self.config.init_timeout_s * 3 + 10)
+
+    def replace_worker(self, index: int, handle) -> None:
+        """Swap in a new actor for worker `index`; the next push re-forms the group and brings it
+        to the current version with a full dense round."""
+        _unwrap(self.coordinator.replace_worker.remote(index, handle), self.config.init_timeout_s + 10)
+
     def close(self) -> None:
         """Release the group and the coordinator."""
         try:

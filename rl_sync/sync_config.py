@@ -27,6 +27,12 @@ class SyncConfig:
     local shard, allocated at the first sparse or auto push)."""
     dense_refresh_every: int = 0
     """Run every K-th sparse or auto round dense (0: never)."""
+    double_buffer: bool = False
+    """Workers receive into a shadow copy of their bound tensors (one extra copy of those bytes)
+    and switch the live weights only after the whole round succeeded (asynchronous RL)."""
+    auto_repair: bool = True
+    """After a failed round, the next `push` re-forms the group with the surviving and restarted
+    actors and runs a full dense round before anything else."""
     bucket_bytes: int = 256 << 20
     """Bytes one rank sends plus receives in one bucket (one grouped launch)."""
     coalesce_bytes: int = 1 << 20

@@ -125,6 +125,9 @@ class RankSession:
 
     def _run(self, round_info: RoundInfo, sources, dests, context: str) -> Counters:
         deadline = deadline_in(round_info.timeout_s)
+        unknown = [n for n in round_info.names or () if n not in self.plan.index]
+        if unknown:
+            raise ValueError(f"rank {self.rank}: round {round_info.version} names tensors {unknown[:4]} the plan does not hold")
         wanted = None if round_info.names is None else tuple(sorted({self.plan.index[n] for n in round_info.names}))
         if round_info.mode in ("sparse", "auto"):
             return self._run_sparse(round_info, wanted, sources, dests, deadline, context)

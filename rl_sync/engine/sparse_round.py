@@ -53,7 +53,7 @@ def _encode_message(msg: Message, io: SparseIO, counters: SparseCounters, device
     header, blocks, total = [], [], 0
     for (seg, cur, _), k in zip(views, counts):
         code = choose(cur.numel(), k, cur.element_size(), io.allow_dense)
-        header += [code, k]
+        header += [code, cur.numel() if code == DENSE else k]  # a dense block carries every element
         size = encoded_nbytes(code, cur.numel(), k, cur.element_size())
         blocks.append((code, total, size, k))
         total += size
