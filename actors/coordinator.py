@@ -34,6 +34,7 @@ from rl_sync.wire import decode, encode
 
 from .agreement import check_agreement, colocated_mates, merge_sources
 from .calls import SyncError, call_all
+from .metrics import RoundMetrics
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -53,6 +54,7 @@ class Coordinator:
         self.trainers, self.workers, self.config = list(trainers), list(workers), config
         self._assign_ranks()
         self.ipc = False
+        self.metrics = RoundMetrics(config.name)
         self.repairs = 0
         self.needs_full_round = False
         self.sparse_used = self.sparse_ready = False
@@ -226,7 +228,9 @@ class Coordinator:
             self.since_dense += 1
         elif self.sparse_used and names is None:
             self.sparse_ready, self.since_dense = True, 0
-        return RoundStats(version, mode, time.perf_counter() - start, tuple(results))
+        stats = RoundStats(version, mode, time.perf_counter() - start, tuple(results))
+        self.metrics.record(stats)
+        return stats
 
     def _run_round(self, blob: bytes, version: int, what: str, timeout: float) -> list[RankStats]:
         workers, labels = self.workers, self._worker_labels()

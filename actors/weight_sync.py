@@ -13,13 +13,19 @@ process-group rank for DTensors); workers follow in their own order.
 
 from __future__ import annotations
 
+import logging
+from contextlib import nullcontext
+
 import ray
+from rich.console import Console
 
 from rl_sync.stats import RoundStats
 from rl_sync.sync_config import SyncConfig
 
 from .calls import SyncError
 from .coordinator import Coordinator
+
+log = logging.getLogger("rl_sync")
 
 
 def _unwrap(ref, timeout_s: float):
@@ -41,16 +47,23 @@ class WeightSync:
         self.coordinator, self.config, self.summary = coordinator, config, summary
 
     @classmethod
-    def create(cls, trainers: list, workers: list, config: SyncConfig | None = None) -> WeightSync:
-        """Start a coordinator, plan, and connect every rank (bounded by `init_timeout_s`)."""
+    def create(cls, trainers: list, workers: list, config: SyncConfig | None = None, *, progress: bool = True) -> WeightSync:
+        """Start a coordinator, plan, and connect every rank (bounded by `init_timeout_s`);
+        `progress` shows a spinner on the driver's terminal meanwhile."""
         config = config or SyncConfig()
         coordinator = ray.remote(Coordinator).options(num_cpus=0).remote(trainers, workers, config)
-        summary = _unwrap(coordinator.setup.remote(), config.init_timeout_s * 2 + 10)
+        with Console(stderr=True).status(f"rl-sync: planning and connecting {len(trainers)} trainers and "
+                                         f"{len(workers)} workers", spinner="dots") if progress else nullcontext():
+            summary = _unwrap(coordinator.setup.remote(), config.init_timeout_s * 2 + 10)
+        log.info("rl-sync group %r: %s", config.name, summary)
         return cls(coordinator, config, summary)
 
     def push(self, version: int | None = None, names: list[str] | None = None, mode: str | None = None) -> RoundStats:
-        """Move the trainers' current weights into every worker; returns the round's statistics."""
-        return _unwrap(self.coordinator.push.remote(version, names, mode), self.config.round_timeout_s + 30)
+        """Move the trainers' current weights into every worker; returns the round's statistics
+        (also logged, and recorded as Ray metrics by the coordinator)."""
+        stats = _unwrap(self.coordinator.push.remote(version, names, mode), self.config.round_timeout_s + 30)
+        log.info(stats.log_line())
+        return stats
 
     def versions(self) -> list[int | None]:
         """The version each worker's live weights fully hold (None: torn, in flight, never synced, dead)."""

@@ -14,6 +14,8 @@ from typing import Literal
 class SyncConfig:
     """Settings of one `WeightSync`."""
 
+    name: str = "default"
+    """Names this sync group in logs and Ray metrics."""
     transport: Literal["auto", "gloo", "nccl"] = "auto"
     """`auto`: NCCL when the tensors are on CUDA and CuPy imports, Gloo otherwise."""
     colocate: Literal["auto", "ipc", "off"] = "auto"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_sync.cli import main
+from actors.cli import main
 from rl_sync.config import load_config, parse_overrides
 from rl_sync.report import PlanReportConfig
 
