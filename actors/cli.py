@@ -35,11 +35,17 @@ def _config(cls, path: str | None, overrides: Sequence[str]):
 
 
 def _plan(args, overrides) -> int:
-    from rl_sync.report import PlanReportConfig, format_report, plan_report
+    from rich.progress import Progress
+
+    from rl_sync.report import STEPS, PlanReportConfig, format_report, plan_report
 
     if args.config is None:
         raise ValueError("plan needs a CONFIG, e.g. configs/plan_kimi_k2.yaml")
-    print(format_report(Path(args.config).stem, plan_report(load_config(args.config, PlanReportConfig, overrides))))
+    cfg = load_config(args.config, PlanReportConfig, overrides)
+    with Progress(transient=True) as progress:
+        task = progress.add_task("planning", total=len(STEPS))
+        report = plan_report(cfg, lambda name: progress.update(task, description=name, completed=STEPS.index(name)))
+    print(format_report(Path(args.config).stem, report))
     return 0
 
 

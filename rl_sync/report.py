@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .plan import PlanStats, plan_model
@@ -71,23 +72,34 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def plan_report(cfg: PlanReportConfig) -> PlanReport:
-    """Plan `cfg`'s model as the coordinator would, then expand the busiest rank."""
+STEPS = ("model specs", "plan + statistics", "schedule", "encode", "decode + rebuild on a rank", "expand its slice")
+
+
+def plan_report(cfg: PlanReportConfig, step: Callable[[str], None] = lambda name: None) -> PlanReport:
+    """Plan `cfg`'s model as the coordinator would, then expand the busiest rank.
+
+    `step(name)` is called as each of `STEPS` starts (for a progress display)."""
+    step(STEPS[0])
     specs = model_specs(cfg.model, cfg.trainer, cfg.inference)
     rss_before = _rss_bytes()
+    step(STEPS[1])
     start = time.perf_counter()
     plan = plan_model(specs)
     stats = plan.stats
     planned = time.perf_counter()
+    step(STEPS[2])
     schedule = build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes)
     scheduled = time.perf_counter()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    step(STEPS[3])
     info = PlanInfo.from_schedule(schedule)
     blob, raw = encode(info, compress=True), encode(info)
     busiest = max(stats.recv_bytes, key=stats.recv_bytes.get, default=0)
+    step(STEPS[4])
     begin = time.perf_counter()
     rebuilt = decode(PlanInfo, blob).to_schedule()
     decoded = time.perf_counter()
+    step(STEPS[5])
     mine = rebuilt.rank_slice(busiest)
     sliced = time.perf_counter()
     return PlanReport(

@@ -1,3 +1,8 @@
 """An inference-style model written for rl-sync's tests and examples: fused
 qkv and gate_up projections, column/row-parallel linears, vocab-parallel
 embedding and head, expert-parallel MoE, pipeline stages (`tp_model`)."""
+
+from .config import ModelConfig, Parallel
+from .tp_model import TPModel
+
+__all__ = ["ModelConfig", "Parallel", "TPModel"]
