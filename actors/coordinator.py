@@ -25,6 +25,7 @@ import ray
 import torch.distributed as dist
 
 from rl_sync.messages import InitInfo, RankStats, RoundInfo, SideReport
+from rl_sync.patches import check_patch, route_patch
 from rl_sync.plan import SideSpec, join_specs, plan_model
 from rl_sync.plan_info import PlanInfo
 from rl_sync.schedule import build_schedule
@@ -246,6 +247,32 @@ class Coordinator:
         if self.config.double_buffer:
             call_all(workers, "_rl_sync_commit", [(version,)] * len(workers), timeout, labels, f"{what} commit")
         return results
+
+    def push_patches(self, patches: list, version: int | None) -> int:
+        """Apply flat-index patches (`rl_sync.patches`) on every worker that keeps part of them.
+
+        Every patch is checked against the plan (name, dtype, index range, no repeats) before
+        anything is sent; each worker gets only its part, in its own box's coordinates. The
+        trainers' baselines no longer describe the workers, so the next sparse round is dense.
+        Returns the version applied."""
+        if self.broken is not None:
+            self.repair()
+        version, _ = self._check_push(version, [p.name for p in patches], "m2n")
+        plan = self.schedule.plan
+        checked = {}
+        for patch in patches:
+            spec = plan.specs[plan.index[patch.name]]
+            checked[patch.name] = (spec, *check_patch(patch, spec.dtype, spec.shape))
+        per_worker = [{} for _ in self.workers]
+        for name, (spec, index, values) in checked.items():
+            for j, rank in enumerate(self.worker_ranks):
+                box = spec.dst.local_box(spec.shape, rank)
+                if box is not None:
+                    per_worker[j][name] = route_patch(index, values, spec.shape, box)
+        call_all(self.workers, "_rl_sync_apply_patches", [(version, p) for p in per_worker],
+                 self.config.round_timeout_s, self._worker_labels(), f"patches {version}")
+        self.version, self.sparse_ready = version, False
+        return version
 
     def versions(self) -> list[int | None]:
         """The version each worker's live weights fully hold; None: torn, in flight, never

@@ -21,6 +21,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from rl_sync.bind.rules import Rule
 from rl_sync.models.config import Parallel
 from rl_sync.sync_config import SyncConfig
 
@@ -58,6 +59,8 @@ class DemoConfig:
     rounds: int = 3
     """Training steps, each followed by an M2N and a broadcast push."""
     cpus_per_actor: float = 0.25
+    rules: tuple[Rule, ...] = ()
+    """Extra binding rules, tried before the built-in ones (see `rl_sync.bind.rules`)."""
     sync: SyncConfig = field(default_factory=lambda: SyncConfig(transport="gloo", bucket_bytes=64 << 20))
 
 
@@ -106,7 +109,8 @@ def start(cfg: DemoConfig, host: str):
     Trainer, Worker = ray.remote(HFTrainer), ray.remote(EngineWorker)
     trainers = [Trainer.options(**placement.trainer(i)).remote(i, cfg.trainers, _hf_dict(model), train_url)
                 for i in range(cfg.trainers)]
-    workers = [Worker.options(**placement.worker(e, t)).remote(par.rank(e, 0, t), par, _hf_dict(model), infer_url)
+    workers = [Worker.options(**placement.worker(e, t)).remote(par.rank(e, 0, t), par, _hf_dict(model), infer_url,
+                                                               rules=cfg.rules)
                for e in range(cfg.engines) for t in range(cfg.tensor_parallel)]
     return placement, trainers, workers, par
 

@@ -65,6 +65,12 @@ class WeightSync:
         log.info(stats.log_line())
         return stats
 
+    def push_patches(self, patches, version: int | None = None) -> int:
+        """Drop-in for vLLM's sparse patches: `SparseWeightPatch(name, indices, values)` with flat
+        indices into the whole tensor, for any destination layout. Patches travel through
+        Ray's object store; returns the version now held everywhere."""
+        return _unwrap(self.coordinator.push_patches.remote(list(patches), version), self.config.round_timeout_s + 30)
+
     def versions(self) -> list[int | None]:
         """The version each worker's live weights fully hold (None: torn, in flight, never synced, dead)."""
         return _unwrap(self.coordinator.versions.remote(), self.config.init_timeout_s + 10)

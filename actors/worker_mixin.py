@@ -21,9 +21,11 @@ from dataclasses import replace
 
 import torch
 
+from rl_sync.engine import sparse_codec
 from rl_sync.engine.endpoint import Endpoint
 from rl_sync.engine.sources import worker_entries
 from rl_sync.messages import RankStats, RoundInfo
+from rl_sync.sparse import INDICES
 from rl_sync.transport.cuda_ipc import WorkerExport
 from rl_sync.wire import encode
 
@@ -93,6 +95,26 @@ class SyncWorkerMixin(Participant):
         if self._rl_sync_shadow:
             torch._foreach_copy_([live for live, _ in self._rl_sync_shadow], [shadow for _, shadow in self._rl_sync_shadow])
         self._rl_sync_version = version
+
+    def _rl_sync_apply_patches(self, version: int, patches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Write flat-index patches (local to this worker's boxes, checked by the coordinator)
+        into live storage; re-validated here before the first write. Returns elements written."""
+        views = self._rl_sync_cached[1]
+        unknown = [n for n in patches if n not in views]
+        if unknown:
+            raise ValueError(f"patches name tensors {unknown[:4]} this worker does not keep")
+        for name, (index, values) in patches.items():
+            view = views[name].tensor
+            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= view.numel()):
+                raise ValueError(f"patch for {name!r} indexes outside this worker's {tuple(view.shape)} box")
+        self._rl_sync_version = None
+        written = 0
+        for name, (index, values) in patches.items():
+            view = views[name].tensor
+            sparse_codec.apply(INDICES, view, index.to(view.device), values.to(view.device, view.dtype))
+            written += index.numel()
+        self._rl_sync_version = version
+        return written
 
     def _rl_sync_version_of(self) -> int | None:
         """The version the live weights fully hold, or None (never synced, torn, in flight)."""

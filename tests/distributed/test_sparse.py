@@ -96,3 +96,37 @@ def test_twenty_adamw_rounds_stay_bit_exact(ray_session, mode):
     finally:
         for a in trainers + workers:
             ray.kill(a)
+
+
+def test_flat_index_patches_land_in_fused_tensor_parallel_slots(ray_session):
+    from rl_sync.patches import SparseWeightPatch
+
+    Trainer, Worker = ray.remote(num_cpus=0.1)(TrainerActor), ray.remote(num_cpus=0.1)(InferenceWorker)
+    trainers = [Trainer.remote(i, 2, build_trainer) for i in range(2)]
+    workers = [Worker.remote(j, 2, build_worker) for j in range(2)]
+    try:
+        sync = WeightSync.create(trainers, workers, loopback_config())
+        sync.push()
+        full = {n: _full(n) for n in SHAPES}
+        gen = torch.Generator().manual_seed(7)
+        patches = []
+        for name in ("k", "o", "norm"):
+            idx = torch.randperm(full[name].numel(), generator=gen)[:40]
+            vals = torch.randn(idx.numel(), generator=gen).to(torch.bfloat16)
+            full[name].view(-1)[idx] = vals
+            patches.append(SparseWeightPatch(name, idx.to(torch.int32), vals))
+        with pytest.raises(ValueError, match=r"patch for 'q': indices must lie in \[0, 768\)"):
+            sync.push_patches([SparseWeightPatch("q", torch.tensor([768]), torch.zeros(1, dtype=torch.bfloat16))])
+        with pytest.raises(ValueError, match=r"patch for 'q': values are torch.float32, the tensor is bfloat16"):
+            sync.push_patches([SparseWeightPatch("q", torch.tensor([0]), torch.zeros(1))])
+        assert sync.push_patches(patches) == 2
+        for rank, got in enumerate(ray.get([w.call.remote(live) for w in workers])):
+            for n, shape in SHAPES.items():
+                want = full[n][_slices(_dst(n).local_box(shape, rank))].view(torch.int16)
+                assert torch.equal(got[n], want), f"worker {rank}: {n} after patches"
+        assert sync.versions() == [2, 2]
+        assert sync.push(mode="sparse").mode == "m2n", "patches leave the trainers' baselines behind: dense first"
+        sync.close()
+    finally:
+        for a in trainers + workers:
+            ray.kill(a)

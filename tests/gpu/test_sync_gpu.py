@@ -73,3 +73,21 @@ def test_m2n_over_nccl_between_gpus_bit_exact(gpu_ray):
         _check(ray, workers, 1, version)
     sync.close()
     ray.util.remove_placement_group(pg)
+
+
+@pytest.mark.parametrize("baseline", ["device", "pinned_cpu"])
+def test_sparse_rounds_through_cuda_ipc_with_either_baseline(gpu_ray, baseline):
+    from actors import WeightSync
+    from rl_sync.sync_config import SyncConfig
+
+    ray = gpu_ray
+    pg, trainers, workers = _pairs(ray, 0.5, 1, same_gpu=True)
+    sync = WeightSync.create(trainers, workers, SyncConfig(sparse_baseline=baseline, **CONFIG))
+    modes = []
+    for version in (1, 2, 3):
+        ray.get([t.call.remote(builders.set_version, version) for t in trainers])
+        modes.append(sync.push(mode="sparse").mode)
+        _check(ray, workers, 1, version)
+    assert modes == ["m2n", "sparse", "sparse"]
+    sync.close()
+    ray.util.remove_placement_group(pg)

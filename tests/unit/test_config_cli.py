@@ -56,3 +56,32 @@ def test_plan_command_reports_bad_config(capsys, tmp_path):
     path.write_text("model: {}\n")
     assert main(["plan", str(path)]) == 2
     assert 'missing value for field "model.layers"' in capsys.readouterr().err
+
+
+def test_demo_config_takes_user_binding_rules(tmp_path):
+    from actors.demo import DemoConfig
+
+    path = tmp_path / "demo.yaml"
+    path.write_text((CONFIGS / "demo.yaml").read_text().replace(
+        "rules: []", "rules:\n  - {pattern: 'x\\\\.w', target: 'x.w', split: row}"))
+    cfg = load_config(path, DemoConfig)
+    assert cfg.rules[0].split == "row" and cfg.rules[0].pattern == r"x\\.w"
+    path.write_text((CONFIGS / "demo.yaml").read_text().replace(
+        "rules: []", "rules:\n  - {pattern: 'x', target: 'x', split: sideways}"))
+    with pytest.raises(ValueError, match=r'wrong value type for field "rules'):
+        load_config(path, DemoConfig)
+
+
+def test_bench_chart_is_a_png(tmp_path):
+    from actors.bench import chart
+    from rl_sync.messages import RankStats
+    from rl_sync.stats import RoundStats
+
+    def rank(role, received):
+        return RankStats(rank=0, role=role, version=1, mode="m2n", seconds=0.1, sent_bytes=0, received_bytes=received,
+                         zero_copy_bytes=0, staged_bytes=0, local_bytes=0, messages=0, buckets=0, staging_bytes=0,
+                         baseline_bytes=0, dense_bytes=0, changed_elements=0, encodings={})
+
+    rounds = {m: [RoundStats(v, m, 0.1 * v, (rank("worker", 10**6 * v),)) for v in (1, 2)] for m in ("m2n", "sparse")}
+    chart(rounds, str(tmp_path / "b.png"))
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
