@@ -33,7 +33,10 @@ class RoundMetrics:
     def record(self, stats: RoundStats) -> None:
         tags = {"group": self.group, "mode": stats.mode}
         self.seconds.observe(stats.seconds, tags=tags)
-        self.received.inc(sum(r.received_bytes for r in stats.ranks if r.role != "trainer") or 0.0, tags=tags)
-        self.sent.inc(stats.sent_bytes or 0.0, tags=tags)
+        received = sum(r.received_bytes for r in stats.ranks if r.role != "trainer")
+        if received > 0:  # Ray counters refuse increments of 0 (a colocated round sends nothing)
+            self.received.inc(received, tags=tags)
+        if stats.sent_bytes > 0:
+            self.sent.inc(stats.sent_bytes, tags=tags)
         self.version.set(stats.version, tags={"group": self.group})
         log.info(stats.log_line())

@@ -17,6 +17,12 @@ def _check(ray, workers, size: int, version: int) -> None:
             assert torch.equal(got[name], want), f"worker {rank}: {name} differs at version {version}"
 
 
+def _release(ray, pg, actors) -> None:
+    for actor in actors:
+        ray.kill(actor)
+    ray.util.remove_placement_group(pg)
+
+
 def _pairs(ray, gpus_each: float, count: int, same_gpu: bool):
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -47,14 +53,16 @@ def test_colocated_cuda_ipc_bit_exact_with_fused_slots(gpu_ray, count):
 
     ray = gpu_ray
     pg, trainers, workers = _pairs(ray, 0.5, count, same_gpu=True)
-    sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
-    assert sync.summary["cuda_ipc"] and sync.summary["world_size"] == count
-    for version in (1, 2):
-        ray.get([t.call.remote(builders.set_version, version) for t in trainers])
-        sync.push()
-        _check(ray, workers, count, version)
-    sync.close()
-    ray.util.remove_placement_group(pg)
+    try:
+        sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
+        assert sync.summary["cuda_ipc"] and sync.summary["world_size"] == count
+        for version in (1, 2):
+            ray.get([t.call.remote(builders.set_version, version) for t in trainers])
+            sync.push()
+            _check(ray, workers, count, version)
+        sync.close()
+    finally:
+        _release(ray, pg, trainers + workers)
 
 
 def test_m2n_over_nccl_between_gpus_bit_exact(gpu_ray):
@@ -65,14 +73,16 @@ def test_m2n_over_nccl_between_gpus_bit_exact(gpu_ray):
 
     ray = gpu_ray
     pg, trainers, workers = _pairs(ray, 1, 1, same_gpu=False)
-    sync = WeightSync.create(trainers, workers, SyncConfig(transport="nccl", colocate="off", **CONFIG))
-    assert sync.summary["transport"] == "nccl" and not sync.summary["cuda_ipc"]
-    for version, mode in ((1, "m2n"), (2, "broadcast"), (3, "m2n")):
-        ray.get([t.call.remote(builders.set_version, version) for t in trainers])
-        sync.push(mode=mode)
-        _check(ray, workers, 1, version)
-    sync.close()
-    ray.util.remove_placement_group(pg)
+    try:
+        sync = WeightSync.create(trainers, workers, SyncConfig(transport="nccl", colocate="off", **CONFIG))
+        assert sync.summary["transport"] == "nccl" and not sync.summary["cuda_ipc"]
+        for version, mode in ((1, "m2n"), (2, "broadcast"), (3, "m2n")):
+            ray.get([t.call.remote(builders.set_version, version) for t in trainers])
+            sync.push(mode=mode)
+            _check(ray, workers, 1, version)
+        sync.close()
+    finally:
+        _release(ray, pg, trainers + workers)
 
 
 @pytest.mark.parametrize("baseline", ["device", "pinned_cpu"])
@@ -82,12 +92,14 @@ def test_sparse_rounds_through_cuda_ipc_with_either_baseline(gpu_ray, baseline):
 
     ray = gpu_ray
     pg, trainers, workers = _pairs(ray, 0.5, 1, same_gpu=True)
-    sync = WeightSync.create(trainers, workers, SyncConfig(sparse_baseline=baseline, **CONFIG))
-    modes = []
-    for version in (1, 2, 3):
-        ray.get([t.call.remote(builders.set_version, version) for t in trainers])
-        modes.append(sync.push(mode="sparse").mode)
-        _check(ray, workers, 1, version)
-    assert modes == ["m2n", "sparse", "sparse"]
-    sync.close()
-    ray.util.remove_placement_group(pg)
+    try:
+        sync = WeightSync.create(trainers, workers, SyncConfig(sparse_baseline=baseline, **CONFIG))
+        modes = []
+        for version in (1, 2, 3):
+            ray.get([t.call.remote(builders.set_version, version) for t in trainers])
+            modes.append(sync.push(mode="sparse").mode)
+            _check(ray, workers, 1, version)
+        assert modes == ["m2n", "sparse", "sparse"]
+        sync.close()
+    finally:
+        _release(ray, pg, trainers + workers)
