@@ -9,6 +9,9 @@ locally. The coordinator calls the `_rl_sync_*` methods; users never do.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import ray
 import torch
 
@@ -18,6 +21,9 @@ from rl_sync.plan_info import PlanInfo
 from rl_sync.transport.cuda_ipc import IpcExport, MappedDestinations, device_uuid
 from rl_sync.transport.nccl import new_unique_id
 from rl_sync.wire import decode, encode
+
+
+_NONE: Mapping = MappingProxyType({})
 
 
 class Participant:
@@ -33,8 +39,10 @@ class Participant:
             raise TypeError(f"{type(self).__name__} is asked to be a {side} but does not inherit the {side} mixin")
         return method(*self._rl_sync_sides[side])
 
-    def _rl_sync_endpoints(self, side: str) -> dict:
-        return self._rl_sync_entries(side)[1] if side in (self._rl_sync_sides or {}) else {}
+    def _rl_sync_endpoints(self, side: str) -> Mapping:
+        """This side's endpoints; the same (empty) object every round for a side this actor
+        does not play, so the session keeps replaying its compiled round."""
+        return self._rl_sync_entries(side)[1] if side in (self._rl_sync_sides or {}) else _NONE
 
     def _rl_sync_describe(self, side: str, side_rank: int, side_size: int, options: dict | None = None) -> bytes:
         """Report this side's tensors. A worker's `options` carry the trainers' checkpoint

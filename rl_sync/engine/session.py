@@ -61,6 +61,8 @@ class RankSession:
         self.device = torch.device(device)
         self._gather = None
         self._programs: dict[tuple | None, tuple[Mapping, Mapping, Program]] = {}
+        self.compiles = 0
+        """Rounds compiled so far; replayed rounds do not count."""
         self.baselines: dict[int, Endpoint] | None = None
         self.broadcast_staging = BroadcastStaging(self.device)
         self.transport = make_transport(info, bind_host, device)
@@ -178,6 +180,7 @@ class RankSession:
         src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
         io = BucketIO(lambda _b, t: src[t], lambda _b, t: dst[t], self.dtypes)
         program = compile_program(self.schedule.rank_slice(self.rank, wanted).buckets, io, self.device)
+        self.compiles += 1
         if len(self._programs) >= MAX_PROGRAMS:
             self._programs.pop(next(iter(self._programs)))
         self._programs[wanted] = (sources, dests, program)

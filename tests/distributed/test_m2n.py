@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
 
 from rl_sync.layout import Layout, Mesh, Replicate, Shard
@@ -110,3 +111,17 @@ def test_all_dtypes_travel_as_bytes(ray_session):
         g.step(1)
         g.sync.push()
         g.check(1)
+
+
+def test_repeated_rounds_replay_one_compiled_program(ray_session):
+    recipes = _model(FSDP4, FSDP4, TP_COL, TP_ROW)
+    with Group(recipes, 4, 4) as g:
+        sync = g.connect()
+        for version in (1, 2, 3):
+            g.step(version)
+            sync.push()
+        g.step(4)
+        sync.push()
+        g.check(4)
+        compiles = ray.get([a.call.remote(lambda self: self._rl_sync_session.compiles) for a in g.trainers + g.workers])
+        assert compiles == [1] * 8, f"ranks recompiled rounds whose endpoints did not change: {compiles}"
