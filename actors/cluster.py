@@ -9,6 +9,7 @@ address (`"auto"`, `"ray://host:10001"`, `"127.0.0.1:6379"`) is passed to
 from __future__ import annotations
 
 import os
+import socket
 
 import ray
 
@@ -20,3 +21,11 @@ def connect(address: str | None = None) -> None:
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
     else:
         ray.init(address=address)
+
+
+def free_init_url(host: str) -> str:
+    """A `tcp://host:port` rendezvous URL on a free port of `host`, for a model's own
+    process group (the trainers' FSDP group, the engines' TP groups)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return f"tcp://{host}:{sock.getsockname()[1]}"

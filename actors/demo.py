@@ -13,7 +13,6 @@ and the engines' logits against the trainer model's. `rl-sync demo` and
 from __future__ import annotations
 
 import dataclasses
-import socket
 from dataclasses import dataclass, field
 
 import ray
@@ -25,7 +24,8 @@ from rl_sync.bind.rules import Rule
 from rl_sync.models.config import Parallel
 from rl_sync.sync_config import SyncConfig
 
-from .models import EngineWorker, HFTrainer
+from .cluster import free_init_url
+from .models import EngineWorker, HFTrainer, hf_config
 from .placement import SyncPlacement
 from .weight_sync import WeightSync
 
@@ -64,12 +64,6 @@ class DemoConfig:
     sync: SyncConfig = field(default_factory=lambda: SyncConfig(transport="gloo", bucket_bytes=64 << 20))
 
 
-def _url(host: str) -> str:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return f"tcp://{host}:{s.getsockname()[1]}"
-
-
 def _bound(actor) -> dict:
     return {name: (e.origin, e.tensor.detach().clone()) for name, e in actor._rl_sync_cached[1].items()}
 
@@ -104,27 +98,20 @@ def start(cfg: DemoConfig, host: str):
     """Placement groups, trainer and engine actors; returns (placement, trainers, workers, parallel)."""
     par = Parallel(engines=cfg.engines, tp=cfg.tensor_parallel)
     placement = SyncPlacement.create(cfg.trainers, cfg.engines, cfg.tensor_parallel, cpus=cfg.cpus_per_actor)
-    model = dataclasses.asdict(cfg.model)
-    train_url, infer_url = _url(host), _url(host)
+    model = hf_config(dataclasses.asdict(cfg.model)).to_dict()
+    train_url, infer_url = free_init_url(host), free_init_url(host)
     Trainer, Worker = ray.remote(HFTrainer), ray.remote(EngineWorker)
-    trainers = [Trainer.options(**placement.trainer(i)).remote(i, cfg.trainers, _hf_dict(model), train_url)
+    trainers = [Trainer.options(**placement.trainer(i)).remote(i, cfg.trainers, model, train_url)
                 for i in range(cfg.trainers)]
-    workers = [Worker.options(**placement.worker(e, t)).remote(par.rank(e, 0, t), par, _hf_dict(model), infer_url,
+    workers = [Worker.options(**placement.worker(e, t)).remote(par.rank(e, 0, t), par, model, infer_url,
                                                                rules=cfg.rules)
                for e in range(cfg.engines) for t in range(cfg.tensor_parallel)]
     return placement, trainers, workers, par
 
 
-def _hf_dict(model: dict) -> dict:
-    from transformers import AutoConfig
-
-    values = dict(model)
-    return AutoConfig.for_model(values.pop("model_type"), **values).to_dict()
-
-
 def run(cfg: DemoConfig, console: Console | None = None) -> list[dict]:
     """Run the demo on the connected Ray cluster; returns one record per push."""
-    console = console or Console()
+    console = console or Console(width=120)
     host = cfg.sync.rendezvous_host or ray.util.get_node_ip_address()
     placement, trainers, workers, par = start(cfg, host)
     records = []

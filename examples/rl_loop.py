@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -29,8 +28,9 @@ import torch
 
 from actors import WeightSync
 from actors.cluster import connect
-from actors.demo import DemoModel, _hf_dict
-from actors.models import EngineWorker, HFTrainer
+from actors.cluster import free_init_url
+from actors.demo import DemoModel
+from actors.models import EngineWorker, HFTrainer, hf_config
 from actors.placement import SyncPlacement
 from rl_sync.config import load_config
 from rl_sync.models.config import Parallel
@@ -94,7 +94,7 @@ class LearnerGroup:
 
     def __init__(self, cfg: LoopConfig, placement: SyncPlacement, url: str):
         Learner = ray.remote(HFTrainer)
-        config = _hf_dict(asdict(cfg.model))
+        config = hf_config(asdict(cfg.model)).to_dict()
         self.actors = [Learner.options(**placement.trainer(i)).remote(i, cfg.learners, config, url, seed=cfg.seed)
                        for i in range(cfg.learners)]
 
@@ -108,7 +108,7 @@ class EnvRunnerGroup:
     def __init__(self, cfg: LoopConfig, placement: SyncPlacement, url: str):
         Worker = ray.remote(EngineWorker)
         self.par = Parallel(tp=cfg.tensor_parallel)
-        config = _hf_dict(asdict(cfg.model))
+        config = hf_config(asdict(cfg.model)).to_dict()
         self.actors = [Worker.options(**placement.worker(0, t)).remote(t, self.par, config, url)
                        for t in range(cfg.tensor_parallel)]
 
@@ -122,18 +122,12 @@ def rewards(tokens: torch.Tensor, length: int, vocab: int) -> torch.Tensor:
     return (current == (previous + 1) % vocab).float().mean(dim=1)
 
 
-def _url(host: str) -> str:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return f"tcp://{host}:{s.getsockname()[1]}"
-
-
 def train(cfg: LoopConfig, log=print) -> list[dict]:
     """Run the loop on the connected Ray cluster; one record per iteration."""
     host = cfg.sync.rendezvous_host or ray.util.get_node_ip_address()
     placement = SyncPlacement.create(cfg.learners, 1, cfg.tensor_parallel, cpus=cfg.cpus_per_actor)
-    learners = LearnerGroup(cfg, placement, _url(host))
-    runners = EnvRunnerGroup(cfg, placement, _url(host))
+    learners = LearnerGroup(cfg, placement, free_init_url(host))
+    runners = EnvRunnerGroup(cfg, placement, free_init_url(host))
     history = []
     try:
         sync = WeightSync.create(learners.actors, runners.actors, cfg.sync)

@@ -228,7 +228,7 @@ class ModelPlan:
         self._mesh_ranks = [np.array(mesh.ranks, dtype=np.int64) for mesh in meshes]
         keys: dict[TemplateKey, int] = {}
         self.tensor_template = np.array(
-            [keys.setdefault(_template_key(s), len(keys)) for s in self.specs], dtype=np.int64
+            [keys.setdefault(template_key(s.shape, s.src, s.dst), len(keys)) for s in self.specs], dtype=np.int64
         )
         self.templates: tuple[Template, ...] = tuple(build_template(key) for key in keys)
         self.itemsizes = np.array([itemsize(s.dtype) for s in self.specs], dtype=np.int64)
@@ -256,10 +256,6 @@ class ModelPlan:
     @cached_property
     def stats(self) -> PlanStats:
         return _model_stats(self)
-
-
-def _template_key(spec: TensorSpec) -> TemplateKey:
-    return template_key(spec.shape, spec.src, spec.dst)
 
 
 def _validate_specs(specs: tuple[TensorSpec, ...], colocated: bool) -> dict[str, int]:

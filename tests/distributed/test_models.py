@@ -6,8 +6,6 @@ pipeline stages, expert parallelism, two engines, and the fallback hook."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import ray
 import torch
@@ -15,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from actors import WeightSync  # noqa: E402
+from actors.cluster import free_init_url  # noqa: E402
 from actors.models import EngineWorker, HFTrainer  # noqa: E402
 from rl_sync.models.config import Parallel  # noqa: E402
 
@@ -28,9 +27,7 @@ SMALL = dict(vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_la
 
 
 def _url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return free_init_url("127.0.0.1")
 
 
 def _bound(actor) -> dict:

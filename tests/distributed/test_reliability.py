@@ -10,7 +10,7 @@ import ray
 import torch
 
 from actors import InferenceWorker, SyncError, TrainerActor, WeightSync
-from rl_sync.layout import Layout, Mesh, Replicate, Shard
+from rl_sync.layout import Layout, Mesh, Shard
 
 from .conftest import loopback_config
 from .recipes import Recipe, expected, read_all, set_version, trainer_build, worker_build
