@@ -122,6 +122,7 @@ def test_two_hundred_rounds_bit_exact_with_bounded_memory(group):
             before = [_rss(a) for a in trainers + workers]
     after = [_rss(a) for a in trainers + workers]
     growth = [b - a for a, b in zip(before, after)]
+    print(f"RSS growth over rounds 20-200 per actor (bytes): {growth}")
     assert max(growth) < 32 << 20, f"memory grew by {growth} bytes over 180 rounds"
     assert sync.versions() == [200, 200]
     sync.close()
