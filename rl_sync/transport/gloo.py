@@ -15,6 +15,7 @@ Typical use::
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -101,6 +102,8 @@ class GlooTransport(Transport):
         self._release("abort")
 
     def _release(self, how: str) -> None:
+        """Shut down or abort, then drop the groups: destroying them closes their connections,
+        which is what makes peers blocked on this rank fail at once instead of at their deadline."""
         if self._closed:
             return
         self._closed = True
@@ -109,4 +112,6 @@ class GlooTransport(Transport):
                 try:
                     getattr(group, how)()
                 except RuntimeError:
-                    pass
+                    pass  # already broken: dropping it below is all that is left to do
+        self.pg = self.bcast = None
+        gc.collect()

@@ -65,7 +65,8 @@ def test_a_rank_that_raises_names_rank_round_and_tensor_and_nothing_hangs(ray_se
         start = time.monotonic()
         with pytest.raises(SyncError) as info:
             sync.push()
-        assert time.monotonic() - start < 20
+        elapsed = time.monotonic() - start
+        assert elapsed < 4.0, f"peers should fail as soon as rank 0 aborts, not at their 4 s deadline ({elapsed:.1f} s)"
         text = str(info.value)
         assert "round 2 (m2n) failed on" in text
         assert "trainer 0 (rank 0): BucketError: rank 0, round 2 (m2n): ValueError: rank 0: the plan needs source tensor 'w' here" in text
