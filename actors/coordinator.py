@@ -187,9 +187,7 @@ class Coordinator:
         """Re-form the group after a failure: abort what is left of it, describe every actor again
         (survivors keep their bindings, restarted or replacement actors bind anew), re-plan,
         reconnect; the next round is a full dense one."""
-        refs = [h._rl_sync_close.remote(True) for h in self.ranks]
-        ray.wait(refs, num_returns=len(refs), timeout=self.config.init_timeout_s)
-        self._store = None
+        self._close_ranks(abort=True)
         self._assign_ranks()
         summary = self.setup()
         self.broken, self.needs_full_round, self.sparse_ready = None, True, False
@@ -200,8 +198,7 @@ class Coordinator:
         """Put a new actor in worker slot `index` (the group is re-formed at the next push)."""
         if not 0 <= index < len(self.workers):
             raise ValueError(f"replace_worker: index {index} is outside the {len(self.workers)} workers")
-        refs = [h._rl_sync_close.remote(True) for h in self.ranks]
-        ray.wait(refs, num_returns=len(refs), timeout=self.config.init_timeout_s)
+        self._close_ranks(abort=True)
         self.workers[index] = handle
         self._assign_ranks()
         self.broken = self.broken or f"worker {index} replaced"
@@ -289,6 +286,11 @@ class Coordinator:
 
     def close(self) -> None:
         """Release every rank's transport and the rendezvous store."""
-        refs = [h._rl_sync_close.remote(self.broken is not None) for h in self.ranks]
+        self._close_ranks(abort=self.broken is not None)
+
+    def _close_ranks(self, abort: bool) -> None:
+        """Every rank leaves the group (aborting wakes peers stuck in a failed round); the
+        rendezvous store goes with it. Bounded by `init_timeout_s`; dead ranks are skipped."""
+        refs = [h._rl_sync_close.remote(abort) for h in self.ranks]
         ray.wait(refs, num_returns=len(refs), timeout=self.config.init_timeout_s)
         self._store = None

@@ -106,10 +106,6 @@ class Box:
             offsets[dim], sizes[dim] = max(lo, b0), min(hi, b1) - max(lo, b0)
         return pieces
 
-    def relative_to(self, outer: Box) -> Box:
-        """This box in the coordinates of `outer` (which must contain it)."""
-        return Box(tuple(a - b for a, b in zip(self.offsets, outer.offsets)), self.sizes)
-
     def split_rows(self, parts: int) -> list[Box]:
         """Split along the first dim of size > 1 into at most `parts` chunks."""
         dim = next((d for d, s in enumerate(self.sizes) if s > 1), None)

@@ -71,11 +71,6 @@ class RankBucket:
     recvs: tuple[Message, ...]
     local: tuple[Segment, ...]
 
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes of packed (multi-segment) messages: the staging this bucket needs."""
-        return sum(m.nbytes for m in self.sends + self.recvs if len(m.segments) > 1)
-
 
 @dataclass(frozen=True)
 class RankSchedule:
@@ -83,14 +78,6 @@ class RankSchedule:
 
     rank: int
     buckets: tuple[RankBucket, ...]
-
-    @property
-    def send_bytes(self) -> int:
-        return sum(m.nbytes for b in self.buckets for m in b.sends)
-
-    @property
-    def recv_bytes(self) -> int:
-        return sum(m.nbytes for b in self.buckets for m in b.recvs)
 
 
 class Schedule:

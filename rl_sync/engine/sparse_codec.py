@@ -77,7 +77,7 @@ def encode(code: int, cur: torch.Tensor, mask: torch.Tensor, k: int, out: torch.
 def decode(code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(positions, values, ok) of one transfer; `ok` is a 0-dim bool tensor (no host sync here).
     Dense transfers return no positions: `apply` copies them whole."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if block.numel() != encoded_nbytes(code, n, k, size):
         raise ValueError(f"payload of {block.numel()} bytes, header implies {encoded_nbytes(code, n, k, size)}")
     if code == DENSE:

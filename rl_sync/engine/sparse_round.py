@@ -75,16 +75,12 @@ def _advance_baselines(bucket: RankBucket, io: SparseIO) -> None:
                 io.sources[seg.tensor].view(seg.offsets, seg.sizes), non_blocking=True)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _payload_sizes(msg: Message, header: list[int], io: SparseIO, where: str) -> list[tuple[int, int, int, int]]:
     """(code, k, start, size) per segment, every header checked against the plan before allocation."""
     blocks, total = [], 0
     for i, seg in enumerate(msg.segments):
         code, k = header[2 * i], header[2 * i + 1]
-        size = _itemsize(io.dtypes[seg.tensor])
+        size = io.dtypes[seg.tensor].itemsize
         n = seg.nbytes // size
         check_count(code, k, n, f"{where}, segment {i}")
         nbytes = encoded_nbytes(code, n, k, size)
@@ -116,7 +112,7 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
     decoded, checks = [], []
     for msg, blocks, payload in zip(bucket.recvs, layouts, payloads_in):
         for seg, (code, k, start, size) in zip(msg.segments, blocks):
-            n = seg.nbytes // _itemsize(io.dtypes[seg.tensor])
+            n = seg.nbytes // io.dtypes[seg.tensor].itemsize
             index, values, ok = sparse_codec.decode(code, k, n, io.dtypes[seg.tensor], payload[start : start + size])
             decoded.append((seg, code, index, values))
             checks.append(ok)
