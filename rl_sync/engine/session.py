@@ -19,6 +19,7 @@ import torch
 
 from ..messages import InitInfo, RankStats, RoundInfo
 from ..plan_info import PlanInfo
+from ..schedule import RankSchedule
 from ..transport.base import Transport
 from .broadcast import ROOT, BroadcastStaging, gather_schedule, run_broadcast
 from .endpoint import Endpoint
@@ -26,7 +27,7 @@ from .runner import BucketError, BucketIO, Counters, Program, compile_program, d
 from .sparse_round import SparseCounters, SparseIO, run_sparse_bucket
 
 MAX_PROGRAMS = 4
-"""Compiled rounds kept per session (the full round plus recent subsets)."""
+"""Compiled rounds (and expanded rank slices) kept per session: the full round plus recent subsets."""
 
 
 def make_transport(info: InitInfo, bind_host: str, device: torch.device) -> Transport:
@@ -61,6 +62,7 @@ class RankSession:
         self.device = torch.device(device)
         self._gather = None
         self._programs: dict[tuple | None, tuple[Mapping, Mapping, Program]] = {}
+        self._slices: dict[tuple | None, RankSchedule] = {}
         self.compiles = 0
         """Rounds compiled so far; replayed rounds do not count."""
         self.baselines: dict[int, Endpoint] | None = None
@@ -166,10 +168,18 @@ class RankSession:
                              "the coordinator runs the first round dense")
         io = SparseIO(src, self.baselines or {}, dst, self.dtypes, allow_dense=round_info.mode == "auto")
         counters = SparseCounters()
-        for bucket in self.schedule.rank_slice(self.rank, wanted).buckets:
+        for bucket in self._slice(wanted).buckets:
             run_sparse_bucket(bucket, io, self.transport, deadline, counters, self.names)
         self.transport.finish(deadline)
         return counters
+
+    def _slice(self, wanted: tuple[int, ...] | None) -> RankSchedule:
+        """This rank's buckets for a tensor subset, expanded once (sparse rounds replay it)."""
+        if wanted not in self._slices:
+            if len(self._slices) >= MAX_PROGRAMS:
+                self._slices.pop(next(iter(self._slices)))
+            self._slices[wanted] = self.schedule.rank_slice(self.rank, wanted)
+        return self._slices[wanted]
 
     def _program(self, wanted: tuple[int, ...] | None, sources: Mapping, dests: Mapping) -> Program:
         """The compiled round for this subset, rebuilt only when the endpoint mappings change."""
@@ -179,7 +189,7 @@ class RankSession:
         self._programs.pop(wanted, None)
         src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
         io = BucketIO(lambda _b, t: src[t], lambda _b, t: dst[t], self.dtypes)
-        program = compile_program(self.schedule.rank_slice(self.rank, wanted).buckets, io, self.device)
+        program = compile_program(self._slice(wanted).buckets, io, self.device)
         self.compiles += 1
         if len(self._programs) >= MAX_PROGRAMS:
             self._programs.pop(next(iter(self._programs)))
