@@ -41,6 +41,20 @@ def itemsize(name: str, what: str = "tensor") -> int:
     return size
 
 
+CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
+"""Dtypes a sender casts between on the way (round to nearest even, as `Tensor.copy_` and
+vLLM's loader do): fp32 master weights into a bf16 engine, for instance."""
+
+
+def check_cast(name: str, src: str, dst: str) -> None:
+    """`ValueError` unless tensor `name` can travel from dtype `src` to dtype `dst`: the same
+    dtype, or two of `CASTABLE` (quantized and integer destinations need the source's own dtype)."""
+    if src == dst or (src in CASTABLE and dst in CASTABLE):
+        return
+    raise ValueError(f"tensor {name!r}: source dtype {src!r} and destination dtype {dst!r} disagree; senders cast "
+                     f"only between {sorted(CASTABLE)}, so send {dst!r} or bind a destination of dtype {src!r}")
+
+
 def dtype_name(dtype: object) -> str:
     """The wire name of a torch dtype (`torch.bfloat16` -> `"bfloat16"`)."""
     name = str(dtype).removeprefix("torch.")

@@ -27,7 +27,7 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from .dtypes import itemsize
+from .dtypes import check_cast, itemsize
 from .layout import Box, Layout
 from .template import Template, TemplateKey, build_template, mesh_overlap, sum_by, template_key
 
@@ -155,8 +155,10 @@ def plan_reshard(shape: Sequence[int], src: Layout, dst: Layout, *, colocated: b
 def join_specs(sources: Sequence[SideSpec], destinations: Sequence[SideSpec]) -> list[TensorSpec]:
     """Pair what trainers and workers reported, in source order.
 
-    Raises `ValueError` for duplicate names, a name on one side only, or a
-    dtype or shape on which the sides disagree.
+    The wire carries the destination's dtype: a floating-point source of another
+    width is cast on the sending side (`rl_sync.dtypes.check_cast`). Raises
+    `ValueError` for duplicate names, a name on one side only, a shape on which
+    the sides disagree, or a dtype pair that is not such a cast.
     """
     dst_by_name: dict[str, SideSpec] = {}
     for spec in destinations:
@@ -171,13 +173,11 @@ def join_specs(sources: Sequence[SideSpec], destinations: Sequence[SideSpec]) ->
         other = dst_by_name.get(spec.name)
         if other is None:
             raise ValueError(f"tensor {spec.name!r}: the source declares it but no destination binds it")
-        for field in ("dtype", "shape"):
-            if getattr(spec, field) != getattr(other, field):
-                raise ValueError(
-                    f"tensor {spec.name!r}: source {field} {getattr(spec, field)!r} and "
-                    f"destination {field} {getattr(other, field)!r} disagree"
-                )
-        joined.append(TensorSpec(spec.name, spec.dtype, tuple(spec.shape), spec.layout, other.layout))
+        if tuple(spec.shape) != tuple(other.shape):
+            raise ValueError(f"tensor {spec.name!r}: source shape {tuple(spec.shape)!r} and destination shape "
+                             f"{tuple(other.shape)!r} disagree")
+        check_cast(spec.name, spec.dtype, other.dtype)
+        joined.append(TensorSpec(spec.name, other.dtype, tuple(spec.shape), spec.layout, other.layout))
     extra = sorted(set(dst_by_name) - seen)
     if extra:
         raise ValueError(f"tensors {extra[:8]}: bound by the destination but the source does not declare them")

@@ -92,7 +92,8 @@ class Copies:
     _fallback: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst_bytes, src_bytes = as_bytes(dst), as_bytes(src)
+        """Queue `dst.copy_(src)`; a copy between dtypes casts (typed, never as bytes)."""
+        dst_bytes, src_bytes = (as_bytes(dst), as_bytes(src)) if dst.dtype == src.dtype else (None, None)
         if dst_bytes is None or src_bytes is None:
             self.strided.append((dst, src))
         elif dst_bytes.numel() >= LARGE_COPY_BYTES:
@@ -134,17 +135,20 @@ class BucketOps:
     pending: Pending | None = None
 
 
-def _staged(msg: Message, endpoint: Callable[[int, int], Endpoint], bucket: int) -> bool:
+def _staged(msg: Message, endpoint: Callable[[int, int], Endpoint], bucket: int, dtypes: Sequence[torch.dtype]) -> bool:
+    """Whether `msg` goes through staging: several segments, a strided box, or a source of
+    another dtype than the wire's (cast while packing)."""
     if len(msg.segments) != 1:
         return True
     seg = msg.segments[0]
-    return not endpoint(bucket, seg.tensor).view(seg.offsets, seg.sizes).is_contiguous()
+    view = endpoint(bucket, seg.tensor).view(seg.offsets, seg.sizes)
+    return not view.is_contiguous() or view.dtype != dtypes[seg.tensor]
 
 
 def staging_need(bucket: RankBucket, io: BucketIO) -> int:
     """Bytes of staging `bucket` needs on this rank."""
-    staged = [m for m in bucket.sends if _staged(m, io.source, bucket.index)]
-    staged += [m for m in bucket.recvs if _staged(m, io.dest, bucket.index)]
+    staged = [m for m in bucket.sends if _staged(m, io.source, bucket.index, io.dtypes)]
+    staged += [m for m in bucket.recvs if _staged(m, io.dest, bucket.index, io.dtypes)]
     return sum(_aligned(m.nbytes) for m in staged)
 
 
@@ -153,7 +157,7 @@ def compile_bucket(bucket: RankBucket, io: BucketIO, buf: torch.Tensor | None) -
     ops, cursor = BucketOps(bucket), 0
     for side, messages, endpoint in (("send", bucket.sends, io.source), ("recv", bucket.recvs, io.dest)):
         for msg in messages:
-            if _staged(msg, endpoint, bucket.index):
+            if _staged(msg, endpoint, bucket.index, io.dtypes):
                 target = buf[cursor : cursor + msg.nbytes]
                 cursor += _aligned(msg.nbytes)
                 ops.counters.staged_bytes += msg.nbytes

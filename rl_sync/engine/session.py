@@ -149,17 +149,18 @@ class RankSession:
     def _refresh_baselines(self, src: dict[int, Endpoint], wanted: tuple[int, ...] | None) -> None:
         """After a dense round: the last synced values are the current ones."""
         if self.baselines is None:
-            self.baselines = {i: Endpoint(self._baseline_like(e.tensor), e.origin) for i, e in src.items()}
+            self.baselines = {i: Endpoint(self._baseline_like(e.tensor, self.dtypes[i]), e.origin) for i, e in src.items()}
         for i, endpoint in src.items():
             if wanted is None or i in wanted:
                 self.baselines[i].tensor.copy_(endpoint.tensor, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _baseline_like(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _baseline_like(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A baseline of a source shard, in the wire's dtype (what the receivers hold)."""
         if self.info.baseline_device == "pinned_cpu" and tensor.is_cuda:
-            return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            return torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
+        return torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
 
     def _run_sparse(self, round_info: RoundInfo, wanted, sources, dests, deadline: float, context: str) -> SparseCounters:
         src, dst = self._indices(sources, "source"), self._indices(dests, "destination")

@@ -45,9 +45,15 @@ class SparseIO:
     allow_dense: bool
 
 
+def _wire(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A source box in the wire's dtype (cast when the trainer keeps another precision): changes
+    are found in what the receiver holds, so an fp32 change too small to move bf16 is none."""
+    return view if view.dtype == dtype else view.to(dtype)
+
+
 def _encode_message(msg: Message, io: SparseIO, counters: SparseCounters, device: torch.device):
-    views = [(seg, io.sources[seg.tensor].view(seg.offsets, seg.sizes), io.baselines[seg.tensor].view(seg.offsets, seg.sizes))
-             for seg in msg.segments]
+    views = [(seg, _wire(io.sources[seg.tensor].view(seg.offsets, seg.sizes), io.dtypes[seg.tensor]),
+              io.baselines[seg.tensor].view(seg.offsets, seg.sizes)) for seg in msg.segments]
     masks = [sparse_codec.changed(cur, base) for _, cur, base in views]
     counts = torch.stack([m.sum() for m in masks]).tolist() if masks else []
     header, blocks, total = [], [], 0

@@ -50,10 +50,11 @@ def test_workers_that_disagree_fail_init_naming_the_tensor(ray_session, other, m
             ray.kill(a)
 
 
-def test_trainer_and_worker_dtypes_must_match(ray_session):
-    worker_side = [Recipe("w", torch.float32, (8, 6), FSDP2, TP2), W[1]]
+def test_trainer_and_worker_dtypes_must_be_a_float_cast(ray_session):
+    worker_side = [Recipe("w", torch.float8_e4m3fn, (8, 6), FSDP2, TP2), W[1]]
     with Group(W, 2, 2, worker_recipes=worker_side) as g:
-        with pytest.raises(ValueError, match=r"tensor 'w': source dtype 'bfloat16' and destination dtype 'float32' disagree"):
+        with pytest.raises(ValueError, match=r"tensor 'w': source dtype 'bfloat16' and destination dtype 'float8_e4m3fn' "
+                                             r"disagree; senders cast only between \['bfloat16', 'float16', 'float32', 'float64'\]"):
             g.connect()
 
 

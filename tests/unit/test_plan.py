@@ -149,8 +149,10 @@ def test_join_specs_names_disagreements():
     other = Layout(Mesh((2,), start_rank=2), (Shard(0),))
     with pytest.raises(ValueError, match=r"tensor 'w': source shape \(4, 4\) and destination shape \(4, 5\) disagree"):
         join_specs([SideSpec("w", "float32", (4, 4), layout)], [SideSpec("w", "float32", (4, 5), other)])
-    with pytest.raises(ValueError, match=r"tensor 'w': source dtype 'float32' and destination dtype 'bfloat16'"):
-        join_specs([SideSpec("w", "float32", (4, 4), layout)], [SideSpec("w", "bfloat16", (4, 4), other)])
+    with pytest.raises(ValueError, match=r"tensor 'w': source dtype 'int32' and destination dtype 'float32' disagree"):
+        join_specs([SideSpec("w", "int32", (4, 4), layout)], [SideSpec("w", "float32", (4, 4), other)])
+    cast = join_specs([SideSpec("w", "float32", (4, 4), layout)], [SideSpec("w", "bfloat16", (4, 4), other)])
+    assert cast == [TensorSpec("w", "bfloat16", (4, 4), layout, other)], "the wire carries the destination's dtype"
     with pytest.raises(ValueError, match=r"tensor 'v': the source declares it but no destination binds it"):
         join_specs([SideSpec("v", "float32", (4,), layout)], [])
     with pytest.raises(ValueError, match=r"tensors \['u'\]: bound by the destination but the source does not declare"):
