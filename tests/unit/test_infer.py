@@ -1,0 +1,100 @@
+"""Layouts and views read off an engine's loader: `infer_layout` and `merge_pieces`."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rl_sync.bind.infer import Geometry, Piece, infer_layout, merge_pieces
+from rl_sync.layout import Box, Layout, Mesh, Replicate, Shard
+
+from .strategies import shapes
+
+
+@st.composite
+def engine_layouts(draw):
+    """What an inference engine of `n` ranks does to one tensor: replicate it, shard one dim
+    (torch.chunk or blocked sizes), shard it over groups of ranks holding the same box (KV
+    heads), or keep it on a subset of ranks only (experts)."""
+    shape = draw(shapes(min_dims=1, max_dims=3))
+    n = draw(st.integers(1, 8))
+    holders = sorted(draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n))) if draw(st.booleans()) else list(range(n))
+    dim = draw(st.integers(0, len(shape) - 1))
+    kind = draw(st.sampled_from(["replicate", "shard", "block", "groups"]))
+    if kind == "replicate":
+        return shape, n, Layout(Mesh.from_ranks(holders), (Replicate(),))
+    if kind == "groups" and len(holders) % 2 == 0 and len(holders) > 2:
+        mesh = Mesh.from_ranks([holders[i : i + 2] for i in range(0, len(holders), 2)])
+        return shape, n, Layout(mesh, (Shard(dim), Replicate()))
+    block = max(1, -(-shape[dim] // len(holders)) + draw(st.integers(0, 2))) if kind == "block" else 0
+    return shape, n, Layout(Mesh.from_ranks(holders), (Shard(dim, block),))
+
+
+def _boxes(layout: Layout, shape, n):
+    return [layout.local_box(shape, r) for r in range(n)]
+
+
+def _same(a, b) -> bool:
+    empty = lambda x: x is None or x.is_empty()  # noqa: E731
+    return all((empty(x) and empty(y)) or x == y for x, y in zip(a, b))
+
+
+@settings(max_examples=400, deadline=None)
+@given(engine_layouts())
+def test_inferred_layout_gives_every_rank_its_box(case):
+    shape, n, layout = case
+    boxes = _boxes(layout, shape, n)
+    inferred = infer_layout(shape, boxes)
+    if all(b is None or b.is_empty() for b in boxes):
+        assert inferred is None
+        return
+    assert inferred is not None, f"{layout} over {n} ranks: no layout inferred for {boxes}"
+    assert _same(_boxes(inferred, shape, n), boxes)
+
+
+def test_boxes_no_layout_gives_are_refused():
+    shape = (8, 4)
+    assert infer_layout(shape, [Box((0, 0), (5, 4)), Box((3, 0), (5, 4))]) is None, "overlapping shards"
+    assert infer_layout(shape, [Box((0, 0), (4, 2)), Box((4, 2), (4, 2))]) is None, "two dims at once"
+    assert infer_layout(shape, [Box((0, 0), (2, 4)), Box((2, 0), (6, 4))]) is None, "sizes no rule gives"
+    assert infer_layout(shape, [None, None]) is None
+
+
+def test_kv_heads_replicated_over_rank_groups():
+    shape = (4, 8)  # 2 KV heads of 2 rows, TP 4: ranks {0, 1} hold head 0, {2, 3} head 1
+    boxes = [Box((0, 0), (2, 8)), Box((0, 0), (2, 8)), Box((2, 0), (2, 8)), Box((2, 0), (2, 8))]
+    layout = infer_layout(shape, boxes)
+    assert layout == Layout(Mesh.from_ranks([[0, 1], [2, 3]]), (Shard(0), Replicate()))
+
+
+def _piece(param: str, src: Box, dst_param: torch.Tensor, view: torch.Tensor) -> Piece:
+    return Piece(param, src, Geometry(view.storage_offset(), tuple(view.shape), tuple(view.stride())))
+
+
+def test_gate_and_up_of_whole_experts_merge_into_one_view():
+    E, I, H, local = 4, 3, 5, (2, 3)  # expert parallelism: this rank holds experts 2 and 3
+    w13 = torch.arange(len(local) * 2 * I * H).view(len(local), 2 * I, H)
+    pieces = []
+    for slot, e in enumerate(local):
+        for half in (0, 1):
+            view = w13[slot, half * I : (half + 1) * I].unsqueeze(0)
+            pieces.append(_piece("w13", Box((e, half * I, 0), (1, I, H)), w13, view))
+    merged = merge_pieces(pieces)
+    assert merged is not None and merged.box == Box((2, 0, 0), (2, 2 * I, H))
+    got = w13.as_strided(merged.dst.sizes, merged.dst.strides, merged.dst.offset)
+    assert torch.equal(got, w13)
+
+
+def test_tensor_parallel_gate_and_up_bands_do_not_merge():
+    E, I, H, rank = 2, 4, 3, 1  # TP 2 inside each expert: rows [2, 4) of gate and of up
+    w13 = torch.zeros(E, I, H)
+    pieces = [_piece("w13", Box((e, half * I + 2, 0), (1, 2, H)), w13, w13[e, half * 2 : half * 2 + 2].unsqueeze(0))
+              for e in range(E) for half in (0, 1)]
+    assert merge_pieces(pieces) is None
+    assert merge_pieces([pieces[0], Piece("other", pieces[1].src, pieces[1].dst)]) is None, "two parameters"
+    gate_rows = [p for p in pieces if p.src.offsets[1] < I]
+    merged = merge_pieces(gate_rows)
+    assert merged is not None and merged.box == Box((0, 2, 0), (E, 2, H))
+    view = w13.as_strided(merged.dst.sizes, merged.dst.strides, merged.dst.offset)
+    assert view.data_ptr() == w13[:, 0:2].data_ptr() and view.stride() == w13[:, 0:2].stride()
