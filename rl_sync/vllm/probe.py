@@ -1,0 +1,180 @@
+"""Watch vLLM's own loader place every checkpoint tensor, on meta tensors.
+
+For one rank of a running engine, `probe_loads` puts every layer back into
+the form vLLM's weight loaders fill (the shapes recorded when the model was
+built, before any post-load repacking, as meta tensors), feeds
+`model.load_weights` one meta tensor per checkpoint name, and records every
+`copy_` and `fill_` the loaders issue: which box of the checkpoint tensor
+lands where in which parameter (`rl_sync.bind.infer.Piece`), and which
+elements are filled with a constant (vocabulary padding). Nothing is
+allocated and no live weight is touched; the live tensors are put back before
+it returns. Names the loader refuses are reported with vLLM's own error.
+
+Typical use (inside a vLLM worker, between generations)::
+
+    probe = probe_loads(model, {"model.norm.weight": (torch.float32, (64,))}, dtype=torch.bfloat16)
+    probe.pieces["model.norm.weight"]     # [Piece(param="model.norm.weight", src=Box(...), dst=Geometry(...))]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..bind.infer import Geometry, Piece
+from ..layout import Box
+
+_COPY = torch.ops.aten.copy_.default
+_FILLS = (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of a tensor's storage (meta tensors included, where data pointers are 0)."""
+    return tensor.untyped_storage()._cdata
+
+
+@dataclass(frozen=True)
+class ParamForm:
+    """A parameter as the loaders fill it: shape, strides and dtype before post-processing."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Probe:
+    """What the loaders did, per checkpoint name and per parameter (qualified names)."""
+
+    pieces: dict[str, list[Piece]] = field(default_factory=dict)
+    fills: dict[str, list[tuple[Geometry, float]]] = field(default_factory=dict)
+    forms: dict[str, ParamForm] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    """Names the loader raised on, with its message."""
+    unresolved: dict[str, str] = field(default_factory=dict)
+    """Names whose copies are not a box of the checkpoint tensor, with the reason."""
+
+
+def _box_of(view: torch.Tensor, shape: tuple[int, ...]) -> tuple[Box, list[int]] | None:
+    """The box of a contiguous tensor of `shape` that `view` (a view of it) covers, and which
+    checkpoint dim each non-unit view dim is; `None` when the view is not such a box."""
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    offset, coords = view.storage_offset(), []
+    for s in strides:
+        coords.append(offset // s if s else 0)
+        offset = offset % s if s else offset
+    dims, last = [], -1
+    for size, stride in zip(view.shape, view.stride()):
+        if size == 1:
+            continue
+        matches = [d for d in range(len(shape)) if strides[d] == stride and d > last and shape[d] > 1]
+        if not matches:
+            return None
+        last = matches[0]
+        dims.append(last)
+    sizes = [1] * len(shape)
+    for d, size in zip(dims, (s for s in view.shape if s != 1)):
+        sizes[d] = size
+    box = Box(tuple(coords), tuple(sizes))
+    if any(o + s > n for o, s, n in zip(box.offsets, box.sizes, shape)):
+        return None
+    return box, dims
+
+
+def _dst_geometry(dst: torch.Tensor, box: Box, dims: list[int]) -> Geometry | None:
+    """`dst` (the copy's destination view) in the checkpoint box's dims."""
+    non_unit = [(s, t) for s, t in zip(dst.shape, dst.stride()) if s != 1]
+    if [s for s, _ in non_unit] != [box.sizes[d] for d in dims]:
+        return None
+    strides = [0] * box.ndim
+    for d, (_, t) in zip(dims, non_unit):
+        strides[d] = t
+    return Geometry(dst.storage_offset(), box.sizes, tuple(strides))
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the loaders' copies and fills; nothing else is intercepted."""
+
+    def __init__(self, sources: dict[int, tuple[str, tuple[int, ...]]], params: dict[int, str], probe: Probe):
+        super().__init__()
+        self.sources, self.params, self.probe = sources, params, probe
+        self.current = ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """Copies and fills into a parameter are recorded and not run: some parameters vLLM
+        never moves to meta stay live (e.g. `e_score_correction_bias`) and must not change."""
+        if func is _COPY and (storage_key(args[0]) in self.params or storage_key(args[1]) in self.sources):
+            self._copy(args[0], args[1])
+            return args[0]
+        if func in _FILLS and storage_key(args[0]) in self.params:
+            value = float(args[1]) if func is not _FILLS[1] else 0.0
+            dst = args[0]
+            geometry = Geometry(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
+            self.probe.fills.setdefault(self.params[storage_key(dst)], []).append((geometry, value))
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        param = self.params.get(storage_key(dst))
+        source = self.sources.get(storage_key(src))
+        name = source[0] if source is not None else self.current
+        if param is None:
+            self.probe.unresolved[name] = "copies into a tensor that is not a parameter of the model"
+            return
+        if source is None:
+            self.probe.unresolved[name] = f"copies into {param} from a tensor derived from the checkpoint's (cast, transposed or reshaped)"
+            return
+        found = _box_of(src, source[1])
+        geometry = None if found is None else _dst_geometry(dst, *found)
+        if geometry is None:
+            self.probe.unresolved[name] = f"copies a non-rectangular part of it into {param}"
+            return
+        self.probe.pieces.setdefault(name, []).append(Piece(param, found[0], geometry))
+
+
+@contextmanager
+def model_form(model: torch.nn.Module) -> Iterator[dict[str, ParamForm]]:
+    """Every layer in the form its loaders fill (vLLM's recorded metadata, on meta), live
+    tensors put back on exit; yields each parameter's form by qualified name."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+
+    saved = []
+    try:
+        for _, layer in model.named_modules():
+            saved.append((layer, dict(layer._parameters), dict(layer._buffers), set(layer._non_persistent_buffers_set)))
+            restore_layer_on_meta(layer, get_layerwise_info(layer))
+        yield {name: ParamForm(tuple(p.shape), tuple(p.stride()), p.dtype) for name, p in model.named_parameters()}
+    finally:
+        for layer, params, buffers, non_persistent in saved:
+            for name in list(layer._parameters) + list(layer._buffers):
+                delattr(layer, name)
+            for name, param in params.items():
+                layer.register_parameter(name, param)
+            for name, buffer in buffers.items():
+                layer.register_buffer(name, buffer, persistent=name not in non_persistent)
+
+
+def probe_loads(model: torch.nn.Module, checkpoint: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                dtype: torch.dtype) -> Probe:
+    """Run the model's loader on meta tensors of the checkpoint's shapes (in the engine's
+    `dtype`, as the engine would load a checkpoint) and record where everything lands."""
+    probe = Probe()
+    with model_form(model) as forms:
+        probe.forms = forms
+        params = {storage_key(p): name for name, p in model.named_parameters()}
+        tensors = {name: torch.empty(tuple(shape), dtype=dtype, device="meta") for name, (_, shape) in checkpoint.items()}
+        recorder = _Recorder({storage_key(t): (n, tuple(t.shape)) for n, t in tensors.items()}, params, probe)
+        with recorder:
+            for name, tensor in tensors.items():
+                recorder.current = name
+                try:
+                    model.load_weights([(name, tensor)])
+                except Exception as exc:  # vLLM's loaders raise anything from KeyError to AssertionError
+                    probe.errors[name] = f"{type(exc).__name__}: {exc}"
+    return probe
