@@ -57,7 +57,9 @@ class Coordinator:
         self.ipc = False
         self.metrics = RoundMetrics(config.name)
         self.repairs = 0
-        self.needs_full_round = False
+        self.needs_full_round = True
+        """Until a full round succeeded, workers hold unrelated weights (or loader buffers not
+        yet filled): the first round after init or a repair carries every tensor."""
         self.sparse_used = self.sparse_ready = False
         self.since_dense = 0
         self.version = 0
@@ -189,10 +191,24 @@ class Coordinator:
         reconnect; the next round is a full dense one."""
         self._close_ranks(abort=True)
         self._assign_ranks()
+        self._check_alive()
         summary = self.setup()
         self.broken, self.needs_full_round, self.sparse_ready = None, True, False
         self.repairs += 1
         return summary
+
+    def _check_alive(self) -> None:
+        """Every actor answers before any is asked to bind again, so a dead one is named instead
+        of leaving the survivors of its engine waiting for it in a collective."""
+        T = len(self.trainers)
+        labels = [f"trainer {i}" for i in range(T)] + [f"worker {j}" for j in range(len(self.workers))]
+        try:
+            call_all(self.trainers + self.workers, "_rl_sync_ping", [()] * len(labels), self.config.init_timeout_s,
+                     labels, "repair (are the actors alive?)")
+        except SyncError as exc:
+            raise SyncError(f"{exc}\nReplace a dead worker first with replace_worker(index, new_actor) (a vLLM engine "
+                            "rank cannot rejoin its engine's tensor-parallel group: launch the engine again and "
+                            "replace every one of its ranks); a dead trainer must be restarted with its state.") from None
 
     def replace_worker(self, index: int, handle) -> None:
         """Put a new actor in worker slot `index` (the group is re-formed at the next push)."""

@@ -60,6 +60,9 @@ class Participant:
     def _rl_sync_fallback_names(self) -> list[str]:
         return []
 
+    def _rl_sync_ping(self) -> None:
+        """Answers when the actor is alive (the coordinator checks before re-forming a group)."""
+
     def _rl_sync_nccl_ids(self) -> tuple[list[int], list[int]]:
         return new_unique_id(), new_unique_id()
 

@@ -2,10 +2,14 @@
 
 Define `rl_sync_destinations(checkpoint)`: given the trainers' checkpoint
 (`{name: (torch dtype, shape)}`), return `{name: Destination}` (the
-`rl_sync.bind.Binder` builds these from rules). Destinations are resolved once
-and must stay the live storage. Names bound as fallbacks are received whole
+`rl_sync.bind.Binder` builds these from rules). Destinations are resolved
+whenever a group forms or is repaired and must stay the live storage while it
+lasts. Names bound as fallbacks are received whole
 and handed to `rl_sync_load_fallbacks(pairs)`, which the class must then
-define.
+define. An engine that derives state from its weights (repacked kernels,
+caches) may define `rl_sync_weights_updated(names)`: it runs once the live
+weights hold a round (`names`: the round's tensors, `None` for all), before
+the worker reports the new version.
 
 Versions: a worker knows the version its live weights hold, and reports
 `None` while a round is writing into them or after one failed part-way, until
@@ -40,6 +44,12 @@ class SyncWorkerMixin(Participant):
     _rl_sync_shadow: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     _rl_sync_version: int | None = None
     _rl_sync_ipc: WorkerExport | None = None
+    _rl_sync_round_names: tuple[str, ...] | None = None
+
+    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int, options: dict | None = None) -> bytes:
+        if side == "worker":
+            self._rl_sync_cached = None  # every group, and every repair, binds anew: storage may have moved
+        return super()._rl_sync_describe(side, side_rank, side_size, options)
 
     def _rl_sync_worker_entries(self, rank: int, size: int, options: dict):
         if self._rl_sync_cached is None:
@@ -82,18 +92,27 @@ class SyncWorkerMixin(Participant):
 
     def _rl_sync_after_round(self, round_info: RoundInfo, stats: RankStats) -> RankStats:
         stats = super()._rl_sync_after_round(round_info, stats)
-        if self._rl_sync_shadow is None:
-            self._rl_sync_version = round_info.version
         names = [n for n in self._rl_sync_fallbacks if round_info.names is None or n in round_info.names]
         if names:
             views = self._rl_sync_cached[1]
             self.rl_sync_load_fallbacks([(n, views[n].tensor) for n in names])
+        self._rl_sync_round_names = round_info.names
+        if self._rl_sync_shadow is None:
+            self._rl_sync_updated(round_info.names)
+            self._rl_sync_version = round_info.version
         return replace(stats, fallbacks=len(names))
+
+    def _rl_sync_updated(self, names: tuple[str, ...] | None) -> None:
+        """The live weights now hold a round's values: run the engine's hook, if it has one."""
+        hook = getattr(self, "rl_sync_weights_updated", None)
+        if hook is not None:
+            hook(names)
 
     def _rl_sync_commit(self, version: int) -> None:
         """Double buffering: the round completed everywhere; copy it into the live weights."""
         if self._rl_sync_shadow:
             torch._foreach_copy_([live for live, _ in self._rl_sync_shadow], [shadow for _, shadow in self._rl_sync_shadow])
+        self._rl_sync_updated(self._rl_sync_round_names)
         self._rl_sync_version = version
 
     def _rl_sync_apply_patches(self, version: int, patches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
@@ -129,6 +148,7 @@ class SyncWorkerMixin(Participant):
         self._rl_sync_version = None
         self._rl_sync_ipc.begin()
 
-    def _rl_sync_ipc_end(self, version: int) -> None:
+    def _rl_sync_ipc_end(self, version: int, names: tuple[str, ...] | None = None) -> None:
         self._rl_sync_ipc.end()
+        self._rl_sync_updated(names)
         self._rl_sync_version = version

@@ -1,0 +1,171 @@
+"""vLLM engines whose tensor-parallel ranks are Ray actors (vLLM's external launcher).
+
+Large RL frameworks run vLLM this way: every TP rank of an engine is one Ray
+actor holding an `LLM` built with `distributed_executor_backend=
+"external_launcher"`, so the trainer-side driver places, drives and syncs
+them like any other actor. Two ways in:
+
+* `VllmWorkerMixin`: your rollout actor already holds such an `LLM`; inherit
+  the mixin and define `rl_sync_llm()`.
+* `VllmEngine.launch(...)`: ready actors (`VllmRankActor`), one per TP rank,
+  started together, with `generate` for greedy or sampled token ids.
+
+Either way the workers passed to `WeightSync` are the engines' rank actors,
+engine by engine, each engine's ranks in TP order. Layouts come from vLLM's
+own loader (`rl_sync.vllm.binding`); after each round the ranks run vLLM's
+post-load processing for what changed and reset the engine's prefix cache
+(a prefix cached with the old weights would otherwise be served after the
+update).
+
+Typical use::
+
+    engine = VllmEngine.launch("/models/qwen2", tp=2, llm_kwargs={"dtype": "bfloat16"})
+    sync = WeightSync.create(trainers, engine.ranks, config)
+    sync.push()
+    outputs = engine.generate([[1, 2, 3]], max_tokens=8)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import ray
+
+from rl_sync.vllm.rank import VllmDestinations
+
+from .worker_mixin import SyncWorkerMixin
+
+
+class VllmWorkerMixin(SyncWorkerMixin):
+    """Inherit in a Ray actor that holds one TP rank of a vLLM engine; define `rl_sync_llm()`
+    returning that `LLM`."""
+
+    _rl_sync_vllm: VllmDestinations | None = None
+
+    def rl_sync_destinations(self, checkpoint):
+        rank, size, _ = self._rl_sync_sides["worker"]
+        self._rl_sync_vllm = VllmDestinations.of_llm(self.rl_sync_llm())
+        return self._rl_sync_vllm.bind(checkpoint, rank, size)
+
+    def rl_sync_load_fallbacks(self, pairs) -> None:
+        self._rl_sync_vllm.load_fallbacks(pairs)
+
+    def rl_sync_weights_updated(self, names) -> None:
+        """vLLM's post-load processing for what changed, then a fresh prefix cache."""
+        self._rl_sync_vllm.after_update(names)
+        if not self.rl_sync_llm().reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests are running); weights changed, so "
+                               "cached prefixes would be stale: finish or abort requests before pushing")
+
+    def rl_sync_param_modes(self) -> list[tuple[str, str | None, str, str, int]]:
+        """(checkpoint name, vLLM parameter, mode, reason, bytes kept here) for every name."""
+        return [(r.name, r.param, r.mode, r.reason, r.nbytes) for r in (self._rl_sync_vllm.reports if self._rl_sync_vllm else [])]
+
+
+def _listen(host: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(128)
+    return sock
+
+
+class VllmRankActor(VllmWorkerMixin):
+    """One TP rank of a vLLM engine (wrap with `ray.remote`; `VllmEngine.launch` does).
+
+    Rank 0 hosts the engine's torch.distributed rendezvous on `host` (its Ray node
+    address by default, never every interface); `start` builds the `LLM` on every rank
+    at once. `env` adds environment variables (e.g. `GLOO_SOCKET_IFNAME`)."""
+
+    def __init__(self, tp_rank: int, tp_size: int, host: str | None = None, env: dict[str, str] | None = None,
+                 timeout_s: float = 120.0):
+        import torch.distributed as dist
+
+        self.tp_rank, self.tp_size, self.llm = tp_rank, tp_size, None
+        self.host = host or ray.util.get_node_ip_address()
+        os.environ.update(env or {})
+        self._store = None
+        if tp_rank == 0:
+            sock = _listen(self.host)
+            self._store = dist.TCPStore(self.host, sock.getsockname()[1], tp_size, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+            sock.detach()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: where the engine's ranks meet."""
+        return self.host, self._store.port
+
+    def start(self, model: str, address: tuple[str, int], llm_kwargs: dict[str, Any]) -> None:
+        """Build this rank's `LLM` (every rank of the engine at once)."""
+        from vllm import LLM
+
+        os.environ.update({"RANK": str(self.tp_rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(self.tp_size),
+                           "MASTER_ADDR": address[0], "MASTER_PORT": str(address[1]),
+                           "TORCHELASTIC_USE_AGENT_STORE": "True", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        self.llm = LLM(model=model, tensor_parallel_size=self.tp_size, distributed_executor_backend="external_launcher",
+                       **llm_kwargs)
+
+    def rl_sync_llm(self):
+        return self.llm
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any]) -> list[dict]:
+        """Token ids and their log-probabilities for each prompt (every rank of the engine
+        calls it with the same arguments)."""
+        from vllm import SamplingParams
+
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], SamplingParams(**sampling),
+                                    use_tqdm=False)
+        out = []
+        for output in outputs:
+            completion = output.outputs[0]
+            logprobs = None if completion.logprobs is None else [
+                step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
+            out.append({"tokens": list(completion.token_ids), "logprobs": logprobs})
+        return out
+
+    def version(self) -> int | None:
+        """The weight version this rank's live weights hold (rl-sync's, None before a sync)."""
+        return self._rl_sync_version_of()
+
+    def call(self, fn, *args, **kwargs):
+        """Run `fn(self, *args, **kwargs)` in this actor."""
+        return fn(self, *args, **kwargs)
+
+
+class VllmEngine:
+    """A vLLM engine as `tp` `VllmRankActor`s; `ranks` go to `WeightSync` as workers."""
+
+    def __init__(self, ranks: list):
+        self.ranks = ranks
+
+    @classmethod
+    def launch(cls, model: str, tp: int = 1, *, llm_kwargs: dict[str, Any] | None = None,
+               actor_options: Sequence[dict[str, Any]] | None = None, host: str | None = None,
+               env: dict[str, str] | None = None, timeout_s: float = 300.0) -> VllmEngine:
+        """Start the ranks (`actor_options[i]` are rank i's Ray options, e.g. a placement
+        group bundle) and build the engine on all of them; bounded by `timeout_s`."""
+        Rank = ray.remote(VllmRankActor)
+        options = list(actor_options or [{"num_cpus": 1}] * tp)
+        ranks = [Rank.options(**options[r]).remote(r, tp, host, env) for r in range(tp)]
+        engine = cls(ranks)
+        try:
+            address = ray.get(ranks[0].rendezvous.remote(), timeout=timeout_s)
+            ray.get([r.start.remote(model, address, dict(llm_kwargs or {})) for r in ranks], timeout=timeout_s)
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    def generate(self, prompts: Sequence[Sequence[int]], timeout_s: float = 300.0, **sampling) -> list[dict]:
+        """Generate on every rank together; rank 0's outputs (`sampling`: `SamplingParams` fields)."""
+        return ray.get([r.generate.remote(prompts, sampling) for r in self.ranks], timeout=timeout_s)[0]
+
+    def versions(self, timeout_s: float = 60.0) -> list[int | None]:
+        return ray.get([r.version.remote() for r in self.ranks], timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        for rank in self.ranks:
+            ray.kill(rank)
