@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rl_sync.messages import SideReport, TensorReport
+from rl_sync.parts import check_parts, parse_part, part_name, part_shape
 from rl_sync.plan import SideSpec
 
 
@@ -65,3 +66,24 @@ def colocated_mates(trainers: Sequence[SideReport], workers: Sequence[SideReport
         return None
     ranks = [m[0] for m in mates]
     return ranks if len(set(ranks)) == len(ranks) else None
+
+
+def split_sources(sources: Sequence[SideSpec], worker_names: Sequence[str]) -> list[SideSpec]:
+    """Sources with every tensor the workers bind in parts (`rl_sync.parts`) replaced by those
+    parts, each with the trainers' layout of the whole; refused when the parts do not tile
+    the tensor or cut a dim the trainers shard."""
+    parts: dict[str, list[tuple[int, int, int]]] = {}
+    for name in worker_names:
+        found = parse_part(name)
+        if found is not None:
+            parts.setdefault(found[0], []).append(found[1:])
+    out = []
+    for spec in sources:
+        if spec.name not in parts:
+            out.append(spec)
+            continue
+        check_parts(spec.name, spec.shape, spec.layout, parts[spec.name])
+        for dim, start, stop in sorted(parts[spec.name], key=lambda p: p[1]):
+            out.append(SideSpec(part_name(spec.name, dim, start, stop), spec.dtype, part_shape(spec.shape, dim, start, stop),
+                                spec.layout))
+    return out

@@ -25,6 +25,7 @@ import ray
 import torch.distributed as dist
 
 from rl_sync.messages import InitInfo, RankStats, RoundInfo, SideReport
+from rl_sync.parts import parse_part, sharded_dims
 from rl_sync.patches import check_patch, route_patch
 from rl_sync.plan import SideSpec, join_specs, plan_model
 from rl_sync.plan_info import PlanInfo
@@ -33,7 +34,7 @@ from rl_sync.stats import RoundStats
 from rl_sync.sync_config import SyncConfig
 from rl_sync.wire import decode, encode
 
-from .agreement import check_agreement, colocated_mates, merge_sources
+from .agreement import check_agreement, colocated_mates, merge_sources, split_sources
 from .calls import SyncError, call_all
 from .metrics import RoundMetrics
 
@@ -90,18 +91,25 @@ class Coordinator:
                          self._labels()[:T], "init (describe trainers)")
         trainer_reports = [decode(SideReport, b) for b in blobs]
         sources = merge_sources(trainer_reports)
-        options = {"checkpoint": {s.name: (s.dtype, list(s.shape)) for s in sources}, "double_buffer": cfg.double_buffer}
+        options = {"checkpoint": {s.name: (s.dtype, list(s.shape)) for s in sources}, "double_buffer": cfg.double_buffer,
+                   "sharded": {s.name: sorted(sharded_dims(s.layout)) for s in sources}}
         blobs = call_all(self.workers, "_rl_sync_describe", [("worker", j, N, options) for j in range(N)],
                          cfg.init_timeout_s, self._worker_labels(), "init (bind workers)")
         reports = trainer_reports + [decode(SideReport, b) for b in blobs]
         self._choose_colocation(reports[:T], reports[T:])
         check_agreement(reports[T:], ranks=self.worker_ranks)
+        sources = split_sources(sources, [t.name for t in reports[T].tensors])
         destinations = [SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout().remapped(self.worker_ranks))
                         for t in reports[T].tensors]
         colocated = any(r < T for r in self.worker_ranks)
         plan = plan_model(join_specs(sources, destinations), colocated=colocated)
         self.schedule = build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes)
         self.names = set(plan.index)
+        self.parts: dict[str, list[str]] = {}
+        for name in plan.index:
+            found = parse_part(name)
+            if found is not None:
+                self.parts.setdefault(found[0], []).append(name)
         devices = [r.device for r in reports[:T]] + [reports[T + self.worker_ranks.index(r)].device
                                                     for r in range(T, len(self.ranks))]
         info = self._init_info(devices)
@@ -167,6 +175,10 @@ class Coordinator:
             return None
         return tuple(ids[0]), tuple(ids[1])
 
+    def _plan_names(self, names: list[str] | None) -> list[str] | None:
+        """Checkpoint names as the plan holds them: a tensor bound in parts is its parts."""
+        return None if names is None else [p for n in names for p in self.parts.get(n, [n])]
+
     def _check_push(self, version: int | None, names: list[str] | None, mode: str | None) -> tuple[int, str]:
         version = self.version + 1 if version is None else version
         if version <= self.version:
@@ -225,6 +237,7 @@ class Coordinator:
             if not self.config.auto_repair:
                 raise SyncError(f"the sync group is broken by an earlier failure ({self.broken}); call repair()")
             self.repair()
+        names = self._plan_names(names)
         version, mode = self._check_push(version, names, mode)
         if self.needs_full_round:
             names, mode = None, "m2n" if mode in ("sparse", "auto") else mode

@@ -22,7 +22,7 @@ Typical use::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from ..layout import Box, Layout, Mesh, Replicate, Shard
@@ -168,4 +168,30 @@ def infer_layout(shape: Sequence[int], boxes: Sequence[Box | None]) -> Layout | 
                 return layout
         except ValueError:
             continue
+    return None
+
+
+def find_cuts(shape: Sequence[int], boxes: Sequence[Sequence[Box]], forbidden: Collection[int] = ()) -> tuple[int, list[int]] | None:
+    """A dim and the fewest cuts along it that leave each rank's boxes (`boxes[r]`) able to form
+    one box per part: no box straddles a cut, and a cut lies in every gap a rank leaves along
+    that dim (gate and up rows of one TP rank inside a fused gate|up tensor). Dims in
+    `forbidden` (those the sender shards) are never cut; `None` when no dim works."""
+    for dim in range(len(shape)):
+        if dim in forbidden:
+            continue
+        gaps, overlapping = [], False
+        for rank_boxes in boxes:
+            bands = sorted({(b.offsets[dim], b.ends[dim]) for b in rank_boxes})
+            for (_, end), (start, _) in zip(bands, bands[1:]):
+                overlapping |= start < end
+                if start > end:
+                    gaps.append((end, start))
+        if overlapping or not gaps:
+            continue
+        cuts: list[int] = []
+        for lo, hi in sorted(gaps, key=lambda g: g[1]):
+            if not cuts or cuts[-1] < lo:
+                cuts.append(hi)
+        if not any(b.offsets[dim] < c < b.ends[dim] for rank_boxes in boxes for b in rank_boxes for c in cuts):
+            return dim, cuts
     return None

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from ..messages import InitInfo, RankStats, RoundInfo
+from ..parts import parse_part
 from ..plan_info import PlanInfo
 from ..schedule import RankSchedule
 from ..transport.base import Transport
@@ -46,6 +47,17 @@ def make_transport(info: InitInfo, bind_host: str, device: torch.device) -> Tran
 
     return GlooTransport(info.rank, info.world_size, info.store_host, info.store_port, bind_host=bind_host,
                          prefix=info.prefix, timeout_s=info.timeout_s, broadcast_ranks=broadcast_ranks)
+
+
+def part_endpoint(endpoints: Mapping[str, Endpoint], name: str) -> Endpoint | None:
+    """A source endpoint for part `name` (`rl_sync.parts`): a view of the whole tensor's shard,
+    which holds the cut dim whole (the coordinator checked), in the part's coordinates."""
+    found = parse_part(name)
+    whole = None if found is None else endpoints.get(found[0])
+    if whole is None:
+        return None
+    _, dim, start, stop = found
+    return Endpoint(whole.tensor.narrow(dim, start, stop - start), whole.origin)
 
 
 class RankSession:
@@ -87,6 +99,8 @@ class RankSession:
             if box is None or box.is_empty():
                 continue
             endpoint = endpoints.get(spec.name)
+            if endpoint is None and side == "source":
+                endpoint = part_endpoint(endpoints, spec.name)
             if endpoint is None:
                 raise ValueError(f"rank {self.rank}: the plan needs {side} tensor {spec.name!r} here, but it was not provided")
             if endpoint.origin != box.offsets or tuple(endpoint.tensor.shape) != box.sizes:

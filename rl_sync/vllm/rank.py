@@ -21,7 +21,7 @@ Typical use::
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
@@ -65,9 +65,11 @@ class VllmDestinations:
 
         return set_current_vllm_config(self.vllm_config)
 
-    def bind(self, checkpoint: Checkpoint, side_rank: int, side_size: int) -> dict[str, Destination]:
+    def bind(self, checkpoint: Checkpoint, side_rank: int, side_size: int,
+             sharded: Mapping[str, Sequence[int]] | None = None) -> dict[str, Destination]:
         """Resolve every checkpoint name (collective over the engine's ranks; see the module
-        docstring for how side ranks map to engines)."""
+        docstring for how side ranks map to engines). `sharded[name]`: the dims the trainers
+        shard, which a fused tensor is never cut along."""
         parallel = self.vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
             raise ValueError(f"vLLM worker {side_rank}: pipeline parallel engines (size "
@@ -78,7 +80,7 @@ class VllmDestinations:
                              "the workers engine by engine, each engine's ranks in tensor-parallel order")
         with self._context():
             self.binding = VllmBinding.build(self.model, self.vllm_config.model_config, checkpoint, where,
-                                             engines=side_size // where.size)
+                                             engines=side_size // where.size, sharded=sharded)
         return self.binding.destinations
 
     @property

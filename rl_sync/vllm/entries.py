@@ -1,0 +1,137 @@
+"""From what every rank of an engine saw its loader do, to the tensors rl-sync plans.
+
+Each rank reports, per checkpoint name (`local_report`): one merged box and
+the parameter it lands in (`ok`), several pieces no single box covers
+(`pieces`: e.g. the gate and up rows of a fused `gate_up_proj`), copies that
+are no box at all (`unresolved`), or nothing (`none`). With every rank's
+report, `plan_entries` (pure, the same on every rank) decides:
+
+* a name every rank keeps as one box becomes one entry with the layout that
+  gives those boxes;
+* a name kept in pieces is cut into parts along a dim the trainers do not
+  shard (`rl_sync.parts`) where that leaves one box per rank and part;
+* anything else falls back (vLLM's loader takes the whole tensor).
+
+A name no rank's loader writes is an error: the engine's model lacks it.
+
+Typical use::
+
+    gathered = exchange(local_report(probe, checkpoint))
+    entries, fallback = plan_entries(checkpoint, gathered, sharded, rank=0, size=2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from ..bind.infer import Merged, Piece, find_cuts, infer_layout, merge_pieces
+from ..layout import Box, Layout
+from ..parts import part_name, part_shape
+from .probe import Probe
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the plan on this engine: a checkpoint name or a part of one."""
+
+    name: str
+    base: str
+    shape: tuple[int, ...]
+    layout: Layout
+    """Over the engine's ranks `[0, size)`."""
+    merged: Merged | None
+    """This rank's box and its view of one parameter; None where the rank keeps none."""
+
+
+def _box(raw) -> Box:
+    return Box(tuple(raw[0]), tuple(raw[1]))
+
+
+def local_report(probe: Probe, checkpoint: Mapping) -> dict[str, tuple]:
+    """Per name: `(status, parameters it touches, boxes)`, plain data for the exchange."""
+    out = {}
+    for name in checkpoint:
+        pieces = probe.pieces.get(name, [])
+        params = sorted({p.param for p in pieces})
+        boxes = [(p.src.offsets, p.src.sizes) for p in pieces]
+        if name in probe.unresolved:
+            out[name] = ("unresolved", params, [])
+        elif not pieces:
+            out[name] = ("none", params, [])
+        else:
+            merged = merge_pieces(pieces)
+            out[name] = ("ok", params, [(merged.box.offsets, merged.box.sizes)]) if merged else ("pieces", params, boxes)
+    return out
+
+
+def _shift(piece: Piece, dim: int, start: int) -> Piece:
+    offsets = tuple(o - start if d == dim else o for d, o in enumerate(piece.src.offsets))
+    return Piece(piece.param, Box(offsets, piece.src.sizes), piece.dst)
+
+
+def _whole(name: str, shape: tuple[int, ...], reports: list, pieces: Sequence[Piece]) -> Entry | None:
+    layout = infer_layout(shape, [_box(r[2][0]) if r[0] == "ok" else None for r in reports])
+    return None if layout is None else Entry(name, name, shape, layout, merge_pieces(pieces) if pieces else None)
+
+
+def _parts(name: str, shape: tuple[int, ...], reports: list, pieces: Sequence[Piece],
+           forbidden: Collection[int]) -> list[Entry] | None:
+    """The entries of `name` cut into parts, or None; an entry whose local merge fails has
+    `merged=None` while the rank holds pieces of it (`plan_entries` reports it)."""
+    boxes = [[_box(raw) for raw in r[2]] for r in reports]
+    found = find_cuts(shape, boxes, forbidden)
+    if found is None:
+        return None
+    dim, cuts = found
+    bounds = [0, *cuts, shape[dim]]
+    entries = []
+    for start, stop in zip(bounds, bounds[1:]):
+        inside = lambda b: start <= b.offsets[dim] and b.ends[dim] <= stop  # noqa: E731
+        rank_boxes = [[_box(raw) for raw in r[2] if inside(_box(raw))] for r in reports]
+        sub_shape = part_shape(shape, dim, start, stop)
+        per_rank = [None if not bs else _bound_in_part(bs, dim, start) for bs in rank_boxes]
+        layout = infer_layout(sub_shape, per_rank)
+        if layout is None:
+            return None
+        mine = [_shift(p, dim, start) for p in pieces if inside(p.src)]
+        entries.append(Entry(part_name(name, dim, start, stop), name, sub_shape, layout, merge_pieces(mine) if mine else None))
+    return entries
+
+
+def _bound_in_part(boxes: Sequence[Box], dim: int, start: int) -> Box:
+    lo = [min(b.offsets[d] for b in boxes) for d in range(boxes[0].ndim)]
+    hi = [max(b.ends[d] for b in boxes) for d in range(boxes[0].ndim)]
+    lo_shifted = [v - start if d == dim else v for d, v in enumerate(lo)]
+    return Box(tuple(lo_shifted), tuple(h - v for h, v in zip(hi, lo)))
+
+
+def _keeps(entry: Entry, rank: int) -> bool:
+    box = entry.layout.local_box(entry.shape, rank)
+    return box is not None and not box.is_empty()
+
+
+def plan_entries(checkpoint: Mapping, gathered: Sequence[Mapping], pieces: Mapping[str, Sequence[Piece]],
+                 sharded: Mapping[str, Collection[int]], rank: int) -> tuple[list[Entry], set[str], set[str]]:
+    """(entries, names that fall back, names whose pieces this rank could not merge into the
+    part everyone else expects); raises for a name no rank's loader writes."""
+    entries, fallback, unmerged = [], set(), set()
+    for name, (_, shape) in checkpoint.items():
+        shape = tuple(shape)
+        reports = [g[name] for g in gathered]
+        statuses = {r[0] for r in reports}
+        if statuses == {"none"}:
+            raise ValueError(f"vLLM rank {rank}: checkpoint tensor {name!r} {shape} is written nowhere by vLLM's loader "
+                             f"on any of the engine's {len(gathered)} ranks; the engine's model has no parameter for it")
+        mine = list(pieces.get(name, []))
+        found = None
+        if "unresolved" not in statuses:
+            found = [_whole(name, shape, reports, mine)] if "pieces" not in statuses else \
+                _parts(name, shape, reports, mine, sharded.get(name, ()))
+        if not found or None in found:
+            fallback.add(name)
+            continue
+        if any(e.merged is None and _keeps(e, rank) for e in found):
+            unmerged.add(name)
+        entries.extend(found)
+    return entries, fallback, unmerged

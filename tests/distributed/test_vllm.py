@@ -1,0 +1,219 @@
+"""FSDP2 trainers into real vLLM engines (the CPU build), checked against vLLM itself.
+
+Each engine rank is a Ray actor holding an `LLM` (external launcher). After
+every AdamW step and push, the synced engine must generate exactly what a
+fresh engine generates from the trainers' full checkpoint on disk (greedy
+token ids and their log-probabilities, with prefix caching on, so a prefix
+cached before the update would show); every worker receives exactly the
+bytes of what it keeps."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+import torch
+
+from actors import SyncError, WeightSync
+from actors.cluster import free_init_url
+from actors.models import HFTrainer
+from actors.vllm import VllmRankActor
+
+from .conftest import loopback_config
+from .vllm_oracle import PROMPTS, SAMPLING, fresh_outputs, hf_config, launch, write_checkpoint
+
+Trainer = ray.remote(num_cpus=0.1)(HFTrainer)
+TOKENS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _trainers(config: dict) -> list:
+    url = free_init_url("127.0.0.1")
+    return [Trainer.remote(i, 2, config, url) for i in range(2)]
+
+
+def _state(trainers) -> dict[str, torch.Tensor]:
+    return ray.get([t.full_state.remote() for t in trainers])[0]
+
+
+def _unrelated_checkpoint(path, config: dict, trainers) -> str:
+    """A checkpoint of the right shapes holding other values than the trainers'."""
+    gen = torch.Generator().manual_seed(7)
+    state = {k: torch.randn(v.shape, generator=gen) for k, v in _state(trainers).items()}
+    return write_checkpoint(str(path), config, state)
+
+
+def _kept_bytes(engine) -> list[int]:
+    """Bytes each rank keeps: its boxes of bound names, whole tensors of fallbacks."""
+    modes = ray.get([r.rl_sync_param_modes.remote() for r in engine.ranks])
+    return [sum(nbytes for _, _, _, _, nbytes in rank) for rank in modes]
+
+
+@pytest.mark.parametrize("family, tp, fallbacks", [
+    ("qwen2", 1, []),
+    ("qwen2", 2, []),
+    ("qwen3_moe", 2, []),
+])
+def test_synced_engine_generates_what_a_fresh_engine_on_the_checkpoint_does(ray_session, tmp_path, family, tp, fallbacks):
+    config = hf_config(family)
+    trainers = _trainers(config)
+    llm_kwargs = {}
+    engine = launch(_unrelated_checkpoint(tmp_path / "init", config, trainers), tp, **llm_kwargs)
+    try:
+        sync = WeightSync.create(trainers, engine.ranks, loopback_config(bucket_bytes=1 << 18))
+        assert sync.summary["fallbacks"] == fallbacks, "only the listed tensors go through vLLM's loader whole"
+        kept = _kept_bytes(engine)
+        for step in range(1, 4):
+            ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+            stats = sync.push()
+            received = [next(r.received_bytes for r in stats.ranks if r.rank == 2 + j) for j in range(tp)]
+            assert received == kept, f"step {step}: bytes into each rank {received}, its shards hold {kept}"
+            got = engine.generate(PROMPTS, **SAMPLING)
+            path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
+            assert got == fresh_outputs(path, tp, **llm_kwargs), f"step {step}: synced engine differs from a fresh one"
+            assert engine.versions() == [step] * tp
+        sync.close()
+    finally:
+        engine.shutdown()
+        for t in trainers:
+            ray.kill(t)
+
+
+class ExtraSourcesTrainer(HFTrainer):
+    """A trainer whose sources can be altered from the test (`self.alter(sources)`)."""
+
+    alter = None
+
+    def rl_sync_sources(self):
+        sources = super().rl_sync_sources()
+        return sources if self.alter is None else self.alter(sources)
+
+
+class DisagreeingRank(VllmRankActor):
+    """Rank 1 reports another layout for one tensor than rank 0 resolved."""
+
+    def rl_sync_destinations(self, checkpoint):
+        from dataclasses import replace
+
+        from rl_sync.layout import Layout, Mesh
+
+        out = dict(super().rl_sync_destinations(checkpoint))
+        if self.tp_rank == 1:
+            name = "model.norm.weight"
+            out[name] = replace(out[name], layout=Layout.replicated(Mesh((2,))))
+        return out
+
+
+def _set(alter):
+    def apply(trainer):
+        trainer.alter = alter
+    return apply
+
+
+@pytest.fixture(scope="module")
+def qwen2_tp2(ray_session, tmp_path_factory):
+    """One TP2 engine and its trainers, shared by the bad-input tests (none may write into it)."""
+    config = hf_config("qwen2")
+    trainers = [ray.remote(num_cpus=0.1)(ExtraSourcesTrainer).remote(i, 2, config, url)
+                for url in [free_init_url("127.0.0.1")] for i in range(2)]
+    engine = launch(_unrelated_checkpoint(tmp_path_factory.mktemp("bad") / "init", config, trainers), 2)
+    yield config, trainers, engine
+    engine.shutdown()
+    for t in trainers:
+        ray.kill(t)
+
+
+@pytest.mark.parametrize("alter, message", [
+    (lambda s: {**s, "model.layers.0.mlp.bogus.weight": torch.zeros(4, 4)},
+     r"vLLM rank \d: checkpoint tensor 'model.layers.0.mlp.bogus.weight' is refused by vLLM's loader"),
+    (lambda s: {**s, "model.norm.weight": torch.zeros(64)},
+     r"vLLM rank \d: checkpoint tensor 'model.norm.weight' is refused by vLLM's loader \(AssertionError: .*64"),
+    (lambda s: {**s, "model.norm.weight": torch.zeros(128, dtype=torch.int32)},
+     r"tensor 'model.norm.weight': source dtype 'int32' and destination dtype 'bfloat16' disagree"),
+])
+def test_bad_checkpoints_fail_init_naming_the_tensor_and_write_nothing(qwen2_tp2, alter, message):
+    _, trainers, engine = qwen2_tp2
+    before = engine.generate(PROMPTS, **SAMPLING)
+    ray.get([t.call.remote(_set(alter)) for t in trainers])
+    try:
+        with pytest.raises(ValueError, match=message):
+            WeightSync.create(trainers, engine.ranks, loopback_config())
+    finally:
+        ray.get([t.call.remote(_set(None)) for t in trainers])
+    assert engine.generate(PROMPTS, **SAMPLING) == before, "a failed init changed the engine's weights"
+
+
+def test_ranks_that_disagree_fail_init_naming_the_tensor_and_rank(ray_session, tmp_path):
+    from actors.vllm import VllmEngine
+
+    from .vllm_oracle import ENV, LLM_KWARGS
+
+    config = hf_config("qwen2")
+    trainers = _trainers(config)
+    init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
+    Rank = ray.remote(num_cpus=0.1)(DisagreeingRank)
+    ranks = [Rank.remote(r, 2, None, ENV) for r in range(2)]
+    engine = VllmEngine(ranks)
+    try:
+        address = ray.get(ranks[0].rendezvous.remote())
+        ray.get([r.start.remote(init, address, LLM_KWARGS) for r in ranks])
+        with pytest.raises(ValueError, match=r"inference workers disagree on tensor 'model.norm.weight': worker rank 3 "):
+            WeightSync.create(trainers, engine.ranks, loopback_config())
+    finally:
+        engine.shutdown()
+        for t in trainers:
+            ray.kill(t)
+
+
+class MortalRank(VllmRankActor):
+    """A vLLM rank that kills its process when a round starts, once told to."""
+
+    die = False
+
+    def _rl_sync_before_round(self, round_info):
+        if self.die:
+            os._exit(1)
+        super()._rl_sync_before_round(round_info)
+
+
+def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_up(ray_session, tmp_path):
+    from actors.vllm import VllmEngine
+
+    from .vllm_oracle import ENV, LLM_KWARGS
+
+    config = hf_config("qwen2")
+    trainers = _trainers(config)
+    init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
+    Rank = ray.remote(num_cpus=0.1, max_restarts=0)(MortalRank)
+    ranks = [Rank.remote(r, 2, None, ENV) for r in range(2)]
+    engine = VllmEngine(ranks)
+    address = ray.get(ranks[0].rendezvous.remote())
+    ray.get([r.start.remote(init, address, LLM_KWARGS) for r in ranks])
+    fresh = None
+    try:
+        sync = WeightSync.create(trainers, engine.ranks, loopback_config(round_timeout_s=8.0))
+        sync.push()
+        ray.get(ranks[1].call.remote(lambda self: setattr(self, "die", True)))
+        start = time.monotonic()
+        with pytest.raises(SyncError, match=r"round 2 \(m2n\) failed"):
+            sync.push()
+        assert time.monotonic() - start < 8.0 + 10.0, "the round outlived its timeout"
+        with pytest.raises(SyncError, match=r"worker 1: .*ActorDiedError.*\n.*launch the engine again and replace "
+                                             r"every one of its ranks"):
+            sync.push()
+        fresh = launch(init, 2)
+        for j, rank in enumerate(fresh.ranks):
+            sync.replace_worker(j, rank)
+        ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+        stats = sync.push()
+        assert stats.version == 2 and fresh.versions() == [2, 2]
+        path = write_checkpoint(str(tmp_path / "after"), config, _state(trainers))
+        assert fresh.generate(PROMPTS, **SAMPLING) == fresh_outputs(path, 2)
+        sync.close()
+    finally:
+        engine.shutdown()
+        if fresh is not None:
+            fresh.shutdown()
+        for t in trainers:
+            ray.kill(t)
