@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,20 +40,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_for_port(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s:.0f} s")
+
+
 @pytest.fixture
 def ray_head(tmp_path):
+    """A second Ray cluster (`ray start --head --block`) in its own process group, so that
+    stopping it (the whole group, bounded in time) leaves the session's Ray alone; `ray stop`
+    would stop every Ray on the machine."""
     ray = str(Path(sys.executable).parent / "ray")
     gcs, dashboard = _free_port(), _free_port()
     env = dict(os.environ, RAY_ADDRESS="", RAY_AUTH_MODE="token")
-    subprocess.run([ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=4",
-                    "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-                    # own ports for every agent, so the head never collides with the session's local Ray
-                    f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-                    f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-                    f"--ray-client-server-port={_free_port()}", "--disable-usage-stats"],
-                   check=True, env=env, timeout=120, capture_output=True)
-    yield ray, f"http://127.0.0.1:{dashboard}"
-    subprocess.run([ray, "stop", "--force"], env=env, timeout=120, capture_output=True)
+    head = subprocess.Popen([ray, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+                             "--num-cpus=4", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                             f"--dashboard-port={dashboard}",
+                             # own ports for every agent, so the head never collides with the session's local Ray
+                             f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+                             f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+                             f"--ray-client-server-port={_free_port()}", "--disable-usage-stats"],
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_port(dashboard, 120)
+        yield ray, f"http://127.0.0.1:{dashboard}"
+    finally:
+        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+            try:
+                os.killpg(head.pid, sig)
+                head.wait(grace)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"  # else ray.init() joins the dead head
+        if current.exists() and current.read_text().strip() == f"127.0.0.1:{gcs}":
+            current.unlink()
 
 
 def test_ray_job_submit_runs_the_rl_loop(ray_head):

@@ -1,13 +1,17 @@
-"""Layouts and views read off an engine's loader: `infer_layout` and `merge_pieces`."""
+"""Layouts and views read off an engine's loader: `infer_layout`, `merge_pieces`, parts of fused tensors."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl_sync.bind.infer import Geometry, Piece, infer_layout, merge_pieces
+from rl_sync.bind.infer import Geometry, Piece, find_cuts, infer_layout, merge_pieces
+from rl_sync.engine.endpoint import Endpoint
+from rl_sync.engine.session import part_endpoint
 from rl_sync.layout import Box, Layout, Mesh, Replicate, Shard
+from rl_sync.parts import check_parts, parse_part, part_name
 
 from .strategies import shapes
 
@@ -98,3 +102,39 @@ def test_tensor_parallel_gate_and_up_bands_do_not_merge():
     assert merged is not None and merged.box == Box((0, 2, 0), (E, 2, H))
     view = w13.as_strided(merged.dst.sizes, merged.dst.strides, merged.dst.offset)
     assert view.data_ptr() == w13[:, 0:2].data_ptr() and view.stride() == w13[:, 0:2].stride()
+
+
+def _gate_up_boxes(E: int, I: int, H: int, tp: int) -> list[list[Box]]:
+    """What each TP rank of a fused (E, 2I, H) gate|up tensor keeps: its rows of each half."""
+    rows = I // tp
+    return [[Box((e, half * I + r * rows, 0), (1, rows, H)) for e in range(E) for half in (0, 1)] for r in range(tp)]
+
+
+def test_fused_gate_up_is_cut_between_its_halves():
+    for tp in (2, 4):
+        assert find_cuts((4, 16, 3), _gate_up_boxes(4, 8, 3, tp)) == (1, [8])
+    assert find_cuts((4, 16, 3), _gate_up_boxes(4, 8, 3, 2), forbidden={1}) is None, "the trainers shard dim 1"
+    assert find_cuts((4, 16, 3), [[Box((0, 0, 0), (4, 16, 3))]]) is None, "one box needs no cut"
+    straddling = [[Box((0, 0, 0), (4, 6, 3)), Box((0, 10, 0), (4, 6, 3))], [Box((0, 5, 0), (4, 6, 3))]]
+    assert find_cuts((4, 16, 3), straddling) is None, "rank 1's box spans the only gap of rank 0"
+
+
+def test_parts_must_tile_a_dim_the_trainers_keep_whole():
+    fsdp = Layout(Mesh((2,)), (Shard(0),))
+    check_parts("w", (4, 16), fsdp, [(1, 0, 8), (1, 8, 16)])
+    with pytest.raises(ValueError, match=r"tensor 'w': workers cut it along dim 0, which the trainers shard"):
+        check_parts("w", (4, 16), fsdp, [(0, 0, 2), (0, 2, 4)])
+    with pytest.raises(ValueError, match=r"tensor 'w': parts \[\(0, 8\), \(9, 16\)\] along dim 1 do not tile \[0, 16\)"):
+        check_parts("w", (4, 16), fsdp, [(1, 0, 8), (1, 9, 16)])
+    with pytest.raises(ValueError, match=r"tensor 'w': parts along dim 1 end at 12, the tensor at 16"):
+        check_parts("w", (4, 16), fsdp, [(1, 0, 8), (1, 8, 12)])
+    assert parse_part(part_name("model.experts.gate_up_proj", 1, 0, 8)) == ("model.experts.gate_up_proj", 1, 0, 8)
+    assert parse_part("model.experts.gate_up_proj") is None
+
+
+def test_a_part_is_sent_from_a_view_of_the_whole_shard():
+    whole = torch.arange(2 * 16 * 3).view(2, 16, 3)  # trainer rank 1 of FSDP over 4 experts: experts 2 and 3
+    endpoints = {"w": Endpoint(whole, (2, 0, 0))}
+    part = part_endpoint(endpoints, part_name("w", 1, 8, 16))
+    assert part.origin == (2, 0, 0) and torch.equal(part.tensor, whole[:, 8:16])
+    assert part_endpoint(endpoints, "v") is None and part_endpoint(endpoints, part_name("v", 1, 0, 8)) is None

@@ -1,0 +1,151 @@
+"""Members of a sync group as the coordinator reaches them: one seam, two kinds.
+
+* `ActorMember`: a Ray actor holding one rank (ready actors, your mixin
+  actors, vLLM ranks run by the external launcher); each call is the rank's
+  `rl_sync.rank.SyncRank` method.
+* `ServiceMember`: a vLLM engine run as a service, one handle for all its
+  ranks (`actors.service`), reached through vLLM's weight-transfer calls; each
+  call answers for every rank of the engine.
+
+Every call returns a Ray ObjectRef; `results(value)` turns what it resolves
+to into one entry per rank, so the coordinator waits on all members of a step
+at once with one deadline (`gather`), and failures name the member and its
+ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import ray
+
+from rl_sync.vllm.service import CloseRequest, ConnectRequest, DescribeRequest, Rendezvous, RoundRequest
+from rl_sync.wire import encode
+
+from .calls import SyncError, failure_reason
+
+
+class ActorMember:
+    """One Ray actor, one rank."""
+
+    size = 1
+
+    def __init__(self, handle, label: str):
+        self.handle, self.label = handle, label
+
+    def results(self, value) -> list:
+        return [value]
+
+    def ping(self):
+        return self.handle._rl_sync_ping.remote()
+
+    def describe(self, side: str, first: int, side_size: int, options: dict, reply: Rendezvous | None):
+        return self.handle._rl_sync_describe.remote(side, first, side_size, options)
+
+    def connect(self, inits: Sequence[bytes], plan, bind_host: str | None, devices: Sequence[str],
+                ipc: Sequence[bytes | None], reply: Rendezvous | None):
+        return self.handle._rl_sync_connect.remote(inits[0], plan, bind_host, devices[0], ipc[0])
+
+    def run(self, blob: bytes, version: int, reply: Rendezvous | None):
+        return self.handle._rl_sync_run.remote(blob)
+
+    def commit(self, version: int, reply: Rendezvous | None):
+        return self.handle._rl_sync_commit.remote(version)
+
+    def versions(self):
+        return self.handle._rl_sync_version_of.remote()
+
+    def close(self, abort: bool, reply: Rendezvous | None):
+        return self.handle._rl_sync_close.remote(abort)
+
+    def apply_patches(self, version: int, patches: Sequence[dict]):
+        return self.handle._rl_sync_apply_patches.remote(version, patches[0])
+
+    def ipc_export(self, devices: Sequence[str]):
+        return self.handle._rl_sync_ipc_export.remote(devices[0])
+
+    def ipc_begin(self):
+        return self.handle._rl_sync_ipc_begin.remote()
+
+    def ipc_end(self, version: int, names: tuple[str, ...] | None):
+        return self.handle._rl_sync_ipc_end.remote(version, names)
+
+
+class ServiceMember:
+    """A vLLM engine service: `size` ranks behind one host actor (`actors.service`)."""
+
+    def __init__(self, service, label: str):
+        self.handle, self.size, self.label = service.host, service.ranks, label
+        self.double_buffer = False
+        self._closes = 0
+
+    def results(self, value) -> list:
+        return list(value) if isinstance(value, (list, tuple)) else [value] * self.size
+
+    def ping(self):
+        return self.handle._rl_sync_service_ping.remote()
+
+    def describe(self, side: str, first: int, side_size: int, options: dict, reply: Rendezvous | None):
+        if side != "worker":
+            raise ValueError(f"{self.label}: a vLLM engine service can only be a worker, not a {side}")
+        checkpoint = {n: (d, tuple(s)) for n, (d, s) in options["checkpoint"].items()}
+        sharded = {n: tuple(d) for n, d in options.get("sharded", {}).items()}
+        self.double_buffer = bool(options.get("double_buffer"))
+        request = DescribeRequest(first, side_size, checkpoint, sharded, self.double_buffer, reply)
+        return self.handle._rl_sync_service_describe.remote(encode(request))
+
+    def connect(self, inits: Sequence[bytes], plan, bind_host: str | None, devices: Sequence[str],
+                ipc: Sequence[bytes | None], reply: Rendezvous | None):
+        return self.handle._rl_sync_service_connect.remote(tuple(inits), plan, bind_host, encode(reply))
+
+    def run(self, blob: bytes, version: int, reply: Rendezvous | None):
+        request = RoundRequest(blob, version, reply)
+        return self.handle._rl_sync_service_run.remote(encode(request), not self.double_buffer)
+
+    def commit(self, version: int, reply: Rendezvous | None):
+        return self.handle._rl_sync_service_commit.remote(encode(RoundRequest(b"", version, reply)))
+
+    def versions(self):
+        return self.handle._rl_sync_service_versions.remote()
+
+    def close(self, abort: bool, reply: Rendezvous | None):
+        self._closes += 1
+        if reply is None:
+            return self.handle._rl_sync_service_ping.remote()
+        return self.handle._rl_sync_service_close.remote(encode(CloseRequest(abort, self._closes, reply)))
+
+    def _unsupported(self, what: str):
+        raise SyncError(f"{self.label}: {what} is not available for a vLLM engine service")
+
+    def apply_patches(self, version: int, patches: Sequence[dict]):
+        self._unsupported("push_patches")
+
+    def ipc_export(self, devices: Sequence[str]):
+        self._unsupported("colocated CUDA IPC")
+
+    ipc_begin = ipc_end = ipc_export
+
+
+def gather(members: Sequence, call: Callable, timeout_s: float, what: str) -> list:
+    """`call(member)` on every member at once; one result per rank, or `SyncError` naming every
+    member that raised or had not answered within `timeout_s` seconds."""
+    refs = [call(m) for m in members]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    done = set(ready)
+    results, failures = [], []
+    for ref, member in zip(refs, members):
+        if ref not in done:
+            failures.append(f"{member.label}: no answer within {timeout_s:.0f} s")
+            results.extend([None] * member.size)
+            continue
+        try:
+            results.extend(member.results(ray.get(ref)))
+        except ray.exceptions.RayError as exc:
+            failures.append(f"{member.label}: {failure_reason(exc)}")
+            results.extend([None] * member.size)
+    if failures:
+        for ref in refs:
+            if ref not in done:
+                ray.cancel(ref, force=False)
+        raise SyncError(f"{what} failed on {len(failures)} of {len(refs)} members:\n  " + "\n  ".join(failures))
+    return results

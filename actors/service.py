@@ -1,0 +1,158 @@
+"""vLLM engines run as a service: rl-sync as their weight-transfer backend.
+
+The engine owns its workers (vLLM's own processes); rl-sync is registered
+in each of them as the `rl_sync` weight-transfer backend (a
+`vllm.general_plugins` entry point, nothing to import) and driven only by
+vLLM's calls. Give `WeightSync` a `VllmService` among the workers; it counts
+as all of the engine's ranks (tensor-parallel order) and is reached through
+its host:
+
+* `VllmServiceMixin`: your Ray actor owns an `LLM` built with
+  `weight_transfer_config={"backend": "rl_sync"}`; define `rl_sync_llm()`.
+  `VllmServiceActor` is a ready one (`VllmService.launch`).
+* `VllmService.http(url, ranks)`: an engine started with `vllm serve MODEL
+  --weight-transfer-config '{"backend": "rl_sync"}'` and
+  `VLLM_SERVER_DEV_MODE=1` (vLLM mounts its weight-transfer and cache routes
+  only then); generation pauses (waiting for requests in flight) around each
+  round.
+
+Typical use::
+
+    service = VllmService.launch("/models/qwen2", tp=2, llm_kwargs={"dtype": "bfloat16"})
+    sync = WeightSync.create(trainers, [service], config)
+    sync.push()
+    service.generate([[1, 2, 3]], max_tokens=8)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from rl_sync.vllm.driver import HttpControl, LlmControl, ServiceDriver
+from rl_sync.vllm.service import CloseRequest, ConnectRequest, Rendezvous, RoundRequest
+from rl_sync.wire import decode, encode
+
+BACKEND = {"backend": "rl_sync"}
+"""The `weight_transfer_config` that makes vLLM load rl-sync into its workers."""
+
+
+class _ServiceHost:
+    """The calls a `ServiceMember` makes; `_rl_sync_driver()` reaches the engine."""
+
+    _rl_sync_versions: list | None = None
+
+    def _rl_sync_driver(self) -> ServiceDriver:
+        raise TypeError(f"{type(self).__name__} must reach a vLLM engine (_rl_sync_driver)")
+
+    def _rl_sync_service_ping(self) -> None:
+        """Answers while the host is alive."""
+
+    def _rl_sync_service_describe(self, request: bytes) -> list[bytes]:
+        from rl_sync.vllm.service import DescribeRequest
+
+        driver = self._rl_sync_driver()
+        self._rl_sync_versions = [None] * driver.ranks
+        return driver.describe(decode(DescribeRequest, request))
+
+    def _rl_sync_service_connect(self, inits: tuple[bytes, ...], plan: bytes, bind_host: str | None, reply: bytes) -> None:
+        self._rl_sync_driver().connect(ConnectRequest(tuple(inits), plan, bind_host, decode(Rendezvous, reply)))
+
+    def _rl_sync_service_run(self, request: bytes, live: bool) -> list[bytes]:
+        """One round; `live`: it writes the live weights (no double buffering)."""
+        round_request = decode(RoundRequest, request)
+        driver = self._rl_sync_driver()
+        self._rl_sync_versions = [None] * driver.ranks if live else self._rl_sync_versions
+        stats = driver.run(round_request)
+        if live:
+            self._rl_sync_versions = [round_request.version] * driver.ranks
+        return stats
+
+    def _rl_sync_service_commit(self, request: bytes) -> None:
+        round_request = decode(RoundRequest, request)
+        driver = self._rl_sync_driver()
+        driver.commit(round_request)
+        self._rl_sync_versions = [round_request.version] * driver.ranks
+
+    def _rl_sync_service_versions(self) -> list:
+        return list(self._rl_sync_versions or [None] * self._rl_sync_driver().ranks)
+
+    def _rl_sync_service_close(self, request: bytes) -> None:
+        self._rl_sync_driver().close(decode(CloseRequest, request))
+
+
+class VllmServiceMixin(_ServiceHost):
+    """Inherit in a Ray actor owning an `LLM` (with `weight_transfer_config=BACKEND`); define
+    `rl_sync_llm()`. Its engine's ranks join sync groups as workers."""
+
+    def _rl_sync_driver(self) -> ServiceDriver:
+        llm = self.rl_sync_llm()
+        return ServiceDriver(LlmControl(llm), llm.llm_engine.vllm_config.parallel_config.world_size)
+
+
+class VllmServiceActor(VllmServiceMixin):
+    """A ready host: builds the `LLM` (vLLM's default executor) with rl-sync as its backend."""
+
+    def __init__(self, model: str, tp: int, llm_kwargs: dict[str, Any], env: dict[str, str] | None = None):
+        import os
+
+        from vllm import LLM
+
+        os.environ.update(env or {})
+        self.llm = LLM(model=model, tensor_parallel_size=tp, weight_transfer_config=BACKEND, **llm_kwargs)
+
+    def rl_sync_llm(self):
+        return self.llm
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any]) -> list[dict]:
+        from .vllm import completions
+
+        return completions(self.llm, prompts, sampling)
+
+
+class HttpServiceHost(_ServiceHost):
+    """A host for `vllm serve` at `url` (wrap with `ray.remote`; `VllmService.http` does)."""
+
+    def __init__(self, url: str, ranks: int, timeout_s: float = 600.0):
+        self.driver = ServiceDriver(HttpControl(url, timeout_s), ranks)
+
+    def _rl_sync_driver(self) -> ServiceDriver:
+        return self.driver
+
+
+class VllmService:
+    """One vLLM engine of `ranks` ranks behind `host` (an actor with the `_ServiceHost` calls)."""
+
+    def __init__(self, host, ranks: int):
+        self.host, self.ranks = host, ranks
+
+    @classmethod
+    def launch(cls, model: str, tp: int = 1, *, llm_kwargs: dict[str, Any] | None = None,
+               actor_options: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+               timeout_s: float = 300.0) -> VllmService:
+        """Start a `VllmServiceActor` building the engine; bounded by `timeout_s`."""
+        host = ray.remote(VllmServiceActor).options(**(actor_options or {"num_cpus": 1})).remote(
+            model, tp, dict(llm_kwargs or {}), env)
+        try:
+            ray.get(host._rl_sync_service_ping.remote(), timeout=timeout_s)
+        except BaseException:
+            ray.kill(host)
+            raise
+        return cls(host, tp)
+
+    @classmethod
+    def http(cls, url: str, ranks: int, timeout_s: float = 600.0) -> VllmService:
+        """An engine served at `url` with `ranks` ranks (TP x PP)."""
+        return cls(ray.remote(num_cpus=0)(HttpServiceHost).remote(url, ranks, timeout_s), ranks)
+
+    def generate(self, prompts: Sequence[Sequence[int]], timeout_s: float = 300.0, **sampling) -> list[dict]:
+        """Token ids and log-probabilities per prompt (a `VllmServiceActor` host)."""
+        return ray.get(self.host.generate.remote(prompts, sampling), timeout=timeout_s)
+
+    def versions(self, timeout_s: float = 60.0) -> list:
+        return ray.get(self.host._rl_sync_service_versions.remote(), timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        ray.kill(self.host)

@@ -1,0 +1,118 @@
+"""The side-agnostic part of a rank: describe, connect, run a round, close.
+
+A process may play the trainer side, the worker side, or both (one process
+holding training shards and inference weights: it joins the group as one rank
+and copies its overlap locally). The side classes (`TrainerRank`,
+`WorkerRank`) provide `_rl_sync_<side>_entries` and the round hooks.
+
+Where the process runs comes from `_rl_sync_node()`: an identity of its node
+(with the CUDA device it finds colocated pairs) and the address its Gloo
+device binds by default (unless the group's `bind_host` says); the Ray layer
+reads both off Ray.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import torch
+
+from ..engine.session import RankSession
+from ..messages import InitInfo, RankStats, RoundInfo, SideReport
+from ..plan_info import PlanInfo
+from ..transport.cuda_ipc import IpcExport, MappedDestinations, device_uuid
+from ..transport.nccl import new_unique_id
+from ..wire import decode, encode
+
+_NONE: Mapping = MappingProxyType({})
+
+
+class Participant:
+    """State and coordinator-facing methods; side classes add their entries and round hooks."""
+
+    _rl_sync_session: RankSession | None = None
+    _rl_sync_sides: dict | None = None
+    _rl_sync_mapped: MappedDestinations | None = None
+
+    def _rl_sync_node(self) -> tuple[str, str]:
+        """(node identity, default bind address) of this process: the host name and the
+        address it resolves to, unless a subclass knows better (the Ray layer asks Ray)."""
+        name = socket.gethostname()
+        return name, socket.gethostbyname(name)
+
+    def _rl_sync_entries(self, side: str):
+        method = getattr(self, f"_rl_sync_{side}_entries", None)
+        if method is None:
+            raise TypeError(f"{type(self).__name__} is asked to be a {side} but does not inherit the {side} mixin")
+        return method(*self._rl_sync_sides[side])
+
+    def _rl_sync_endpoints(self, side: str) -> Mapping:
+        """This side's endpoints; the same (empty) object every round for a side this process
+        does not play, so the session keeps replaying its compiled round."""
+        return self._rl_sync_entries(side)[1] if side in (self._rl_sync_sides or {}) else _NONE
+
+    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int, options: dict | None = None) -> bytes:
+        """Report this side's tensors. A worker's `options` carry the trainers' checkpoint
+        (`{name: (dtype name, shape)}`), the dims they shard, and whether to double-buffer."""
+        self._rl_sync_sides = dict(self._rl_sync_sides or {}, **{side: (side_rank, side_size, options or {})})
+        reports, endpoints = self._rl_sync_entries(side)
+        devices = {str(e.tensor.device) for e in endpoints.values()}
+        if len(devices) > 1:
+            raise ValueError(f"rank {side_rank} of {type(self).__name__}: tensors span devices {sorted(devices)}")
+        device = devices.pop() if devices else "cpu"
+        gpu = f"{self._rl_sync_node()[0]}/{device_uuid(torch.device(device))}" if device.startswith("cuda") else ""
+        fallbacks = tuple(self._rl_sync_fallback_names()) if side == "worker" else ()
+        return encode(SideReport(side_rank, device, gpu, tuple(reports), fallbacks), compress=True)
+
+    def _rl_sync_fallback_names(self) -> list[str]:
+        return []
+
+    def _rl_sync_ping(self) -> None:
+        """Answers when the process is alive (the coordinator checks before re-forming a group)."""
+
+    def _rl_sync_nccl_ids(self) -> tuple[list[int], list[int]]:
+        return new_unique_id(), new_unique_id()
+
+    def _rl_sync_connect(self, init: bytes, plan: bytes, bind_host: str | None, device: str,
+                         ipc: bytes | None = None) -> None:
+        info = decode(InitInfo, init)
+        host = bind_host or self._rl_sync_node()[1]
+        self._rl_sync_session = RankSession(info, decode(PlanInfo, plan), bind_host=host, device=torch.device(device))
+        if ipc is not None:
+            self._rl_sync_mapped = MappedDestinations(decode(IpcExport, ipc), torch.device(device))
+            self._rl_sync_mapped_dests = self._rl_sync_session.destination_endpoints(self._rl_sync_mapped.views)
+
+    def _rl_sync_run(self, round_blob: bytes) -> bytes:
+        session = self._rl_sync_session
+        if session is None:
+            raise RuntimeError("rl-sync: this process has not joined a sync group")
+        round_info = decode(RoundInfo, round_blob)
+        self._rl_sync_before_round(round_info)
+        sources = self._rl_sync_endpoints("trainer")
+        mapped = self._rl_sync_mapped
+        if mapped is None:
+            stats = session.run(round_info, sources, self._rl_sync_endpoints("worker"))
+        else:
+            mapped.before_writes()
+            stats = session.run(round_info, sources, self._rl_sync_mapped_dests)
+            mapped.after_writes()
+        return encode(self._rl_sync_after_round(round_info, stats))
+
+    def _rl_sync_before_round(self, round_info: RoundInfo) -> None:
+        """Hook: a worker marks itself in flight."""
+
+    def _rl_sync_after_round(self, round_info: RoundInfo, stats: RankStats) -> RankStats:
+        """Hook: a worker records its version and hands over fallbacks."""
+        return stats
+
+    def _rl_sync_close(self, abort: bool = False) -> None:
+        session, self._rl_sync_session = self._rl_sync_session, None
+        mapped, self._rl_sync_mapped = self._rl_sync_mapped, None
+        if mapped is not None:
+            mapped.close()
+        if session is not None and abort:
+            session.transport.abort()
+        elif session is not None:
+            session.close()

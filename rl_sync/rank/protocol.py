@@ -1,0 +1,49 @@
+"""The calls the coordinator makes on a rank, as one typed seam.
+
+Every kind of rank implements them: a Ray actor (`actors`: one actor, one
+rank), a vLLM rank that is itself a Ray actor (external launcher), and a vLLM
+engine run as a service, whose ranks live in vLLM's worker processes and are
+reached through vLLM's weight-transfer calls (`rl_sync.vllm.backend`, driven
+by `actors.members.ServiceMember`). Arguments and results are plain data or
+bytes of `rl_sync.wire` messages, so any of them may cross a process.
+
+Order (the coordinator's contract, the same on every rank of a group):
+`_rl_sync_ping` (before a repair), `_rl_sync_describe` for each side the rank
+plays, `_rl_sync_nccl_ids` (trainer 0, NCCL only), `_rl_sync_ipc_export`
+(workers, colocated CUDA IPC only), `_rl_sync_connect`; then per round
+`_rl_sync_ipc_begin`, `_rl_sync_run`, `_rl_sync_ipc_end` (IPC only) and
+`_rl_sync_commit` (double buffering only); `_rl_sync_version_of`,
+`_rl_sync_apply_patches` and `_rl_sync_close` between rounds.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class SyncRank(Protocol):
+    def _rl_sync_ping(self) -> None: ...
+
+    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int, options: dict | None = None) -> bytes: ...
+
+    def _rl_sync_nccl_ids(self) -> tuple[list[int], list[int]]: ...
+
+    def _rl_sync_connect(self, init: bytes, plan: bytes, bind_host: str | None, device: str,
+                         ipc: bytes | None = None) -> None: ...
+
+    def _rl_sync_run(self, round_blob: bytes) -> bytes: ...
+
+    def _rl_sync_commit(self, version: int) -> None: ...
+
+    def _rl_sync_version_of(self) -> int | None: ...
+
+    def _rl_sync_apply_patches(self, version: int, patches: dict) -> int: ...
+
+    def _rl_sync_ipc_export(self, device: str) -> bytes: ...
+
+    def _rl_sync_ipc_begin(self) -> None: ...
+
+    def _rl_sync_ipc_end(self, version: int, names: tuple[str, ...] | None = None) -> None: ...
+
+    def _rl_sync_close(self, abort: bool = False) -> None: ...

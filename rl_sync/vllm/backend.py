@@ -1,0 +1,164 @@
+"""rl-sync as a vLLM weight-transfer backend: `weight_transfer_config={"backend": "rl_sync"}`.
+
+vLLM loads the `vllm.general_plugins` entry point (`rl_sync.vllm.plugin`) in
+every process it starts, which registers this engine; each of the engine's
+workers then holds one `RlSyncTransferEngine` next to its live model. The
+driver side (`actors.service`) reaches it only through vLLM's own calls, in
+process (`LLM` / `AsyncLLM` methods) or over HTTP (`vllm serve` routes):
+
+* `init_weight_transfer_engine({"op": "describe", ...})`: bind the trainers'
+  checkpoint to this rank's live model (`rl_sync.vllm.rank`); `"connect"`: join
+  the sync group; `"close"`: leave it;
+* `start_weight_update()`, `update_weights({"op": "run", ...})` (one round; or
+  `"commit"` for double buffering), `finish_weight_update()`.
+
+Every answer goes to the group's rendezvous store (`rl_sync.vllm.service`),
+since vLLM's calls return nothing. The worker side itself is the same
+`WorkerRank` every other destination runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from ..engine.sources import Destination
+from ..rank import WorkerRank
+from ..wire import decode
+from .rank import VllmDestinations, engine_rank
+from .service import (ERROR, CloseRequest, ConnectRequest, DescribeRequest, Rendezvous, RoundRequest, reply_key,
+                      store_client, unpack)
+
+
+@dataclass(kw_only=True)
+class RlSyncInitInfo(WeightTransferInitInfo):
+    """One `ServiceCall` (see `rl_sync.vllm.service`)."""
+
+    op: str
+    payload: str
+
+
+@dataclass(kw_only=True)
+class RlSyncUpdateInfo(WeightTransferUpdateInfo):
+    """One `ServiceCall` (see `rl_sync.vllm.service`)."""
+
+    op: str
+    payload: str
+
+
+class ServiceRank(WorkerRank):
+    """A worker rank living in a vLLM worker process: destinations from its live model."""
+
+    def __init__(self, destinations: VllmDestinations, side_rank: int, side_size: int, sharded: dict, bind_host: str):
+        self.vllm, self.side, self.sharded, self.bind_host = destinations, (side_rank, side_size), sharded, bind_host
+
+    def _rl_sync_node(self) -> tuple[str, str]:
+        return "", self.bind_host
+
+    def rl_sync_destinations(self, checkpoint) -> dict[str, Destination]:
+        return self.vllm.bind(checkpoint, *self.side, self.sharded)
+
+    def rl_sync_load_fallbacks(self, pairs) -> None:
+        self.vllm.load_fallbacks(pairs)
+
+    def rl_sync_weights_updated(self, names) -> None:
+        self.vllm.after_update(names)
+
+
+class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo]):
+    """One vLLM worker's end of an rl-sync group (see the module docstring)."""
+
+    init_info_cls = RlSyncInitInfo
+    update_info_cls = RlSyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.rank: ServiceRank | None = None
+
+    def _answer(self, reply: Rendezvous, op: str, tag: int, work: Callable[[], bytes]) -> None:
+        """Run `work` and put its result, or what failed, where the driver waits for it."""
+        key = reply_key(reply.prefix, op, tag, engine_rank().rank)
+        store = store_client(reply)
+        try:
+            store.set(key, work())
+        except Exception as exc:
+            store.set(key, ERROR + f"{type(exc).__name__}: {exc}".encode())
+            raise
+
+    def init_transfer_engine(self, init_info: RlSyncInitInfo) -> None:
+        op, payload = unpack({"op": init_info.op, "payload": init_info.payload})
+        if op == "describe":
+            request = decode(DescribeRequest, payload)
+            self._answer(request.reply, op, 0, lambda: self._describe(request))
+        elif op == "connect":
+            request = decode(ConnectRequest, payload)
+            self._answer(request.reply, op, 0, lambda: self._connect(request))
+        elif op == "close":
+            request = decode(CloseRequest, payload)
+            self._answer(request.reply, op, request.tag, lambda: self._close(request.abort))
+        else:
+            raise ValueError(f"rl_sync weight transfer: init_weight_transfer_engine takes describe, connect or close, "
+                             f"got {op!r}")
+
+    def _describe(self, request: DescribeRequest) -> bytes:
+        where = engine_rank()
+        if self.rank is not None:
+            self.rank._rl_sync_close(abort=True)
+        destinations = VllmDestinations(self.model, self.vllm_config)
+        self.rank = ServiceRank(destinations, request.first + where.rank, request.side_size,
+                                {k: list(v) for k, v in request.sharded.items()}, "")
+        checkpoint = {n: (d, list(s)) for n, (d, s) in request.checkpoint.items()}
+        return self.rank._rl_sync_describe("worker", request.first + where.rank, request.side_size,
+                                           {"checkpoint": checkpoint, "double_buffer": request.double_buffer,
+                                            "sharded": dict(request.sharded)})
+
+    def _connect(self, request: ConnectRequest) -> bytes:
+        rank = self._described()
+        rank.bind_host = request.bind_host or request.reply.host
+        rank._rl_sync_connect(request.inits[engine_rank().rank], request.plan, request.bind_host, str(self.device))
+        return b""
+
+    def _close(self, abort: bool) -> bytes:
+        if self.rank is not None:
+            self.rank._rl_sync_close(abort=abort)
+        return b""
+
+    @staticmethod
+    def _commit(rank: ServiceRank, version: int) -> bytes:
+        rank._rl_sync_commit(version)
+        return b""
+
+    def _described(self) -> ServiceRank:
+        if self.rank is None:
+            raise RuntimeError("rl_sync weight transfer: connect or run before describe; the driver must describe first")
+        return self.rank
+
+    def start_weight_update(self) -> None:
+        """Rounds write straight into live weights or loader buffers; nothing to prepare."""
+
+    def finish_weight_update(self) -> None:
+        """vLLM's post-load processing ran at the end of the round already."""
+
+    def update_weights(self, update_info: dict) -> None:
+        """One round (or its commit); no accelerator-wide sync: the round ends synchronized."""
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: RlSyncUpdateInfo) -> None:
+        op, payload = unpack({"op": update_info.op, "payload": update_info.payload})
+        request = decode(RoundRequest, payload)
+        rank = self._described()
+        if op == "run":
+            self._answer(request.reply, op, request.version, lambda: rank._rl_sync_run(request.round))
+        elif op == "commit":
+            self._answer(request.reply, op, request.version, lambda: self._commit(rank, request.version))
+        else:
+            raise ValueError(f"rl_sync weight transfer: update_weights takes run or commit, got {op!r}")
+
+    def shutdown(self) -> None:
+        if self.rank is not None:
+            self.rank._rl_sync_close(abort=False)
+            self.rank = None

@@ -1,0 +1,145 @@
+"""Drive a vLLM engine service through its weight-transfer calls (no Ray here).
+
+`ServiceDriver` is what a sync group's coordinator uses, through a Ray actor
+(`actors.service`), to treat one vLLM engine of N ranks as N workers: it
+issues vLLM's own calls with `rl_sync.vllm.service` messages and collects
+every rank's answer from the group's rendezvous store, bounded in time. The
+engine is reached in one of two ways (`EngineControl`):
+
+* `LlmControl`: an `LLM` in this process (its workers are vLLM's processes);
+* `HttpControl`: `vllm serve` over HTTP (its weight-transfer and cache routes
+  exist with `VLLM_SERVER_DEV_MODE=1`), pausing generation around each round.
+
+After a round, the engine's prefix cache is reset: a prefix cached with the
+old weights would otherwise be served after the update.
+
+Typical use::
+
+    driver = ServiceDriver(LlmControl(llm), ranks=2)
+    reports = driver.describe(request)          # one SideReport per rank
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from typing import Protocol
+
+from ..wire import encode
+from .service import ERROR, CloseRequest, ConnectRequest, DescribeRequest, Rendezvous, RoundRequest, pack, reply_key, store_client
+
+
+class EngineControl(Protocol):
+    """vLLM's weight-transfer calls on one engine, and its prefix cache."""
+
+    def init(self, info: dict) -> None: ...
+
+    def update(self, info: dict) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+
+class LlmControl:
+    """An `LLM` built with `weight_transfer_config={"backend": "rl_sync"}`, in this process."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init(self, info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": info})
+
+    def update(self, info: dict) -> None:
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": info})
+        self.llm.finish_weight_update()
+
+    def reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests are running); the weights changed, so "
+                               "cached prefixes would be stale: finish or abort requests before pushing")
+
+
+class HttpControl:
+    """`vllm serve` at `url` (started with `VLLM_SERVER_DEV_MODE=1` and
+    `--weight-transfer-config '{"backend": "rl_sync"}'`)."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0):
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+
+    def _post(self, route: str, body: dict | None = None) -> None:
+        data = json.dumps(body or {}).encode()
+        request = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                response.read()
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"vLLM at {self.url}: POST {route} answered {exc.code}: "
+                               f"{exc.read().decode(errors='replace')[:2000]}") from None
+
+    def init(self, info: dict) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": info})
+
+    def update(self, info: dict) -> None:
+        self._post("/pause?mode=wait&clear_cache=false")
+        try:
+            self._post("/start_weight_update")
+            self._post("/update_weights", {"update_info": info})
+            self._post("/finish_weight_update")
+        finally:
+            self._post("/resume")
+
+    def reset_prefix_cache(self) -> None:
+        self._post("/reset_prefix_cache")
+
+
+class ServiceDriver:
+    """One engine's ranks as workers of a sync group (see the module docstring)."""
+
+    def __init__(self, control: EngineControl, ranks: int):
+        self.control, self.ranks = control, ranks
+
+    def _answers(self, reply: Rendezvous, op: str, tag: int, failure: BaseException | None = None) -> list[bytes]:
+        """Every rank's answer to call `op`; raises naming each rank that failed."""
+        store = store_client(reply)
+        out, errors = [], []
+        for rank in range(self.ranks):
+            key = reply_key(reply.prefix, op, tag, rank)
+            try:
+                value = store.get(key)
+            except Exception as exc:  # the store's timeout: this rank never answered
+                errors.append(f"vLLM rank {rank}: no answer to {op} ({type(exc).__name__})")
+                continue
+            store.delete_key(key)
+            if value.startswith(ERROR):
+                errors.append(f"vLLM rank {rank}: {value[len(ERROR):].decode(errors='replace')}")
+            out.append(value)
+        if errors or failure is not None:
+            reason = "; ".join(errors) or f"{type(failure).__name__}: {failure}"
+            raise RuntimeError(f"vLLM engine service, {op}: {reason}")
+        return out
+
+    def _call(self, issue, info: dict, reply: Rendezvous, op: str, tag: int) -> list[bytes]:
+        try:
+            issue(info)
+        except Exception as exc:
+            short = Rendezvous(reply.host, reply.port, reply.prefix, min(reply.timeout_s, 2.0))
+            self._answers(short, op, tag, failure=exc)
+        return self._answers(reply, op, tag)
+
+    def describe(self, request: DescribeRequest) -> list[bytes]:
+        return self._call(self.control.init, pack("describe", encode(request)), request.reply, "describe", 0)
+
+    def connect(self, request: ConnectRequest) -> None:
+        self._call(self.control.init, pack("connect", encode(request)), request.reply, "connect", 0)
+
+    def run(self, request: RoundRequest) -> list[bytes]:
+        stats = self._call(self.control.update, pack("run", encode(request)), request.reply, "run", request.version)
+        self.control.reset_prefix_cache()
+        return stats
+
+    def commit(self, request: RoundRequest) -> None:
+        self._call(self.control.update, pack("commit", encode(request)), request.reply, "commit", request.version)
+        self.control.reset_prefix_cache()
+
+    def close(self, request: CloseRequest) -> None:
+        self._call(self.control.init, pack("close", encode(request)), request.reply, "close", request.tag)

@@ -1,0 +1,101 @@
+"""Messages between the driver of a vLLM engine service and its ranks, through vLLM's calls.
+
+A vLLM engine run as a service (an `LLM` whose workers are vLLM's own
+processes, or `vllm serve`) is reached only through vLLM's weight-transfer
+calls: `init_weight_transfer_engine(init_info)` and
+`update_weights(update_info)` take a JSON-able dict and return nothing. So
+each call carries one `ServiceCall` (an operation and an rl-sync wire message,
+base64 in JSON), and each rank answers through the sync group's rendezvous
+store: under `reply_key(prefix, op, tag, rank)` it sets its result, or
+`ERROR` and the message of what failed. The driver side (`actors.service`)
+waits for every rank's answer, bounded in time.
+
+Operations: `describe` (bind and report, answer: a `SideReport`), `connect`
+(join the group; answer: empty), `run` (one round; answer: `RankStats`),
+`commit` (double buffering), `close`.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+Op = Literal["describe", "connect", "run", "commit", "close"]
+ERROR = b"\x00rl-sync-error\x00"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a service rank answers: the group's store and key prefix."""
+
+    host: str
+    port: int
+    prefix: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class DescribeRequest:
+    """Bind the trainers' checkpoint: worker side ranks start at `first` of `side_size`."""
+
+    first: int
+    side_size: int
+    checkpoint: dict[str, tuple[str, tuple[int, ...]]]
+    sharded: dict[str, tuple[int, ...]]
+    double_buffer: bool
+    reply: Rendezvous
+
+
+@dataclass(frozen=True)
+class ConnectRequest:
+    """Join the group: per service rank its `InitInfo` bytes, the plan, the bind address."""
+
+    inits: tuple[bytes, ...]
+    plan: bytes
+    bind_host: str | None
+    reply: Rendezvous
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """Run a round (`RoundInfo` bytes), or commit a double-buffered one (`round` empty)."""
+
+    round: bytes
+    version: int
+    reply: Rendezvous
+
+
+@dataclass(frozen=True)
+class CloseRequest:
+    """Leave the group (`abort`: wake peers stuck in a failed round); `tag` keys the answer."""
+
+    abort: bool
+    tag: int
+    reply: Rendezvous
+
+
+def pack(op: Op, message: bytes) -> dict[str, str]:
+    """The JSON-able dict one vLLM call carries."""
+    return {"op": op, "payload": base64.b64encode(message).decode("ascii")}
+
+
+def unpack(info: dict) -> tuple[str, bytes]:
+    op, payload = info.get("op"), info.get("payload")
+    if op not in ("describe", "connect", "run", "commit", "close") or not isinstance(payload, str):
+        raise ValueError(f"rl_sync weight transfer: expected {{'op': describe|connect|run|commit|close, 'payload': "
+                         f"base64 str}}, got keys {sorted(info)}")
+    return op, base64.b64decode(payload, validate=True)
+
+
+def reply_key(prefix: str, op: str, tag: int, rank: int) -> str:
+    return f"{prefix}/service/{op}/{tag}/{rank}"
+
+
+def store_client(reply: Rendezvous):
+    """A client of the group's rendezvous store."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(reply.host, reply.port, is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=reply.timeout_s))
