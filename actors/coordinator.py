@@ -34,8 +34,12 @@ from rl_sync.stats import RoundStats
 from rl_sync.sync_config import SyncConfig
 from rl_sync.wire import decode, encode
 
+from rl_sync.vllm.service import Rendezvous
+
 from .agreement import check_agreement, colocated_mates, merge_sources, split_sources
-from .calls import SyncError, call_all
+from .calls import SyncError
+from .group import Membership
+from .members import ServiceMember, gather
 from .metrics import RoundMetrics
 
 
@@ -48,14 +52,12 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 class Coordinator:
-    """Runs as a Ray actor (`ray.remote(Coordinator)`); driven by `WeightSync`."""
+    """Runs as a Ray actor (`ray.remote(Coordinator)`); driven by `WeightSync`. `workers` are
+    actor handles and `VllmService`s (see `actors.group` for how ranks are assigned)."""
 
     def __init__(self, trainers: list, workers: list, config: SyncConfig):
-        if not trainers or not workers:
-            raise ValueError(f"a sync group needs trainers and workers, got {len(trainers)} and {len(workers)}")
-        self.trainers, self.workers, self.config = list(trainers), list(workers), config
+        self.trainer_handles, self.worker_entries, self.config = list(trainers), list(workers), config
         self._assign_ranks()
-        self.ipc = False
         self.metrics = RoundMetrics(config.name)
         self.repairs = 0
         self.needs_full_round = True
@@ -66,35 +68,27 @@ class Coordinator:
         self.version = 0
         self.broken: str | None = None
         self._store = None
+        self.reply: Rendezvous | None = None
 
     def _assign_ranks(self) -> None:
-        """Trainers take ranks [0, T); workers that are not also trainers follow."""
-        ids = [h._actor_id for h in self.trainers]
-        self.ranks = self.trainers + [w for w in self.workers if w._actor_id not in ids]
-        all_ids = [h._actor_id for h in self.ranks]
-        self.worker_ranks = tuple(all_ids.index(w._actor_id) for w in self.workers)
+        group = Membership.of(self.trainer_handles, self.worker_entries)
+        self.trainers, self.workers = group.trainers, group.workers
+        self.worker_ranks, self.ranks, self.firsts = group.worker_ranks, group.ranks, group.worker_firsts()
         self.ipc = False
-
-    def _labels(self) -> list[str]:
-        T = len(self.trainers)
-        return [f"trainer {i} (rank {i})" for i in range(T)] + [
-            f"worker {self.worker_ranks.index(r)} (rank {r})" for r in range(T, len(self.ranks))]
-
-    def _worker_labels(self) -> list[str]:
-        return [f"worker {j} (rank {r})" for j, r in enumerate(self.worker_ranks)]
 
     def setup(self) -> dict:
         """Describe, plan, rendezvous and connect; returns a summary of the plan."""
         start, cfg = time.perf_counter(), self.config
-        T, N = len(self.trainers), len(self.workers)
-        blobs = call_all(self.trainers, "_rl_sync_describe", [("trainer", i, T) for i in range(T)], cfg.init_timeout_s,
-                         self._labels()[:T], "init (describe trainers)")
+        T, N = len(self.trainers), len(self.worker_ranks)
+        self.reply = self._reply_store()
+        blobs = gather(self.trainers, lambda m: m.describe("trainer", self.trainers.index(m), T, {}, None),
+                       cfg.init_timeout_s, "init (describe trainers)")
         trainer_reports = [decode(SideReport, b) for b in blobs]
         sources = merge_sources(trainer_reports)
         options = {"checkpoint": {s.name: (s.dtype, list(s.shape)) for s in sources}, "double_buffer": cfg.double_buffer,
                    "sharded": {s.name: sorted(sharded_dims(s.layout)) for s in sources}}
-        blobs = call_all(self.workers, "_rl_sync_describe", [("worker", j, N, options) for j in range(N)],
-                         cfg.init_timeout_s, self._worker_labels(), "init (bind workers)")
+        blobs = gather(self.workers, lambda m: m.describe("worker", self.firsts[self.workers.index(m)], N, options,
+                                                          self.reply), cfg.init_timeout_s, "init (bind workers)")
         reports = trainer_reports + [decode(SideReport, b) for b in blobs]
         self._choose_colocation(reports[:T], reports[T:])
         check_agreement(reports[T:], ranks=self.worker_ranks)
@@ -110,14 +104,15 @@ class Coordinator:
             found = parse_part(name)
             if found is not None:
                 self.parts.setdefault(found[0], []).append(name)
+        world = sum(m.size for m in self.ranks)
         devices = [r.device for r in reports[:T]] + [reports[T + self.worker_ranks.index(r)].device
-                                                    for r in range(T, len(self.ranks))]
+                                                    for r in range(T, world)]
         info = self._init_info(devices)
         self._connect(info, devices, [r.device for r in reports[T:]])
         stats = plan.stats
         return {
             "tensors": len(plan), "buckets": self.schedule.num_buckets, "transport": info.transport,
-            "cuda_ipc": self.ipc, "world_size": len(self.ranks), "colocated": colocated,
+            "cuda_ipc": self.ipc, "world_size": world, "colocated": colocated,
             "plan_bytes": stats.total_bytes, "local_copy_bytes": stats.local_copy_bytes,
             "broadcast_bytes": stats.broadcast_bytes, "fallbacks": sorted({n for r in reports[T:] for n in r.fallbacks}),
             "seconds": time.perf_counter() - start,
@@ -131,38 +126,75 @@ class Coordinator:
                              "(fractional GPUs in one placement-group bundle)")
         if mates is not None:
             self.ipc, self.worker_ranks, self.ranks = True, tuple(mates), list(self.trainers)
+            self._close_store()
 
     def _connect(self, info: InitInfo, devices: list[str], worker_devices: list[str]) -> None:
         cfg = self.config
         plan_ref = ray.put(encode(PlanInfo.from_schedule(self.schedule), compress=True))
-        ipc: list = [None] * len(self.ranks)
+        world = sum(m.size for m in self.ranks)
+        ipc: list = [None] * world
         if self.ipc:
-            exports = call_all(self.workers, "_rl_sync_ipc_export", [(d,) for d in worker_devices],
-                               cfg.init_timeout_s, self._worker_labels(), "init (CUDA IPC export)")
+            exports = gather(self.workers, lambda m: m.ipc_export(self._slice(worker_devices, m)), cfg.init_timeout_s,
+                             "init (CUDA IPC export)")
             for rank, export in zip(self.worker_ranks, exports):
                 ipc[rank] = export
-        call_all(self.ranks, "_rl_sync_connect",
-                 [(encode(replace(info, rank=i)), plan_ref, cfg.bind_host, devices[i], ipc[i]) for i in range(len(self.ranks))],
-                 cfg.init_timeout_s, self._labels(), "init (connect)")
+        inits = [encode(replace(info, rank=i)) for i in range(world)]
+        firsts = self._rank_firsts()
+
+        def connect(member):
+            lo, hi = firsts[id(member)], firsts[id(member)] + member.size
+            return member.connect(inits[lo:hi], plan_ref, cfg.bind_host, devices[lo:hi], ipc[lo:hi], self.reply)
+
+        gather(self.ranks, connect, cfg.init_timeout_s, "init (connect)")
+
+    def _rank_firsts(self) -> dict[int, int]:
+        """The first group rank of each member that runs rounds."""
+        out, rank = {}, 0
+        for member in self.ranks:
+            out[id(member)] = rank
+            rank += member.size
+        return out
+
+    def _slice(self, per_worker_rank: list, member) -> list:
+        first = self.firsts[self.workers.index(member)]
+        return per_worker_rank[first:first + member.size]
+
+    def _reply_store(self) -> Rendezvous | None:
+        """The rendezvous store, opened at init when Gloo or a vLLM engine service needs it (a
+        service's ranks answer through it; see `rl_sync.vllm.service`)."""
+        self._close_store()
+        if not any(isinstance(m, ServiceMember) for m in self.workers):
+            return None
+        host, port = self._open_store()
+        return Rendezvous(host, port, f"rl-sync-{uuid.uuid4().hex[:12]}", self.config.init_timeout_s)
+
+    def _open_store(self) -> tuple[str, int]:
+        cfg = self.config
+        host = cfg.rendezvous_host or ray.util.get_node_ip_address()
+        sock = _listen(host, cfg.rendezvous_port)
+        port = sock.getsockname()[1]
+        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=cfg.init_timeout_s), master_listen_fd=sock.fileno())
+        sock.detach()  # the store owns the listening socket now
+        return host, port
+
+    def _close_store(self) -> None:
+        self._store, self.reply = None, None
 
     def _init_info(self, devices: list[str]) -> InitInfo:
         cfg, T = self.config, len(self.trainers)
+        world = sum(m.size for m in self.ranks)
         on_cuda = all(d.startswith("cuda") for d in devices)
         wants_nccl = cfg.transport == "nccl" or (cfg.transport == "auto" and on_cuda)
-        ids = self._nccl_ids() if wants_nccl and len(self.ranks) > 1 else None
-        if cfg.transport == "nccl" and len(self.ranks) > 1 and ids is None:
+        ids = self._nccl_ids() if wants_nccl and world > 1 else None
+        if cfg.transport == "nccl" and world > 1 and ids is None:
             raise SyncError("transport 'nccl' was asked for, but trainer 0 cannot create an NCCL id (is CuPy installed?)")
-        transport = "local" if len(self.ranks) == 1 else "nccl" if ids is not None else "gloo"
-        host = cfg.rendezvous_host or ray.util.get_node_ip_address()
-        port = 0
+        transport = "local" if world == 1 else "nccl" if ids is not None else "gloo"
+        host, port = "", 0
         if transport == "gloo":
-            sock = _listen(host, cfg.rendezvous_port)
-            port = sock.getsockname()[1]
-            self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=cfg.init_timeout_s), master_listen_fd=sock.fileno())
-            sock.detach()  # the store owns the listening socket now
+            host, port = (self.reply.host, self.reply.port) if self.reply is not None else self._open_store()
         ids = ids or ((), ())
-        return InitInfo(rank=0, world_size=len(self.ranks), num_trainers=T, worker_ranks=self.worker_ranks,
+        return InitInfo(rank=0, world_size=world, num_trainers=T, worker_ranks=self.worker_ranks,
                         transport=transport, store_host=host, store_port=port,
                         prefix=f"rl-sync-{uuid.uuid4().hex[:12]}", nccl_id=ids[0], nccl_broadcast_id=ids[1],
                         timeout_s=cfg.round_timeout_s, baseline_device=cfg.sparse_baseline)
@@ -170,7 +202,7 @@ class Coordinator:
     def _nccl_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """Two fresh NCCL ids from trainer 0 (p2p group, broadcast group), or None without NCCL."""
         try:
-            ids = ray.get(self.trainers[0]._rl_sync_nccl_ids.remote(), timeout=self.config.init_timeout_s)
+            ids = ray.get(self.trainers[0].handle._rl_sync_nccl_ids.remote(), timeout=self.config.init_timeout_s)
         except ray.exceptions.RayError:
             return None
         return tuple(ids[0]), tuple(ids[1])
@@ -210,24 +242,26 @@ class Coordinator:
         return summary
 
     def _check_alive(self) -> None:
-        """Every actor answers before any is asked to bind again, so a dead one is named instead
+        """Every member answers before any is asked to bind again, so a dead one is named instead
         of leaving the survivors of its engine waiting for it in a collective."""
-        T = len(self.trainers)
-        labels = [f"trainer {i}" for i in range(T)] + [f"worker {j}" for j in range(len(self.workers))]
         try:
-            call_all(self.trainers + self.workers, "_rl_sync_ping", [()] * len(labels), self.config.init_timeout_s,
-                     labels, "repair (are the actors alive?)")
+            gather(self.trainers + self.workers, lambda m: m.ping(), self.config.init_timeout_s,
+                   "repair (are the actors alive?)")
         except SyncError as exc:
             raise SyncError(f"{exc}\nReplace a dead worker first with replace_worker(index, new_actor) (a vLLM engine "
                             "rank cannot rejoin its engine's tensor-parallel group: launch the engine again and "
                             "replace every one of its ranks); a dead trainer must be restarted with its state.") from None
 
     def replace_worker(self, index: int, handle) -> None:
-        """Put a new actor in worker slot `index` (the group is re-formed at the next push)."""
-        if not 0 <= index < len(self.workers):
-            raise ValueError(f"replace_worker: index {index} is outside the {len(self.workers)} workers")
+        """Put a new actor (or engine service) in slot `index` of the workers passed at init; the
+        group is re-formed at the next push."""
+        if not 0 <= index < len(self.worker_entries):
+            raise ValueError(f"replace_worker: index {index} is outside the {len(self.worker_entries)} workers")
+        entries = list(self.worker_entries)
+        entries[index] = handle
+        Membership.of(self.trainer_handles, entries)  # refuse a bad replacement before touching the group
         self._close_ranks(abort=True)
-        self.workers[index] = handle
+        self.worker_entries = entries
         self._assign_ranks()
         self.broken = self.broken or f"worker {index} replaced"
 
@@ -246,7 +280,7 @@ class Coordinator:
         what, timeout = f"round {version} ({mode})", self.config.round_timeout_s + 5
         start = time.perf_counter()
         try:
-            results = self._run_round(blob, version, what, timeout)
+            results = self._run_round(blob, version, None if names is None else tuple(names), what, timeout)
         except SyncError:
             self.broken = f"round {version}"
             raise
@@ -259,19 +293,17 @@ class Coordinator:
         self.metrics.record(stats)
         return stats
 
-    def _run_round(self, blob: bytes, version: int, what: str, timeout: float) -> list[RankStats]:
-        workers, labels = self.workers, self._worker_labels()
+    def _run_round(self, blob: bytes, version: int, names, what: str, timeout: float) -> list[RankStats]:
         if self.ipc:
-            call_all(workers, "_rl_sync_ipc_begin", [()] * len(workers), timeout, labels, what)
-        results = [decode(RankStats, r) for r in call_all(
-            self.ranks, "_rl_sync_run", [(blob,)] * len(self.ranks), timeout, self._labels(), what)]
+            gather(self.workers, lambda m: m.ipc_begin(), timeout, what)
+        results = [decode(RankStats, r) for r in gather(self.ranks, lambda m: m.run(blob, version, self.reply), timeout, what)]
         if self.ipc:
-            call_all(workers, "_rl_sync_ipc_end", [(version,)] * len(workers), timeout, labels, what)
+            gather(self.workers, lambda m: m.ipc_end(version, names), timeout, what)
             results += [replace(results[r], rank=r, role="worker", sent_bytes=0,
                                 received_bytes=results[r].received_bytes + results[r].local_bytes)
                         for r in self.worker_ranks]
         if self.config.double_buffer:
-            call_all(workers, "_rl_sync_commit", [(version,)] * len(workers), timeout, labels, f"{what} commit")
+            gather(self.workers, lambda m: m.commit(version, self.reply), timeout, f"{what} commit")
         return results
 
     def push_patches(self, patches: list, version: int | None) -> int:
@@ -289,28 +321,28 @@ class Coordinator:
         for patch in patches:
             spec = plan.specs[plan.index[patch.name]]
             checked[patch.name] = (spec, *check_patch(patch, spec.dtype, spec.shape))
-        per_worker = [{} for _ in self.workers]
+        per_worker = [{} for _ in self.worker_ranks]
         for name, (spec, index, values) in checked.items():
             for j, rank in enumerate(self.worker_ranks):
                 box = spec.dst.local_box(spec.shape, rank)
                 if box is not None:
                     per_worker[j][name] = route_patch(index, values, spec.shape, box)
-        call_all(self.workers, "_rl_sync_apply_patches", [(version, p) for p in per_worker],
-                 self.config.round_timeout_s, self._worker_labels(), f"patches {version}")
+        gather(self.workers, lambda m: m.apply_patches(version, self._slice(per_worker, m)), self.config.round_timeout_s,
+               f"patches {version}")
         self.version, self.sparse_ready = version, False
         return version
 
     def versions(self) -> list[int | None]:
-        """The version each worker's live weights fully hold; None: torn, in flight, never
-        synced, or not answering."""
-        refs = [w._rl_sync_version_of.remote() for w in self.workers]
+        """The version each worker-side rank's live weights fully hold; None: torn, in flight,
+        never synced, or not answering."""
+        refs = [m.versions() for m in self.workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.init_timeout_s)
         out = []
-        for ref in refs:
+        for ref, member in zip(refs, self.workers):
             try:
-                out.append(ray.get(ref) if ref in ready else None)
+                out.extend(member.results(ray.get(ref)) if ref in ready else [None] * member.size)
             except ray.exceptions.RayError:
-                out.append(None)
+                out.extend([None] * member.size)
         return out
 
     def close(self) -> None:
@@ -320,6 +352,6 @@ class Coordinator:
     def _close_ranks(self, abort: bool) -> None:
         """Every rank leaves the group (aborting wakes peers stuck in a failed round); the
         rendezvous store goes with it. Bounded by `init_timeout_s`; dead ranks are skipped."""
-        refs = [h._rl_sync_close.remote(abort) for h in self.ranks]
+        refs = [m.close(abort, self.reply) for m in self.ranks]
         ray.wait(refs, num_returns=len(refs), timeout=self.config.init_timeout_s)
-        self._store = None
+        self._close_store()

@@ -66,6 +66,21 @@ class VllmWorkerMixin(SyncWorkerMixin):
         return [(r.name, r.param, r.mode, r.reason, r.nbytes) for r in (self._rl_sync_vllm.reports if self._rl_sync_vllm else [])]
 
 
+def completions(llm, prompts: Sequence[Sequence[int]], sampling: dict[str, Any]) -> list[dict]:
+    """`{"tokens": [...], "logprobs": [...]}` per token-id prompt (`sampling`: `SamplingParams`
+    fields; `logprobs` are those of the chosen tokens, None unless asked for)."""
+    from vllm import SamplingParams
+
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], SamplingParams(**sampling), use_tqdm=False)
+    out = []
+    for output in outputs:
+        completion = output.outputs[0]
+        logprobs = None if completion.logprobs is None else [
+            step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
+        out.append({"tokens": list(completion.token_ids), "logprobs": logprobs})
+    return out
+
+
 def _listen(host: str) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((host, 0))
@@ -114,17 +129,7 @@ class VllmRankActor(VllmWorkerMixin):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any]) -> list[dict]:
         """Token ids and their log-probabilities for each prompt (every rank of the engine
         calls it with the same arguments)."""
-        from vllm import SamplingParams
-
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], SamplingParams(**sampling),
-                                    use_tqdm=False)
-        out = []
-        for output in outputs:
-            completion = output.outputs[0]
-            logprobs = None if completion.logprobs is None else [
-                step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
-            out.append({"tokens": list(completion.token_ids), "logprobs": logprobs})
-        return out
+        return completions(self.llm, prompts, sampling)
 
     def version(self) -> int | None:
         """The weight version this rank's live weights hold (rl-sync's, None before a sync)."""

@@ -1,154 +1,16 @@
 """`SyncWorkerMixin`: a user's inference-worker actor takes part in weight sync.
 
-Define `rl_sync_destinations(checkpoint)`: given the trainers' checkpoint
-(`{name: (torch dtype, shape)}`), return `{name: Destination}` (the
-`rl_sync.bind.Binder` builds these from rules). Destinations are resolved
-whenever a group forms or is repaired and must stay the live storage while it
-lasts. Names bound as fallbacks are received whole
-and handed to `rl_sync_load_fallbacks(pairs)`, which the class must then
-define. An engine that derives state from its weights (repacked kernels,
-caches) may define `rl_sync_weights_updated(names)`: it runs once the live
-weights hold a round (`names`: the round's tensors, `None` for all), before
-the worker reports the new version.
-
-Versions: a worker knows the version its live weights hold, and reports
-`None` while a round is writing into them or after one failed part-way, until
-a full round repairs it. With double buffering (`SyncConfig.double_buffer`)
-rounds land in a shadow copy of every bound tensor (one extra copy of the
-worker's bound bytes) and are committed into the live weights only once the
-whole round succeeded, so the worker serves the previous version throughout.
+Define `rl_sync_destinations(checkpoint)` (and, as needed,
+`rl_sync_load_fallbacks(pairs)` and `rl_sync_weights_updated(names)`); see
+`rl_sync.rank.worker` for what they receive, versions and double buffering.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from rl_sync.rank import WorkerRank
 
-import torch
-
-from rl_sync.engine import sparse_codec
-from rl_sync.engine.endpoint import Endpoint
-from rl_sync.engine.sources import worker_entries
-from rl_sync.messages import RankStats, RoundInfo
-from rl_sync.sparse import INDICES
-from rl_sync.transport.cuda_ipc import WorkerExport
-from rl_sync.wire import encode
-
-from .participant import Participant
+from .participant import RayNode
 
 
-class SyncWorkerMixin(Participant):
+class SyncWorkerMixin(RayNode, WorkerRank):
     """Inherit in an inference-worker actor and define `rl_sync_destinations(checkpoint)`."""
-
-    _rl_sync_cached: tuple | None = None
-    _rl_sync_fallbacks: tuple[str, ...] = ()
-    _rl_sync_shadow: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    _rl_sync_version: int | None = None
-    _rl_sync_ipc: WorkerExport | None = None
-    _rl_sync_round_names: tuple[str, ...] | None = None
-
-    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int, options: dict | None = None) -> bytes:
-        if side == "worker":
-            self._rl_sync_cached = None  # every group, and every repair, binds anew: storage may have moved
-        return super()._rl_sync_describe(side, side_rank, side_size, options)
-
-    def _rl_sync_worker_entries(self, rank: int, size: int, options: dict):
-        if self._rl_sync_cached is None:
-            destinations = getattr(self, "rl_sync_destinations", None)
-            if destinations is None:
-                raise TypeError(f"{type(self).__name__} must define rl_sync_destinations(checkpoint) -> {{name: Destination}}")
-            checkpoint = {n: (getattr(torch, d), tuple(s)) for n, (d, s) in options.get("checkpoint", {}).items()}
-            bound = destinations(checkpoint)
-            self._rl_sync_fallbacks = tuple(n for n, d in bound.items() if d.fallback)
-            if self._rl_sync_fallbacks and not hasattr(self, "rl_sync_load_fallbacks"):
-                raise ValueError(f"worker rank {rank}: {len(self._rl_sync_fallbacks)} tensors fall back "
-                                 f"({list(self._rl_sync_fallbacks)[:8]}) but {type(self).__name__} defines no "
-                                 "rl_sync_load_fallbacks(pairs) hook")
-            reports, endpoints = worker_entries(bound, rank)
-            if options.get("double_buffer"):
-                endpoints = self._rl_sync_shadowed(endpoints)
-            self._rl_sync_cached = (reports, endpoints)
-        return self._rl_sync_cached
-
-    def _rl_sync_shadowed(self, endpoints: dict[str, Endpoint]) -> dict[str, Endpoint]:
-        """Receive into contiguous shadows of the bound views; `_rl_sync_commit` copies them in."""
-        shadows, pairs = {}, []
-        for name, endpoint in endpoints.items():
-            if name in self._rl_sync_fallbacks:
-                shadows[name] = endpoint
-                continue
-            shadow = endpoint.tensor.detach().clone(memory_format=torch.contiguous_format)
-            shadows[name] = Endpoint(shadow, endpoint.origin)
-            pairs.append((endpoint.tensor, shadow))
-        self._rl_sync_shadow = pairs
-        return shadows
-
-    def _rl_sync_fallback_names(self) -> list[str]:
-        return list(self._rl_sync_fallbacks)
-
-    def _rl_sync_before_round(self, round_info: RoundInfo) -> None:
-        super()._rl_sync_before_round(round_info)
-        if self._rl_sync_shadow is None:
-            self._rl_sync_version = None  # live weights are being written
-
-    def _rl_sync_after_round(self, round_info: RoundInfo, stats: RankStats) -> RankStats:
-        stats = super()._rl_sync_after_round(round_info, stats)
-        names = [n for n in self._rl_sync_fallbacks if round_info.names is None or n in round_info.names]
-        if names:
-            views = self._rl_sync_cached[1]
-            self.rl_sync_load_fallbacks([(n, views[n].tensor) for n in names])
-        self._rl_sync_round_names = round_info.names
-        if self._rl_sync_shadow is None:
-            self._rl_sync_updated(round_info.names)
-            self._rl_sync_version = round_info.version
-        return replace(stats, fallbacks=len(names))
-
-    def _rl_sync_updated(self, names: tuple[str, ...] | None) -> None:
-        """The live weights now hold a round's values: run the engine's hook, if it has one."""
-        hook = getattr(self, "rl_sync_weights_updated", None)
-        if hook is not None:
-            hook(names)
-
-    def _rl_sync_commit(self, version: int) -> None:
-        """Double buffering: the round completed everywhere; copy it into the live weights."""
-        if self._rl_sync_shadow:
-            torch._foreach_copy_([live for live, _ in self._rl_sync_shadow], [shadow for _, shadow in self._rl_sync_shadow])
-        self._rl_sync_updated(self._rl_sync_round_names)
-        self._rl_sync_version = version
-
-    def _rl_sync_apply_patches(self, version: int, patches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
-        """Write flat-index patches (local to this worker's boxes, checked by the coordinator)
-        into live storage; re-validated here before the first write. Returns elements written."""
-        views = self._rl_sync_cached[1]
-        unknown = [n for n in patches if n not in views]
-        if unknown:
-            raise ValueError(f"patches name tensors {unknown[:4]} this worker does not keep")
-        for name, (index, values) in patches.items():
-            view = views[name].tensor
-            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= view.numel()):
-                raise ValueError(f"patch for {name!r} indexes outside this worker's {tuple(view.shape)} box")
-        self._rl_sync_version = None
-        written = 0
-        for name, (index, values) in patches.items():
-            view = views[name].tensor
-            sparse_codec.apply(INDICES, view, index.to(view.device), values.to(view.device, view.dtype))
-            written += index.numel()
-        self._rl_sync_version = version
-        return written
-
-    def _rl_sync_version_of(self) -> int | None:
-        """The version the live weights fully hold, or None (never synced, torn, in flight)."""
-        return self._rl_sync_version
-
-    def _rl_sync_ipc_export(self, device: str) -> bytes:
-        views = {name: e.tensor for name, e in self._rl_sync_endpoints("worker").items()}
-        self._rl_sync_ipc = WorkerExport(views, torch.device(device))
-        return encode(self._rl_sync_ipc.export)
-
-    def _rl_sync_ipc_begin(self) -> None:
-        self._rl_sync_version = None
-        self._rl_sync_ipc.begin()
-
-    def _rl_sync_ipc_end(self, version: int, names: tuple[str, ...] | None = None) -> None:
-        self._rl_sync_ipc.end()
-        self._rl_sync_updated(names)
-        self._rl_sync_version = version

@@ -22,7 +22,8 @@ from actors.models import HFTrainer
 from actors.vllm import VllmRankActor
 
 from .conftest import loopback_config
-from .vllm_oracle import PROMPTS, SAMPLING, fresh_outputs, hf_config, launch, write_checkpoint
+from .vllm_oracle import (PROMPTS, SAMPLING, fresh_outputs, fresh_service_outputs, hf_config, launch, launch_service,
+                          write_checkpoint)
 
 Trainer = ray.remote(num_cpus=0.1)(HFTrainer)
 TOKENS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -215,5 +216,29 @@ def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_
         engine.shutdown()
         if fresh is not None:
             fresh.shutdown()
+        for t in trainers:
+            ray.kill(t)
+
+
+def test_engine_service_driven_through_vllms_weight_transfer_calls(ray_session, tmp_path):
+    """rl-sync as vLLM's `rl_sync` weight-transfer backend: the engine's workers are vLLM's own
+    processes, reached only through `init_weight_transfer_engine` / `update_weights`."""
+    config = hf_config("qwen2")
+    trainers = _trainers(config)
+    service = launch_service(_unrelated_checkpoint(tmp_path / "init", config, trainers), 2)
+    try:
+        sync = WeightSync.create(trainers, [service], loopback_config(bucket_bytes=1 << 18))
+        assert sync.summary["fallbacks"] == [] and sync.summary["world_size"] == 4
+        for step in range(1, 4):
+            ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+            stats = sync.push()
+            assert [r.rank for r in stats.ranks if r.role == "worker"] == [2, 3]
+            assert sync.versions() == [step, step]
+            got = service.generate(PROMPTS, **SAMPLING)
+            path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
+            assert got == fresh_service_outputs(path, 2), f"step {step}: synced service differs from a fresh one"
+        sync.close()
+    finally:
+        service.shutdown()
         for t in trainers:
             ray.kill(t)

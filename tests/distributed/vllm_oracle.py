@@ -67,3 +67,25 @@ def fresh_outputs(path: str, tp: int, **llm_kwargs) -> list[dict]:
         return engine.generate(PROMPTS, **SAMPLING)
     finally:
         engine.shutdown()
+
+
+SERVICE_ENV = {"GLOO_SOCKET_IFNAME": "lo", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+"""vLLM's default executor pins each TP rank to cores unless told not to (the test machine
+shares its two cores with everything else)."""
+
+
+def launch_service(path: str, tp: int, **llm_kwargs):
+    """The engine as a service: vLLM's own worker processes, rl-sync as its weight-transfer backend."""
+    from actors.service import VllmService
+
+    return VllmService.launch(path, tp=tp, llm_kwargs={**LLM_KWARGS, **llm_kwargs}, env=SERVICE_ENV,
+                              actor_options={"num_cpus": 0.1})
+
+
+def fresh_service_outputs(path: str, tp: int, **llm_kwargs) -> list[dict]:
+    """What a fresh engine service (same executor as the synced one) generates from `path`."""
+    service = launch_service(path, tp, **llm_kwargs)
+    try:
+        return service.generate(PROMPTS, **SAMPLING)
+    finally:
+        service.shutdown()

@@ -1,0 +1,89 @@
+"""Who is in a sync group and where each rank sits.
+
+Trainers take group ranks `[0, T)` in the order given. Workers follow in the
+order given, each member with as many consecutive ranks as it holds (one for
+an actor, the engine's ranks for a vLLM service); an actor passed as both a
+trainer and a worker (one process training and serving) keeps its trainer
+rank and copies its overlap locally. Actors are told apart by their handles
+(Ray compares actor ids), never by private attributes.
+
+Typical use (inside the coordinator)::
+
+    group = Membership.of(trainer_handles, worker_handles_or_services)
+    group.worker_ranks      # group rank of each worker-side rank
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .members import ActorMember, ServiceMember
+from .service import VllmService
+
+
+def _refuse_repeats(handles: Sequence, side: str) -> None:
+    seen: dict = {}
+    for i, handle in enumerate(handles):
+        if isinstance(handle, VllmService):
+            continue
+        if handle in seen:
+            raise ValueError(f"{side}s {seen[handle]} and {i} are the same actor; pass each {side} once")
+        seen[handle] = i
+
+
+def _span(first: int, size: int) -> str:
+    return f"{first}" if size == 1 else f"{first}-{first + size - 1}"
+
+
+@dataclass
+class Membership:
+    """Trainer and worker members and the group rank of every worker-side rank."""
+
+    trainers: list[ActorMember]
+    workers: list
+    worker_ranks: tuple[int, ...]
+    ranks: list
+    """The members that run rounds, in group-rank order (hybrid actors once, as trainers)."""
+
+    @classmethod
+    def of(cls, trainers: Sequence, workers: Sequence) -> Membership:
+        if not trainers or not workers:
+            raise ValueError(f"a sync group needs trainers and workers, got {len(trainers)} and {len(workers)}")
+        _refuse_repeats(trainers, "trainer")
+        _refuse_repeats(workers, "worker")
+        trainer_members = [ActorMember(h, f"trainer {i} (rank {i})") for i, h in enumerate(trainers)]
+        trainer_rank = {h: i for i, h in enumerate(trainers)}
+        worker_members, worker_ranks, running = [], [], list(trainer_members)
+        next_rank, side = len(trainers), 0
+        for j, entry in enumerate(workers):
+            if isinstance(entry, VllmService):
+                member = ServiceMember(entry, f"vLLM service {j} (workers {_span(side, entry.ranks)}, ranks "
+                                              f"{_span(next_rank, entry.ranks)})")
+                ranks = list(range(next_rank, next_rank + entry.ranks))
+            elif entry in trainer_rank:
+                member = ActorMember(entry, f"worker {side} (rank {trainer_rank[entry]})")
+                ranks = [trainer_rank[entry]]
+            else:
+                member = ActorMember(entry, f"worker {side} (rank {next_rank})")
+                ranks = [next_rank]
+            if ranks[0] >= len(trainers):
+                running.append(member)
+                next_rank += len(ranks)
+            worker_members.append(member)
+            worker_ranks.extend(ranks)
+            side += len(ranks)
+        return cls(trainer_members, worker_members, tuple(worker_ranks), running)
+
+    @property
+    def num_workers(self) -> int:
+        """Worker-side ranks (an engine service counts each of its ranks)."""
+        return len(self.worker_ranks)
+
+    def worker_firsts(self) -> list[int]:
+        """The first worker-side rank of each worker member."""
+        firsts, side = [], 0
+        for member in self.workers:
+            firsts.append(side)
+            side += member.size
+        return firsts
