@@ -132,7 +132,7 @@ def gather(members: Sequence, call: Callable, timeout_s: float, what: str) -> li
     refs = [call(m) for m in members]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     done = set(ready)
-    results, failures = [], []
+    results, failures, causes = [], [], []
     for ref, member in zip(refs, members):
         if ref not in done:
             failures.append(f"{member.label}: no answer within {timeout_s:.0f} s")
@@ -142,10 +142,21 @@ def gather(members: Sequence, call: Callable, timeout_s: float, what: str) -> li
             results.extend(member.results(ray.get(ref)))
         except ray.exceptions.RayError as exc:
             failures.append(f"{member.label}: {failure_reason(exc)}")
+            causes.append(getattr(exc, "cause", None))
             results.extend([None] * member.size)
     if failures:
         for ref in refs:
             if ref not in done:
                 ray.cancel(ref, force=False)
-        raise SyncError(f"{what} failed on {len(failures)} of {len(refs)} members:\n  " + "\n  ".join(failures))
+        message = f"{what} failed on {len(failures)} of {len(refs)} members:\n  " + "\n  ".join(failures)
+        raise _error_like(causes, len(failures))(message)
     return results
+
+
+def _error_like(causes: list, failures: int) -> type[Exception]:
+    """`ValueError` / `TypeError` when every member refused its input that way (bad input stays
+    a caller's error, whichever rank found it); `SyncError` otherwise."""
+    kinds = {type(c) for c in causes}
+    if len(causes) == failures and len(kinds) == 1 and kinds <= {ValueError, TypeError}:
+        return kinds.pop()
+    return SyncError

@@ -67,8 +67,9 @@ class VllmWorkerMixin(SyncWorkerMixin):
 
 
 def completions(llm, prompts: Sequence[Sequence[int]], sampling: dict[str, Any]) -> list[dict]:
-    """`{"tokens": [...], "logprobs": [...]}` per token-id prompt (`sampling`: `SamplingParams`
-    fields; `logprobs` are those of the chosen tokens, None unless asked for)."""
+    """Per token-id prompt: the first completion's `tokens` and `logprobs` (of the chosen tokens,
+    None unless asked for), and every completion's token ids as `samples` (`sampling`:
+    `SamplingParams` fields, `n` included)."""
     from vllm import SamplingParams
 
     outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], SamplingParams(**sampling), use_tqdm=False)
@@ -77,7 +78,8 @@ def completions(llm, prompts: Sequence[Sequence[int]], sampling: dict[str, Any])
         completion = output.outputs[0]
         logprobs = None if completion.logprobs is None else [
             step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
-        out.append({"tokens": list(completion.token_ids), "logprobs": logprobs})
+        out.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
+                    "samples": [list(c.token_ids) for c in output.outputs]})
     return out
 
 

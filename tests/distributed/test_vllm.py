@@ -51,25 +51,29 @@ def _kept_bytes(engine) -> list[int]:
     return [sum(nbytes for _, _, _, _, nbytes in rank) for rank in modes]
 
 
-@pytest.mark.parametrize("family, tp, fallbacks", [
-    ("qwen2", 1, []),
-    ("qwen2", 2, []),
-    ("qwen3_moe", 2, []),
+@pytest.mark.parametrize("family, tp, modes", [
+    ("qwen2", 1, ["m2n"] * 3),
+    ("qwen2", 2, ["sparse", "sparse", "auto"]),
+    ("qwen3_moe", 2, ["m2n"] * 3),
 ])
-def test_synced_engine_generates_what_a_fresh_engine_on_the_checkpoint_does(ray_session, tmp_path, family, tp, fallbacks):
+def test_synced_engine_generates_what_a_fresh_engine_on_the_checkpoint_does(ray_session, tmp_path, family, tp, modes):
+    """Sparse and auto rounds (after the first, dense one) go into the same destinations:
+    direct ones and vLLM's loader-form buffers alike."""
     config = hf_config(family)
     trainers = _trainers(config)
     llm_kwargs = {}
     engine = launch(_unrelated_checkpoint(tmp_path / "init", config, trainers), tp, **llm_kwargs)
     try:
         sync = WeightSync.create(trainers, engine.ranks, loopback_config(bucket_bytes=1 << 18))
-        assert sync.summary["fallbacks"] == fallbacks, "only the listed tensors go through vLLM's loader whole"
+        assert sync.summary["fallbacks"] == [], "every tensor binds (fused ones in parts)"
         kept = _kept_bytes(engine)
-        for step in range(1, 4):
+        for step, mode in enumerate(modes, start=1):
             ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
-            stats = sync.push()
+            stats = sync.push(mode=mode)
+            assert stats.mode == (mode if step > 1 else "m2n"), "the first round is dense, the next ones as asked"
             received = [next(r.received_bytes for r in stats.ranks if r.rank == 2 + j) for j in range(tp)]
-            assert received == kept, f"step {step}: bytes into each rank {received}, its shards hold {kept}"
+            if stats.mode == "m2n":
+                assert received == kept, f"step {step}: bytes into each rank {received}, its shards hold {kept}"
             got = engine.generate(PROMPTS, **SAMPLING)
             path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
             assert got == fresh_outputs(path, tp, **llm_kwargs), f"step {step}: synced engine differs from a fresh one"
@@ -200,8 +204,8 @@ def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_
         with pytest.raises(SyncError, match=r"round 2 \(m2n\) failed"):
             sync.push()
         assert time.monotonic() - start < 8.0 + 10.0, "the round outlived its timeout"
-        with pytest.raises(SyncError, match=r"worker 1: .*ActorDiedError.*\n.*launch the engine again and replace "
-                                             r"every one of its ranks"):
+        with pytest.raises(SyncError, match=r"worker 1 \(rank 3\): ActorDiedError.*\n.*launch the engine again and "
+                                             r"replace every one of its ranks"):
             sync.push()
         fresh = launch(init, 2)
         for j, rank in enumerate(fresh.ranks):
@@ -222,12 +226,13 @@ def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_
 
 def test_engine_service_driven_through_vllms_weight_transfer_calls(ray_session, tmp_path):
     """rl-sync as vLLM's `rl_sync` weight-transfer backend: the engine's workers are vLLM's own
-    processes, reached only through `init_weight_transfer_engine` / `update_weights`."""
+    processes, reached only through `init_weight_transfer_engine` / `update_weights` (double
+    buffered: rounds land in shadows, committed by a second `update_weights`)."""
     config = hf_config("qwen2")
     trainers = _trainers(config)
     service = launch_service(_unrelated_checkpoint(tmp_path / "init", config, trainers), 2)
     try:
-        sync = WeightSync.create(trainers, [service], loopback_config(bucket_bytes=1 << 18))
+        sync = WeightSync.create(trainers, [service], loopback_config(bucket_bytes=1 << 18, double_buffer=True))
         assert sync.summary["fallbacks"] == [] and sync.summary["world_size"] == 4
         for step in range(1, 4):
             ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])

@@ -8,12 +8,8 @@ exactly; `../shared/notes/vllm-cpu.md`)."""
 
 from __future__ import annotations
 
-import json
-import os
-
-import torch
-
 from actors.vllm import VllmEngine
+from rl_sync.vllm.checkpoint import write_checkpoint  # noqa: F401  (the tests write checkpoints with it)
 
 LLM_KWARGS = dict(skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
                   max_model_len=128, seed=0, block_size=32, enable_prefix_caching=True)
@@ -41,18 +37,6 @@ def hf_config(family: str) -> dict:
     architecture, extra = FAMILIES[family]
     config = AutoConfig.for_model(family, **SHAPES, **extra).to_dict()
     return {**config, "architectures": [architecture], "torch_dtype": "bfloat16"}
-
-
-def write_checkpoint(directory: str, config: dict, state: dict[str, torch.Tensor]) -> str:
-    """`config.json` plus every tensor of `state` cast to bf16 (what rl-sync casts to) in one
-    safetensors file: what `LLM(model=directory)` loads."""
-    from safetensors.torch import save_file
-
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, os.path.join(directory, "model.safetensors"))
-    return directory
 
 
 def launch(path: str, tp: int, **llm_kwargs) -> VllmEngine:

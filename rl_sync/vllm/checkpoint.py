@@ -1,0 +1,31 @@
+"""A Hugging Face checkpoint directory from a config and a state dict: what vLLM starts from.
+
+vLLM loads models from disk (`LLM(model=directory)`); an RL run that trains a
+model from a config (or changed its shapes) writes its first weights once,
+starts the engines on them, and from then on rl-sync moves the updates.
+
+Typical use::
+
+    write_checkpoint("/tmp/policy", hf_config_dict, trainer_full_state, dtype=torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+import torch
+
+
+def write_checkpoint(directory: str, config: Mapping, state: Mapping[str, torch.Tensor],
+                     dtype: torch.dtype = torch.bfloat16) -> str:
+    """`config.json` and every tensor of `state` cast to `dtype` (round to nearest even, as
+    rl-sync casts on the wire) in one safetensors file; returns `directory`."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(dict(config), f)
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in state.items()}, os.path.join(directory, "model.safetensors"))
+    return directory
