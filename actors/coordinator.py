@@ -51,6 +51,18 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _modes(workers: list[SideReport]) -> dict:
+    """The summary's view of how workers write: fallbacks, each name's mode (`reload` where any
+    worker processes it), and the bytes each worker-side rank keeps."""
+    modes: dict[str, str] = {}
+    for report in workers:
+        for name, mode in report.modes.items():
+            if modes.get(name) in (None, "direct"):
+                modes[name] = mode
+    return {"fallbacks": sorted(n for n, m in modes.items() if m == "fallback"), "modes": modes,
+            "kept_bytes": [r.kept_bytes for r in workers]}
+
+
 class Coordinator:
     """Runs as a Ray actor (`ray.remote(Coordinator)`); driven by `WeightSync`. `workers` are
     actor handles and `VllmService`s (see `actors.group` for how ranks are assigned)."""
@@ -114,7 +126,7 @@ class Coordinator:
             "tensors": len(plan), "buckets": self.schedule.num_buckets, "transport": info.transport,
             "cuda_ipc": self.ipc, "world_size": world, "colocated": colocated,
             "plan_bytes": stats.total_bytes, "local_copy_bytes": stats.local_copy_bytes,
-            "broadcast_bytes": stats.broadcast_bytes, "fallbacks": sorted({n for r in reports[T:] for n in r.fallbacks}),
+            "broadcast_bytes": stats.broadcast_bytes, **_modes(reports[T:]),
             "seconds": time.perf_counter() - start,
         }
 

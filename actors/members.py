@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import ray
 
-from rl_sync.vllm.service import CloseRequest, ConnectRequest, DescribeRequest, Rendezvous, RoundRequest
+from rl_sync.vllm.service import CloseRequest, DescribeRequest, Rendezvous, RoundRequest
 from rl_sync.wire import encode
 
 from .calls import SyncError, failure_reason

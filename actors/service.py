@@ -33,7 +33,7 @@ import ray
 
 from rl_sync.vllm.driver import HttpControl, LlmControl, ServiceDriver
 from rl_sync.vllm.service import CloseRequest, ConnectRequest, Rendezvous, RoundRequest
-from rl_sync.wire import decode, encode
+from rl_sync.wire import decode
 
 BACKEND = {"backend": "rl_sync"}
 """The `weight_transfer_config` that makes vLLM load rl-sync into its workers."""

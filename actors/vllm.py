@@ -61,9 +61,8 @@ class VllmWorkerMixin(SyncWorkerMixin):
             raise RuntimeError("vLLM refused to reset its prefix cache (requests are running); weights changed, so "
                                "cached prefixes would be stale: finish or abort requests before pushing")
 
-    def rl_sync_param_modes(self) -> list[tuple[str, str | None, str, str, int]]:
-        """(checkpoint name, vLLM parameter, mode, reason, bytes kept here) for every name."""
-        return [(r.name, r.param, r.mode, r.reason, r.nbytes) for r in (self._rl_sync_vllm.reports if self._rl_sync_vllm else [])]
+    def rl_sync_write_modes(self) -> dict[str, str]:
+        return self._rl_sync_vllm.write_modes()
 
 
 def completions(llm, prompts: Sequence[Sequence[int]], sampling: dict[str, Any]) -> list[dict]:
@@ -95,25 +94,35 @@ class VllmRankActor(VllmWorkerMixin):
 
     Rank 0 hosts the engine's torch.distributed rendezvous on `host` (its Ray node
     address by default, never every interface); `start` builds the `LLM` on every rank
-    at once. `env` adds environment variables (e.g. `GLOO_SOCKET_IFNAME`)."""
+    at once and `stop` releases it. `env` adds environment variables (e.g.
+    `GLOO_SOCKET_IFNAME`)."""
 
     def __init__(self, tp_rank: int, tp_size: int, host: str | None = None, env: dict[str, str] | None = None,
                  timeout_s: float = 120.0):
-        import torch.distributed as dist
-
-        self.tp_rank, self.tp_size, self.llm = tp_rank, tp_size, None
+        self.tp_rank, self.tp_size, self.llm, self.timeout_s = tp_rank, tp_size, None, timeout_s
         self.host = host or ray.util.get_node_ip_address()
         os.environ.update(env or {})
         self._store = None
-        if tp_rank == 0:
-            sock = _listen(self.host)
-            self._store = dist.TCPStore(self.host, sock.getsockname()[1], tp_size, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
-            sock.detach()
 
     def rendezvous(self) -> tuple[str, int]:
-        """Rank 0: where the engine's ranks meet."""
+        """Rank 0: open a fresh meeting point for the engine's ranks (one per `start`)."""
+        import torch.distributed as dist
+
+        sock = _listen(self.host)
+        self._store = dist.TCPStore(self.host, sock.getsockname()[1], self.tp_size, is_master=True,
+                                    wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s),
+                                    master_listen_fd=sock.fileno())
+        sock.detach()
         return self.host, self._store.port
+
+    def stop(self) -> None:
+        """Release this rank's engine and its distributed state (every rank at once); `start`
+        may build a new one in this process."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self._rl_sync_close(abort=True)
+        self.llm = None
+        cleanup_dist_env_and_memory()
 
     def start(self, model: str, address: tuple[str, int], llm_kwargs: dict[str, Any]) -> None:
         """Build this rank's `LLM` (every rank of the engine at once)."""
@@ -159,12 +168,22 @@ class VllmEngine:
         ranks = [Rank.options(**options[r]).remote(r, tp, host, env) for r in range(tp)]
         engine = cls(ranks)
         try:
-            address = ray.get(ranks[0].rendezvous.remote(), timeout=timeout_s)
-            ray.get([r.start.remote(model, address, dict(llm_kwargs or {})) for r in ranks], timeout=timeout_s)
+            engine.start(model, llm_kwargs, timeout_s)
         except BaseException:
             engine.shutdown()
             raise
         return engine
+
+    def start(self, model: str, llm_kwargs: dict[str, Any] | None = None, timeout_s: float = 300.0) -> None:
+        """Build the engine on every rank from `model` (a fresh `LLM`, loaded from disk)."""
+        address = ray.get(self.ranks[0].rendezvous.remote(), timeout=timeout_s)
+        ray.get([r.start.remote(model, address, dict(llm_kwargs or {})) for r in self.ranks], timeout=timeout_s)
+
+    def restart(self, model: str, llm_kwargs: dict[str, Any] | None = None, timeout_s: float = 300.0) -> None:
+        """A fresh engine from `model` in the same rank actors (vLLM is already imported there):
+        the old one is released on every rank first."""
+        ray.get([r.stop.remote() for r in self.ranks], timeout=timeout_s)
+        self.start(model, llm_kwargs, timeout_s)
 
     def generate(self, prompts: Sequence[Sequence[int]], timeout_s: float = 300.0, **sampling) -> list[dict]:
         """Generate on every rank together; rank 0's outputs (`sampling`: `SamplingParams` fields)."""

@@ -36,8 +36,12 @@ class SideReport:
     gpu: str
     """`node/uuid` of the GPU this rank's tensors are on ('' on CPU): finds colocated pairs."""
     tensors: tuple[TensorReport, ...]
-    fallbacks: tuple[str, ...]
-    """Names received whole and handed to a load hook instead of bound in place."""
+    modes: dict[str, Literal["direct", "reload", "fallback"]]
+    """A worker's write mode per name: in place (`direct`), into a buffer the engine processes
+    after each round (`reload`), or whole and handed to a load hook (`fallback`)."""
+    kept_bytes: int
+    """Bytes of what a worker keeps (its boxes; whole tensors of fallbacks): a dense round
+    brings exactly these."""
 
 
 @dataclass(frozen=True)

@@ -63,11 +63,13 @@ class Participant:
             raise ValueError(f"rank {side_rank} of {type(self).__name__}: tensors span devices {sorted(devices)}")
         device = devices.pop() if devices else "cpu"
         gpu = f"{self._rl_sync_node()[0]}/{device_uuid(torch.device(device))}" if device.startswith("cuda") else ""
-        fallbacks = tuple(self._rl_sync_fallback_names()) if side == "worker" else ()
-        return encode(SideReport(side_rank, device, gpu, tuple(reports), fallbacks), compress=True)
+        modes = self._rl_sync_modes() if side == "worker" else {}
+        kept = sum(e.tensor.numel() * e.tensor.element_size() for e in endpoints.values()) if side == "worker" else 0
+        return encode(SideReport(side_rank, device, gpu, tuple(reports), modes, kept), compress=True)
 
-    def _rl_sync_fallback_names(self) -> list[str]:
-        return []
+    def _rl_sync_modes(self) -> dict[str, str]:
+        """A worker's write mode per name (see `SideReport.modes`)."""
+        return {}
 
     def _rl_sync_ping(self) -> None:
         """Answers when the process is alive (the coordinator checks before re-forming a group)."""

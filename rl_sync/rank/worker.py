@@ -9,7 +9,8 @@ and handed to `rl_sync_load_fallbacks(pairs)`, which the class must then
 define. An engine that derives state from its weights (repacked kernels,
 caches) may define `rl_sync_weights_updated(names)`: it runs once the live
 weights hold a round (`names`: the round's tensors, `None` for all), before
-the worker reports the new version.
+the worker reports the new version; and `rl_sync_write_modes()` (`{name:
+"direct" | "reload"}`) to say which names it processes after a round.
 
 Versions: a worker knows the version its live weights hold, and reports
 `None` while a round is writing into them or after one failed part-way, until
@@ -81,8 +82,13 @@ class WorkerRank(Participant):
         self._rl_sync_shadow = pairs
         return shadows
 
-    def _rl_sync_fallback_names(self) -> list[str]:
-        return list(self._rl_sync_fallbacks)
+    def _rl_sync_modes(self) -> dict[str, str]:
+        """`fallback` for names bound whole; else what the engine's `rl_sync_write_modes()` says
+        (`direct` or `reload`), `direct` without one."""
+        engine = getattr(self, "rl_sync_write_modes", None)
+        modes = engine() if engine is not None else {}
+        names = self._rl_sync_cached[1] if self._rl_sync_cached else {}
+        return {n: "fallback" if n in self._rl_sync_fallbacks else modes.get(n, "direct") for n in names}
 
     def _rl_sync_before_round(self, round_info: RoundInfo) -> None:
         super()._rl_sync_before_round(round_info)

@@ -67,6 +67,9 @@ class ServiceRank(WorkerRank):
     def rl_sync_weights_updated(self, names) -> None:
         self.vllm.after_update(names)
 
+    def rl_sync_write_modes(self) -> dict[str, str]:
+        return self.vllm.write_modes()
+
 
 class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo]):
     """One vLLM worker's end of an rl-sync group (see the module docstring)."""

@@ -88,6 +88,10 @@ class VllmDestinations:
         """How each checkpoint name is written on this rank (direct, reload, fallback)."""
         return [] if self.binding is None else list(self.binding.reports)
 
+    def write_modes(self) -> dict[str, str]:
+        """`{name: "direct" | "reload" | "fallback"}` on this rank."""
+        return {r.name: r.mode for r in self.reports}
+
     def load_fallbacks(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
         with self._context():
             self.binding.processor.load_fallbacks(pairs)

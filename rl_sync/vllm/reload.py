@@ -98,9 +98,8 @@ class Processor:
                 touched.update((id(m), m) for m in modules)
         for module in touched.values():
             reprocess(module, self.buffers[module])
-        if touched or names is None or names:
-            for layer in self.attention:
-                layer.process_weights_after_loading(self.dtype)
+        for layer in self.attention:
+            layer.process_weights_after_loading(self.dtype)
         return len(touched)
 
     def load_fallbacks(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:

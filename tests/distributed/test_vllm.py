@@ -19,14 +19,20 @@ import torch
 from actors import SyncError, WeightSync
 from actors.cluster import free_init_url
 from actors.models import HFTrainer
-from actors.vllm import VllmRankActor
+from actors.vllm import VllmEngine, VllmRankActor
 
 from .conftest import loopback_config
-from .vllm_oracle import (PROMPTS, SAMPLING, fresh_outputs, fresh_service_outputs, hf_config, launch, launch_service,
-                          write_checkpoint)
+from .vllm_oracle import ENV, LLM_KWARGS, PROMPTS, SAMPLING, References, hf_config, launch, launch_service, write_checkpoint
 
 Trainer = ray.remote(num_cpus=0.1)(HFTrainer)
 TOKENS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def references(ray_session):
+    refs = References()
+    yield refs
+    refs.shutdown()
 
 
 def _trainers(config: dict) -> list:
@@ -45,42 +51,41 @@ def _unrelated_checkpoint(path, config: dict, trainers) -> str:
     return write_checkpoint(str(path), config, state)
 
 
-def _kept_bytes(engine) -> list[int]:
-    """Bytes each rank keeps: its boxes of bound names, whole tensors of fallbacks."""
-    modes = ray.get([r.rl_sync_param_modes.remote() for r in engine.ranks])
-    return [sum(nbytes for _, _, _, _, nbytes in rank) for rank in modes]
-
-
-@pytest.mark.parametrize("family, tp, modes", [
-    ("qwen2", 1, ["m2n"] * 3),
-    ("qwen2", 2, ["sparse", "sparse", "auto"]),
-    ("qwen3_moe", 2, ["m2n"] * 3),
+@pytest.mark.parametrize("family, tp, engines, modes", [
+    ("qwen2", 1, 2, ["m2n"] * 3),
+    ("qwen2", 2, 1, ["sparse", "sparse", "auto"]),
+    ("qwen3_moe", 2, 1, ["m2n"] * 3),
 ])
-def test_synced_engine_generates_what_a_fresh_engine_on_the_checkpoint_does(ray_session, tmp_path, family, tp, modes):
-    """Sparse and auto rounds (after the first, dense one) go into the same destinations:
-    direct ones and vLLM's loader-form buffers alike."""
+def test_synced_engines_generate_what_a_fresh_engine_on_the_checkpoint_does(references, tmp_path, family, tp, engines,
+                                                                            modes):
+    """Two replicas at TP1 share the trainers' sends; sparse and auto rounds (after the first,
+    dense one) go into the same destinations, in place and into vLLM's loader-form buffers."""
     config = hf_config(family)
     trainers = _trainers(config)
-    llm_kwargs = {}
-    engine = launch(_unrelated_checkpoint(tmp_path / "init", config, trainers), tp, **llm_kwargs)
+    init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
+    replicas = [launch(init, tp) for _ in range(engines)]
+    ranks = [rank for engine in replicas for rank in engine.ranks]
     try:
-        sync = WeightSync.create(trainers, engine.ranks, loopback_config(bucket_bytes=1 << 18))
+        sync = WeightSync.create(trainers, ranks, loopback_config(bucket_bytes=1 << 18))
         assert sync.summary["fallbacks"] == [], "every tensor binds (fused ones in parts)"
-        kept = _kept_bytes(engine)
+        assert set(sync.summary["modes"].values()) <= {"direct", "reload"}
+        kept = sync.summary["kept_bytes"]
         for step, mode in enumerate(modes, start=1):
             ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
             stats = sync.push(mode=mode)
             assert stats.mode == (mode if step > 1 else "m2n"), "the first round is dense, the next ones as asked"
-            received = [next(r.received_bytes for r in stats.ranks if r.rank == 2 + j) for j in range(tp)]
+            received = [next(r.received_bytes for r in stats.ranks if r.rank == 2 + j) for j in range(len(ranks))]
             if stats.mode == "m2n":
                 assert received == kept, f"step {step}: bytes into each rank {received}, its shards hold {kept}"
-            got = engine.generate(PROMPTS, **SAMPLING)
             path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
-            assert got == fresh_outputs(path, tp, **llm_kwargs), f"step {step}: synced engine differs from a fresh one"
-            assert engine.versions() == [step] * tp
+            want = references.outputs(path, tp)
+            for e, engine in enumerate(replicas):
+                assert engine.generate(PROMPTS, **SAMPLING) == want, f"step {step}: engine {e} differs from a fresh one"
+            assert sync.versions() == [step] * len(ranks)
         sync.close()
     finally:
-        engine.shutdown()
+        for engine in replicas:
+            engine.shutdown()
         for t in trainers:
             ray.kill(t)
 
@@ -150,19 +155,13 @@ def test_bad_checkpoints_fail_init_naming_the_tensor_and_write_nothing(qwen2_tp2
 
 
 def test_ranks_that_disagree_fail_init_naming_the_tensor_and_rank(ray_session, tmp_path):
-    from actors.vllm import VllmEngine
-
-    from .vllm_oracle import ENV, LLM_KWARGS
-
     config = hf_config("qwen2")
     trainers = _trainers(config)
     init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
     Rank = ray.remote(num_cpus=0.1)(DisagreeingRank)
-    ranks = [Rank.remote(r, 2, None, ENV) for r in range(2)]
-    engine = VllmEngine(ranks)
+    engine = VllmEngine([Rank.remote(r, 2, None, ENV) for r in range(2)])
     try:
-        address = ray.get(ranks[0].rendezvous.remote())
-        ray.get([r.start.remote(init, address, LLM_KWARGS) for r in ranks])
+        engine.start(init, LLM_KWARGS)
         with pytest.raises(ValueError, match=r"inference workers disagree on tensor 'model.norm.weight': worker rank 3 "):
             WeightSync.create(trainers, engine.ranks, loopback_config())
     finally:
@@ -182,21 +181,15 @@ class MortalRank(VllmRankActor):
         super()._rl_sync_before_round(round_info)
 
 
-def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_up(ray_session, tmp_path):
-    from actors.vllm import VllmEngine
-
-    from .vllm_oracle import ENV, LLM_KWARGS
-
+def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_up(references, tmp_path):
     config = hf_config("qwen2")
     trainers = _trainers(config)
     init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
     Rank = ray.remote(num_cpus=0.1, max_restarts=0)(MortalRank)
     ranks = [Rank.remote(r, 2, None, ENV) for r in range(2)]
-    engine = VllmEngine(ranks)
-    address = ray.get(ranks[0].rendezvous.remote())
-    ray.get([r.start.remote(init, address, LLM_KWARGS) for r in ranks])
-    fresh = None
+    engine, fresh = VllmEngine(ranks), None
     try:
+        engine.start(init, LLM_KWARGS)
         sync = WeightSync.create(trainers, engine.ranks, loopback_config(round_timeout_s=8.0))
         sync.push()
         ray.get(ranks[1].call.remote(lambda self: setattr(self, "die", True)))
@@ -214,7 +207,7 @@ def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_
         stats = sync.push()
         assert stats.version == 2 and fresh.versions() == [2, 2]
         path = write_checkpoint(str(tmp_path / "after"), config, _state(trainers))
-        assert fresh.generate(PROMPTS, **SAMPLING) == fresh_outputs(path, 2)
+        assert fresh.generate(PROMPTS, **SAMPLING) == references.outputs(path, 2)
         sync.close()
     finally:
         engine.shutdown()
@@ -224,7 +217,7 @@ def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_
             ray.kill(t)
 
 
-def test_engine_service_driven_through_vllms_weight_transfer_calls(ray_session, tmp_path):
+def test_engine_service_driven_through_vllms_weight_transfer_calls(references, tmp_path):
     """rl-sync as vLLM's `rl_sync` weight-transfer backend: the engine's workers are vLLM's own
     processes, reached only through `init_weight_transfer_engine` / `update_weights` (double
     buffered: rounds land in shadows, committed by a second `update_weights`)."""
@@ -237,11 +230,13 @@ def test_engine_service_driven_through_vllms_weight_transfer_calls(ray_session, 
         for step in range(1, 4):
             ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
             stats = sync.push()
+            received = [r.received_bytes for r in stats.ranks if r.role == "worker"]
             assert [r.rank for r in stats.ranks if r.role == "worker"] == [2, 3]
+            assert received == sync.summary["kept_bytes"], f"bytes into each rank {received}"
             assert sync.versions() == [step, step]
             got = service.generate(PROMPTS, **SAMPLING)
             path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
-            assert got == fresh_service_outputs(path, 2), f"step {step}: synced service differs from a fresh one"
+            assert got == references.outputs(path, 2), f"step {step}: synced service differs from a fresh engine"
         sync.close()
     finally:
         service.shutdown()

@@ -44,13 +44,27 @@ def launch(path: str, tp: int, **llm_kwargs) -> VllmEngine:
                              actor_options=[{"num_cpus": 0.1}] * tp)
 
 
-def fresh_outputs(path: str, tp: int, **llm_kwargs) -> list[dict]:
-    """What a fresh engine on the checkpoint at `path` generates for `PROMPTS`."""
-    engine = launch(path, tp, **llm_kwargs)
-    try:
-        return engine.generate(PROMPTS, **SAMPLING)
-    finally:
-        engine.shutdown()
+class References:
+    """Fresh engines to compare against, built in warm rank actors (one set per TP size): each
+    check releases the previous `LLM` and builds a new one from the checkpoint on disk, so only
+    the first pays for importing vLLM. External-launcher engines generate exactly what vLLM's
+    default executor does at the same TP (checked once on this machine), so they serve as the
+    oracle for engine services too."""
+
+    def __init__(self):
+        self.engines: dict[int, VllmEngine] = {}
+
+    def outputs(self, path: str, tp: int, **llm_kwargs) -> list[dict]:
+        engine = self.engines.get(tp)
+        if engine is None:
+            self.engines[tp] = launch(path, tp, **llm_kwargs)
+        else:
+            engine.restart(path, {**LLM_KWARGS, **llm_kwargs})
+        return self.engines[tp].generate(PROMPTS, **SAMPLING)
+
+    def shutdown(self) -> None:
+        for engine in self.engines.values():
+            engine.shutdown()
 
 
 SERVICE_ENV = {"GLOO_SOCKET_IFNAME": "lo", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -64,12 +78,3 @@ def launch_service(path: str, tp: int, **llm_kwargs):
 
     return VllmService.launch(path, tp=tp, llm_kwargs={**LLM_KWARGS, **llm_kwargs}, env=SERVICE_ENV,
                               actor_options={"num_cpus": 0.1})
-
-
-def fresh_service_outputs(path: str, tp: int, **llm_kwargs) -> list[dict]:
-    """What a fresh engine service (same executor as the synced one) generates from `path`."""
-    service = launch_service(path, tp, **llm_kwargs)
-    try:
-        return service.generate(PROMPTS, **SAMPLING)
-    finally:
-        service.shutdown()

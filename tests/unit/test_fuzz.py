@@ -28,7 +28,7 @@ SAMPLES = [
     RankStats(rank=0, role="trainer", version=1, mode="m2n", seconds=0.5, sent_bytes=10, received_bytes=0,
               zero_copy_bytes=10, staged_bytes=0, local_bytes=0, messages=1, buckets=1, staging_bytes=0,
               baseline_bytes=0, dense_bytes=0, changed_elements=0, encodings={"indices": 1}, fallbacks=0),
-    SideReport(0, "cpu", "", (TensorReport("w", "bfloat16", (4, 2), LAYOUT),), ()),
+    SideReport(0, "cpu", "", (TensorReport("w", "bfloat16", (4, 2), LAYOUT),), {"w": "reload"}, 16),
     IpcExport("uuid", (IpcSegment(b"\x01" * 64, 1024),), (IpcTensor("w", 0, 512, (4, 2), (2, 1), "bfloat16"),), b"e", b"d"),
     PlanInfo.from_schedule(build_schedule(plan_model([TensorSpec("w", "float32", (4, 2), LAYOUT.to_layout(),
                                                                  Layout(Mesh((2,), start_rank=2), (Shard(1),)))]))),

@@ -77,7 +77,7 @@ def _piece(param: str, src: Box, dst_param: torch.Tensor, view: torch.Tensor) ->
 
 
 def test_gate_and_up_of_whole_experts_merge_into_one_view():
-    E, I, H, local = 4, 3, 5, (2, 3)  # expert parallelism: this rank holds experts 2 and 3
+    I, H, local = 3, 5, (2, 3)  # expert parallelism over 4 experts: this rank holds experts 2 and 3
     w13 = torch.arange(len(local) * 2 * I * H).view(len(local), 2 * I, H)
     pieces = []
     for slot, e in enumerate(local):
@@ -91,7 +91,7 @@ def test_gate_and_up_of_whole_experts_merge_into_one_view():
 
 
 def test_tensor_parallel_gate_and_up_bands_do_not_merge():
-    E, I, H, rank = 2, 4, 3, 1  # TP 2 inside each expert: rows [2, 4) of gate and of up
+    E, I, H = 2, 4, 3  # TP rank 1 of 2 inside each expert: rows [2, 4) of gate and of up
     w13 = torch.zeros(E, I, H)
     pieces = [_piece("w13", Box((e, half * I + 2, 0), (1, 2, H)), w13, w13[e, half * 2 : half * 2 + 2].unsqueeze(0))
               for e in range(E) for half in (0, 1)]
