@@ -1,0 +1,168 @@
+"""Destinations read off vLLM's loader, checked parameter by parameter against vLLM's loader.
+
+Two processes form a TP2 vLLM model group (no engine, no Ray). For each
+model, each rank binds a checkpoint (`VllmBinding`), writes the trainers'
+values into its destinations exactly as a round would (its box of each
+tensor), runs the post-round processing, and must then hold, in every
+parameter, buffer and derived tensor (MLA's `W_UV` / `W_UK_T`), exactly what
+a fresh model loading the same checkpoint from disk through vLLM's loader
+holds. Covers Llama, Qwen2 and Qwen3, tied embeddings, KV heads replicated past TP, transformers-5
+fused MoE experts cut into parts, and DeepSeek-V3 (MLA, shared experts,
+per-expert checkpoint names)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+SMALL = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+             rms_norm_eps=1e-6, torch_dtype="bfloat16")
+MODELS = {
+    "qwen3-tied": ("Qwen3ForCausalLM", "qwen3", dict(intermediate_size=128, num_key_value_heads=2, head_dim=16,
+                                                     tie_word_embeddings=True), "params"),
+    "qwen2-kv1": ("Qwen2ForCausalLM", "qwen2", dict(intermediate_size=128, num_key_value_heads=1,
+                                                    tie_word_embeddings=False), "params"),
+    "llama-kv2": ("LlamaForCausalLM", "llama", dict(intermediate_size=128, num_key_value_heads=2,
+                                                    tie_word_embeddings=False), "params"),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "qwen3_moe", dict(intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                                           num_experts_per_tok=2, num_key_value_heads=2, head_dim=16,
+                                                           tie_word_embeddings=False), "params"),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", "deepseek_v3", dict(
+        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, topk_method="noaux_tc", first_k_dense_replace=1, num_key_value_heads=4, q_lora_rank=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, tie_word_embeddings=False), "saved"),
+}
+
+
+def _checkpoint(directory: str, name: str) -> dict[str, torch.Tensor]:
+    """A random model of `name`'s family: config.json and model.safetensors in `directory`
+    (bf16), and the tensors the trainers would send (their names and fp32 values)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    architecture, family, extra, names = MODELS[name]
+    config = AutoConfig.for_model(family, **SMALL, **extra)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    os.makedirs(directory, exist_ok=True)
+    if names == "saved":  # the names a checkpoint file holds (per-expert for DeepSeek)
+        model.save_pretrained(directory)
+        state = load_file(os.path.join(directory, "model.safetensors"))
+    else:  # the names an FSDP2 trainer's named_parameters() gives (fused experts in transformers 5)
+        state = {k: v.detach().clone() for k, v in model.named_parameters()}
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({**config.to_dict(), "architectures": [architecture]}, f)
+    return {k: v.float() for k, v in state.items()}
+
+
+def _config(directory: str, load_format: str):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=directory, skip_tokenizer_init=True, tensor_parallel_size=2, enforce_eager=True,
+                      load_format=load_format, dtype="bfloat16", max_model_len=256,
+                      distributed_executor_backend="mp").create_engine_config()
+
+
+def _build(directory: str, load_format: str):
+    """A model of the TP2 group this process is a rank of: random (`dummy`) or from disk (`auto`)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+
+    config = _config(directory, load_format)
+    with set_current_vllm_config(config):
+        return config, get_model(vllm_config=config)
+
+
+def _snapshot(model) -> dict[str, torch.Tensor]:
+    out = {f"param {n}": p.detach().clone() for n, p in model.named_parameters()}
+    out |= {f"buffer {n}": b.clone() for n, b in model.named_buffers()}
+    out |= {f"derived {n}.{a}": getattr(m, a).clone() for n, m in model.named_modules()
+            for a in ("W_UV", "W_UK_T") if isinstance(getattr(m, a, None), torch.Tensor)}
+    return out
+
+
+def _bind_and_write(directory: str, state: dict[str, torch.Tensor], rank: int) -> tuple[dict, list[str]]:
+    from vllm.config import set_current_vllm_config
+
+    from rl_sync.parts import parse_part
+    from rl_sync.vllm.binding import VllmBinding
+    from rl_sync.vllm.rank import engine_rank
+
+    config, model = _build(directory, "dummy")
+    checkpoint = {n: (t.dtype, tuple(t.shape)) for n, t in state.items()}
+    with set_current_vllm_config(config):
+        binding = VllmBinding.build(model, config.model_config, checkpoint, engine_rank(), sharded={})
+        for name, dest in binding.destinations.items():
+            if dest.fallback or dest.view is None:
+                continue
+            part = parse_part(name)
+            whole = state[name] if part is None else state[part[0]].narrow(part[1], part[2], part[3] - part[2])
+            box = dest.layout.local_box(dest.shape, rank)
+            dest.view.copy_(whole[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])
+        if binding.fallbacks:
+            binding.processor.load_fallbacks([(n, state[n].to(torch.bfloat16)) for n in binding.fallbacks])
+        binding.processor.after_update(None)
+    return _snapshot(model), list(binding.fallbacks)
+
+
+def _rank(rank: int, port: int, root: str, queue) -> None:
+    try:
+        os.environ.update(OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
+        from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+        _set_torch_accelerator_to_noop()  # what vLLM's CPU model runner does before it loads a model
+
+        states = {name: _checkpoint(os.path.join(root, name), name) for name in MODELS}
+        # a MoE config, so vLLM also forms the expert group the MoE models need
+        with set_current_vllm_config(_config(os.path.join(root, "qwen3-moe"), "dummy")):
+            init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
+            initialize_model_parallel(2, 1)
+        for name, state in states.items():
+            got, fallbacks = _bind_and_write(os.path.join(root, name), state, rank)
+            _, fresh = _build(os.path.join(root, name), "auto")
+            want = _snapshot(fresh)
+            differ = sorted(k for k in want if k not in got or not torch.equal(got[k], want[k]))
+            queue.put((rank, name, differ, fallbacks, len(want)))
+    except Exception:
+        queue.put((rank, "error", traceback.format_exc()[-3000:], [], 0))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_every_parameter_equals_what_vllms_loader_loads(tmp_path):
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    procs = [context.Process(target=_rank, args=(r, port, str(tmp_path / f"rank{r}"), queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    results = []
+    try:
+        while len(results) < 2 * len(MODELS) and not any(r[1] == "error" for r in results):
+            results.append(queue.get(timeout=420))
+    finally:
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+    errors = [r[2] for r in results if r[1] == "error"]
+    assert not errors, errors[0]
+    for rank, name, differ, fallbacks, checked in results:
+        assert fallbacks == [], f"rank {rank}, {name}: fell back {fallbacks}"
+        assert checked > 0 and differ == [], f"rank {rank}, {name}: {len(differ)} of {checked} differ: {differ[:6]}"
