@@ -19,6 +19,7 @@ from contextlib import nullcontext
 import ray
 from rich.console import Console
 
+from rl_sync.push_args import check_push_args, check_version
 from rl_sync.stats import RoundStats
 from rl_sync.sync_config import SyncConfig
 
@@ -45,12 +46,22 @@ class WeightSync:
 
     def __init__(self, coordinator, config: SyncConfig, summary: dict):
         self.coordinator, self.config, self.summary = coordinator, config, summary
+        self.closed = False
+
+    def _open(self):
+        """The coordinator, unless the group was closed."""
+        if self.closed:
+            raise SyncError(f"sync group {self.config.name!r} is closed; create a new WeightSync")
+        return self.coordinator
 
     @classmethod
     def create(cls, trainers: list, workers: list, config: SyncConfig | None = None, *, progress: bool = True) -> WeightSync:
         """Start a coordinator, plan, and connect every rank (bounded by `init_timeout_s`);
         `progress` shows a spinner on the driver's terminal meanwhile."""
         config = config or SyncConfig()
+        if not trainers or not workers:
+            raise ValueError(f"WeightSync.create needs at least one trainer and one worker, got {len(trainers)} "
+                             f"trainers and {len(workers)} workers")
         coordinator = ray.remote(Coordinator).options(num_cpus=0).remote(trainers, workers, config)
         with Console(stderr=True).status(f"rl-sync: planning and connecting {len(trainers)} trainers and "
                                          f"{len(workers)} workers", spinner="dots") if progress else nullcontext():
@@ -61,7 +72,8 @@ class WeightSync:
     def push(self, version: int | None = None, names: list[str] | None = None, mode: str | None = None) -> RoundStats:
         """Move the trainers' current weights into every worker; returns the round's statistics
         (also logged, and recorded as Ray metrics by the coordinator)."""
-        stats = _unwrap(self.coordinator.push.remote(version, names, mode), self.config.round_timeout_s + 30)
+        version, names, mode = check_push_args(version, names, mode)
+        stats = _unwrap(self._open().push.remote(version, names, mode), self.config.round_timeout_s + 30)
         log.info(stats.log_line())
         return stats
 
@@ -69,23 +81,27 @@ class WeightSync:
         """Drop-in for vLLM's sparse patches: `SparseWeightPatch(name, indices, values)` with flat
         indices into the whole tensor, for any destination layout. Patches travel through
         Ray's object store; returns the version now held everywhere."""
-        return _unwrap(self.coordinator.push_patches.remote(list(patches), version), self.config.round_timeout_s + 30)
+        version = check_version(version)
+        return _unwrap(self._open().push_patches.remote(list(patches), version), self.config.round_timeout_s + 30)
 
     def versions(self) -> list[int | None]:
         """The version each worker's live weights fully hold (None: torn, in flight, never synced, dead)."""
-        return _unwrap(self.coordinator.versions.remote(), self.config.init_timeout_s + 10)
+        return _unwrap(self._open().versions.remote(), self.config.init_timeout_s + 10)
 
     def repair(self) -> dict:
         """Re-form the group now (push does this by itself after a failure with `auto_repair`)."""
-        return _unwrap(self.coordinator.repair.remote(), self.config.init_timeout_s * 3 + 10)
+        return _unwrap(self._open().repair.remote(), self.config.init_timeout_s * 3 + 10)
 
     def replace_worker(self, index: int, handle) -> None:
         """Swap in a new actor for worker `index`; the next push re-forms the group and brings it
         to the current version with a full dense round."""
-        _unwrap(self.coordinator.replace_worker.remote(index, handle), self.config.init_timeout_s + 10)
+        _unwrap(self._open().replace_worker.remote(index, handle), self.config.init_timeout_s + 10)
 
     def close(self) -> None:
-        """Release the group and the coordinator."""
+        """Release the group and the coordinator; closing again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             _unwrap(self.coordinator.close.remote(), self.config.init_timeout_s + 10)
         finally:

@@ -51,13 +51,47 @@ class SyncConfig:
     """Address each rank's Gloo device binds; `None`: that rank's Ray node address."""
 
     def __post_init__(self) -> None:
-        if self.bucket_bytes <= 0:
-            raise ValueError(f"SyncConfig.bucket_bytes must be > 0, got {self.bucket_bytes}")
-        if self.coalesce_bytes < 0:
-            raise ValueError(f"SyncConfig.coalesce_bytes must be >= 0, got {self.coalesce_bytes}")
-        if self.init_timeout_s <= 0 or self.round_timeout_s <= 0:
-            raise ValueError("SyncConfig timeouts must be > 0 seconds")
-        if self.dense_refresh_every < 0:
-            raise ValueError(f"SyncConfig.dense_refresh_every must be >= 0, got {self.dense_refresh_every}")
-        if not 0 <= self.rendezvous_port < 65536:
-            raise ValueError(f"SyncConfig.rendezvous_port must be in [0, 65536), got {self.rendezvous_port}")
+        """Every field checked where it enters: type, choice, finite range."""
+        _text("name", self.name)
+        for field, options in CHOICES.items():
+            if getattr(self, field) not in options:
+                raise ValueError(f"SyncConfig.{field} must be one of {', '.join(map(repr, options))}, "
+                                 f"got {getattr(self, field)!r}")
+        for field in ("double_buffer", "auto_repair"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"SyncConfig.{field} must be True or False, got {getattr(self, field)!r}")
+        _integer("bucket_bytes", self.bucket_bytes, 1, MAX_BUCKET_BYTES)
+        _integer("coalesce_bytes", self.coalesce_bytes, 0, MAX_BUCKET_BYTES)
+        _integer("dense_refresh_every", self.dense_refresh_every, 0, 1 << 31)
+        _integer("rendezvous_port", self.rendezvous_port, 0, 65535)
+        for field in ("init_timeout_s", "round_timeout_s"):
+            _seconds(field, getattr(self, field))
+        for field in ("rendezvous_host", "bind_host"):
+            if getattr(self, field) is not None:
+                _text(field, getattr(self, field))
+
+
+MAX_BUCKET_BYTES = 1 << 40
+"""1 TiB: far above any device's memory; bounds the sizes the planner multiplies."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+CHOICES = {"transport": ("auto", "gloo", "nccl"), "colocate": ("auto", "ipc", "off"),
+            "mode": ("m2n", "broadcast", "sparse", "auto"), "sparse_baseline": ("device", "pinned_cpu")}
+
+
+def _integer(field: str, value, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"SyncConfig.{field} must be an int, got {value!r} ({type(value).__name__})")
+    if not low <= value <= high:
+        raise ValueError(f"SyncConfig.{field} must be in [{low}, {high}], got {value}")
+
+
+def _seconds(field: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"SyncConfig.{field} must be a number of seconds, got {value!r}")
+    if not 0 < value <= MAX_TIMEOUT_S:  # NaN fails this too
+        raise ValueError(f"SyncConfig.{field} must be > 0 and at most {MAX_TIMEOUT_S:.0f} seconds, got {value}")
+
+
+def _text(field: str, value) -> None:
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"SyncConfig.{field} must be a non-empty str, got {value!r}")

@@ -14,13 +14,56 @@ Trainer = ray.remote(num_cpus=0.1)(TrainerActor)
 Worker = ray.remote(num_cpus=0.1)(InferenceWorker)
 
 
+def _reinitialise(actor, *args) -> None:
+    """Forget everything (the rl-sync state of any earlier group included) and start over."""
+    actor.__dict__.clear()
+    type(actor).__init__(actor, *args)
+
+
+def _ping(actor) -> None:
+    """Answers while the actor is alive and idle."""
+
+
+class ActorPool:
+    """Actors reused across tests: a new Ray actor costs seconds on a 2-core machine (a process,
+    torch's import), so a test takes actors of a class re-initialised with its arguments, and
+    gives back the ones that still answer; a later group binds them anew, as it must any actor
+    that was in an earlier, closed group."""
+
+    def __init__(self):
+        self.idle: dict[object, list] = {}
+
+    def take(self, remote_class, args: list[tuple]) -> list:
+        idle = self.idle.setdefault(remote_class, [])
+        reused = [(idle.pop(), a) for a in args[:len(idle)]]
+        ray.get([actor.call.remote(_reinitialise, *a) for actor, a in reused], timeout=120)
+        return [actor for actor, _ in reused] + [remote_class.remote(*a) for a in args[len(reused):]]
+
+    def give_back(self, remote_class, actors: list) -> None:
+        """Keep the actors that answer within 2 s; kill the rest (dead, stalled, restarted)."""
+        pings = [actor.call.remote(_ping) for actor in actors]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=2.0)
+        for actor, ping in zip(actors, pings):
+            try:
+                if ping not in ready:
+                    raise TimeoutError
+                ray.get(ping)
+                self.idle.setdefault(remote_class, []).append(actor)
+            except Exception:
+                ray.kill(actor)
+
+
+POOL = ActorPool()
+
+
 class Group:
     """T trainer actors and N worker actors holding `recipes`, plus their WeightSync."""
 
     def __init__(self, recipes, num_trainers: int, num_workers: int, worker_recipes=None, **config):
         self.recipes = recipes
-        self.trainers = [Trainer.remote(i, num_trainers, trainer_build(recipes)) for i in range(num_trainers)]
-        self.workers = [Worker.remote(j, num_workers, worker_build(worker_recipes or recipes)) for j in range(num_workers)]
+        self.trainers = POOL.take(Trainer, [(i, num_trainers, trainer_build(recipes)) for i in range(num_trainers)])
+        self.workers = POOL.take(Worker, [(j, num_workers, worker_build(worker_recipes or recipes))
+                                          for j in range(num_workers)])
         self.sync = None
         self.config = loopback_config(**config)
 
@@ -33,8 +76,8 @@ class Group:
                 self.sync.close()
             except Exception:
                 pass
-        for actor in self.trainers + self.workers:
-            ray.kill(actor)
+        POOL.give_back(Trainer, self.trainers)
+        POOL.give_back(Worker, self.workers)
 
     def connect(self) -> WeightSync:
         self.sync = WeightSync.create(self.trainers, self.workers, self.config)

@@ -12,7 +12,7 @@ from actors import HybridActor, SyncError, WeightSync
 from rl_sync.layout import Layout, Mesh, Shard
 
 from .conftest import loopback_config
-from .harness import Group
+from .harness import POOL, Group, Trainer, Worker
 from .recipes import Recipe, expected, read_all, set_version, trainer_build, worker_build
 
 FSDP2 = Layout(Mesh((2,)), (Shard(0),))
@@ -20,14 +20,24 @@ TP2 = Layout(Mesh((2,)), (Shard(1),))
 W = [Recipe("w", torch.bfloat16, (8, 6), FSDP2, TP2), Recipe("b", torch.float32, (6,), FSDP2, Layout.replicated(Mesh((2,))))]
 
 
-def test_undeclared_name_is_refused_before_any_transfer(ray_session):
+def test_bad_push_arguments_are_refused_before_any_transfer_and_the_group_stays_whole(ray_session):
     with Group(W, 2, 2) as g:
         sync = g.connect()
         with pytest.raises(ValueError, match=r"push: tensors \['nope'\] were not declared at init"):
             sync.push(names=["w", "nope"])
+        with pytest.raises(TypeError, match=r"push: names must be a list of tensor names, got str 'wb'"):
+            sync.push(names="wb")
+        with pytest.raises(ValueError, match=r"push: names is empty"):
+            sync.push(names=[])
+        with pytest.raises(TypeError, match=r"push: version must be an int, got 1.5 \(float\)"):
+            sync.push(version=1.5)
         g.step(1)
-        sync.push()
+        assert sync.push().version == 1, "the refused pushes used no version"
         g.check(1)
+        sync.close()
+        sync.close()
+        with pytest.raises(SyncError, match=r"sync group 'default' is closed; create a new WeightSync"):
+            sync.push()
 
 
 @pytest.mark.parametrize(
@@ -39,15 +49,14 @@ def test_undeclared_name_is_refused_before_any_transfer(ray_session):
     ],
 )
 def test_workers_that_disagree_fail_init_naming_the_tensor(ray_session, other, message):
-    trainers = [ray.remote(num_cpus=0.1)(__import__("actors").TrainerActor).remote(i, 2, trainer_build(W)) for i in range(2)]
-    Worker = ray.remote(num_cpus=0.1)(__import__("actors").InferenceWorker)
-    workers = [Worker.remote(0, 2, worker_build(W)), Worker.remote(1, 2, worker_build([other, W[1]]))]
+    trainers = POOL.take(Trainer, [(i, 2, trainer_build(W)) for i in range(2)])
+    workers = POOL.take(Worker, [(0, 2, worker_build(W)), (1, 2, worker_build([other, W[1]]))])
     try:
         with pytest.raises(ValueError, match=r"inference workers disagree on tensor 'w': " + message):
             WeightSync.create(trainers, workers, loopback_config())
     finally:
-        for a in trainers + workers:
-            ray.kill(a)
+        POOL.give_back(Trainer, trainers)
+        POOL.give_back(Worker, workers)
 
 
 def test_trainer_and_worker_dtypes_must_be_a_float_cast(ray_session):

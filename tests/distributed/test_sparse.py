@@ -8,11 +8,12 @@ import pytest
 import ray
 import torch
 
-from actors import InferenceWorker, TrainerActor, WeightSync
+from actors import WeightSync
 from rl_sync.engine.sources import Destination, Sharded
 from rl_sync.layout import Layout, Mesh, Replicate, Shard
 
 from .conftest import loopback_config
+from .harness import POOL, Trainer, Worker
 
 SHAPES = {"q": (32, 24), "k": (16, 24), "v": (16, 24), "o": (24, 32), "norm": (24,)}
 FSDP = Layout(Mesh((2,)), (Shard(0),))
@@ -71,9 +72,8 @@ def live(actor) -> dict:
 
 @pytest.mark.parametrize("mode", ["sparse", "auto"])
 def test_twenty_adamw_rounds_stay_bit_exact(ray_session, mode):
-    Trainer, Worker = ray.remote(num_cpus=0.1)(TrainerActor), ray.remote(num_cpus=0.1)(InferenceWorker)
-    trainers = [Trainer.remote(i, 2, build_trainer) for i in range(2)]
-    workers = [Worker.remote(j, 2, build_worker) for j in range(2)]
+    trainers = POOL.take(Trainer, [(i, 2, build_trainer) for i in range(2)])
+    workers = POOL.take(Worker, [(j, 2, build_worker) for j in range(2)])
     try:
         sync = WeightSync.create(trainers, workers, loopback_config())
         modes, wire, dense = [], 0, 0
@@ -94,16 +94,15 @@ def test_twenty_adamw_rounds_stay_bit_exact(ray_session, mode):
         assert wire < 0.2 * dense, f"sparse rounds moved {wire} bytes against {dense} dense"
         sync.close()
     finally:
-        for a in trainers + workers:
-            ray.kill(a)
+        POOL.give_back(Trainer, trainers)
+        POOL.give_back(Worker, workers)
 
 
 def test_flat_index_patches_land_in_fused_tensor_parallel_slots(ray_session):
     from rl_sync.patches import SparseWeightPatch
 
-    Trainer, Worker = ray.remote(num_cpus=0.1)(TrainerActor), ray.remote(num_cpus=0.1)(InferenceWorker)
-    trainers = [Trainer.remote(i, 2, build_trainer) for i in range(2)]
-    workers = [Worker.remote(j, 2, build_worker) for j in range(2)]
+    trainers = POOL.take(Trainer, [(i, 2, build_trainer) for i in range(2)])
+    workers = POOL.take(Worker, [(j, 2, build_worker) for j in range(2)])
     try:
         sync = WeightSync.create(trainers, workers, loopback_config())
         sync.push()
@@ -128,5 +127,5 @@ def test_flat_index_patches_land_in_fused_tensor_parallel_slots(ray_session):
         assert sync.push(mode="sparse").mode == "m2n", "patches leave the trainers' baselines behind: dense first"
         sync.close()
     finally:
-        for a in trainers + workers:
-            ray.kill(a)
+        POOL.give_back(Trainer, trainers)
+        POOL.give_back(Worker, workers)

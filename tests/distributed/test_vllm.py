@@ -19,10 +19,12 @@ import torch
 from actors import SyncError, WeightSync
 from actors.cluster import free_init_url
 from actors.models import HFTrainer
+from actors.service import VllmService
 from actors.vllm import VllmEngine, VllmRankActor
 
 from .conftest import loopback_config
-from .vllm_oracle import ENV, LLM_KWARGS, PROMPTS, SAMPLING, References, hf_config, launch, launch_service, write_checkpoint
+from .vllm_oracle import (ENV, LLM_KWARGS, PROMPTS, SAMPLING, References, generate_http, hf_config, launch, launch_service,
+                          served, write_checkpoint)
 
 Trainer = ray.remote(num_cpus=0.1)(HFTrainer)
 TOKENS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -240,5 +242,27 @@ def test_engine_service_driven_through_vllms_weight_transfer_calls(references, t
         sync.close()
     finally:
         service.shutdown()
+        for t in trainers:
+            ray.kill(t)
+
+
+def test_vllm_serve_synced_over_http(references, tmp_path):
+    """`vllm serve` with rl-sync as its backend, driven over HTTP (vLLM's weight-transfer
+    routes, generation paused around each round); read back through its generate route."""
+    config = hf_config("qwen2")
+    trainers = _trainers(config)
+    init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
+    try:
+        with served(init, 1, str(tmp_path / "serve.log")) as url:
+            sync = WeightSync.create(trainers, [VllmService.http(url, ranks=1)], loopback_config(bucket_bytes=1 << 18))
+            for step in range(1, 3):
+                ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+                stats = sync.push()
+                assert [r.received_bytes for r in stats.ranks if r.role == "worker"] == sync.summary["kept_bytes"]
+                assert sync.versions() == [step]
+                path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
+                assert generate_http(url) == references.outputs(path, 1), f"step {step}: served engine differs"
+            sync.close()
+    finally:
         for t in trainers:
             ray.kill(t)

@@ -8,6 +8,16 @@ exactly; `../shared/notes/vllm-cpu.md`)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
 from actors.vllm import VllmEngine
 from rl_sync.vllm.checkpoint import write_checkpoint  # noqa: F401  (the tests write checkpoints with it)
 
@@ -78,3 +88,67 @@ def launch_service(path: str, tp: int, **llm_kwargs):
 
     return VllmService.launch(path, tp=tp, llm_kwargs={**LLM_KWARGS, **llm_kwargs}, env=SERVICE_ENV,
                               actor_options={"num_cpus": 0.1})
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve_args(path: str, tp: int, port: int) -> list[str]:
+    """`vllm serve` with LLM_KWARGS' settings, on loopback, rl-sync as its weight-transfer backend."""
+    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    return [vllm, "serve", path, "--host", "127.0.0.1", "--port", str(port), "-tp", str(tp),
+            "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "128", "--seed", "0",
+            "--block-size", "32", "--enable-prefix-caching", "--kv-cache-memory-bytes", str(64 << 20),
+            "--weight-transfer-config", json.dumps({"backend": "rl_sync"})]
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {server.returncode} before it served {url}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"vllm serve did not answer {url}/health within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def served(path: str, tp: int, log_path: str, timeout_s: float = 300.0):
+    """`vllm serve` of `path` (dev mode: its weight-transfer routes mounted) in its own process
+    group, yielding its URL; stopped (the whole group) on exit. Its log goes to `log_path`."""
+    port = _free_port()
+    env = dict(os.environ, **SERVICE_ENV, VLLM_SERVER_DEV_MODE="1")
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(_serve_args(path, tp, port), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, server, timeout_s)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(30)
+
+
+def generate_http(url: str, prompts=PROMPTS, sampling=SAMPLING) -> list[dict]:
+    """What `actors.vllm.completions` returns, through the served engine's token-in, token-out route."""
+    out = []
+    for prompt in prompts:
+        body = json.dumps({"token_ids": list(prompt), "sampling_params": sampling}).encode()
+        request = urllib.request.Request(url + "/inference/v1/generate", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            choice = json.loads(response.read())["choices"][0]
+        logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        out.append({"tokens": choice["token_ids"], "logprobs": logprobs, "samples": [choice["token_ids"]]})
+    return out
