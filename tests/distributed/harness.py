@@ -15,7 +15,12 @@ Worker = ray.remote(num_cpus=0.1)(InferenceWorker)
 
 
 def _reinitialise(actor, *args) -> None:
-    """Forget everything (the rl-sync state of any earlier group included) and start over."""
+    """Forget everything (the rl-sync state of any earlier group and the process's default
+    torch.distributed group included) and start over."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
     actor.__dict__.clear()
     type(actor).__init__(actor, *args)
 
@@ -35,9 +40,11 @@ class ActorPool:
 
     def take(self, remote_class, args: list[tuple]) -> list:
         idle = self.idle.setdefault(remote_class, [])
-        reused = [(idle.pop(), a) for a in args[:len(idle)]]
-        ray.get([actor.call.remote(_reinitialise, *a) for actor, a in reused], timeout=120)
-        return [actor for actor, _ in reused] + [remote_class.remote(*a) for a in args[len(reused):]]
+        reused = [idle.pop() for _ in args[:len(idle)]]
+        pending = [actor.call.remote(_reinitialise, *a) for actor, a in zip(reused, args)]
+        actors = reused + [remote_class.remote(*a) for a in args[len(reused):]]  # before waiting: ranks rendezvous
+        ray.get(pending, timeout=120)
+        return actors
 
     def give_back(self, remote_class, actors: list) -> None:
         """Keep the actors that answer within 2 s; kill the rest (dead, stalled, restarted)."""

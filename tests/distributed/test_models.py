@@ -18,6 +18,7 @@ from actors.models import EngineWorker, HFTrainer  # noqa: E402
 from rl_sync.models.config import Parallel  # noqa: E402
 
 from .conftest import loopback_config  # noqa: E402
+from .harness import POOL  # noqa: E402
 
 Trainer = ray.remote(num_cpus=0.1)(HFTrainer)
 Worker = ray.remote(num_cpus=0.1)(EngineWorker)
@@ -68,8 +69,8 @@ def test_synced_inference_model_matches_the_trainer(ray_session, family, par):
              "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}[family]
     config = transformers.AutoConfig.for_model(family, **SMALL, **extra).to_dict()
     url, wurl = _url(), _url()
-    trainers = [Trainer.remote(i, 2, config, url) for i in range(2)]
-    workers = [Worker.remote(r, par, config, wurl) for r in range(par.size)]
+    trainers = POOL.take(Trainer, [(i, 2, config, url) for i in range(2)])
+    workers = POOL.take(Worker, [(r, par, config, wurl) for r in range(par.size)])
     try:
         sync = WeightSync.create(trainers, workers, loopback_config())
         stats = sync.push()
@@ -89,17 +90,17 @@ def test_synced_inference_model_matches_the_trainer(ray_session, family, par):
             torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
         sync.close()
     finally:
-        for actor in trainers + workers:
-            ray.kill(actor)
+        POOL.give_back(Trainer, trainers)
+        POOL.give_back(Worker, workers)
 
 
 def test_tensors_no_rule_binds_go_through_the_load_hook(ray_session):
     config = transformers.AutoConfig.for_model("qwen3_moe", **SMALL, head_dim=4, num_experts=4, num_experts_per_tok=2,
                                                moe_intermediate_size=16).to_dict()
     url, wurl = _url(), _url()
-    trainers = [Trainer.remote(i, 2, config, url) for i in range(2)]
+    trainers = POOL.take(Trainer, [(i, 2, config, url) for i in range(2)])
     par = Parallel(tp=2, ep=False)
-    workers = [Worker.remote(r, par, config, wurl, load_hook=_drop_fallbacks) for r in range(par.size)]
+    workers = POOL.take(Worker, [(r, par, config, wurl, (), _drop_fallbacks) for r in range(par.size)])
     try:
         sync = WeightSync.create(trainers, workers, loopback_config())
         assert sync.summary["fallbacks"] == ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.gate_up_proj"]
@@ -111,5 +112,5 @@ def test_tensors_no_rule_binds_go_through_the_load_hook(ray_session):
         assert torch.equal(got, full["model.layers.1.mlp.experts.gate_up_proj"])
         sync.close()
     finally:
-        for actor in trainers + workers:
-            ray.kill(actor)
+        POOL.give_back(Trainer, trainers)
+        POOL.give_back(Worker, workers)
