@@ -23,11 +23,71 @@ from actors.service import VllmService
 from actors.vllm import VllmEngine, VllmRankActor
 
 from .conftest import loopback_config
+from .harness import POOL
 from .vllm_oracle import (ENV, LLM_KWARGS, PROMPTS, SAMPLING, References, generate_http, hf_config, launch, launch_service,
                           served, write_checkpoint)
 
-Trainer = ray.remote(num_cpus=0.1)(HFTrainer)
+
+
+class ExtraSourcesTrainer(HFTrainer):
+    """A trainer whose sources can be altered from the test (`self.alter(sources)`)."""
+
+    alter = None
+
+    def rl_sync_sources(self):
+        sources = super().rl_sync_sources()
+        return sources if self.alter is None else self.alter(sources)
+
+
+class ProbeRank(VllmRankActor):
+    """A vLLM rank a test can make disagree (rank 1 reports another layout for one tensor than
+    rank 0 resolved) or die (its process exits when a round starts)."""
+
+    disagree = die = False
+
+    def rl_sync_destinations(self, checkpoint):
+        from dataclasses import replace
+
+        from rl_sync.layout import Layout, Mesh
+
+        out = dict(super().rl_sync_destinations(checkpoint))
+        if self.disagree and self.tp_rank == 1:
+            name = "model.norm.weight"
+            out[name] = replace(out[name], layout=Layout.replicated(Mesh((2,))))
+        return out
+
+    def _rl_sync_before_round(self, round_info):
+        if self.die:
+            os._exit(1)
+        super()._rl_sync_before_round(round_info)
+
+
+class ReusedEngine:
+    """One TP2 engine's rank actors, shared by the tests of this module: each test builds a
+    fresh `LLM` in them from its own checkpoint (vLLM is imported there once)."""
+
+    def __init__(self):
+        Rank = ray.remote(num_cpus=0.1, max_restarts=0)(ProbeRank)
+        self.engine, self.started = VllmEngine([Rank.remote(r, 2, None, ENV) for r in range(2)]), False
+
+    def load(self, path: str) -> VllmEngine:
+        (self.engine.restart if self.started else self.engine.start)(path, LLM_KWARGS)
+        self.started = True
+        return self.engine
+
+    def set(self, rank: int, **flags) -> None:
+        ray.get(self.engine.ranks[rank].call.remote(lambda self: self.__dict__.update(flags)))
+
+
+Trainer = ray.remote(num_cpus=0.1)(ExtraSourcesTrainer)
 TOKENS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def tp2(ray_session):
+    reused = ReusedEngine()
+    yield reused
+    reused.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +99,7 @@ def references(ray_session):
 
 def _trainers(config: dict) -> list:
     url = free_init_url("127.0.0.1")
-    return [Trainer.remote(i, 2, config, url) for i in range(2)]
+    return POOL.take(Trainer, [(i, 2, config, url) for i in range(2)])
 
 
 def _state(trainers) -> dict[str, torch.Tensor]:
@@ -58,14 +118,14 @@ def _unrelated_checkpoint(path, config: dict, trainers) -> str:
     ("qwen2", 2, 1, ["sparse", "sparse", "auto"]),
     ("qwen3_moe", 2, 1, ["m2n"] * 3),
 ])
-def test_synced_engines_generate_what_a_fresh_engine_on_the_checkpoint_does(references, tmp_path, family, tp, engines,
-                                                                            modes):
+def test_synced_engines_generate_what_a_fresh_engine_on_the_checkpoint_does(references, tp2, tmp_path, family, tp,
+                                                                            engines, modes):
     """Two replicas at TP1 share the trainers' sends; sparse and auto rounds (after the first,
     dense one) go into the same destinations, in place and into vLLM's loader-form buffers."""
     config = hf_config(family)
     trainers = _trainers(config)
     init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
-    replicas = [launch(init, tp) for _ in range(engines)]
+    replicas = [tp2.load(init)] if (tp, engines) == (2, 1) else [launch(init, tp) for _ in range(engines)]
     ranks = [rank for engine in replicas for rank in engine.ranks]
     try:
         sync = WeightSync.create(trainers, ranks, loopback_config(bucket_bytes=1 << 18))
@@ -87,34 +147,11 @@ def test_synced_engines_generate_what_a_fresh_engine_on_the_checkpoint_does(refe
         sync.close()
     finally:
         for engine in replicas:
-            engine.shutdown()
-        for t in trainers:
-            ray.kill(t)
+            if engine is not tp2.engine:
+                engine.shutdown()
+        POOL.give_back(Trainer, trainers)
 
 
-class ExtraSourcesTrainer(HFTrainer):
-    """A trainer whose sources can be altered from the test (`self.alter(sources)`)."""
-
-    alter = None
-
-    def rl_sync_sources(self):
-        sources = super().rl_sync_sources()
-        return sources if self.alter is None else self.alter(sources)
-
-
-class DisagreeingRank(VllmRankActor):
-    """Rank 1 reports another layout for one tensor than rank 0 resolved."""
-
-    def rl_sync_destinations(self, checkpoint):
-        from dataclasses import replace
-
-        from rl_sync.layout import Layout, Mesh
-
-        out = dict(super().rl_sync_destinations(checkpoint))
-        if self.tp_rank == 1:
-            name = "model.norm.weight"
-            out[name] = replace(out[name], layout=Layout.replicated(Mesh((2,))))
-        return out
 
 
 def _set(alter):
@@ -124,16 +161,13 @@ def _set(alter):
 
 
 @pytest.fixture(scope="module")
-def qwen2_tp2(ray_session, tmp_path_factory):
+def qwen2_tp2(tp2, tmp_path_factory):
     """One TP2 engine and its trainers, shared by the bad-input tests (none may write into it)."""
     config = hf_config("qwen2")
-    trainers = [ray.remote(num_cpus=0.1)(ExtraSourcesTrainer).remote(i, 2, config, url)
-                for url in [free_init_url("127.0.0.1")] for i in range(2)]
-    engine = launch(_unrelated_checkpoint(tmp_path_factory.mktemp("bad") / "init", config, trainers), 2)
+    trainers = _trainers(config)
+    engine = tp2.load(_unrelated_checkpoint(tmp_path_factory.mktemp("bad") / "init", config, trainers))
     yield config, trainers, engine
-    engine.shutdown()
-    for t in trainers:
-        ray.kill(t)
+    POOL.give_back(Trainer, trainers)
 
 
 @pytest.mark.parametrize("alter, message", [
@@ -156,45 +190,26 @@ def test_bad_checkpoints_fail_init_naming_the_tensor_and_write_nothing(qwen2_tp2
     assert engine.generate(PROMPTS, **SAMPLING) == before, "a failed init changed the engine's weights"
 
 
-def test_ranks_that_disagree_fail_init_naming_the_tensor_and_rank(ray_session, tmp_path):
-    config = hf_config("qwen2")
-    trainers = _trainers(config)
-    init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
-    Rank = ray.remote(num_cpus=0.1)(DisagreeingRank)
-    engine = VllmEngine([Rank.remote(r, 2, None, ENV) for r in range(2)])
+def test_ranks_that_disagree_fail_init_naming_the_tensor_and_rank(qwen2_tp2, tp2):
+    _, trainers, engine = qwen2_tp2
+    tp2.set(1, disagree=True)
     try:
-        engine.start(init, LLM_KWARGS)
         with pytest.raises(ValueError, match=r"inference workers disagree on tensor 'model.norm.weight': worker rank 3 "):
             WeightSync.create(trainers, engine.ranks, loopback_config())
     finally:
-        engine.shutdown()
-        for t in trainers:
-            ray.kill(t)
+        tp2.set(1, disagree=False)
 
 
-class MortalRank(VllmRankActor):
-    """A vLLM rank that kills its process when a round starts, once told to."""
-
-    die = False
-
-    def _rl_sync_before_round(self, round_info):
-        if self.die:
-            os._exit(1)
-        super()._rl_sync_before_round(round_info)
-
-
-def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_up(references, tmp_path):
+def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_up(references, tp2, tmp_path):
+    """Kills the module's shared TP2 engine: the last test here to use it."""
     config = hf_config("qwen2")
     trainers = _trainers(config)
     init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
-    Rank = ray.remote(num_cpus=0.1, max_restarts=0)(MortalRank)
-    ranks = [Rank.remote(r, 2, None, ENV) for r in range(2)]
-    engine, fresh = VllmEngine(ranks), None
+    engine, fresh = tp2.load(init), None
     try:
-        engine.start(init, LLM_KWARGS)
         sync = WeightSync.create(trainers, engine.ranks, loopback_config(round_timeout_s=8.0))
         sync.push()
-        ray.get(ranks[1].call.remote(lambda self: setattr(self, "die", True)))
+        tp2.set(1, die=True)
         start = time.monotonic()
         with pytest.raises(SyncError, match=r"round 2 \(m2n\) failed"):
             sync.push()
@@ -212,11 +227,9 @@ def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_
         assert fresh.generate(PROMPTS, **SAMPLING) == references.outputs(path, 2)
         sync.close()
     finally:
-        engine.shutdown()
         if fresh is not None:
             fresh.shutdown()
-        for t in trainers:
-            ray.kill(t)
+        POOL.give_back(Trainer, trainers)
 
 
 def test_engine_service_driven_through_vllms_weight_transfer_calls(references, tmp_path):
@@ -242,8 +255,7 @@ def test_engine_service_driven_through_vllms_weight_transfer_calls(references, t
         sync.close()
     finally:
         service.shutdown()
-        for t in trainers:
-            ray.kill(t)
+        POOL.give_back(Trainer, trainers)
 
 
 def test_vllm_serve_synced_over_http(references, tmp_path):
@@ -264,5 +276,4 @@ def test_vllm_serve_synced_over_http(references, tmp_path):
                 assert generate_http(url) == references.outputs(path, 1), f"step {step}: served engine differs"
             sync.close()
     finally:
-        for t in trainers:
-            ray.kill(t)
+        POOL.give_back(Trainer, trainers)
