@@ -15,6 +15,8 @@ bucket and tensors.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import socket
 import time
 import uuid
@@ -325,6 +327,7 @@ class Coordinator:
         anything is sent; each worker gets only its part, in its own box's coordinates. The
         trainers' baselines no longer describe the workers, so the next sparse round is dense.
         Returns the version applied."""
+        self._check_patches(patches)
         if self.broken is not None:
             self.repair()
         version, _ = self._check_push(version, [p.name for p in patches], "m2n")
@@ -343,6 +346,21 @@ class Coordinator:
                f"patches {version}")
         self.version, self.sparse_ready = version, False
         return version
+
+    def _check_patches(self, patches: list) -> None:
+        """Refuse what patches cannot do right, before anything is sent."""
+        if self.config.double_buffer:
+            raise ValueError("push_patches: not supported with double_buffer=True (patches would reach the shadow "
+                             "copies only); push(mode='sparse') sends only the changed elements")
+        names = [p.name for p in patches]
+        repeated = sorted(n for n, count in Counter(names).items() if count > 1)
+        if repeated:
+            raise ValueError(f"push_patches: several patches for {repeated[:5]} in one call; merge them into one "
+                             "patch per tensor")
+        in_parts = [n for n in names if n in self.parts]
+        if in_parts:
+            raise ValueError(f"push_patches: {in_parts[:5]} are bound in parts on the workers (cut along a dim); "
+                             "patches into them are not supported, push(mode='sparse') is")
 
     def versions(self) -> list[int | None]:
         """The version each worker-side rank's live weights fully hold; None: torn, in flight,

@@ -41,19 +41,30 @@ def _entry(name: str, local: torch.Tensor | None, dtype: torch.dtype, layout: La
     return report, Endpoint(local, box.offsets)
 
 
+def local_tensor(value: object, name: str = "", rank: int = 0) -> torch.Tensor:
+    """The local shard of a trainer's `DTensor`, `Sharded` or plain tensor."""
+    if isinstance(value, Sharded):
+        return value.local
+    if hasattr(value, "_spec"):
+        return value.to_local()
+    if isinstance(value, torch.Tensor):
+        return value
+    raise TypeError(f"trainer rank {rank}: tensor {name!r} is a {type(value).__name__}; expected a DTensor, "
+                    "a Sharded or a torch.Tensor")
+
+
+def _layout(value: object, num_trainers: int) -> Layout:
+    if isinstance(value, Sharded):
+        return value.layout
+    return Layout.from_dtensor(value) if hasattr(value, "_spec") else Layout.replicated(Mesh((num_trainers,)))
+
+
 def trainer_entries(tensors: Mapping[str, object], rank: int, num_trainers: int):
     """(reports, endpoints by name) for a trainer's tensors at side rank `rank`."""
     reports, endpoints = [], {}
     for name, value in tensors.items():
-        if isinstance(value, Sharded):
-            local, layout, shape = value.local, value.layout, tuple(value.shape)
-        elif hasattr(value, "_spec"):
-            local, layout, shape = value.to_local(), Layout.from_dtensor(value), tuple(value.shape)
-        elif isinstance(value, torch.Tensor):
-            local, layout, shape = value, Layout.replicated(Mesh((num_trainers,))), tuple(value.shape)
-        else:
-            raise TypeError(f"trainer rank {rank}: tensor {name!r} is a {type(value).__name__}; expected a DTensor, "
-                            "a Sharded or a torch.Tensor")
+        local = local_tensor(value, name, rank)
+        layout, shape = _layout(value, num_trainers), tuple(value.shape)
         report, endpoint = _entry(name, local.detach(), local.dtype, layout, shape, rank, "trainer")
         reports.append(report)
         if endpoint is not None:
@@ -67,7 +78,9 @@ def worker_entries(destinations: Mapping[str, Destination], rank: int):
     for name, dest in destinations.items():
         if not isinstance(dest, Destination):
             raise TypeError(f"worker rank {rank}: destination {name!r} is a {type(dest).__name__}; expected a Destination")
-        report, endpoint = _entry(name, dest.view, dest.dtype, dest.layout, tuple(dest.shape), rank, "worker")
+        # detached: rounds write in place, which autograd refuses on a leaf that requires grad
+        view = None if dest.view is None else dest.view.detach()
+        report, endpoint = _entry(name, view, dest.dtype, dest.layout, tuple(dest.shape), rank, "worker")
         reports.append(report)
         if endpoint is not None:
             endpoints[name] = endpoint

@@ -90,15 +90,20 @@ class Participant:
         session = self._rl_sync_session
         if session is None:
             raise RuntimeError("rl-sync: this process has not joined a sync group")
-        round_info = decode(RoundInfo, round_blob)
-        self._rl_sync_before_round(round_info)
-        sources = self._rl_sync_endpoints("trainer")
         mapped = self._rl_sync_mapped
+        try:
+            round_info = decode(RoundInfo, round_blob)
+            self._rl_sync_before_round(round_info)
+            sources = self._rl_sync_endpoints("trainer")
+            dests = self._rl_sync_endpoints("worker") if mapped is None else self._rl_sync_mapped_dests
+        except Exception:
+            session.transport.abort()  # the peers fail at once instead of waiting out the round
+            raise
         if mapped is None:
-            stats = session.run(round_info, sources, self._rl_sync_endpoints("worker"))
+            stats = session.run(round_info, sources, dests)
         else:
             mapped.before_writes()
-            stats = session.run(round_info, sources, self._rl_sync_mapped_dests)
+            stats = session.run(round_info, sources, dests)
             mapped.after_writes()
         return encode(self._rl_sync_after_round(round_info, stats))
 

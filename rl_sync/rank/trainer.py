@@ -2,10 +2,12 @@
 
 Define `rl_sync_sources()` returning `{checkpoint name: DTensor | Sharded | Tensor}`
 (a plain tensor is replicated on every trainer). It is called every round;
-when it returns the same mapping holding the same tensor objects as last
-round, the compiled round is replayed as is (no per-tensor work), anything
-else is resolved afresh. A trainer that swaps a tensor's storage in place
-(`p.data = ...`) must return a new mapping so the change is seen.
+when it returns the same mapping holding the same tensor objects, each with
+the storage address, shape, strides and dtype of last round, the compiled
+round is replayed as is; anything else is resolved afresh (a storage swapped
+in place, `p.data = ...`, is followed), and a shard whose geometry no longer
+matches the plan fails the round, naming tensor and rank, before this rank
+sends anything.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping
 
-from ..engine.sources import trainer_entries
+from ..engine.sources import local_tensor, trainer_entries
 from .participant import Participant
 
 
@@ -26,11 +28,24 @@ class TrainerRank(Participant):
         sources = getattr(self, "rl_sync_sources", None)
         if sources is None:
             raise TypeError(f"{type(self).__name__} must define rl_sync_sources() -> {{name: DTensor | Sharded | Tensor}}")
-        tensors: Mapping = sources()
+        tensors = sources()
+        if not isinstance(tensors, Mapping):
+            raise TypeError(f"{type(self).__name__}.rl_sync_sources() must return a mapping of name to tensor, got "
+                            f"{type(tensors).__name__}")
         cache = self._rl_sync_source_cache
         if (cache is not None and cache[0] is tensors and cache[1] == (rank, size) and len(cache[2]) == len(tensors)
-                and all(map(operator.is_, tensors.values(), cache[2]))):
-            return cache[3]
+                and all(map(operator.is_, tensors.values(), cache[2])) and _geometry(tensors) == cache[3]):
+            return cache[4]
         entries = trainer_entries(tensors, rank, size)
-        self._rl_sync_source_cache = (tensors, (rank, size), list(tensors.values()), entries)
+        self._rl_sync_source_cache = (tensors, (rank, size), list(tensors.values()), _geometry(tensors), entries)
         return entries
+
+
+def _geometry(tensors: Mapping) -> list[tuple]:
+    """Where each local shard lives and how it is laid out (storage address, shape, strides,
+    dtype): a tensor resized, reshaped or moved in place since the last round differs here."""
+    out = []
+    for name, value in tensors.items():
+        local = local_tensor(value, name)
+        out.append((local.data_ptr(), local.shape, local.stride(), local.dtype))
+    return out

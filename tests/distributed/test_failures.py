@@ -90,6 +90,41 @@ def test_a_rank_that_raises_names_rank_round_and_tensor_and_nothing_hangs(ray_se
         assert sync.versions() == [3, 3]
 
 
+def _swap_storage(actor) -> None:
+    shard = actor.held["w"].local
+    shard.set_(shard.clone())  # same object, same shape, new storage (as `p.data = ...` does)
+
+
+def test_a_source_moved_or_resized_in_place_is_seen_at_the_next_round(ray_session):
+    with Group(W, 2, 2, round_timeout_s=4.0) as g:
+        sync = g.connect()
+        g.step(1)
+        sync.push()
+        ray.get(g.trainers[1].call.remote(_swap_storage))
+        g.step(2)
+        sync.push()
+        g.check(2)  # the new storage's values, not the old one's
+        ray.get(g.trainers[0].call.remote(lambda self: self.held["w"].local.resize_(2, 6)))
+        start = time.monotonic()
+        with pytest.raises(SyncError) as info:
+            sync.push()
+        assert time.monotonic() - start < 4.0, "the peers should fail when rank 0 aborts, not at their deadline"
+        assert ("trainer 0 (rank 0): ValueError: trainer rank 0: tensor 'w' holds local shape (2, 6) but its layout "
+                "Mesh((2,), start_rank=0)[S(0)] gives this rank the box") in str(info.value)
+
+
+def test_a_rank_failing_before_its_round_starts_aborts_at_once(ray_session):
+    with Group(W, 2, 2, round_timeout_s=4.0) as g:
+        sync = g.connect()
+        sync.push()
+        ray.get(g.trainers[1].call.remote(lambda self: setattr(self, "rl_sync_sources", lambda: None)))
+        start = time.monotonic()
+        with pytest.raises(SyncError, match=r"trainer 1 \(rank 1\): TypeError: .*rl_sync_sources\(\) must return a "
+                                             r"mapping of name to tensor, got NoneType"):
+            sync.push()
+        assert time.monotonic() - start < 4.0, "the peers should fail when rank 1 aborts, not at their deadline"
+
+
 def test_a_stalled_peer_fails_the_round_within_the_timeout(ray_session):
     with Group(W, 2, 2, round_timeout_s=3.0) as g:
         sync = g.connect()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import ray
 import torch
@@ -125,3 +127,20 @@ def test_repeated_rounds_replay_one_compiled_program(ray_session):
         g.check(4)
         compiles = ray.get([a.call.remote(lambda self: self._rl_sync_session.compiles) for a in g.trainers + g.workers])
         assert compiles == [1] * 8, f"ranks recompiled rounds whose endpoints did not change: {compiles}"
+
+
+def _as_parameters(actor) -> None:
+    """Run in a worker: hold every destination as an `nn.Parameter` requiring grad (as models do)."""
+    actor.held = {n: replace(d, view=torch.nn.Parameter(d.view)) for n, d in actor.held.items()}
+
+
+def test_parameters_that_require_grad_take_every_mode(ray_session):
+    with Group(_model(FSDP4, FSDP4, TP_COL, TP_ROW)[:3], 4, 4) as g:
+        ray.get([w.call.remote(_as_parameters) for w in g.workers])
+        sync = g.connect()
+        asked = ["m2n", "sparse", "sparse", "auto", "broadcast"]
+        ran = ["m2n", "m2n", "sparse", "auto", "broadcast"]  # the first sparse push fills the baselines, dense
+        for version, (mode, expected) in enumerate(zip(asked, ran), start=1):
+            g.step(version)
+            assert sync.push(mode=mode).mode == expected
+            g.check(version)

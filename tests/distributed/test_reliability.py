@@ -11,6 +11,7 @@ import torch
 
 from actors import InferenceWorker, SyncError, TrainerActor, WeightSync
 from rl_sync.layout import Layout, Mesh, Shard
+from rl_sync.patches import SparseWeightPatch
 
 from .conftest import loopback_config
 from .recipes import Recipe, expected, read_all, set_version, trainer_build, worker_build
@@ -102,6 +103,10 @@ def test_double_buffered_workers_never_expose_a_partial_round(group):
         sync.push()
     _check(workers, 1)  # live weights still hold version 1 in full
     assert sync.versions() == [1, 1]
+    patch = SparseWeightPatch("n", torch.tensor([0]), torch.zeros(1))
+    with pytest.raises(ValueError, match=r"push_patches: not supported with double_buffer=True \(patches would reach "
+                                         r"the shadow copies only\)"):
+        sync.push_patches([patch])
     sync.close()
 
 

@@ -118,6 +118,8 @@ def test_flat_index_patches_land_in_fused_tensor_parallel_slots(ray_session):
             sync.push_patches([SparseWeightPatch("q", torch.tensor([768]), torch.zeros(1, dtype=torch.bfloat16))])
         with pytest.raises(ValueError, match=r"patch for 'q': values are torch.float32, the tensor is bfloat16"):
             sync.push_patches([SparseWeightPatch("q", torch.tensor([0]), torch.zeros(1))])
+        with pytest.raises(ValueError, match=r"push_patches: several patches for \['k'\] in one call; merge them"):
+            sync.push_patches(patches + [patches[0]])
         assert sync.push_patches(patches) == 2
         for rank, got in enumerate(ray.get([w.call.remote(live) for w in workers])):
             for n, shape in SHAPES.items():
