@@ -19,6 +19,7 @@ from ..layout import Layout, Mesh
 from ..messages import TensorReport
 from ..plan_info import LayoutInfo
 from ..storage import Destination, Sharded
+from .aliasing import check_disjoint
 from .endpoint import Endpoint
 
 __all__ = ["Destination", "Sharded", "trainer_entries", "worker_entries"]
@@ -84,4 +85,5 @@ def worker_entries(destinations: Mapping[str, Destination], rank: int):
         reports.append(report)
         if endpoint is not None:
             endpoints[name] = endpoint
+    check_disjoint({name: e.tensor for name, e in endpoints.items()}, rank)
     return reports, endpoints
