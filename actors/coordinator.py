@@ -185,7 +185,13 @@ class Coordinator:
     def _open_store(self) -> tuple[str, int]:
         cfg = self.config
         host = cfg.rendezvous_host or ray.util.get_node_ip_address()
-        sock = _listen(host, cfg.rendezvous_port)
+        try:
+            sock = _listen(host, cfg.rendezvous_port)
+        except OSError as exc:
+            setting = "SyncConfig.rendezvous_host" if cfg.rendezvous_host else "the coordinator's Ray node address"
+            raise ValueError(f"the rendezvous store cannot listen on {host}:{cfg.rendezvous_port} ({setting}, with "
+                             f"SyncConfig.rendezvous_port): {exc.strerror or exc}; give an address of the "
+                             "coordinator's node") from None
         port = sock.getsockname()[1]
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=cfg.init_timeout_s), master_listen_fd=sock.fileno())

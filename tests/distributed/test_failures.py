@@ -22,7 +22,10 @@ W = [Recipe("w", torch.bfloat16, (8, 6), FSDP2, TP2), Recipe("b", torch.float32,
 
 def test_bad_push_arguments_are_refused_before_any_transfer_and_the_group_stays_whole(ray_session):
     with Group(W, 2, 2) as g:
-        sync = g.connect()
+        with pytest.raises(ValueError, match=r"the rendezvous store cannot listen on 192.0.2.1:0 "
+                                             r"\(SyncConfig.rendezvous_host, with SyncConfig.rendezvous_port\): "):
+            WeightSync.create(g.trainers, g.workers, loopback_config(rendezvous_host="192.0.2.1"))
+        sync = g.connect()  # the failed create left nothing behind in the actors
         with pytest.raises(ValueError, match=r"push: tensors \['nope'\] were not declared at init"):
             sync.push(names=["w", "nope"])
         with pytest.raises(TypeError, match=r"push: names must be a list of tensor names, got str 'wb'"):
