@@ -263,14 +263,21 @@ class Coordinator:
 
     def _check_alive(self) -> None:
         """Every member answers before any is asked to bind again, so a dead one is named instead
-        of leaving the survivors of its engine waiting for it in a collective."""
-        try:
-            gather(self.trainers + self.workers, lambda m: m.ping(), self.config.init_timeout_s,
-                   "repair (are the actors alive?)")
-        except SyncError as exc:
-            raise SyncError(f"{exc}\nReplace a dead worker first with replace_worker(index, new_actor) (a vLLM engine "
-                            "rank cannot rejoin its engine's tensor-parallel group: launch the engine again and "
-                            "replace every one of its ranks); a dead trainer must be restarted with its state.") from None
+        of leaving the survivors of its engine waiting for it in a collective. An actor Ray is
+        restarting is waited for, within `init_timeout_s`."""
+        deadline = time.monotonic() + self.config.init_timeout_s
+        while True:
+            try:
+                gather(self.trainers + self.workers, lambda m: m.ping(), max(1.0, deadline - time.monotonic()),
+                       "repair (are the actors alive?)")
+                return
+            except SyncError as exc:
+                if "ActorUnavailableError" not in str(exc) or time.monotonic() + 0.5 > deadline:
+                    raise SyncError(f"{exc}\nReplace a dead worker first with replace_worker(index, new_actor) (a "
+                                    "vLLM engine rank cannot rejoin its engine's tensor-parallel group: launch the "
+                                    "engine again and replace every one of its ranks); a dead trainer must be "
+                                    "restarted with its state.") from None
+            time.sleep(0.5)  # Ray is restarting an actor: it answers once it is back
 
     def replace_worker(self, index: int, handle) -> None:
         """Put a new actor (or engine service) in slot `index` of the workers passed at init; the

@@ -267,13 +267,12 @@ def test_vllm_serve_synced_over_http(references, tmp_path):
     try:
         with served(init, 1, str(tmp_path / "serve.log")) as url:
             sync = WeightSync.create(trainers, [VllmService.http(url, ranks=1)], loopback_config(bucket_bytes=1 << 18))
-            for step in range(1, 3):
-                ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
-                stats = sync.push()
-                assert [r.received_bytes for r in stats.ranks if r.role == "worker"] == sync.summary["kept_bytes"]
-                assert sync.versions() == [step]
-                path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
-                assert generate_http(url) == references.outputs(path, 1), f"step {step}: served engine differs"
+            ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+            stats = sync.push()
+            assert [r.received_bytes for r in stats.ranks if r.role == "worker"] == sync.summary["kept_bytes"]
+            assert sync.versions() == [1]
+            path = write_checkpoint(str(tmp_path / "step1"), config, _state(trainers))
+            assert generate_http(url) == references.outputs(path, 1), "served engine differs from a fresh one"
             sync.close()
     finally:
         POOL.give_back(Trainer, trainers)
