@@ -59,6 +59,7 @@ def test_hsdp_to_two_engines_of_tp2(ray_session):
         assert max(sent) - min(sent) <= max(sent) // 4, f"replicas should share the load: {sent}"
 
 
+@pytest.mark.slow
 def test_one_d_to_two_d_and_back(ray_session):
     two_d = Layout(Mesh((2, 3)), (Shard(1), Shard(0)))
     one_d = Layout(Mesh((3,)), (Shard(1),))

@@ -114,6 +114,7 @@ def _rss(actor) -> int:
     return ray.get(actor.call.remote(lambda self: psutil.Process().memory_info().rss))
 
 
+@pytest.mark.slow
 def test_two_hundred_rounds_bit_exact_with_bounded_memory(group):
     trainers, workers = group
     sync = WeightSync.create(trainers, workers, loopback_config())

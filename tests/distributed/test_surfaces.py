@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import rl_loop  # noqa: E402
 
 
+@pytest.mark.slow
 def test_the_rl_loop_learns_and_logs_the_weight_version(ray_session):
     cfg = load_config(ROOT / "configs" / "rl_loop.yaml", rl_loop.LoopConfig, ["iterations=30"])
     lines = []
@@ -83,6 +84,7 @@ def ray_head(tmp_path):
             current.unlink()
 
 
+@pytest.mark.slow
 def test_the_vllm_rl_loop_learns_when_submitted_as_a_ray_job(ray_head):
     """`ray job submit` of the vLLM GRPO loop (rollouts from a vLLM engine at TP2, a push every
     step): the job succeeds and its reward rises over 12 iterations."""
@@ -106,6 +108,7 @@ def test_the_vllm_rl_loop_learns_when_submitted_as_a_ray_job(ray_head):
     assert "mean reward: first" in done.stdout
 
 
+@pytest.mark.slow
 def test_the_notebook_executes_headless(tmp_path):
     notebook = nbformat.read(ROOT / "examples" / "notebook.ipynb", as_version=4)
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
