@@ -15,8 +15,6 @@ bucket and tensors.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import socket
 import time
 import uuid
@@ -31,6 +29,7 @@ from rl_sync.parts import parse_part, sharded_dims
 from rl_sync.patches import check_patch, route_patch
 from rl_sync.plan import SideSpec, join_specs, plan_model
 from rl_sync.plan_info import PlanInfo
+from rl_sync.push_args import repeated_names
 from rl_sync.schedule import build_schedule
 from rl_sync.stats import RoundStats
 from rl_sync.sync_config import SyncConfig
@@ -366,7 +365,7 @@ class Coordinator:
             raise ValueError("push_patches: not supported with double_buffer=True (patches would reach the shadow "
                              "copies only); push(mode='sparse') sends only the changed elements")
         names = [p.name for p in patches]
-        repeated = sorted(n for n, count in Counter(names).items() if count > 1)
+        repeated = repeated_names(names)
         if repeated:
             raise ValueError(f"push_patches: several patches for {repeated[:5]} in one call; merge them into one "
                              "patch per tensor")

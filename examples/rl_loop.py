@@ -154,18 +154,24 @@ def train(cfg: LoopConfig, log=print) -> list[dict]:
     return history
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="YAML file, e.g. configs/rl_loop.yaml")
+def run(argv: list[str] | None, doc: str, config_type: type, train_loop, example: str) -> int:
+    """The command line both loops share: `--config FILE [key=value ...] [--address ADDR]`, train,
+    then print the mean reward over the first and last fifth of the iterations."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help=f"YAML file, e.g. {example}")
     parser.add_argument("--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else local)")
     args, overrides = parser.parse_known_args(argv)
-    cfg = load_config(args.config, LoopConfig, overrides)
+    cfg = load_config(args.config, config_type, overrides)
     connect(args.address)
-    history = train(cfg)
+    history = train_loop(cfg)
     first, last = history[: max(1, len(history) // 5)], history[-max(1, len(history) // 5):]
     start, end = (sum(r["reward"] for r in h) / len(h) for h in (first, last))
     print(f"mean reward: first {len(first)} iterations {start:.3f}, last {len(last)} iterations {end:.3f}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(argv, __doc__, LoopConfig, train, "configs/rl_loop.yaml")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ the mean reward and the weight version the rollouts used.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -30,15 +29,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rl_loop import LearnerGroup, rewards  # noqa: E402  (the learners and the reward are the same)
+from rl_loop import LearnerGroup, rewards, run  # noqa: E402  (the learners and the reward are the same)
 
 from actors import WeightSync  # noqa: E402
-from actors.cluster import connect, free_init_url  # noqa: E402
+from actors.cluster import free_init_url  # noqa: E402
 from actors.demo import DemoModel  # noqa: E402
 from actors.models import hf_config  # noqa: E402
 from actors.placement import SyncPlacement  # noqa: E402
 from actors.vllm import VllmEngine  # noqa: E402
-from rl_sync.config import load_config  # noqa: E402
 from rl_sync.sync_config import SyncConfig  # noqa: E402
 from rl_sync.vllm.checkpoint import write_checkpoint  # noqa: E402
 
@@ -128,17 +126,7 @@ def train(cfg: VllmLoopConfig, log=print) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="YAML file, e.g. configs/rl_loop_vllm.yaml")
-    parser.add_argument("--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else local)")
-    args, overrides = parser.parse_known_args(argv)
-    cfg = load_config(args.config, VllmLoopConfig, overrides)
-    connect(args.address)
-    history = train(cfg)
-    first, last = history[: max(1, len(history) // 5)], history[-max(1, len(history) // 5):]
-    start, end = (sum(r["reward"] for r in h) / len(h) for h in (first, last))
-    print(f"mean reward: first {len(first)} iterations {start:.3f}, last {len(last)} iterations {end:.3f}")
-    return 0
+    return run(argv, __doc__, VllmLoopConfig, train, "configs/rl_loop_vllm.yaml")
 
 
 if __name__ == "__main__":

@@ -44,10 +44,15 @@ def check_names(names) -> list[str] | None:
     bad = [n for n in names if not isinstance(n, str)]
     if bad:
         raise TypeError(f"push: every name must be a str, got {bad[0]!r} ({type(bad[0]).__name__})")
-    repeated = sorted(n for n, count in Counter(names).items() if count > 1)
+    repeated = repeated_names(names)
     if repeated:
         raise ValueError(f"push: names repeat {repeated[:5]}")
     return list(names)
+
+
+def repeated_names(names) -> list[str]:
+    """The names that occur more than once, sorted."""
+    return sorted(n for n, count in Counter(names).items() if count > 1)
 
 
 def check_mode(mode) -> str | None:
