@@ -32,12 +32,12 @@ class TrainerRank(Participant):
         if not isinstance(tensors, Mapping):
             raise TypeError(f"{type(self).__name__}.rl_sync_sources() must return a mapping of name to tensor, got "
                             f"{type(tensors).__name__}")
-        cache = self._rl_sync_source_cache
+        cache, geometry = self._rl_sync_source_cache, _geometry(tensors)
         if (cache is not None and cache[0] is tensors and cache[1] == (rank, size) and len(cache[2]) == len(tensors)
-                and all(map(operator.is_, tensors.values(), cache[2])) and _geometry(tensors) == cache[3]):
+                and all(map(operator.is_, tensors.values(), cache[2])) and geometry == cache[3]):
             return cache[4]
         entries = trainer_entries(tensors, rank, size)
-        self._rl_sync_source_cache = (tensors, (rank, size), list(tensors.values()), _geometry(tensors), entries)
+        self._rl_sync_source_cache = (tensors, (rank, size), list(tensors.values()), geometry, entries)
         return entries
 
 
