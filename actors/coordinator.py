@@ -30,6 +30,7 @@ from rl_sync.patches import check_patch, route_patch
 from rl_sync.plan import SideSpec, join_specs, plan_model
 from rl_sync.plan_info import PlanInfo
 from rl_sync.push_args import repeated_names
+from rl_sync.rank.claim import GroupTag
 from rl_sync.schedule import build_schedule
 from rl_sync.stats import RoundStats
 from rl_sync.sync_config import SyncConfig
@@ -82,6 +83,8 @@ class Coordinator:
         self.broken: str | None = None
         self._store = None
         self.reply: Rendezvous | None = None
+        self.tag = GroupTag(uuid.uuid4().hex[:12], config.name, ray.get_runtime_context().current_actor)
+        """Names this group to its ranks: an actor belongs to one live group at a time."""
 
     def _assign_ranks(self) -> None:
         group = Membership.of(self.trainer_handles, self.worker_entries)
@@ -94,12 +97,13 @@ class Coordinator:
         start, cfg = time.perf_counter(), self.config
         T, N = len(self.trainers), len(self.worker_ranks)
         self.reply = self._reply_store()
-        blobs = gather(self.trainers, lambda m: m.describe("trainer", self.trainers.index(m), T, {}, None),
+        blobs = gather(self.trainers, lambda m: m.describe("trainer", self.trainers.index(m), T, {"group": self.tag},
+                                                           None),
                        cfg.init_timeout_s, "init (describe trainers)")
         trainer_reports = [decode(SideReport, b) for b in blobs]
         sources = merge_sources(trainer_reports)
         options = {"checkpoint": {s.name: (s.dtype, list(s.shape)) for s in sources}, "double_buffer": cfg.double_buffer,
-                   "sharded": {s.name: sorted(sharded_dims(s.layout)) for s in sources}}
+                   "sharded": {s.name: sorted(sharded_dims(s.layout)) for s in sources}, "group": self.tag}
         blobs = gather(self.workers, lambda m: m.describe("worker", self.firsts[self.workers.index(m)], N, options,
                                                           self.reply), cfg.init_timeout_s, "init (bind workers)")
         reports = trainer_reports + [decode(SideReport, b) for b in blobs]
@@ -392,8 +396,11 @@ class Coordinator:
         self._close_ranks(abort=self.broken is not None)
 
     def _close_ranks(self, abort: bool) -> None:
-        """Every rank leaves the group (aborting wakes peers stuck in a failed round); the
-        rendezvous store goes with it. Bounded by `init_timeout_s`; dead ranks are skipped."""
-        refs = [m.close(abort, self.reply) for m in self.ranks]
+        """Every member leaves the group (aborting wakes peers stuck in a failed round; a member
+        another group holds by now is left alone); the rendezvous store goes with it. Bounded by
+        `init_timeout_s`; dead members are skipped."""
+        ranks = {m.handle for m in self.ranks}
+        members = self.ranks + [m for m in self.workers if m.handle not in ranks]
+        refs = [m.close(abort, self.reply, self.tag.token) for m in members]
         ray.wait(refs, num_returns=len(refs), timeout=self.config.init_timeout_s)
         self._close_store()

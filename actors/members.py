@@ -55,8 +55,8 @@ class ActorMember:
     def versions(self):
         return self.handle._rl_sync_version_of.remote()
 
-    def close(self, abort: bool, reply: Rendezvous | None):
-        return self.handle._rl_sync_close.remote(abort)
+    def close(self, abort: bool, reply: Rendezvous | None, group: str | None = None):
+        return self.handle._rl_sync_close.remote(abort, group)
 
     def apply_patches(self, version: int, patches: Sequence[dict]):
         return self.handle._rl_sync_apply_patches.remote(version, patches[0])
@@ -92,7 +92,7 @@ class ServiceMember:
         sharded = {n: tuple(d) for n, d in options.get("sharded", {}).items()}
         self.double_buffer = bool(options.get("double_buffer"))
         request = DescribeRequest(first, side_size, checkpoint, sharded, self.double_buffer, reply)
-        return self.handle._rl_sync_service_describe.remote(encode(request))
+        return self.handle._rl_sync_service_describe.remote(encode(request), options.get("group"))
 
     def connect(self, inits: Sequence[bytes], plan, bind_host: str | None, devices: Sequence[str],
                 ipc: Sequence[bytes | None], reply: Rendezvous | None):
@@ -108,11 +108,11 @@ class ServiceMember:
     def versions(self):
         return self.handle._rl_sync_service_versions.remote()
 
-    def close(self, abort: bool, reply: Rendezvous | None):
+    def close(self, abort: bool, reply: Rendezvous | None, group: str | None = None):
         self._closes += 1
         if reply is None:
             return self.handle._rl_sync_service_ping.remote()
-        return self.handle._rl_sync_service_close.remote(encode(CloseRequest(abort, self._closes, reply)))
+        return self.handle._rl_sync_service_close.remote(encode(CloseRequest(abort, self._closes, reply)), group)
 
     def _unsupported(self, what: str):
         raise SyncError(f"{self.label}: {what} is not available for a vLLM engine service")

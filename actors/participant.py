@@ -15,7 +15,25 @@ import ray
 
 
 class RayNode:
-    """`_rl_sync_node()` from Ray: the node's id (colocated pairs share it) and its address."""
+    """`_rl_sync_node()` from Ray: the node's id (colocated pairs share it) and its address;
+    `_rl_sync_owner_alive(coordinator)`: whether a group's coordinator actor still runs."""
 
     def _rl_sync_node(self) -> tuple[str, str]:
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def _rl_sync_owner_alive(self, owner) -> bool:
+        return coordinator_alive(owner)
+
+
+def coordinator_alive(owner, timeout_s: float = 5.0) -> bool:
+    """Whether the coordinator actor `owner` runs: it answers, or is busy (a round in flight
+    counts as alive); only an actor Ray reports dead (killed, exited, its driver gone) is not."""
+    if owner is None:
+        return True
+    try:
+        ray.get(owner.__ray_ready__.remote(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        return True
+    except ray.exceptions.RayActorError:
+        return False
+    return True

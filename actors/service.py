@@ -31,9 +31,12 @@ from typing import Any
 
 import ray
 
+from rl_sync.rank.claim import Claim, GroupTag
 from rl_sync.vllm.driver import HttpControl, LlmControl, ServiceDriver
 from rl_sync.vllm.service import CloseRequest, ConnectRequest, Rendezvous, RoundRequest
 from rl_sync.wire import decode
+
+from .participant import coordinator_alive
 
 BACKEND = {"backend": "rl_sync"}
 """The `weight_transfer_config` that makes vLLM load rl-sync into its workers."""
@@ -43,6 +46,7 @@ class _ServiceHost:
     """The calls a `ServiceMember` makes; `_rl_sync_driver()` reaches the engine."""
 
     _rl_sync_versions: list | None = None
+    _rl_sync_claim: Claim | None = None
 
     def _rl_sync_driver(self) -> ServiceDriver:
         raise TypeError(f"{type(self).__name__} must reach a vLLM engine (_rl_sync_driver)")
@@ -50,9 +54,15 @@ class _ServiceHost:
     def _rl_sync_service_ping(self) -> None:
         """Answers while the host is alive."""
 
-    def _rl_sync_service_describe(self, request: bytes) -> list[bytes]:
+    def _rl_sync_service_describe(self, request: bytes, group: GroupTag | None = None) -> list[bytes]:
+        """Bind the engine's ranks for `group`'s trainers; refused while another live group holds
+        the engine (`rl_sync.rank.claim`)."""
         from rl_sync.vllm.service import DescribeRequest
 
+        if group is not None:
+            if self._rl_sync_claim is None:
+                self._rl_sync_claim = Claim()
+            self._rl_sync_claim.take(group, coordinator_alive)
         driver = self._rl_sync_driver()
         self._rl_sync_versions = [None] * driver.ranks
         return driver.describe(decode(DescribeRequest, request))
@@ -79,7 +89,11 @@ class _ServiceHost:
     def _rl_sync_service_versions(self) -> list:
         return list(self._rl_sync_versions or [None] * self._rl_sync_driver().ranks)
 
-    def _rl_sync_service_close(self, request: bytes) -> None:
+    def _rl_sync_service_close(self, request: bytes, group: str | None = None) -> None:
+        """Close the engine's ranks for the group with token `group` (None: whichever holds them);
+        a group that no longer holds the engine changes nothing."""
+        if self._rl_sync_claim is not None and not self._rl_sync_claim.release(group):
+            return
         self._rl_sync_driver().close(decode(CloseRequest, request))
 
 

@@ -41,6 +41,18 @@ def _unwrap(ref, timeout_s: float):
         raise SyncError(str(cause)) from None
 
 
+def _discard(coordinator, config: SyncConfig) -> None:
+    """A create that failed leaves nothing behind: the actors it reached leave the group (bounded)
+    and the coordinator goes; an actor it could not reach is freed all the same, since a group
+    whose coordinator is dead holds no actor (`rl_sync.rank.claim`)."""
+    try:
+        ray.get(coordinator.close.remote(), timeout=config.init_timeout_s + 10)
+    except ray.exceptions.RayError:
+        pass
+    finally:
+        ray.kill(coordinator)
+
+
 class WeightSync:
     """Handle to a Coordinator actor that owns one sync group."""
 
@@ -63,9 +75,13 @@ class WeightSync:
             raise ValueError(f"WeightSync.create needs at least one trainer and one worker, got {len(trainers)} "
                              f"trainers and {len(workers)} workers")
         coordinator = ray.remote(Coordinator).options(num_cpus=0).remote(trainers, workers, config)
-        with Console(stderr=True).status(f"rl-sync: planning and connecting {len(trainers)} trainers and "
-                                         f"{len(workers)} workers", spinner="dots") if progress else nullcontext():
-            summary = _unwrap(coordinator.setup.remote(), config.init_timeout_s * 2 + 10)
+        try:
+            with Console(stderr=True).status(f"rl-sync: planning and connecting {len(trainers)} trainers and "
+                                             f"{len(workers)} workers", spinner="dots") if progress else nullcontext():
+                summary = _unwrap(coordinator.setup.remote(), config.init_timeout_s * 2 + 10)
+        except BaseException:
+            _discard(coordinator, config)
+            raise
         log.info("rl-sync group %r: %s", config.name, summary)
         return cls(coordinator, config, summary)
 

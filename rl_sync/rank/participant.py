@@ -25,6 +25,7 @@ from ..plan_info import PlanInfo
 from ..transport.cuda_ipc import IpcExport, MappedDestinations, device_uuid
 from ..transport.nccl import new_unique_id
 from ..wire import decode, encode
+from .claim import Claim, GroupTag
 
 _NONE: Mapping = MappingProxyType({})
 
@@ -35,6 +36,7 @@ class Participant:
     _rl_sync_session: RankSession | None = None
     _rl_sync_sides: dict | None = None
     _rl_sync_mapped: MappedDestinations | None = None
+    _rl_sync_claim: Claim | None = None
 
     def _rl_sync_node(self) -> tuple[str, str]:
         """(node identity, default bind address) of this process: the host name and the
@@ -54,10 +56,22 @@ class Participant:
         return self._rl_sync_entries(side)[1] if side in (self._rl_sync_sides or {}) else _NONE
 
     def _rl_sync_describe(self, side: str, side_rank: int, side_size: int, options: dict | None = None) -> bytes:
-        """Report this side's tensors. A worker's `options` carry the trainers' checkpoint
-        (`{name: (dtype name, shape)}`), the dims they shard, and whether to double-buffer."""
-        self._rl_sync_sides = dict(self._rl_sync_sides or {}, **{side: (side_rank, side_size, options or {})})
-        reports, endpoints = self._rl_sync_entries(side)
+        """Report this side's tensors. `options["group"]` (a `GroupTag`) names the group asking;
+        a rank held by another live group refuses (`rl_sync.rank.claim`), and joining a new
+        group first drops all an earlier one left. A worker's `options` also carry the trainers'
+        checkpoint (`{name: (dtype name, shape)}`), the dims they shard, and whether to
+        double-buffer. Nothing is recorded when describing fails."""
+        options = dict(options or {})
+        tag = options.pop("group", None)
+        if tag is not None:
+            self._rl_sync_join(tag)
+        previous = self._rl_sync_sides
+        self._rl_sync_sides = dict(previous or {}, **{side: (side_rank, side_size, options)})
+        try:
+            reports, endpoints = self._rl_sync_entries(side)
+        except BaseException:
+            self._rl_sync_sides = previous
+            raise
         devices = {str(e.tensor.device) for e in endpoints.values()}
         if len(devices) > 1:
             raise ValueError(f"rank {side_rank} of {type(self).__name__}: tensors span devices {sorted(devices)}")
@@ -66,6 +80,18 @@ class Participant:
         modes = self._rl_sync_modes() if side == "worker" else {}
         kept = sum(e.tensor.numel() * e.tensor.element_size() for e in endpoints.values()) if side == "worker" else 0
         return encode(SideReport(side_rank, device, gpu, tuple(reports), modes, kept), compress=True)
+
+    def _rl_sync_join(self, tag: GroupTag) -> None:
+        """Be held by `tag`'s group; a new membership starts from nothing."""
+        if self._rl_sync_claim is None:
+            self._rl_sync_claim = Claim()
+        if self._rl_sync_claim.take(tag, self._rl_sync_owner_alive):
+            self._rl_sync_leave(abort=True)
+
+    def _rl_sync_owner_alive(self, owner) -> bool:
+        """Whether the coordinator `owner` still runs; without a way to ask, assume it does
+        (the Ray layer asks Ray)."""
+        return True
 
     def _rl_sync_modes(self) -> dict[str, str]:
         """A worker's write mode per name (see `SideReport.modes`)."""
@@ -114,9 +140,18 @@ class Participant:
         """Hook: a worker records its version and hands over fallbacks."""
         return stats
 
-    def _rl_sync_close(self, abort: bool = False) -> None:
+    def _rl_sync_close(self, abort: bool = False, group: str | None = None) -> None:
+        """Leave the group whose token is `group` (`None`: whichever holds this rank); a close
+        from a group that no longer holds the rank changes nothing."""
+        if self._rl_sync_claim is not None and not self._rl_sync_claim.release(group):
+            return
+        self._rl_sync_leave(abort)
+
+    def _rl_sync_leave(self, abort: bool) -> None:
+        """Drop the session and everything described for the group."""
         session, self._rl_sync_session = self._rl_sync_session, None
         mapped, self._rl_sync_mapped = self._rl_sync_mapped, None
+        self._rl_sync_sides = None
         if mapped is not None:
             mapped.close()
         if session is not None and abort:

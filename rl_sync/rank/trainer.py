@@ -40,6 +40,10 @@ class TrainerRank(Participant):
         self._rl_sync_source_cache = (tensors, (rank, size), list(tensors.values()), geometry, entries)
         return entries
 
+    def _rl_sync_leave(self, abort: bool) -> None:
+        super()._rl_sync_leave(abort)
+        self._rl_sync_source_cache = None
+
 
 def _geometry(tensors: Mapping) -> list[tuple]:
     """Where each local shard lives and how it is laid out (storage address, shape, strides,

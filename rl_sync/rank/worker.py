@@ -51,6 +51,11 @@ class WorkerRank(Participant):
             self._rl_sync_cached = None  # every group, and every repair, binds anew: storage may have moved
         return super()._rl_sync_describe(side, side_rank, side_size, options)
 
+    def _rl_sync_leave(self, abort: bool) -> None:
+        super()._rl_sync_leave(abort)
+        self._rl_sync_cached, self._rl_sync_shadow, self._rl_sync_ipc = None, None, None
+        self._rl_sync_fallbacks, self._rl_sync_round_names = (), None
+
     def _rl_sync_worker_entries(self, rank: int, size: int, options: dict):
         if self._rl_sync_cached is None:
             destinations = getattr(self, "rl_sync_destinations", None)

@@ -176,3 +176,25 @@ class _Sources:
 class _Dests:
     def __init__(self, actor):
         self.rank, self.held = actor.rank, actor.held["destinations"]
+
+
+def test_an_actor_belongs_to_one_live_group_and_a_failed_create_leaves_nothing(ray_session):
+    with Group(W, 2, 2) as g:
+        with pytest.raises(TypeError, match=r"InferenceWorker is asked to be a trainer but does not inherit the "
+                                            r"trainer mixin"):
+            WeightSync.create([g.workers[0], g.trainers[1]], [g.workers[1]], g.config)
+        first = g.connect()  # worker 0 was not left recorded as a trainer
+        g.step(1)
+        first.push()
+        g.check(1)
+        with pytest.raises(ValueError, match=r"this actor is already in sync group 'default' \([0-9a-f]{12}\), "
+                                             r"which is still open: an actor belongs to one sync group at a time"):
+            WeightSync.create(g.trainers, g.workers, g.config)
+        g.step(2)
+        first.push()  # the refused group took nothing from the first one
+        g.check(2)
+        ray.kill(first.coordinator)  # its driver is gone without closing it: the actors are free again
+        g.sync = WeightSync.create(g.trainers, g.workers, g.config)
+        g.step(3)
+        g.sync.push(version=3)
+        g.check(3)
