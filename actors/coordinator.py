@@ -18,6 +18,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 
@@ -41,7 +42,7 @@ from rl_sync.vllm.service import Rendezvous
 from .agreement import check_agreement, colocated_mates, merge_sources, split_sources
 from .calls import SyncError
 from .group import Membership
-from .members import ServiceMember, gather
+from .members import ServiceMember, collect, failed, gather
 from .metrics import RoundMetrics
 
 
@@ -83,6 +84,7 @@ class Coordinator:
         self.broken: str | None = None
         self._store = None
         self.reply: Rendezvous | None = None
+        self._deadline: tuple[float, float, str] | None = None
         self.tag = GroupTag(uuid.uuid4().hex[:12], config.name, ray.get_runtime_context().current_actor)
         """Names this group to its ranks: an actor belongs to one live group at a time."""
 
@@ -92,20 +94,26 @@ class Coordinator:
         self.worker_ranks, self.ranks, self.firsts = group.worker_ranks, group.ranks, group.worker_firsts()
         self.ipc = False
 
-    def setup(self) -> dict:
-        """Describe, plan, rendezvous and connect; returns a summary of the plan."""
+    def setup(self, budget_s: float | None = None) -> dict:
+        """Describe, plan, rendezvous and connect, within `budget_s` seconds; returns a summary
+        of the plan."""
+        with self._within(budget_s, "init"):
+            return self._setup()
+
+    def _setup(self) -> dict:
         start, cfg = time.perf_counter(), self.config
         T, N = len(self.trainers), len(self.worker_ranks)
         self.reply = self._reply_store()
         blobs = gather(self.trainers, lambda m: m.describe("trainer", self.trainers.index(m), T, {"group": self.tag},
                                                            None),
-                       cfg.init_timeout_s, "init (describe trainers)")
+                       self._left(cfg.init_timeout_s), "init (describe trainers)")
         trainer_reports = [decode(SideReport, b) for b in blobs]
         sources = merge_sources(trainer_reports)
         options = {"checkpoint": {s.name: (s.dtype, list(s.shape)) for s in sources}, "double_buffer": cfg.double_buffer,
                    "sharded": {s.name: sorted(sharded_dims(s.layout)) for s in sources}, "group": self.tag}
         blobs = gather(self.workers, lambda m: m.describe("worker", self.firsts[self.workers.index(m)], N, options,
-                                                          self.reply), cfg.init_timeout_s, "init (bind workers)")
+                                                          self.reply), self._left(cfg.init_timeout_s),
+                       "init (bind workers)")
         reports = trainer_reports + [decode(SideReport, b) for b in blobs]
         self._choose_colocation(reports[:T], reports[T:])
         check_agreement(reports[T:], ranks=self.worker_ranks)
@@ -151,7 +159,8 @@ class Coordinator:
         world = sum(m.size for m in self.ranks)
         ipc: list = [None] * world
         if self.ipc:
-            exports = gather(self.workers, lambda m: m.ipc_export(self._slice(worker_devices, m)), cfg.init_timeout_s,
+            exports = gather(self.workers, lambda m: m.ipc_export(self._slice(worker_devices, m)),
+                             self._left(cfg.init_timeout_s),
                              "init (CUDA IPC export)")
             for rank, export in zip(self.worker_ranks, exports):
                 ipc[rank] = export
@@ -162,7 +171,7 @@ class Coordinator:
             lo, hi = firsts[id(member)], firsts[id(member)] + member.size
             return member.connect(inits[lo:hi], plan_ref, cfg.bind_host, devices[lo:hi], ipc[lo:hi], self.reply)
 
-        gather(self.ranks, connect, cfg.init_timeout_s, "init (connect)")
+        gather(self.ranks, connect, self._left(cfg.init_timeout_s), "init (connect)")
 
     def _rank_firsts(self) -> dict[int, int]:
         """The first group rank of each member that runs rounds."""
@@ -225,7 +234,7 @@ class Coordinator:
     def _nccl_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """Two fresh NCCL ids from trainer 0 (p2p group, broadcast group), or None without NCCL."""
         try:
-            ids = ray.get(self.trainers[0].handle._rl_sync_nccl_ids.remote(), timeout=self.config.init_timeout_s)
+            ids = ray.get(self.trainers[0].handle._rl_sync_nccl_ids.remote(), timeout=self._left(self.config.init_timeout_s))
         except ray.exceptions.RayError:
             return None
         return tuple(ids[0]), tuple(ids[1])
@@ -252,14 +261,18 @@ class Coordinator:
                 mode = "m2n"  # first round, a worker without a full copy, or a scheduled refresh
         return version, mode
 
-    def repair(self) -> dict:
-        """Re-form the group after a failure: abort what is left of it, describe every actor again
-        (survivors keep their bindings, restarted or replacement actors bind anew), re-plan,
-        reconnect; the next round is a full dense one."""
+    def repair(self, budget_s: float | None = None) -> dict:
+        """Re-form the group after a failure, within `budget_s` seconds: abort what is left of it,
+        describe every actor again (each binds anew: storage may have moved), re-plan, reconnect;
+        the next round is a full dense one."""
+        with self._within(budget_s, "repair"):
+            return self._repair()
+
+    def _repair(self) -> dict:
         self._close_ranks(abort=True)
         self._assign_ranks()
         self._check_alive()
-        summary = self.setup()
+        summary = self._setup()
         self.broken, self.needs_full_round, self.sparse_ready = None, True, False
         self.repairs += 1
         return summary
@@ -267,20 +280,22 @@ class Coordinator:
     def _check_alive(self) -> None:
         """Every member answers before any is asked to bind again, so a dead one is named instead
         of leaving the survivors of its engine waiting for it in a collective. An actor Ray is
-        restarting is waited for, within `init_timeout_s`."""
-        deadline = time.monotonic() + self.config.init_timeout_s
+        restarting (`ActorUnavailableError`) is asked again until `init_timeout_s` is spent."""
+        timeout = self._left(self.config.init_timeout_s)
+        deadline, members = time.monotonic() + timeout, self.trainers + self.workers
         while True:
-            try:
-                gather(self.trainers + self.workers, lambda m: m.ping(), max(1.0, deadline - time.monotonic()),
-                       "repair (are the actors alive?)")
+            _, failures = collect(members, lambda m: m.ping(), max(0.0, deadline - time.monotonic()))
+            restarting = [m for m, e in failures if isinstance(e, ray.exceptions.ActorUnavailableError)]
+            if not failures:
                 return
-            except SyncError as exc:
-                if "ActorUnavailableError" not in str(exc) or time.monotonic() + 0.5 > deadline:
-                    raise SyncError(f"{exc}\nReplace a dead worker first with replace_worker(index, new_actor) (a "
-                                    "vLLM engine rank cannot rejoin its engine's tensor-parallel group: launch the "
-                                    "engine again and replace every one of its ranks); a dead trainer must be "
-                                    "restarted with its state.") from None
-            time.sleep(0.5)  # Ray is restarting an actor: it answers once it is back
+            if len(restarting) < len(failures) or time.monotonic() + 0.5 > deadline:
+                error = failed("repair (are the actors alive?)", failures, len(self.trainers + self.workers), timeout)
+                raise SyncError(f"{error}\nReplace a dead worker first with replace_worker(index, new_actor) (a "
+                                "vLLM engine rank cannot rejoin its engine's tensor-parallel group: launch the "
+                                "engine again and replace every one of its ranks); a dead trainer must be "
+                                "restarted with its state.")
+            members = restarting
+            time.sleep(0.5)  # Ray is restarting them: they answer once they are back
 
     def replace_worker(self, index: int, handle) -> None:
         """Put a new actor (or engine service) in slot `index` of the workers passed at init; the
@@ -295,22 +310,28 @@ class Coordinator:
         self._assign_ranks()
         self.broken = self.broken or f"worker {index} replaced"
 
-    def push(self, version: int | None, names: list[str] | None, mode: str | None) -> RoundStats:
-        """Run one round on every rank; see the module docstring."""
+    def push(self, version: int | None, names: list[str] | None, mode: str | None,
+             budget_s: float | None = None) -> RoundStats:
+        """Run one round on every rank (repairing first if an earlier one failed), all of it within
+        `budget_s` seconds: the driver waits that long, so a round it was told failed is never
+        recorded later. See the module docstring."""
+        with self._within(budget_s, "push"):
+            return self._push(version, names, mode)
+
+    def _push(self, version: int | None, names: list[str] | None, mode: str | None) -> RoundStats:
         if self.broken is not None:
             if not self.config.auto_repair:
                 raise SyncError(f"the sync group is broken by an earlier failure ({self.broken}); call repair()")
-            self.repair()
+            self._repair()
         names = self._plan_names(names)
         version, mode = self._check_push(version, names, mode)
         if self.needs_full_round:
             names, mode = None, "m2n" if mode in ("sparse", "auto") else mode
-        blob = encode(RoundInfo(version, mode, None if names is None else tuple(names), self.config.round_timeout_s,
-                                self.sparse_used))
-        what, timeout = f"round {version} ({mode})", self.config.round_timeout_s + 5
+        names = None if names is None else tuple(names)
         start = time.perf_counter()
         try:
-            results = self._run_round(blob, version, None if names is None else tuple(names), what, timeout)
+            blob = encode(RoundInfo(version, mode, names, self._left(self.config.round_timeout_s), self.sparse_used))
+            results = self._run_round(blob, version, names, f"round {version} ({mode})")
         except SyncError:
             self.broken = f"round {version}"
             raise
@@ -323,29 +344,63 @@ class Coordinator:
         self.metrics.record(stats)
         return stats
 
-    def _run_round(self, blob: bytes, version: int, names, what: str, timeout: float) -> list[RankStats]:
+    def _run_round(self, blob: bytes, version: int, names, what: str) -> list[RankStats]:
+        """The round's steps, each bounded by the round timeout (plus 5 s for the ranks to report)
+        and by what the push's budget has left."""
+        step = self.config.round_timeout_s + 5
         if self.ipc:
-            gather(self.workers, lambda m: m.ipc_begin(), timeout, what)
-        results = [decode(RankStats, r) for r in gather(self.ranks, lambda m: m.run(blob, version, self.reply), timeout, what)]
+            gather(self.workers, lambda m: m.ipc_begin(), self._left(step), what)
+        results = [decode(RankStats, r) for r in gather(self.ranks, lambda m: m.run(blob, version, self.reply),
+                                                        self._left(step), what)]
         if self.ipc:
-            gather(self.workers, lambda m: m.ipc_end(version, names), timeout, what)
+            gather(self.workers, lambda m: m.ipc_end(version, names), self._left(step), what)
             results += [replace(results[r], rank=r, role="worker", sent_bytes=0,
                                 received_bytes=results[r].received_bytes + results[r].local_bytes)
                         for r in self.worker_ranks]
         if self.config.double_buffer:
-            gather(self.workers, lambda m: m.commit(version, self.reply), timeout, f"{what} commit")
+            gather(self.workers, lambda m: m.commit(version, self.reply), self._left(step), f"{what} commit")
         return results
 
-    def push_patches(self, patches: list, version: int | None) -> int:
-        """Apply flat-index patches (`rl_sync.patches`) on every worker that keeps part of them.
+    @contextmanager
+    def _within(self, budget_s: float | None, what: str):
+        """Bound every wait of one driver call by `budget_s` seconds in all (None: no bound but
+        each step's own timeout)."""
+        self._deadline = None if budget_s is None else (time.monotonic() + budget_s, budget_s, what)
+        try:
+            yield
+        finally:
+            self._deadline = None
+
+    def _left(self, step_s: float, at_least: float | None = None) -> float:
+        """A step's timeout: `step_s`, cut to what the driver call's budget has left. When nothing
+        is left, `SyncError` (or `at_least`, for a step that must run anyway, such as a close)."""
+        if self._deadline is None:
+            return step_s
+        end, budget_s, what = self._deadline
+        left = end - time.monotonic()
+        if left <= 0 and at_least is None:
+            raise SyncError(f"{what} ran out of its {budget_s:.0f} s budget (WeightSync timeout_s) before it was done; "
+                            f"nothing was recorded as applied")
+        return min(step_s, max(left, at_least or 0.0))
+
+    def push_patches(self, patches: list, version: int | None, budget_s: float | None = None) -> int:
+        """Apply flat-index patches (`rl_sync.patches`) on every worker that keeps part of them,
+        within `budget_s` seconds.
 
         Every patch is checked against the plan (name, dtype, index range, no repeats) before
         anything is sent; each worker gets only its part, in its own box's coordinates. The
-        trainers' baselines no longer describe the workers, so the next sparse round is dense.
-        Returns the version applied."""
+        trainers' baselines no longer describe the workers, so the next sparse round is dense;
+        patches that fail part-way mark the group broken (the next push repairs it with a full
+        round). Returns the version applied."""
+        with self._within(budget_s, "push_patches"):
+            return self._push_patches(patches, version)
+
+    def _push_patches(self, patches: list, version: int | None) -> int:
         self._check_patches(patches)
-        if self.broken is not None:
-            self.repair()
+        if self.needs_full_round or self.broken is not None:
+            raise ValueError("push_patches: the workers do not hold a full copy of the weights yet (no full round "
+                             "since the group formed or was repaired), so patches would land on unrelated values; "
+                             "push() first")
         version, _ = self._check_push(version, [p.name for p in patches], "m2n")
         plan = self.schedule.plan
         checked = {}
@@ -358,9 +413,14 @@ class Coordinator:
                 box = spec.dst.local_box(spec.shape, rank)
                 if box is not None:
                     per_worker[j][name] = route_patch(index, values, spec.shape, box)
-        gather(self.workers, lambda m: m.apply_patches(version, self._slice(per_worker, m)), self.config.round_timeout_s,
-               f"patches {version}")
-        self.version, self.sparse_ready = version, False
+        self.sparse_ready = False
+        try:
+            gather(self.workers, lambda m: m.apply_patches(version, self._slice(per_worker, m)),
+                   self._left(self.config.round_timeout_s), f"patches {version}")
+        except SyncError:
+            self.broken = f"patches {version}"
+            raise
+        self.version = version
         return version
 
     def _check_patches(self, patches: list) -> None:
@@ -402,5 +462,5 @@ class Coordinator:
         ranks = {m.handle for m in self.ranks}
         members = self.ranks + [m for m in self.workers if m.handle not in ranks]
         refs = [m.close(abort, self.reply, self.tag.token) for m in members]
-        ray.wait(refs, num_returns=len(refs), timeout=self.config.init_timeout_s)
+        ray.wait(refs, num_returns=len(refs), timeout=self._left(self.config.init_timeout_s, at_least=1.0))
         self._close_store()

@@ -129,28 +129,39 @@ class ServiceMember:
 def gather(members: Sequence, call: Callable, timeout_s: float, what: str) -> list:
     """`call(member)` on every member at once; one result per rank, or `SyncError` naming every
     member that raised or had not answered within `timeout_s` seconds."""
+    results, failures = collect(members, call, timeout_s)
+    if failures:
+        raise failed(what, failures, len(members), timeout_s)
+    return results
+
+
+def collect(members: Sequence, call: Callable, timeout_s: float) -> tuple[list, list[tuple]]:
+    """`call(member)` on every member at once, waiting at most `timeout_s` seconds in all: one
+    result per rank (None where its member failed) and `(member, exception or None)` for each
+    member that raised (None: no answer in time; its call is cancelled)."""
     refs = [call(m) for m in members]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     done = set(ready)
-    results, failures, causes = [], [], []
+    results, failures = [], []
     for ref, member in zip(refs, members):
-        if ref not in done:
-            failures.append(f"{member.label}: no answer within {timeout_s:.0f} s")
-            results.extend([None] * member.size)
-            continue
         try:
-            results.extend(member.results(ray.get(ref)))
-        except ray.exceptions.RayError as exc:
-            failures.append(f"{member.label}: {failure_reason(exc)}")
-            causes.append(getattr(exc, "cause", None))
-            results.extend([None] * member.size)
-    if failures:
-        for ref in refs:
             if ref not in done:
                 ray.cancel(ref, force=False)
-        message = f"{what} failed on {len(failures)} of {len(refs)} members:\n  " + "\n  ".join(failures)
-        raise _error_like(causes, len(failures))(message)
-    return results
+                raise TimeoutError
+            results.extend(member.results(ray.get(ref)))
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            failures.append((member, exc if isinstance(exc, ray.exceptions.RayError) else None))
+            results.extend([None] * member.size)
+    return results, failures
+
+
+def failed(what: str, failures: list[tuple], members: int, timeout_s: float) -> Exception:
+    """The error for `failures` from `collect`: `ValueError` / `TypeError` when every failing
+    member refused its input that way (bad input stays a caller's error, whichever rank found
+    it), `SyncError` otherwise; the message names each member and why."""
+    lines = [f"{m.label}: " + (failure_reason(e) if e is not None else f"no answer within {timeout_s:.0f} s") for m, e in failures]
+    message = f"{what} failed on {len(failures)} of {members} members:\n  " + "\n  ".join(lines)
+    return _error_like([getattr(e, "cause", None) for _, e in failures], len(failures))(message)
 
 
 def _error_like(causes: list, failures: int) -> type[Exception]:

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from rl_sync.push_args import check_push_args, check_version
 from rl_sync.stats import RoundStats
-from rl_sync.sync_config import SyncConfig
+from rl_sync.sync_config import SyncConfig, check_seconds
 
 from .calls import SyncError
 from .coordinator import Coordinator
@@ -29,11 +29,19 @@ from .coordinator import Coordinator
 log = logging.getLogger("rl_sync")
 
 
-def _unwrap(ref, timeout_s: float):
+SLACK_S = 30.0
+"""How much longer than a call's budget the driver waits for the coordinator's answer (Ray's
+scheduling, the coordinator's own planning time)."""
+
+
+def _unwrap(ref, budget_s: float, unknown: str = ""):
+    """The coordinator's answer to a call bounded by `budget_s`; `unknown` says what is in doubt
+    should it not answer even `SLACK_S` later (a coordinator wedged outside its bounded waits)."""
     try:
-        return ray.get(ref, timeout=timeout_s)
+        return ray.get(ref, timeout=budget_s + SLACK_S)
     except ray.exceptions.GetTimeoutError:
-        raise SyncError(f"the coordinator did not answer within {timeout_s:.0f} s") from None
+        raise SyncError(f"the coordinator did not answer within {budget_s + SLACK_S:.0f} s (the call's budget of "
+                        f"{budget_s:.0f} s plus {SLACK_S:.0f} s){unknown}") from None
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause
         if isinstance(cause, (ValueError, TypeError, SyncError)):
@@ -41,12 +49,22 @@ def _unwrap(ref, timeout_s: float):
         raise SyncError(str(cause)) from None
 
 
+def _in_doubt(version: int | None) -> str:
+    which = "the next version" if version is None else f"version {version}"
+    return (f"; whether {which} was applied is unknown: versions() says what each worker holds, and the next push "
+            "repairs the group if it must")
+
+
+def _budget(timeout_s, default: float, what: str) -> float:
+    return default if timeout_s is None else check_seconds(f"{what}: timeout_s", timeout_s)
+
+
 def _discard(coordinator, config: SyncConfig) -> None:
     """A create that failed leaves nothing behind: the actors it reached leave the group (bounded)
     and the coordinator goes; an actor it could not reach is freed all the same, since a group
     whose coordinator is dead holds no actor (`rl_sync.rank.claim`)."""
     try:
-        ray.get(coordinator.close.remote(), timeout=config.init_timeout_s + 10)
+        ray.get(coordinator.close.remote(), timeout=config.init_timeout_s + SLACK_S)
     except ray.exceptions.RayError:
         pass
     finally:
@@ -78,40 +96,51 @@ class WeightSync:
         try:
             with Console(stderr=True).status(f"rl-sync: planning and connecting {len(trainers)} trainers and "
                                              f"{len(workers)} workers", spinner="dots") if progress else nullcontext():
-                summary = _unwrap(coordinator.setup.remote(), config.init_timeout_s * 2 + 10)
+                summary = _unwrap(coordinator.setup.remote(config.init_budget_s), config.init_budget_s)
         except BaseException:
             _discard(coordinator, config)
             raise
         log.info("rl-sync group %r: %s", config.name, summary)
         return cls(coordinator, config, summary)
 
-    def push(self, version: int | None = None, names: list[str] | None = None, mode: str | None = None) -> RoundStats:
+    def push(self, version: int | None = None, names: list[str] | None = None, mode: str | None = None, *,
+             timeout_s: float | None = None) -> RoundStats:
         """Move the trainers' current weights into every worker; returns the round's statistics
-        (also logged, and recorded as Ray metrics by the coordinator)."""
+        (also logged, and recorded as Ray metrics by the coordinator).
+
+        The whole push (a repair first, after a failed round) is bounded by `timeout_s`
+        (default `SyncConfig.push_budget_s`). A push that raises recorded nothing: the group's
+        version stays, and a retry with the same version is taken (workers may hold part of the
+        failed round until then; `versions()` says which hold what)."""
         version, names, mode = check_push_args(version, names, mode)
-        stats = _unwrap(self._open().push.remote(version, names, mode), self.config.round_timeout_s + 30)
+        budget = _budget(timeout_s, self.config.push_budget_s, "push")
+        stats = _unwrap(self._open().push.remote(version, names, mode, budget), budget, _in_doubt(version))
         log.info(stats.log_line())
         return stats
 
-    def push_patches(self, patches, version: int | None = None) -> int:
+    def push_patches(self, patches, version: int | None = None, *, timeout_s: float | None = None) -> int:
         """Drop-in for vLLM's sparse patches: `SparseWeightPatch(name, indices, values)` with flat
-        indices into the whole tensor, for any destination layout. Patches travel through
-        Ray's object store; returns the version now held everywhere."""
+        indices into the whole tensor, for any destination layout, after at least one `push`.
+        Patches travel through Ray's object store; returns the version now held everywhere.
+        Bounded like `push`."""
         version = check_version(version)
-        return _unwrap(self._open().push_patches.remote(list(patches), version), self.config.round_timeout_s + 30)
+        budget = _budget(timeout_s, self.config.push_budget_s, "push_patches")
+        return _unwrap(self._open().push_patches.remote(list(patches), version, budget), budget, _in_doubt(version))
 
     def versions(self) -> list[int | None]:
         """The version each worker's live weights fully hold (None: torn, in flight, never synced, dead)."""
-        return _unwrap(self._open().versions.remote(), self.config.init_timeout_s + 10)
+        return _unwrap(self._open().versions.remote(), self.config.init_timeout_s)
 
-    def repair(self) -> dict:
-        """Re-form the group now (push does this by itself after a failure with `auto_repair`)."""
-        return _unwrap(self._open().repair.remote(), self.config.init_timeout_s * 3 + 10)
+    def repair(self, *, timeout_s: float | None = None) -> dict:
+        """Re-form the group now (push does this by itself after a failure with `auto_repair`),
+        within `timeout_s` (default `SyncConfig.init_budget_s`)."""
+        budget = _budget(timeout_s, self.config.init_budget_s, "repair")
+        return _unwrap(self._open().repair.remote(budget), budget)
 
     def replace_worker(self, index: int, handle) -> None:
         """Swap in a new actor for worker `index`; the next push re-forms the group and brings it
         to the current version with a full dense round."""
-        _unwrap(self._open().replace_worker.remote(index, handle), self.config.init_timeout_s + 10)
+        _unwrap(self._open().replace_worker.remote(index, handle), self.config.init_timeout_s)
 
     def close(self) -> None:
         """Release the group and the coordinator; closing again does nothing."""
@@ -119,6 +148,6 @@ class WeightSync:
             return
         self.closed = True
         try:
-            _unwrap(self.coordinator.close.remote(), self.config.init_timeout_s + 10)
+            _unwrap(self.coordinator.close.remote(), self.config.init_timeout_s)
         finally:
             ray.kill(self.coordinator)

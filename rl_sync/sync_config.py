@@ -50,6 +50,19 @@ class SyncConfig:
     bind_host: str | None = None
     """Address each rank's Gloo device binds; `None`: that rank's Ray node address."""
 
+    @property
+    def init_budget_s(self) -> float:
+        """Default bound on forming (or re-forming) the group, all steps together: describing
+        trainers and workers, CUDA IPC exports or NCCL ids, connecting."""
+        return 4 * self.init_timeout_s
+
+    @property
+    def push_budget_s(self) -> float:
+        """Default bound on one push, all of it: a repair first when an earlier round failed, the
+        round, and its commit or CUDA IPC steps (each round step may take the round timeout
+        plus 5 s for the ranks to report)."""
+        return self.init_budget_s + 2 * (self.round_timeout_s + 5)
+
     def __post_init__(self) -> None:
         """Every field checked where it enters: type, choice, finite range."""
         _text("name", self.name)
@@ -65,7 +78,7 @@ class SyncConfig:
         _integer("dense_refresh_every", self.dense_refresh_every, 0, 1 << 31)
         _integer("rendezvous_port", self.rendezvous_port, 0, 65535)
         for field in ("init_timeout_s", "round_timeout_s"):
-            _seconds(field, getattr(self, field))
+            check_seconds(f"SyncConfig.{field}", getattr(self, field))
         for field in ("rendezvous_host", "bind_host"):
             if getattr(self, field) is not None:
                 _text(field, getattr(self, field))
@@ -85,11 +98,13 @@ def _integer(field: str, value, low: int, high: int) -> None:
         raise ValueError(f"SyncConfig.{field} must be in [{low}, {high}], got {value}")
 
 
-def _seconds(field: str, value) -> None:
+def check_seconds(label: str, value) -> float:
+    """`value` as a timeout in seconds: a number in (0, 7 days]; `label` names it in errors."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"SyncConfig.{field} must be a number of seconds, got {value!r}")
+        raise TypeError(f"{label} must be a number of seconds, got {value!r}")
     if not 0 < value <= MAX_TIMEOUT_S:  # NaN fails this too
-        raise ValueError(f"SyncConfig.{field} must be > 0 and at most {MAX_TIMEOUT_S:.0f} seconds, got {value}")
+        raise ValueError(f"{label} must be > 0 and at most {MAX_TIMEOUT_S:.0f} seconds, got {value}")
+    return float(value)
 
 
 def _text(field: str, value) -> None:

@@ -198,3 +198,27 @@ def test_an_actor_belongs_to_one_live_group_and_a_failed_create_leaves_nothing(r
         g.step(3)
         g.sync.push(version=3)
         g.check(3)
+
+
+def _slow_commits(actor, seconds: float) -> None:
+    actor.rl_sync_weights_updated = lambda names: time.sleep(seconds)
+
+
+def test_a_push_reported_failed_is_never_recorded_later_and_its_retry_is_taken(ray_session):
+    with Group(W, 2, 2, double_buffer=True, round_timeout_s=20.0) as g:
+        sync = g.connect()
+        sync.push()
+        ray.get(g.workers[1].call.remote(_slow_commits, 6.0))
+        g.step(2)
+        start = time.monotonic()
+        with pytest.raises(SyncError, match=r"round 2 \(m2n\) commit failed on 1 of 2 members:\n  worker 1 \(rank 3\): "
+                                            r"no answer within [23] s"):
+            sync.push(timeout_s=3.0)
+        elapsed = time.monotonic() - start
+        assert elapsed < 5.0, f"the push should end within its 3 s budget, took {elapsed:.1f} s"
+        ray.get(g.workers[1].call.remote(lambda self: delattr(self, "rl_sync_weights_updated")), timeout=30)
+        assert sync.push(version=2).version == 2, "the failed push recorded nothing, so its version is still free"
+        g.check(2)
+        assert sync.versions() == [2, 2]
+        with pytest.raises(ValueError, match=r"push: timeout_s must be > 0 and at most 604800 seconds, got nan"):
+            sync.push(timeout_s=float("nan"))
