@@ -72,12 +72,19 @@ def _clip(template: Template, lo: int, hi: int) -> Band:
     )
 
 
-def make_bands(template: Template, itemsize: int, bucket_bytes: int) -> tuple[Band, ...]:
-    """Cut `template` into row bands of at most about `bucket_bytes` per position."""
+def band_count(template: Template, itemsize: int, bucket_bytes: int) -> int:
+    """How many row bands `make_bands` cuts `template` into (at most its rows)."""
     shape = template.key.shape
     peak = max(int(template.send_numel.max(initial=0)), int(template.recv_numel.max(initial=0))) * itemsize
     rows = shape[0] if shape else 1
-    count = max(1, min(rows, -(-peak // bucket_bytes)))
+    return max(1, min(rows, -(-peak // bucket_bytes)))
+
+
+def make_bands(template: Template, itemsize: int, bucket_bytes: int) -> tuple[Band, ...]:
+    """Cut `template` into row bands of at most about `bucket_bytes` per position."""
+    shape = template.key.shape
+    rows = shape[0] if shape else 1
+    count = band_count(template, itemsize, bucket_bytes)
     if count == 1:
         return (_clip(template, 0, rows),)
     return tuple(_clip(template, start, start + size) for start, size in chunk_bounds(rows, count) if size)

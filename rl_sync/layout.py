@@ -142,6 +142,10 @@ def chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
     return [chunk_at(length, parts, index) for index in range(parts)]
 
 
+MAX_MESH_RANKS = 1 << 20
+"""Bound on a mesh's size and on rank numbers (a million ranks)."""
+
+
 class Mesh:
     """An N-D grid of ranks, row-major.
 
@@ -157,6 +161,8 @@ class Mesh:
         if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in shape):
             raise ValueError(f"mesh shape must be non-empty positive ints, got {shape!r}")
         size = math.prod(shape)
+        if size > MAX_MESH_RANKS:
+            raise ValueError(f"mesh shape {shape} holds {size} ranks, more than the {MAX_MESH_RANKS} a mesh may hold")
         if ranks is None:
             if not isinstance(start_rank, int) or start_rank < 0:
                 raise ValueError(f"mesh start_rank must be a non-negative int, got {start_rank!r}")
@@ -164,8 +170,8 @@ class Mesh:
         ranks = tuple(ranks)
         if len(ranks) != size:
             raise ValueError(f"mesh shape {shape} needs {size} ranks, got {len(ranks)}")
-        if any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in ranks):
-            raise ValueError(f"mesh ranks must be non-negative ints, got {ranks!r}")
+        if any(not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < MAX_MESH_RANKS for r in ranks):
+            raise ValueError(f"mesh ranks must be ints in [0, {MAX_MESH_RANKS}), got {ranks!r:.200}")
         if len(set(ranks)) != size:
             raise ValueError(f"mesh ranks must be distinct, got {ranks!r}")
         object.__setattr__(self, "shape", shape)

@@ -97,9 +97,16 @@ class TensorPlan:
     local_copies: tuple[Transfer, ...]
 
 
+MAX_NUMEL = 1 << 48
+"""Bound on a tensor's elements and on each of its dims: far above any model's tensor, and low
+enough that byte counts and offsets never overflow int64."""
+
+
 def _check_shape(shape: Sequence[int], what: str) -> tuple[int, ...]:
     if not isinstance(shape, (tuple, list)) or not all(type(s) is int and s >= 0 for s in shape):
         raise ValueError(f"{what}: shape must be a sequence of non-negative ints, got {shape!r}")
+    if any(s > MAX_NUMEL for s in shape) or math.prod(shape) > MAX_NUMEL:
+        raise ValueError(f"{what}: shape {tuple(shape)} holds more than 2**48 elements (in all or in one dim)")
     return tuple(shape)
 
 

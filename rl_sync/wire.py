@@ -53,13 +53,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def decode(cls: type[T], data: bytes, max_bytes: int = 256 << 20) -> T:
-    """Rebuild a `cls` from `encode` output; `ValueError` on anything malformed."""
+MAX_ITEMS = 1 << 23
+"""Most array elements plus map entries one message may hold: unpacking builds a Python object
+for each (tens of bytes from as little as one byte on the wire), so this, not the byte size,
+bounds a decode's memory (about 0.5 GiB). A Kimi-K2-sized plan holds about 0.5 million."""
+INT_RANGE = (-(1 << 63), 1 << 63)
+"""Ints on the wire fit int64, so no arithmetic on them overflows into an `OverflowError`."""
+
+
+def decode(cls: type[T], data: bytes, max_bytes: int = 256 << 20, max_items: int = MAX_ITEMS) -> T:
+    """Rebuild a `cls` from `encode` output; `ValueError` on anything malformed, including a
+    message of more than `max_bytes` (inflated too) or `max_items` elements."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"{cls.__name__}: expected bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
         raise ValueError(f"{cls.__name__}: message of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    envelope = _exact_keys(_unpack(data, cls.__name__), {"schema", "type", "zlib", "body"}, cls.__name__)
+    envelope = _exact_keys(_unpack(data, cls.__name__, max_items), {"schema", "type", "zlib", "body"}, cls.__name__)
     if envelope["schema"] != SCHEMA_VERSION or type(envelope["schema"]) is not int:
         raise ValueError(
             f"{cls.__name__}: schema version {envelope['schema']!r} is not supported; expected {SCHEMA_VERSION}"
@@ -68,15 +77,33 @@ def decode(cls: type[T], data: bytes, max_bytes: int = 256 << 20) -> T:
         raise ValueError(f"expected a {cls.__name__} message, got type {envelope['type']!r}")
     body = envelope["body"]
     if envelope["zlib"] is True and isinstance(body, bytes):
-        body = _unpack(_inflate(body, max_bytes, cls.__name__), cls.__name__)
+        body = _unpack(_inflate(body, max_bytes, cls.__name__), cls.__name__, max_items)
     elif envelope["zlib"] is not False:
         raise ValueError(f"{cls.__name__}: field 'zlib' must be a bool with a bytes body when true")
     return _build(cls, body, cls.__name__)
 
 
-def _unpack(data: bytes, what: str) -> Any:
+class _TooMany(Exception):
+    pass
+
+
+def _unpack(data: bytes, what: str, max_items: int) -> Any:
+    """msgpack, stopped as soon as the containers built so far hold more than `max_items`
+    elements (each array's length is checked before it is built, totals as they grow)."""
+    count = 0
+
+    def counted(container):
+        nonlocal count
+        count += len(container)
+        if count > max_items:
+            raise _TooMany
+        return container
+
     try:
-        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=False)
+        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=False, list_hook=counted, object_hook=counted,
+                               max_array_len=max_items, max_map_len=max_items)
+    except _TooMany:
+        raise ValueError(f"{what}: message holds more than {max_items} items") from None
     except Exception as exc:  # msgpack raises several types on malformed input
         raise ValueError(f"{what}: not a valid msgpack message ({type(exc).__name__}: {exc})") from None
 
@@ -134,6 +161,8 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
     if hint in _SCALARS:
         if not isinstance(value, _SCALARS[hint]) or (hint is not bool and isinstance(value, bool)):
             raise ValueError(f"{path}: expected {hint.__name__}, got {type(value).__name__}")
+        if hint is int:
+            _check_ints(path, (value,))
         return float(value) if hint is float else value
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, path)
@@ -170,6 +199,13 @@ def _sequence(origin: type, args: tuple, value: Any, path: str) -> Any:
     item = args[0]
     if item in (int, str) and all(type(v) is item for v in value):
         items = value
+        if item is int:
+            _check_ints(path, value)
     else:
         items = [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
     return tuple(items) if origin is tuple else items
+
+
+def _check_ints(path: str, values) -> None:
+    if values and not (INT_RANGE[0] <= min(values) and max(values) < INT_RANGE[1]):
+        raise ValueError(f"{path}: ints must fit int64, got {max(values, key=abs)}")

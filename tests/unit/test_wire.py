@@ -140,3 +140,60 @@ def test_plan_info_refuses_inconsistent_tables():
     body["src_index"], body["cuts"] = [0], [0, 7]
     with pytest.raises(ValueError, match=r"bucket cuts must rise strictly from 0 to the piece count 1"):
         decode(PlanInfo, _envelope(body, type_name="PlanInfo")).to_schedule()
+
+
+def _plan_body() -> dict:
+    layout = Layout(Mesh((1,)), (Replicate(),))
+    other = Layout(Mesh((2,), start_rank=1), (Shard(0),))
+    info = PlanInfo.from_schedule(build_schedule(plan_model([TensorSpec("w", "float32", (4,), layout, other)])))
+    return msgpack.unpackb(encode(info), raw=False)["body"]
+
+
+def test_a_message_of_too_many_items_is_refused_before_it_is_built():
+    import zlib
+
+    many = {"names": [[[]] * 400 for _ in range(3)]}  # 1,203 arrays from about 1 KB
+    blob = msgpack.packb({"schema": 1, "type": "PlanInfo", "zlib": True, "body": zlib.compress(msgpack.packb(many))})
+    with pytest.raises(ValueError, match=r"^PlanInfo: message holds more than 1000 items$"):
+        decode(PlanInfo, blob, max_items=1000)
+    one_array = msgpack.packb({"schema": 1, "type": "PlanInfo", "zlib": False, "body": [None] * 1001})
+    with pytest.raises(ValueError, match=r"1001 exceeds max_array_len\(1000\)"):
+        decode(PlanInfo, one_array, max_items=1000)
+    bomb = zlib.compress(msgpack.packb([[]] * 9_000_000), 9)  # 9 MB of empty arrays in about 9 KB
+    assert len(bomb) < 20_000
+    with pytest.raises(ValueError, match=r"9000000 exceeds max_array_len\(8388608\)"):
+        decode(PlanInfo, msgpack.packb({"schema": 1, "type": "PlanInfo", "zlib": True, "body": bomb}))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("shapes", [[1 << 63]], r"PlanInfo.shapes\[0\]: ints must fit int64, got 9223372036854775808"),
+    ("cuts", [0, 1 << 64 - 1], r"PlanInfo.cuts: ints must fit int64"),
+    ("bucket_bytes", 1 << 63, r"PlanInfo.bucket_bytes: ints must fit int64"),
+])
+def test_ints_past_int64_are_refused_by_name(field, value, message):
+    body = _plan_body()
+    body[field] = value
+    with pytest.raises(ValueError, match=message):
+        decode(PlanInfo, _envelope(body, type_name="PlanInfo"))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda b: b.update(shapes=[[1 << 62]]), r"shape \(4611686018427387904,\) holds more than 2\*\*48 elements"),
+    (lambda b: b["layouts"][1].update(ranks=[1, (1 << 62)]), r"mesh ranks must be ints in \[0, 1048576\)"),
+    (lambda b: b["layouts"][1].update(mesh_shape=[1 << 21], ranks=[]),
+     r"mesh shape \(2097152,\) holds 2097152 ranks, more than the 1048576"),
+])
+def test_huge_shapes_and_ranks_are_refused_when_the_plan_is_rebuilt(mutate, message):
+    body = _plan_body()
+    mutate(body)
+    with pytest.raises(ValueError, match=message):
+        decode(PlanInfo, _envelope(body, type_name="PlanInfo")).to_schedule()
+
+
+def test_a_schedule_of_too_many_pieces_is_refused_at_once():
+    fsdp = Layout(Mesh((2,)), (Shard(0),))
+    plan = plan_model([TensorSpec("w", "bfloat16", (1 << 24, 1), fsdp, Layout(Mesh((2,), start_rank=2), (Shard(0),)))])
+    with pytest.raises(ValueError, match=r"^bucket_bytes=1 cuts this plan into 16777216 \(tensor, row band\) pieces, "
+                                         r"more than the 524288 a schedule may hold; raise bucket_bytes$"):
+        build_schedule(plan, bucket_bytes=1)
+    assert build_schedule(plan, bucket_bytes=1 << 20).num_buckets == 16  # 16 MiB per rank in 1 MiB bands
