@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .plan_info import LayoutInfo
+from .sync_config import check_port, check_seconds
 
 Mode = Literal["m2n", "broadcast", "sparse", "auto"]
 TransportName = Literal["gloo", "nccl", "local"]
@@ -68,8 +69,8 @@ class InitInfo:
             )
         if not self.worker_ranks or not all(0 <= r < self.world_size for r in self.worker_ranks):
             raise ValueError(f"InitInfo: worker ranks {self.worker_ranks} must be non-empty and inside the group")
-        if self.timeout_s <= 0:
-            raise ValueError(f"InitInfo: timeout_s must be > 0, got {self.timeout_s}")
+        check_seconds("InitInfo.timeout_s", self.timeout_s)
+        check_port("InitInfo.store_port", self.store_port, 1 if self.transport == "gloo" else 0)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,11 @@ class RoundInfo:
     timeout_s: float
     baseline: bool
     """Trainers keep per-tensor baselines (the last synced values) up to date this round."""
+
+    def __post_init__(self) -> None:
+        if self.version <= 0:
+            raise ValueError(f"RoundInfo.version must be > 0, got {self.version}")
+        check_seconds("RoundInfo.timeout_s", self.timeout_s)
 
 
 @dataclass(frozen=True)

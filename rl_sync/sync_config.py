@@ -107,6 +107,12 @@ def check_seconds(label: str, value) -> float:
     return float(value)
 
 
+def check_port(label: str, port: int, low: int = 0) -> None:
+    """`port` is a TCP port number in [`low`, 65535]; `label` names it in errors."""
+    if not low <= port <= 65535:
+        raise ValueError(f"{label} must be a port in [{low}, 65535], got {port}")
+
+
 def _text(field: str, value) -> None:
     if not isinstance(value, str) or not value:
         raise TypeError(f"SyncConfig.{field} must be a non-empty str, got {value!r}")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from ..sync_config import check_port, check_seconds
+
 Op = Literal["describe", "connect", "run", "commit", "close"]
 ERROR = b"\x00rl-sync-error\x00"
 
@@ -34,6 +36,10 @@ class Rendezvous:
     port: int
     prefix: str
     timeout_s: float
+
+    def __post_init__(self) -> None:
+        check_port("Rendezvous.port", self.port, 1)
+        check_seconds("Rendezvous.timeout_s", self.timeout_s)
 
 
 @dataclass(frozen=True)

@@ -111,3 +111,32 @@ def test_corrupted_sparse_payloads_never_write_garbage(code, seed, flips):
         assert index.numel() == 0 or (0 <= int(index.min()) and int(index.max()) < base.numel())
     else:
         assert torch.equal(live, base)
+
+
+@pytest.mark.parametrize("sample, field, value, message", [
+    (SAMPLES[0], "timeout_s", float("nan"), r"InitInfo.timeout_s must be > 0 and at most 604800 seconds, got nan"),
+    (SAMPLES[0], "timeout_s", -1.0, r"InitInfo.timeout_s must be > 0"),
+    (SAMPLES[0], "timeout_s", float("inf"), r"InitInfo.timeout_s must be > 0"),
+    (SAMPLES[0], "store_port", 0, r"InitInfo.store_port must be a port in \[1, 65535\], got 0"),
+    (SAMPLES[0], "store_port", 70000, r"InitInfo.store_port must be a port in \[1, 65535\], got 70000"),
+    (SAMPLES[1], "timeout_s", float("nan"), r"RoundInfo.timeout_s must be > 0"),
+    (SAMPLES[1], "timeout_s", 0.0, r"RoundInfo.timeout_s must be > 0"),
+    (SAMPLES[1], "version", 0, r"RoundInfo.version must be > 0, got 0"),
+])
+def test_timeouts_ports_and_versions_out_of_range_are_refused_by_name(sample, field, value, message):
+    body = msgpack.unpackb(encode(sample), raw=False)["body"]
+    body[field] = value
+    with pytest.raises(ValueError, match=message):
+        decode(type(sample), _envelope(sample, body))
+
+
+def test_a_rendezvous_out_of_range_is_refused_by_name():
+    from rl_sync.vllm.service import Rendezvous
+
+    good = msgpack.unpackb(encode(Rendezvous("127.0.0.1", 29500, "p", 5.0)), raw=False)["body"]
+    for field, value, message in (("port", -1, r"Rendezvous.port must be a port in \[1, 65535\], got -1"),
+                                  ("timeout_s", float("nan"), r"Rendezvous.timeout_s must be > 0")):
+        body = dict(good, **{field: value})
+        blob = msgpack.packb({"schema": 1, "type": "Rendezvous", "zlib": False, "body": body})
+        with pytest.raises(ValueError, match=message):
+            decode(Rendezvous, blob)
