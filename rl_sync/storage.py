@@ -35,3 +35,16 @@ class Destination:
     dtype: torch.dtype
     fallback: bool = False
     """Delivered whole and handed to the worker's load hook instead of written in place."""
+
+
+def geometry(tensor: torch.Tensor) -> tuple:
+    """Where `tensor`'s elements live and how they are laid out: storage address (with offset),
+    shape, strides and dtype. A tensor resized, reshaped, or given other storage in place
+    (`p.data = ...`, `set_`, `resize_`) differs here afterwards."""
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype
+
+
+def owner(view: torch.Tensor) -> torch.Tensor:
+    """The tensor `view` was cut from (a parameter, for a slice of one), or `view` itself: the
+    object an engine moves when it reallocates its weights."""
+    return view if view._base is None else view._base

@@ -16,6 +16,7 @@ import operator
 from collections.abc import Mapping
 
 from ..engine.sources import local_tensor, trainer_entries
+from ..storage import geometry
 from .participant import Participant
 
 
@@ -51,5 +52,5 @@ def _geometry(tensors: Mapping) -> list[tuple]:
     out = []
     for name, value in tensors.items():
         local = local_tensor(value, name)
-        out.append((local.data_ptr(), local.shape, local.stride(), local.dtype))
+        out.append(geometry(local))
     return out

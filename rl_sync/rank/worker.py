@@ -31,6 +31,7 @@ from ..engine.endpoint import Endpoint
 from ..engine.sources import worker_entries
 from ..messages import RankStats, RoundInfo
 from ..sparse import INDICES
+from ..storage import geometry, owner
 from ..transport.cuda_ipc import WorkerExport
 from ..wire import encode
 from .participant import Participant
@@ -45,6 +46,7 @@ class WorkerRank(Participant):
     _rl_sync_version: int | None = None
     _rl_sync_ipc: WorkerExport | None = None
     _rl_sync_round_names: tuple[str, ...] | None = None
+    _rl_sync_owners: tuple = ()
 
     def _rl_sync_describe(self, side: str, side_rank: int, side_size: int, options: dict | None = None) -> bytes:
         if side == "worker":
@@ -54,7 +56,7 @@ class WorkerRank(Participant):
     def _rl_sync_leave(self, abort: bool) -> None:
         super()._rl_sync_leave(abort)
         self._rl_sync_cached, self._rl_sync_shadow, self._rl_sync_ipc = None, None, None
-        self._rl_sync_fallbacks, self._rl_sync_round_names = (), None
+        self._rl_sync_fallbacks, self._rl_sync_round_names, self._rl_sync_owners = (), None, ()
 
     def _rl_sync_worker_entries(self, rank: int, size: int, options: dict):
         if self._rl_sync_cached is None:
@@ -69,6 +71,8 @@ class WorkerRank(Participant):
                                  f"({list(self._rl_sync_fallbacks)[:8]}) but {type(self).__name__} defines no "
                                  "rl_sync_load_fallbacks(pairs) hook")
             reports, endpoints = worker_entries(bound, rank)
+            self._rl_sync_owners = [(name, owner(d.view), geometry(owner(d.view))) for name, d in bound.items()
+                                    if d.view is not None and not d.fallback]
             if options.get("double_buffer"):
                 endpoints = self._rl_sync_shadowed(endpoints)
             self._rl_sync_cached = (reports, endpoints)
@@ -95,8 +99,21 @@ class WorkerRank(Participant):
         names = self._rl_sync_cached[1] if self._rl_sync_cached else {}
         return {n: "fallback" if n in self._rl_sync_fallbacks else modes.get(n, "direct") for n in names}
 
+    def _rl_sync_check_storage(self) -> None:
+        """Refuse to write when the engine moved a bound tensor since the group bound it (new
+        storage, shape or strides: `p.data = ...`, a reload that reallocates); nothing is
+        written, the round fails, and the repair that follows binds the new storage."""
+        for name, tensor, bound in self._rl_sync_owners:
+            if geometry(tensor) != bound:
+                rank = self._rl_sync_sides["worker"][0]
+                raise ValueError(f"worker rank {rank}: the storage bound for {name!r} moved since the group bound it "
+                                 f"(now shape {tuple(tensor.shape)}, strides {tensor.stride()}, {tensor.dtype}; the "
+                                 "engine reallocated or resized its weights); nothing was written, and the next push "
+                                 "binds the new storage (with auto_repair) or call repair()")
+
     def _rl_sync_before_round(self, round_info: RoundInfo) -> None:
         super()._rl_sync_before_round(round_info)
+        self._rl_sync_check_storage()
         if self._rl_sync_shadow is None:
             self._rl_sync_version = None  # live weights are being written
 
@@ -130,6 +147,7 @@ class WorkerRank(Participant):
         into live storage; re-validated here before the first write. Returns elements written."""
         views = self._rl_sync_cached[1]
         unknown = [n for n in patches if n not in views]
+        self._rl_sync_check_storage()
         if unknown:
             raise ValueError(f"patches name tensors {unknown[:4]} this worker does not keep")
         for name, (index, values) in patches.items():
@@ -155,6 +173,7 @@ class WorkerRank(Participant):
         return encode(self._rl_sync_ipc.export)
 
     def _rl_sync_ipc_begin(self) -> None:
+        self._rl_sync_check_storage()
         self._rl_sync_version = None
         self._rl_sync_ipc.begin()
 

@@ -222,3 +222,25 @@ def test_a_push_reported_failed_is_never_recorded_later_and_its_retry_is_taken(r
         assert sync.versions() == [2, 2]
         with pytest.raises(ValueError, match=r"push: timeout_s must be > 0 and at most 604800 seconds, got nan"):
             sync.push(timeout_s=float("nan"))
+
+
+def _move_destination(actor) -> None:
+    live = actor.held["w"].view
+    live.set_(torch.full_like(live, 0.5))  # the engine reallocated its weight: new storage, same object
+
+
+def test_a_destination_the_engine_moved_fails_the_round_and_the_repair_binds_it_anew(ray_session):
+    with Group(W, 2, 2, round_timeout_s=4.0) as g:
+        sync = g.connect()
+        g.step(1)
+        sync.push()
+        ray.get(g.workers[1].call.remote(_move_destination))
+        g.step(2)
+        with pytest.raises(SyncError) as info:
+            sync.push()
+        assert ("worker 1 (rank 3): ValueError: worker rank 1: the storage bound for 'w' moved since the group bound "
+                "it (now shape (8, 3), strides (3, 1), torch.bfloat16; the engine reallocated or resized its weights); "
+                "nothing was written") in str(info.value)
+        assert sync.versions()[1] == 1, "worker 1 refused before writing, so it still holds version 1 in full"
+        assert sync.push(version=2).version == 2  # the repair bound the new storage
+        g.check(2)
