@@ -18,15 +18,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ray.actor import ActorHandle
+
 from .members import ActorMember, ServiceMember
 from .service import VllmService
 
 
 def _refuse_repeats(handles: Sequence, side: str) -> None:
+    """Every entry is an actor handle (or, for workers, a `VllmService`), each actor once."""
     seen: dict = {}
     for i, handle in enumerate(handles):
-        if isinstance(handle, VllmService):
+        if isinstance(handle, VllmService) and side == "worker":
             continue
+        if not isinstance(handle, ActorHandle):
+            kinds = "a Ray actor handle or a VllmService" if side == "worker" else "a Ray actor handle"
+            raise TypeError(f"{side} {i} must be {kinds}, got {type(handle).__name__} {handle!r:.60}")
         if handle in seen:
             raise ValueError(f"{side}s {seen[handle]} and {i} are the same actor; pass each {side} once")
         seen[handle] = i
@@ -48,8 +54,11 @@ class Membership:
 
     @classmethod
     def of(cls, trainers: Sequence, workers: Sequence) -> Membership:
+        """Ranks for `trainers` and `workers`; refuses an empty side, entries that are not actors
+        (or, for workers, `VllmService`s), and an actor passed twice on one side."""
         if not trainers or not workers:
-            raise ValueError(f"a sync group needs trainers and workers, got {len(trainers)} and {len(workers)}")
+            raise ValueError(f"a sync group needs at least one trainer and one worker, got {len(trainers)} trainers "
+                             f"and {len(workers)} workers")
         _refuse_repeats(trainers, "trainer")
         _refuse_repeats(workers, "worker")
         trainer_members = [ActorMember(h, f"trainer {i} (rank {i})") for i, h in enumerate(trainers)]

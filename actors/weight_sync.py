@@ -17,6 +17,7 @@ import logging
 from contextlib import nullcontext
 
 import ray
+from ray.actor import ActorHandle
 from rich.console import Console
 
 from rl_sync.push_args import check_push_args, check_version
@@ -25,6 +26,8 @@ from rl_sync.sync_config import SyncConfig, check_seconds
 
 from .calls import SyncError
 from .coordinator import Coordinator
+from .group import Membership
+from .service import VllmService
 
 log = logging.getLogger("rl_sync")
 
@@ -89,9 +92,10 @@ class WeightSync:
         """Start a coordinator, plan, and connect every rank (bounded by `init_timeout_s`);
         `progress` shows a spinner on the driver's terminal meanwhile."""
         config = config or SyncConfig()
-        if not trainers or not workers:
-            raise ValueError(f"WeightSync.create needs at least one trainer and one worker, got {len(trainers)} "
-                             f"trainers and {len(workers)} workers")
+        if not isinstance(config, SyncConfig):
+            raise TypeError(f"WeightSync.create: config must be a SyncConfig, got {type(config).__name__}")
+        trainers, workers = list(trainers), list(workers)
+        Membership.of(trainers, workers)  # bad entries are refused here, before any actor is reached
         coordinator = ray.remote(Coordinator).options(num_cpus=0).remote(trainers, workers, config)
         try:
             with Console(stderr=True).status(f"rl-sync: planning and connecting {len(trainers)} trainers and "
@@ -140,6 +144,11 @@ class WeightSync:
     def replace_worker(self, index: int, handle) -> None:
         """Swap in a new actor for worker `index`; the next push re-forms the group and brings it
         to the current version with a full dense round."""
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"replace_worker: index must be an int, got {index!r}")
+        if not isinstance(handle, (ActorHandle, VllmService)):
+            raise TypeError(f"replace_worker: the new worker must be a Ray actor handle or a VllmService, got "
+                            f"{type(handle).__name__} {handle!r:.60}")
         _unwrap(self._open().replace_worker.remote(index, handle), self.config.init_timeout_s)
 
     def close(self) -> None:

@@ -25,7 +25,19 @@ def test_bad_push_arguments_are_refused_before_any_transfer_and_the_group_stays_
         with pytest.raises(ValueError, match=r"the rendezvous store cannot listen on 192.0.2.1:0 "
                                              r"\(SyncConfig.rendezvous_host, with SyncConfig.rendezvous_port\): "):
             WeightSync.create(g.trainers, g.workers, loopback_config(rendezvous_host="192.0.2.1"))
+        with pytest.raises(ValueError, match=r"^trainers 0 and 1 are the same actor; pass each trainer once$"):
+            WeightSync.create([g.trainers[0], g.trainers[0]], g.workers, g.config)
+        with pytest.raises(TypeError, match=r"^worker 1 must be a Ray actor handle or a VllmService, got str 'w'$"):
+            WeightSync.create(g.trainers, [g.workers[0], "w"], g.config)
+        with pytest.raises(ValueError, match=r"^a sync group needs at least one trainer and one worker, got 0 trainers "
+                                             r"and 2 workers$"):
+            WeightSync.create([], g.workers, g.config)
         sync = g.connect()  # the failed create left nothing behind in the actors
+        with pytest.raises(TypeError, match=r"^replace_worker: the new worker must be a Ray actor handle or a "
+                                            r"VllmService, got str 'not an actor'$"):
+            sync.replace_worker(0, "not an actor")
+        with pytest.raises(ValueError, match=r"^workers 0 and 1 are the same actor; pass each worker once$"):
+            sync.replace_worker(0, g.workers[1])
         with pytest.raises(ValueError, match=r"push: tensors \['nope'\] were not declared at init"):
             sync.push(names=["w", "nope"])
         with pytest.raises(TypeError, match=r"push: names must be a list of tensor names, got str 'wb'"):
