@@ -1,0 +1,144 @@
+"""Random sequences of use and misuse on a live group: no weights reported wrong, no long waits.
+
+Each example drives one group through a drawn sequence of good pushes (every
+mode), refused arguments, sources and destinations changed under the group,
+ranks failing before their round, a second group on the same actors, and
+bad replacements. After every action, each worker that reports a version must
+hold exactly that version's weights, and no call may take longer than the
+push budget the configuration promises.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actors import SyncError, WeightSync
+
+from .harness import Group
+from .recipes import as_bytes, expected, read_all
+from .test_failures import W, _move_destination, _swap_storage
+
+BAD_PUSHES = [
+    (dict(names="wb"), TypeError),
+    (dict(names=[]), ValueError),
+    (dict(names=["nope"]), ValueError),
+    (dict(version=1.5), TypeError),
+    (dict(version=1), ValueError),  # never newer than the last applied version after the first push
+    (dict(mode="bogus"), ValueError),
+    (dict(timeout_s=float("nan")), ValueError),
+]
+
+
+def _break_sources(actor) -> None:
+    actor.rl_sync_sources_kept = actor.rl_sync_sources
+    actor.rl_sync_sources = lambda: None
+
+
+def _mend_sources(actor) -> None:
+    actor.rl_sync_sources = actor.rl_sync_sources_kept
+
+
+class Driver:
+    """One group and the version its trainers are at; checks the invariant after each action."""
+
+    def __init__(self, g: Group):
+        self.g, self.sync, self.trained = g, g.sync, 0
+
+    def push(self, mode: str) -> None:
+        self.trained += 1
+        self.g.step(self.trained)
+        self.sync.push(version=self.trained, mode=mode)
+        assert self.sync.versions() == [self.trained, self.trained]
+
+    def bad_push(self, case: int) -> None:
+        kwargs, error = BAD_PUSHES[case]
+        before = self.sync.versions()
+        with pytest.raises(error):
+            self.sync.push(**kwargs)
+        assert self.sync.versions() == before, "a refused push changed what the workers hold"
+
+    def failing_push(self, breaks, mends) -> None:
+        self.trained += 1
+        self.g.step(self.trained)
+        breaks()
+        try:  # a round fails with SyncError; a repair re-describing the bad rank names its bad input
+            with pytest.raises((SyncError, TypeError, ValueError)):
+                self.sync.push(version=self.trained)
+        finally:
+            mends()
+
+    def resized_source(self) -> None:
+        grow = self.g.trainers[0].call.remote
+
+        def breaks():
+            ray.get(grow(lambda self: self.held["w"].local.resize_(2, 6)))
+
+        def mends():
+            ray.get(grow(lambda self: self.held["w"].local.resize_(4, 6)))
+
+        self.failing_push(breaks, mends)
+
+    def none_sources(self) -> None:
+        actor = self.g.trainers[1]
+        self.failing_push(lambda: ray.get(actor.call.remote(_break_sources)),
+                          lambda: ray.get(actor.call.remote(_mend_sources)))
+
+    def moved_storage(self, side: int) -> None:
+        """A trainer's shard or a worker's weight given new storage: the first is followed, the
+        second fails the round and is bound anew by the repair."""
+        if side == 0:
+            ray.get(self.g.trainers[1].call.remote(_swap_storage))
+            self.push("m2n")
+            return
+        self.failing_push(lambda: ray.get(self.g.workers[1].call.remote(_move_destination)), lambda: None)
+
+    def second_group(self) -> None:
+        with pytest.raises(ValueError, match="an actor belongs to one sync group at a time"):
+            WeightSync.create(self.g.trainers, self.g.workers, self.g.config)
+
+    def bad_replacement(self) -> None:
+        with pytest.raises((TypeError, ValueError)):
+            self.sync.replace_worker(0, self.g.workers[1])
+
+    def check(self) -> None:
+        """Every worker that reports a version holds exactly that version."""
+        got = ray.get([w.call.remote(read_all) for w in self.g.workers])
+        for j, version in enumerate(self.sync.versions()):
+            if version is None:
+                continue
+            for name, value in expected(W, j, version).items():
+                assert torch.equal(got[j][name], as_bytes(value)), f"worker {j} reports version {version}, {name} differs"
+
+
+ACTIONS = st.one_of(
+    st.tuples(st.just("push"), st.sampled_from(["m2n", "broadcast", "sparse", "auto"])),
+    st.tuples(st.just("bad_push"), st.integers(0, len(BAD_PUSHES) - 1)),
+    st.tuples(st.just("resized_source")),
+    st.tuples(st.just("none_sources")),
+    st.tuples(st.just("moved_storage"), st.integers(0, 1)),
+    st.tuples(st.just("second_group")),
+    st.tuples(st.just("bad_replacement")),
+)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=st.lists(ACTIONS, min_size=6, max_size=10))
+def test_random_misuse_never_reports_wrong_weights_or_waits_past_its_budget(ray_session, actions):
+    with Group(W, 2, 2, init_timeout_s=10.0, round_timeout_s=4.0) as g:
+        g.connect()
+        driver = Driver(g)
+        driver.push("m2n")
+        for action, *args in actions:
+            start = time.monotonic()
+            getattr(driver, action)(*args)
+            elapsed = time.monotonic() - start
+            assert elapsed < g.config.push_budget_s, f"{action}{tuple(args)} took {elapsed:.1f} s"
+            driver.check()
+        driver.push("auto")  # whatever happened, the group recovers
+        driver.check()
