@@ -14,6 +14,11 @@ plays, `_rl_sync_nccl_ids` (trainer 0, NCCL only), `_rl_sync_ipc_export`
 `_rl_sync_ipc_begin`, `_rl_sync_run`, `_rl_sync_ipc_end` (IPC only) and
 `_rl_sync_commit` (double buffering only); `_rl_sync_version_of`,
 `_rl_sync_apply_patches` and `_rl_sync_close` between rounds.
+
+Membership (`rl_sync.rank.claim`): describe's options carry the group's
+`GroupTag`; a rank held by another live group refuses it, and `_rl_sync_close`
+names the group closing, so a group that no longer holds the rank changes
+nothing.
 """
 
 from __future__ import annotations
@@ -46,4 +51,4 @@ class SyncRank(Protocol):
 
     def _rl_sync_ipc_end(self, version: int, names: tuple[str, ...] | None = None) -> None: ...
 
-    def _rl_sync_close(self, abort: bool = False) -> None: ...
+    def _rl_sync_close(self, abort: bool = False, group: str | None = None) -> None: ...
