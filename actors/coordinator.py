@@ -269,6 +269,7 @@ class Coordinator:
             return self._repair()
 
     def _repair(self) -> dict:
+        self.broken = self.broken or "a repair that did not finish"  # until it does: the next push repairs
         self._close_ranks(abort=True)
         self._assign_ranks()
         self._check_alive()

@@ -138,6 +138,17 @@ def test_a_rank_failing_before_its_round_starts_aborts_at_once(ray_session):
                                              r"mapping of name to tensor, got NoneType"):
             sync.push()
         assert time.monotonic() - start < 4.0, "the peers should fail when rank 1 aborts, not at their deadline"
+        ray.get(g.trainers[1].call.remote(lambda self: delattr(self, "rl_sync_sources")))
+        g.step(2)
+        sync.push(version=2)
+        g.check(2)
+        ray.get(g.trainers[1].call.remote(lambda self: setattr(self, "rl_sync_sources", lambda: None)))
+        with pytest.raises(TypeError, match=r"init \(describe trainers\) failed on 1 of 2 members"):
+            sync.repair()  # a healthy group, re-formed by hand, fails part-way
+        ray.get(g.trainers[1].call.remote(lambda self: delattr(self, "rl_sync_sources")))
+        g.step(3)
+        sync.push(version=3)  # the failed repair left the group marked broken, so this push repairs it
+        g.check(3)
 
 
 def test_a_stalled_peer_fails_the_round_within_the_timeout(ray_session):
