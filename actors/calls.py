@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class SyncError(RuntimeError):
     """A sync init or round failed; the message names who failed and where."""
@@ -18,3 +22,37 @@ def failure_reason(exc: BaseException) -> str:
         return type(exc).__name__
     summary = lines[0].split(", \x1b")[0].split(" [36m")[0]
     return f"{type(exc).__name__}: {summary}" + (f" ... {lines[-1]}" if len(lines) > 1 else "")
+
+
+class Budget:
+    """The time one driver call gave the coordinator, shared by every wait of that call.
+
+    Typical use (inside the coordinator)::
+
+        with self.budget.within(budget_s, "push"):
+            gather(members, call, self.budget.left(step_timeout_s), what)
+    """
+
+    def __init__(self):
+        self._deadline: tuple[float, float, str] | None = None
+
+    @contextmanager
+    def within(self, seconds: float | None, what: str) -> Iterator[None]:
+        """Bound the waits inside by `seconds` in all (None: each step's own timeout only)."""
+        self._deadline = None if seconds is None else (time.monotonic() + seconds, seconds, what)
+        try:
+            yield
+        finally:
+            self._deadline = None
+
+    def left(self, step_s: float, at_least: float | None = None) -> float:
+        """A step's timeout: `step_s`, cut to what the call's budget has left. When nothing is
+        left, `SyncError` (or `at_least`, for a step that must run anyway, such as a close)."""
+        if self._deadline is None:
+            return step_s
+        end, seconds, what = self._deadline
+        left = end - time.monotonic()
+        if left <= 0 and at_least is None:
+            raise SyncError(f"{what} ran out of its {seconds:g} s budget (WeightSync timeout_s) before it was done; "
+                            "nothing was recorded as applied")
+        return min(step_s, max(left, at_least or 0.0))

@@ -8,7 +8,9 @@ through CUDA IPC and only the trainers form a group: each writes its mate's
 destinations itself (`rl_sync.transport.cuda_ipc`).
 
 Round: start the ranks together, wait for all within the round timeout, and
-record the version only when every rank finished. Any failure becomes a
+record the version only when every rank finished. Each driver call gives the
+coordinator a time budget (`actors.calls.Budget`) that bounds all its waits
+together, so the driver's answer is final. Any failure becomes a
 `SyncError` naming the ranks, the round and (from the ranks' own errors) the
 bucket and tensors.
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 import socket
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 
@@ -40,7 +41,7 @@ from rl_sync.wire import decode, encode
 from rl_sync.vllm.service import Rendezvous
 
 from .agreement import check_agreement, colocated_mates, merge_sources, split_sources
-from .calls import SyncError
+from .calls import Budget, SyncError
 from .group import Membership
 from .members import ServiceMember, collect, failed, gather
 from .metrics import RoundMetrics
@@ -84,7 +85,8 @@ class Coordinator:
         self.broken: str | None = None
         self._store = None
         self.reply: Rendezvous | None = None
-        self._deadline: tuple[float, float, str] | None = None
+        self.budget = Budget()
+        """Bounds every wait of the driver call in progress (`SyncConfig.push_budget_s`)."""
         self.tag = GroupTag(uuid.uuid4().hex[:12], config.name, ray.get_runtime_context().current_actor)
         """Names this group to its ranks: an actor belongs to one live group at a time."""
 
@@ -97,7 +99,7 @@ class Coordinator:
     def setup(self, budget_s: float | None = None) -> dict:
         """Describe, plan, rendezvous and connect, within `budget_s` seconds; returns a summary
         of the plan."""
-        with self._within(budget_s, "init"):
+        with self.budget.within(budget_s, "init"):
             return self._setup()
 
     def _setup(self) -> dict:
@@ -106,13 +108,13 @@ class Coordinator:
         self.reply = self._reply_store()
         blobs = gather(self.trainers, lambda m: m.describe("trainer", self.trainers.index(m), T, {"group": self.tag},
                                                            None),
-                       self._left(cfg.init_timeout_s), "init (describe trainers)")
+                       self.budget.left(cfg.init_timeout_s), "init (describe trainers)")
         trainer_reports = [decode(SideReport, b) for b in blobs]
         sources = merge_sources(trainer_reports)
         options = {"checkpoint": {s.name: (s.dtype, list(s.shape)) for s in sources}, "double_buffer": cfg.double_buffer,
                    "sharded": {s.name: sorted(sharded_dims(s.layout)) for s in sources}, "group": self.tag}
         blobs = gather(self.workers, lambda m: m.describe("worker", self.firsts[self.workers.index(m)], N, options,
-                                                          self.reply), self._left(cfg.init_timeout_s),
+                                                          self.reply), self.budget.left(cfg.init_timeout_s),
                        "init (bind workers)")
         reports = trainer_reports + [decode(SideReport, b) for b in blobs]
         self._choose_colocation(reports[:T], reports[T:])
@@ -160,7 +162,7 @@ class Coordinator:
         ipc: list = [None] * world
         if self.ipc:
             exports = gather(self.workers, lambda m: m.ipc_export(self._slice(worker_devices, m)),
-                             self._left(cfg.init_timeout_s),
+                             self.budget.left(cfg.init_timeout_s),
                              "init (CUDA IPC export)")
             for rank, export in zip(self.worker_ranks, exports):
                 ipc[rank] = export
@@ -171,7 +173,7 @@ class Coordinator:
             lo, hi = firsts[id(member)], firsts[id(member)] + member.size
             return member.connect(inits[lo:hi], plan_ref, cfg.bind_host, devices[lo:hi], ipc[lo:hi], self.reply)
 
-        gather(self.ranks, connect, self._left(cfg.init_timeout_s), "init (connect)")
+        gather(self.ranks, connect, self.budget.left(cfg.init_timeout_s), "init (connect)")
 
     def _rank_firsts(self) -> dict[int, int]:
         """The first group rank of each member that runs rounds."""
@@ -234,7 +236,8 @@ class Coordinator:
     def _nccl_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """Two fresh NCCL ids from trainer 0 (p2p group, broadcast group), or None without NCCL."""
         try:
-            ids = ray.get(self.trainers[0].handle._rl_sync_nccl_ids.remote(), timeout=self._left(self.config.init_timeout_s))
+            ids = ray.get(self.trainers[0].handle._rl_sync_nccl_ids.remote(),
+                          timeout=self.budget.left(self.config.init_timeout_s))
         except ray.exceptions.RayError:
             return None
         return tuple(ids[0]), tuple(ids[1])
@@ -265,7 +268,7 @@ class Coordinator:
         """Re-form the group after a failure, within `budget_s` seconds: abort what is left of it,
         describe every actor again (each binds anew: storage may have moved), re-plan, reconnect;
         the next round is a full dense one."""
-        with self._within(budget_s, "repair"):
+        with self.budget.within(budget_s, "repair"):
             return self._repair()
 
     def _repair(self) -> dict:
@@ -282,7 +285,7 @@ class Coordinator:
         """Every member answers before any is asked to bind again, so a dead one is named instead
         of leaving the survivors of its engine waiting for it in a collective. An actor Ray is
         restarting (`ActorUnavailableError`) is asked again until `init_timeout_s` is spent."""
-        timeout = self._left(self.config.init_timeout_s)
+        timeout = self.budget.left(self.config.init_timeout_s)
         deadline, members = time.monotonic() + timeout, self.trainers + self.workers
         while True:
             _, failures = collect(members, lambda m: m.ping(), max(0.0, deadline - time.monotonic()))
@@ -316,7 +319,7 @@ class Coordinator:
         """Run one round on every rank (repairing first if an earlier one failed), all of it within
         `budget_s` seconds: the driver waits that long, so a round it was told failed is never
         recorded later. See the module docstring."""
-        with self._within(budget_s, "push"):
+        with self.budget.within(budget_s, "push"):
             return self._push(version, names, mode)
 
     def _push(self, version: int | None, names: list[str] | None, mode: str | None) -> RoundStats:
@@ -331,7 +334,7 @@ class Coordinator:
         names = None if names is None else tuple(names)
         start = time.perf_counter()
         try:
-            blob = encode(RoundInfo(version, mode, names, self._left(self.config.round_timeout_s), self.sparse_used))
+            blob = encode(RoundInfo(version, mode, names, self.budget.left(self.config.round_timeout_s), self.sparse_used))
             results = self._run_round(blob, version, names, f"round {version} ({mode})")
         except SyncError:
             self.broken = f"round {version}"
@@ -350,39 +353,17 @@ class Coordinator:
         and by what the push's budget has left."""
         step = self.config.round_timeout_s + 5
         if self.ipc:
-            gather(self.workers, lambda m: m.ipc_begin(), self._left(step), what)
+            gather(self.workers, lambda m: m.ipc_begin(), self.budget.left(step), what)
         results = [decode(RankStats, r) for r in gather(self.ranks, lambda m: m.run(blob, version, self.reply),
-                                                        self._left(step), what)]
+                                                        self.budget.left(step), what)]
         if self.ipc:
-            gather(self.workers, lambda m: m.ipc_end(version, names), self._left(step), what)
+            gather(self.workers, lambda m: m.ipc_end(version, names), self.budget.left(step), what)
             results += [replace(results[r], rank=r, role="worker", sent_bytes=0,
                                 received_bytes=results[r].received_bytes + results[r].local_bytes)
                         for r in self.worker_ranks]
         if self.config.double_buffer:
-            gather(self.workers, lambda m: m.commit(version, self.reply), self._left(step), f"{what} commit")
+            gather(self.workers, lambda m: m.commit(version, self.reply), self.budget.left(step), f"{what} commit")
         return results
-
-    @contextmanager
-    def _within(self, budget_s: float | None, what: str):
-        """Bound every wait of one driver call by `budget_s` seconds in all (None: no bound but
-        each step's own timeout)."""
-        self._deadline = None if budget_s is None else (time.monotonic() + budget_s, budget_s, what)
-        try:
-            yield
-        finally:
-            self._deadline = None
-
-    def _left(self, step_s: float, at_least: float | None = None) -> float:
-        """A step's timeout: `step_s`, cut to what the driver call's budget has left. When nothing
-        is left, `SyncError` (or `at_least`, for a step that must run anyway, such as a close)."""
-        if self._deadline is None:
-            return step_s
-        end, budget_s, what = self._deadline
-        left = end - time.monotonic()
-        if left <= 0 and at_least is None:
-            raise SyncError(f"{what} ran out of its {budget_s:.0f} s budget (WeightSync timeout_s) before it was done; "
-                            f"nothing was recorded as applied")
-        return min(step_s, max(left, at_least or 0.0))
 
     def push_patches(self, patches: list, version: int | None, budget_s: float | None = None) -> int:
         """Apply flat-index patches (`rl_sync.patches`) on every worker that keeps part of them,
@@ -393,7 +374,7 @@ class Coordinator:
         trainers' baselines no longer describe the workers, so the next sparse round is dense;
         patches that fail part-way mark the group broken (the next push repairs it with a full
         round). Returns the version applied."""
-        with self._within(budget_s, "push_patches"):
+        with self.budget.within(budget_s, "push_patches"):
             return self._push_patches(patches, version)
 
     def _push_patches(self, patches: list, version: int | None) -> int:
@@ -417,7 +398,7 @@ class Coordinator:
         self.sparse_ready = False
         try:
             gather(self.workers, lambda m: m.apply_patches(version, self._slice(per_worker, m)),
-                   self._left(self.config.round_timeout_s), f"patches {version}")
+                   self.budget.left(self.config.round_timeout_s), f"patches {version}")
         except SyncError:
             self.broken = f"patches {version}"
             raise
@@ -463,5 +444,5 @@ class Coordinator:
         ranks = {m.handle for m in self.ranks}
         members = self.ranks + [m for m in self.workers if m.handle not in ranks]
         refs = [m.close(abort, self.reply, self.tag.token) for m in members]
-        ray.wait(refs, num_returns=len(refs), timeout=self._left(self.config.init_timeout_s, at_least=1.0))
+        ray.wait(refs, num_returns=len(refs), timeout=self.budget.left(self.config.init_timeout_s, at_least=1.0))
         self._close_store()

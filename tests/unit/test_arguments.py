@@ -65,3 +65,21 @@ def test_bad_push_arguments_are_refused_naming_them(version, names, mode, error,
 def test_numpy_versions_and_tuples_of_names_are_taken():
     assert check_push_args(np.int64(7), ("a", "b"), "sparse") == (7, ["a", "b"], "sparse")
     assert check_push_args(None, None, None) == (None, None, None)
+
+
+def test_a_budget_cuts_every_step_and_fails_once_spent():
+    import time
+
+    from actors.calls import Budget, SyncError
+
+    budget = Budget()
+    assert budget.left(300.0) == 300.0, "outside a call, a step keeps its own timeout"
+    with budget.within(0.2, "push"):
+        assert budget.left(300.0) <= 0.2
+        assert budget.left(0.05) == 0.05
+        time.sleep(0.25)
+        assert budget.left(300.0, at_least=1.0) == 1.0, "a close still gets its floor"
+        with pytest.raises(SyncError, match=r"^push ran out of its 0.2 s budget \(WeightSync timeout_s\) before it "
+                                            r"was done; nothing was recorded as applied$"):
+            budget.left(300.0)
+    assert budget.left(300.0) == 300.0
