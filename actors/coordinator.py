@@ -247,6 +247,7 @@ class Coordinator:
         return None if names is None else [p for n in names for p in self.parts.get(n, [n])]
 
     def _check_push(self, version: int | None, names: list[str] | None, mode: str | None) -> tuple[int, str]:
+        """The round's version and requested mode, or `ValueError`; changes nothing."""
         version = self.version + 1 if version is None else version
         if version <= self.version:
             raise ValueError(f"push: version {version} is not newer than the last applied version {self.version}")
@@ -257,12 +258,17 @@ class Coordinator:
         mode = mode or self.config.mode
         if mode not in ("m2n", "broadcast", "sparse", "auto"):
             raise ValueError(f"push: mode must be 'm2n', 'broadcast', 'sparse' or 'auto', got {mode!r}")
+        return version, mode
+
+    def _round_mode(self, mode: str) -> str:
+        """The mode the round runs: sparse and auto rounds are dense until every worker holds a
+        full copy, and every `dense_refresh_every`-th one."""
         if mode in ("sparse", "auto"):
             self.sparse_used = True
             every = self.config.dense_refresh_every
             if not self.sparse_ready or (every and self.since_dense + 1 >= every):
-                mode = "m2n"  # first round, a worker without a full copy, or a scheduled refresh
-        return version, mode
+                return "m2n"  # first round, a worker without a full copy, or a scheduled refresh
+        return mode
 
     def repair(self, budget_s: float | None = None) -> dict:
         """Re-form the group after a failure, within `budget_s` seconds: abort what is left of it,
@@ -323,12 +329,14 @@ class Coordinator:
             return self._push(version, names, mode)
 
     def _push(self, version: int | None, names: list[str] | None, mode: str | None) -> RoundStats:
+        self._check_push(version, self._plan_names(names), mode)  # a refused push repairs nothing
         if self.broken is not None:
             if not self.config.auto_repair:
                 raise SyncError(f"the sync group is broken by an earlier failure ({self.broken}); call repair()")
             self._repair()
         names = self._plan_names(names)
         version, mode = self._check_push(version, names, mode)
+        mode = self._round_mode(mode)
         if self.needs_full_round:
             names, mode = None, "m2n" if mode in ("sparse", "auto") else mode
         names = None if names is None else tuple(names)

@@ -37,6 +37,8 @@ class Participant:
     _rl_sync_sides: dict | None = None
     _rl_sync_mapped: MappedDestinations | None = None
     _rl_sync_claim: Claim | None = None
+    _rl_sync_numbering: str | None = None
+    """The token of the group whose version numbers this rank's version is in."""
 
     def _rl_sync_node(self) -> tuple[str, str]:
         """(node identity, default bind address) of this process: the host name and the
@@ -87,6 +89,13 @@ class Participant:
             self._rl_sync_claim = Claim()
         if self._rl_sync_claim.take(tag, self._rl_sync_owner_alive):
             self._rl_sync_leave(abort=True)
+        if tag.token != self._rl_sync_numbering:
+            self._rl_sync_numbering = tag.token
+            self._rl_sync_new_numbering()
+
+    def _rl_sync_new_numbering(self) -> None:
+        """Hook: the rank joins another group, whose versions count anew (a worker forgets the
+        version it held)."""
 
     def _rl_sync_owner_alive(self, owner) -> bool:
         """Whether the coordinator `owner` still runs; without a way to ask, assume it does

@@ -50,10 +50,20 @@ class WorkerRank(Participant):
 
     def _rl_sync_describe(self, side: str, side_rank: int, side_size: int, options: dict | None = None) -> bytes:
         if side == "worker":
+            self._rl_sync_forget_moved()
             self._rl_sync_cached = None  # every group, and every repair, binds anew: storage may have moved
         return super()._rl_sync_describe(side, side_rank, side_size, options)
 
+    def _rl_sync_new_numbering(self) -> None:
+        self._rl_sync_version = None
+
+    def _rl_sync_forget_moved(self) -> None:
+        """A weight the engine moved holds what the engine put there: no version until a round."""
+        if self._rl_sync_storage_moved():
+            self._rl_sync_version = None
+
     def _rl_sync_leave(self, abort: bool) -> None:
+        self._rl_sync_forget_moved()
         super()._rl_sync_leave(abort)
         self._rl_sync_cached, self._rl_sync_shadow, self._rl_sync_ipc = None, None, None
         self._rl_sync_fallbacks, self._rl_sync_round_names, self._rl_sync_owners = (), None, ()
@@ -103,13 +113,14 @@ class WorkerRank(Participant):
         """Refuse to write when the engine moved a bound tensor since the group bound it (new
         storage, shape or strides: `p.data = ...`, a reload that reallocates); nothing is
         written, the round fails, and the repair that follows binds the new storage."""
-        for name, tensor, bound in self._rl_sync_owners:
-            if geometry(tensor) != bound:
-                rank = self._rl_sync_sides["worker"][0]
-                raise ValueError(f"worker rank {rank}: the storage bound for {name!r} moved since the group bound it "
-                                 f"(now shape {tuple(tensor.shape)}, strides {tensor.stride()}, {tensor.dtype}; the "
-                                 "engine reallocated or resized its weights); nothing was written, and the next push "
-                                 "binds the new storage (with auto_repair) or call repair()")
+        moved = self._rl_sync_storage_moved()
+        if moved:
+            name, tensor = moved[0]
+            rank = self._rl_sync_sides["worker"][0]
+            raise ValueError(f"worker rank {rank}: the storage bound for {name!r} moved since the group bound it "
+                             f"(now shape {tuple(tensor.shape)}, strides {tensor.stride()}, {tensor.dtype}; the "
+                             "engine reallocated or resized its weights); nothing was written, and the next push "
+                             "binds the new storage (with auto_repair) or call repair()")
 
     def _rl_sync_before_round(self, round_info: RoundInfo) -> None:
         super()._rl_sync_before_round(round_info)
@@ -164,8 +175,14 @@ class WorkerRank(Participant):
         return written
 
     def _rl_sync_version_of(self) -> int | None:
-        """The version the live weights fully hold, or None (never synced, torn, in flight)."""
-        return self._rl_sync_version
+        """The version the live weights fully hold, or None (never synced, torn, in flight, or
+        the engine moved a bound tensor since: its new storage holds what the engine put there)."""
+        return None if self._rl_sync_storage_moved() else self._rl_sync_version
+
+    def _rl_sync_storage_moved(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of each bound tensor with other storage, shape, strides or dtype than
+        when it was bound."""
+        return [(name, tensor) for name, tensor, bound in self._rl_sync_owners if geometry(tensor) != bound]
 
     def _rl_sync_ipc_export(self, device: str) -> bytes:
         views = {name: e.tensor for name, e in self._rl_sync_endpoints("worker").items()}

@@ -264,6 +264,11 @@ def test_a_destination_the_engine_moved_fails_the_round_and_the_repair_binds_it_
         assert ("worker 1 (rank 3): ValueError: worker rank 1: the storage bound for 'w' moved since the group bound "
                 "it (now shape (8, 3), strides (3, 1), torch.bfloat16; the engine reallocated or resized its weights); "
                 "nothing was written") in str(info.value)
-        assert sync.versions()[1] == 1, "worker 1 refused before writing, so it still holds version 1 in full"
+        assert sync.versions()[1] is None, "worker 1 wrote nothing; its moved weight holds what the engine put there"
+        with pytest.raises(ValueError, match=r"push: tensors \['nope'\] were not declared at init"):
+            sync.push(version=2, names=["nope"])
+        assert sync.versions()[1] is None, "a refused push neither repairs nor revives worker 1's old version"
+        sync.repair()
+        assert sync.versions()[1] is None, "bound anew, the moved weight still holds what the engine put there"
         assert sync.push(version=2).version == 2  # the repair bound the new storage
         g.check(2)
