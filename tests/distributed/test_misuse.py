@@ -1,15 +1,18 @@
 """Random sequences of use and misuse on a live group: no weights reported wrong, no long waits.
 
-Each example drives one group through a drawn sequence of good pushes (every
-mode), refused arguments, sources and destinations changed under the group,
+Each example drives one group (double-buffered or not) through a drawn
+sequence of good pushes (every mode), patches, refused arguments, sources and destinations changed under the group,
 ranks failing before their round, a second group on the same actors, and
 bad replacements. After every action, each worker that reports a version must
 hold exactly that version's weights, and no call may take longer than the
-push budget the configuration promises.
+push budget the configuration promises. CI runs three fixed examples;
+`RL_SYNC_MISUSE_EXAMPLES=20 pytest tests/distributed/test_misuse.py` explores
+twenty random ones.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -19,9 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors import SyncError, WeightSync
+from rl_sync.patches import SparseWeightPatch
 
 from .harness import Group
-from .recipes import as_bytes, expected, read_all
+from .recipes import as_bytes, expected, full_value, read_all
 from .test_failures import W, _move_destination, _swap_storage
 
 BAD_PUSHES = [
@@ -106,6 +110,21 @@ class Driver:
         except SyncError as exc:
             assert "the storage bound for 'w' moved since the group bound it" in str(exc)
 
+    def patches(self) -> None:
+        """Every element of every tensor patched to the next version's values: applied on a
+        group holding a full copy, refused (nothing written) on a broken or double-buffered one."""
+        version = self.trained + 1
+        patches = [SparseWeightPatch(r.name, torch.arange(full_value(r, version).numel()),
+                                     full_value(r, version).reshape(-1)) for r in W]
+        try:
+            applied = self.sync.push_patches(patches, version=version)
+        except ValueError as exc:
+            assert "push_patches: " in str(exc)
+            return
+        self.trained = version
+        self.g.step(version)
+        assert applied == version and self.sync.versions() == [version, version]
+
     def second_group(self) -> None:
         with pytest.raises(ValueError, match="an actor belongs to one sync group at a time"):
             WeightSync.create(self.g.trainers, self.g.workers, self.g.config)
@@ -132,13 +151,19 @@ ACTIONS = st.one_of(
     st.tuples(st.just("moved_storage"), st.integers(0, 1)),
     st.tuples(st.just("second_group")),
     st.tuples(st.just("bad_replacement")),
+    st.tuples(st.just("patches")),
 )
 
 
-@settings(max_examples=12, derandomize=False, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(actions=st.lists(ACTIONS, min_size=6, max_size=10))
-def test_random_misuse_never_reports_wrong_weights_or_waits_past_its_budget(ray_session, actions):
-    with Group(W, 2, 2, init_timeout_s=10.0, round_timeout_s=4.0) as g:
+EXPLORE = int(os.environ.get("RL_SYNC_MISUSE_EXAMPLES", "0"))
+"""Examples to draw at random (e.g. 20); by default 3 fixed ones, so CI runs the same sequences."""
+
+
+@settings(max_examples=EXPLORE or 3, derandomize=not EXPLORE, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=st.lists(ACTIONS, min_size=6, max_size=10), double_buffer=st.booleans())
+def test_random_misuse_never_reports_wrong_weights_or_waits_past_its_budget(ray_session, actions, double_buffer):
+    with Group(W, 2, 2, init_timeout_s=10.0, round_timeout_s=4.0, double_buffer=double_buffer) as g:
         g.connect()
         driver = Driver(g)
         driver.push("m2n")
