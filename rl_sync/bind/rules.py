@@ -18,7 +18,8 @@ ranks (`split`):
   expert parallelism replicated on the rank owning the expert, else column /
   row split, bound at the expert's index of the stacked target.
 
-Users add rules through `SyncConfig`-style config or `Binder(rules=...)`;
+Users add rules with `Binder(rules=...)` (or the `rules:` list of a demo
+config, `configs/demo.yaml`); user rules come before the built-in tables, and
 earlier rules win.
 """
 

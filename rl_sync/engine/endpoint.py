@@ -2,7 +2,7 @@
 
 An `Endpoint` is a tensor (a local shard, a live parameter, a fused slot of
 one) together with the global offsets of its first element, so any global box
-inside it becomes a strided view with `box_view`.
+inside it becomes a strided view with `Endpoint.view(offsets, sizes)`.
 """
 
 from __future__ import annotations

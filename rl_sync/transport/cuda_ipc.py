@@ -14,9 +14,10 @@ before it reads again.
 
 Typical use::
 
-    export = export_destinations(views)                 # worker, at init
-    mapped = MappedDestinations(export, device)         # trainer, at init
+    exported = WorkerExport(views, device)              # worker, at init
+    mapped = MappedDestinations(exported.export, device)  # trainer, at init
     mapped.views["model.layers.0.mlp.down_proj.weight"]
+    exported.begin(); mapped.before_writes(); ...; mapped.after_writes(); exported.end()  # a round
 """
 
 from __future__ import annotations
