@@ -144,13 +144,15 @@ def collect(members: Sequence, call: Callable, timeout_s: float) -> tuple[list, 
     done = set(ready)
     results, failures = [], []
     for ref, member in zip(refs, members):
+        if ref not in done:
+            ray.cancel(ref, force=False)
+            failures.append((member, None))
+            results.extend([None] * member.size)
+            continue
         try:
-            if ref not in done:
-                ray.cancel(ref, force=False)
-                raise TimeoutError
             results.extend(member.results(ray.get(ref)))
-        except (ray.exceptions.RayError, TimeoutError) as exc:
-            failures.append((member, exc if isinstance(exc, ray.exceptions.RayError) else None))
+        except ray.exceptions.RayError as exc:
+            failures.append((member, exc))
             results.extend([None] * member.size)
     return results, failures
 
@@ -159,7 +161,8 @@ def failed(what: str, failures: list[tuple], members: int, timeout_s: float) -> 
     """The error for `failures` from `collect`: `ValueError` / `TypeError` when every failing
     member refused its input that way (bad input stays a caller's error, whichever rank found
     it), `SyncError` otherwise; the message names each member and why."""
-    lines = [f"{m.label}: " + (failure_reason(e) if e is not None else f"no answer within {timeout_s:.0f} s") for m, e in failures]
+    lines = [f"{m.label}: " + (failure_reason(e) if e is not None else f"no answer within {timeout_s:.0f} s")
+             for m, e in failures]
     message = f"{what} failed on {len(failures)} of {members} members:\n  " + "\n  ".join(lines)
     return _error_like([getattr(e, "cause", None) for _, e in failures], len(failures))(message)
 

@@ -33,12 +33,12 @@ class TrainerRank(Participant):
         if not isinstance(tensors, Mapping):
             raise TypeError(f"{type(self).__name__}.rl_sync_sources() must return a mapping of name to tensor, got "
                             f"{type(tensors).__name__}")
-        cache, geometry = self._rl_sync_source_cache, _geometry(tensors)
+        cache, shards = self._rl_sync_source_cache, _geometry(tensors)
         if (cache is not None and cache[0] is tensors and cache[1] == (rank, size) and len(cache[2]) == len(tensors)
-                and all(map(operator.is_, tensors.values(), cache[2])) and geometry == cache[3]):
+                and all(map(operator.is_, tensors.values(), cache[2])) and shards == cache[3]):
             return cache[4]
         entries = trainer_entries(tensors, rank, size)
-        self._rl_sync_source_cache = (tensors, (rank, size), list(tensors.values()), geometry, entries)
+        self._rl_sync_source_cache = (tensors, (rank, size), list(tensors.values()), shards, entries)
         return entries
 
     def _rl_sync_leave(self, abort: bool) -> None:
@@ -49,8 +49,4 @@ class TrainerRank(Participant):
 def _geometry(tensors: Mapping) -> list[tuple]:
     """Where each local shard lives and how it is laid out (storage address, shape, strides,
     dtype): a tensor resized, reshaped or moved in place since the last round differs here."""
-    out = []
-    for name, value in tensors.items():
-        local = local_tensor(value, name)
-        out.append(geometry(local))
-    return out
+    return [geometry(local_tensor(value, name)) for name, value in tensors.items()]

@@ -81,8 +81,8 @@ class WorkerRank(Participant):
                                  f"({list(self._rl_sync_fallbacks)[:8]}) but {type(self).__name__} defines no "
                                  "rl_sync_load_fallbacks(pairs) hook")
             reports, endpoints = worker_entries(bound, rank)
-            self._rl_sync_owners = [(name, owner(d.view), geometry(owner(d.view))) for name, d in bound.items()
-                                    if d.view is not None and not d.fallback]
+            self._rl_sync_owners = tuple((name, owner(d.view), geometry(owner(d.view))) for name, d in bound.items()
+                                         if d.view is not None and not d.fallback)
             if options.get("double_buffer"):
                 endpoints = self._rl_sync_shadowed(endpoints)
             self._rl_sync_cached = (reports, endpoints)
@@ -156,9 +156,9 @@ class WorkerRank(Participant):
     def _rl_sync_apply_patches(self, version: int, patches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Write flat-index patches (local to this worker's boxes, checked by the coordinator)
         into live storage; re-validated here before the first write. Returns elements written."""
+        self._rl_sync_check_storage()
         views = self._rl_sync_cached[1]
         unknown = [n for n in patches if n not in views]
-        self._rl_sync_check_storage()
         if unknown:
             raise ValueError(f"patches name tensors {unknown[:4]} this worker does not keep")
         for name, (index, values) in patches.items():
