@@ -21,10 +21,8 @@ import socket
 import time
 import uuid
 from dataclasses import replace
-from datetime import timedelta
 
 import ray
-import torch.distributed as dist
 
 from rl_sync.messages import InitInfo, RankStats, RoundInfo, SideReport
 from rl_sync.parts import parse_part, sharded_dims
@@ -32,6 +30,7 @@ from rl_sync.patches import check_patch, route_patch
 from rl_sync.plan import SideSpec, join_specs, plan_model
 from rl_sync.plan_info import PlanInfo
 from rl_sync.push_args import repeated_names
+from rl_sync.rendezvous import StoreServer, new_secret
 from rl_sync.rank.claim import GroupTag
 from rl_sync.schedule import build_schedule
 from rl_sync.stats import RoundStats
@@ -83,7 +82,8 @@ class Coordinator:
         self.since_dense = 0
         self.version = 0
         self.broken: str | None = None
-        self._store = None
+        self._store: StoreServer | None = None
+        self._secret = new_secret()
         self.reply: Rendezvous | None = None
         self.budget = Budget()
         """Bounds every wait of the driver call in progress (`SyncConfig.push_budget_s`)."""
@@ -105,6 +105,7 @@ class Coordinator:
     def _setup(self) -> dict:
         start, cfg = time.perf_counter(), self.config
         T, N = len(self.trainers), len(self.worker_ranks)
+        self._secret = new_secret()
         self.reply = self._reply_store()
         blobs = gather(self.trainers, lambda m: m.describe("trainer", self.trainers.index(m), T, {"group": self.tag},
                                                            None),
@@ -194,7 +195,7 @@ class Coordinator:
         if not any(isinstance(m, ServiceMember) for m in self.workers):
             return None
         host, port = self._open_store()
-        return Rendezvous(host, port, f"rl-sync-{uuid.uuid4().hex[:12]}", self.config.init_timeout_s)
+        return Rendezvous(host, port, f"rl-sync-{uuid.uuid4().hex[:12]}", self.config.init_timeout_s, self._secret)
 
     def _open_store(self) -> tuple[str, int]:
         cfg = self.config
@@ -206,13 +207,12 @@ class Coordinator:
             raise ValueError(f"the rendezvous store cannot listen on {host}:{cfg.rendezvous_port} ({setting}, with "
                              f"SyncConfig.rendezvous_port): {exc.strerror or exc}; give an address of the "
                              "coordinator's node") from None
-        port = sock.getsockname()[1]
-        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=cfg.init_timeout_s), master_listen_fd=sock.fileno())
-        sock.detach()  # the store owns the listening socket now
-        return host, port
+        self._store = StoreServer(sock, self._secret)
+        return host, self._store.port
 
     def _close_store(self) -> None:
+        if self._store is not None:
+            self._store.close()
         self._store, self.reply = None, None
 
     def _init_info(self, devices: list[str]) -> InitInfo:
@@ -231,7 +231,8 @@ class Coordinator:
         return InitInfo(rank=0, world_size=world, num_trainers=T, worker_ranks=self.worker_ranks,
                         transport=transport, store_host=host, store_port=port,
                         prefix=f"rl-sync-{uuid.uuid4().hex[:12]}", nccl_id=ids[0], nccl_broadcast_id=ids[1],
-                        timeout_s=cfg.round_timeout_s, baseline_device=cfg.sparse_baseline)
+                        timeout_s=cfg.round_timeout_s, baseline_device=cfg.sparse_baseline,
+                        integrity=cfg.integrity, secret=self._secret)
 
     def _nccl_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """Two fresh NCCL ids from trainer 0 (p2p group, broadcast group), or None without NCCL."""

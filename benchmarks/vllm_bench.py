@@ -29,13 +29,11 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local benchmark: Ray stays on loopback
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -43,6 +41,7 @@ from actors import WeightSync  # noqa: E402
 from actors.cluster import free_init_url  # noqa: E402
 from actors.models import HFTrainer  # noqa: E402
 from actors.vllm import VllmEngine  # noqa: E402
+from rl_sync.rendezvous import StoreServer, new_secret  # noqa: E402
 from rl_sync.sync_config import SyncConfig  # noqa: E402
 from rl_sync.transport.gloo import GlooTransport  # noqa: E402
 from rl_sync.vllm.checkpoint import write_checkpoint  # noqa: E402
@@ -63,8 +62,8 @@ def _gathered(trainer) -> dict | None:
     return full if trainer.rank == 0 else None
 
 
-def _join(actor, rank: int, size: int, host: str, port: int) -> None:
-    actor.baseline = GlooTransport(rank, size, host, port, bind_host=host, prefix="baseline", timeout_s=300,
+def _join(actor, rank: int, size: int, host: str, port: int, secret: bytes) -> None:
+    actor.baseline = GlooTransport(rank, size, host, port, secret, bind_host=host, prefix="baseline", timeout_s=300,
                                    broadcast_ranks=list(range(size)))
 
 
@@ -91,17 +90,13 @@ def _receive(rank, names_shapes: list) -> int:
     return received
 
 
-def _store(host: str) -> tuple[dist.TCPStore, int]:
+def _store(host: str, secret: bytes) -> StoreServer:
     import socket
 
     sock = socket.socket()
     sock.bind((host, 0))
     sock.listen(64)
-    port = sock.getsockname()[1]
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300),
-                          master_listen_fd=sock.fileno())
-    sock.detach()
-    return store, port
+    return StoreServer(sock, secret)
 
 
 def run(layers: int, rounds: int, tp: int) -> dict:
@@ -133,9 +128,10 @@ def run(layers: int, rounds: int, tp: int) -> dict:
 
         names_shapes = [(n, tuple(p.shape)) for n, p in ray.get(trainers[0].call.remote(
             lambda t: [(n, p) for n, p in t.model.named_parameters()]))]
-        store, port = _store(host)
+        secret = new_secret()
+        store = _store(host, secret)
         members = trainers[:1] + engine.ranks
-        ray.get([a.call.remote(_join, i, len(members), host, port) for i, a in enumerate(members)])
+        ray.get([a.call.remote(_join, i, len(members), host, store.port, secret) for i, a in enumerate(members)])
         baseline, base_bytes = [], []
         for _ in range(rounds):
             start = time.perf_counter()
@@ -144,7 +140,7 @@ def run(layers: int, rounds: int, tp: int) -> dict:
             ray.get(refs)
             baseline.append(time.perf_counter() - start)
         after_baseline = engine.generate(PROMPTS, max_tokens=4, temperature=0.0, logprobs=1)
-        del store
+        store.close()
     finally:
         engine.shutdown()
         for t in trainers:

@@ -8,11 +8,13 @@ layouts) goes out and `RankStats` comes back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from .plan_info import LayoutInfo
+from .rendezvous.auth import check_secret
 from .sync_config import check_port, check_seconds
+from .transport.digest import Integrity
 
 Mode = Literal["m2n", "broadcast", "sparse", "auto"]
 TransportName = Literal["gloo", "nccl", "local"]
@@ -61,6 +63,11 @@ class InitInfo:
     nccl_broadcast_id: tuple[int, ...]
     timeout_s: float
     baseline_device: Literal["device", "pinned_cpu"]
+    integrity: Integrity
+    """The digest every transfer carries (`rl_sync.transport.digest`)."""
+    secret: bytes = field(repr=False)
+    """The group's secret: opens the rendezvous store and keys the digests. Travels only
+    through Ray calls (or a vLLM service's init call); never printed."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size or not 0 < self.num_trainers <= self.world_size:
@@ -71,6 +78,9 @@ class InitInfo:
             raise ValueError(f"InitInfo: worker ranks {self.worker_ranks} must be non-empty and inside the group")
         check_seconds("InitInfo.timeout_s", self.timeout_s)
         check_port("InitInfo.store_port", self.store_port, 1 if self.transport == "gloo" else 0)
+        if self.integrity not in ("off", "checksum", "keyed"):
+            raise ValueError(f"InitInfo.integrity must be 'off', 'checksum' or 'keyed', got {self.integrity!r}")
+        check_secret(self.secret)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,10 @@ class SyncConfig:
     """Port of the rendezvous store; 0 picks a free one."""
     bind_host: str | None = None
     """Address each rank's Gloo device binds; `None`: that rank's Ray node address."""
+    integrity: str = "keyed"
+    """Digest on every transfer, checked before a round counts: `keyed` (HMAC under the group's
+    secret: catches tampering and corruption), `checksum` (corruption only), `off`. See the
+    README's security section for what each costs."""
 
     @property
     def init_budget_s(self) -> float:
@@ -88,7 +92,8 @@ MAX_BUCKET_BYTES = 1 << 40
 """1 TiB: far above any device's memory; bounds the sizes the planner multiplies."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 CHOICES = {"transport": ("auto", "gloo", "nccl"), "colocate": ("auto", "ipc", "off"),
-            "mode": ("m2n", "broadcast", "sparse", "auto"), "sparse_baseline": ("device", "pinned_cpu")}
+            "mode": ("m2n", "broadcast", "sparse", "auto"), "sparse_baseline": ("device", "pinned_cpu"),
+           "integrity": ("keyed", "checksum", "off")}
 
 
 def _integer(field: str, value, low: int, high: int) -> None:

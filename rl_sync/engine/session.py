@@ -21,7 +21,9 @@ from ..messages import InitInfo, RankStats, RoundInfo
 from ..parts import parse_part
 from ..plan_info import PlanInfo
 from ..schedule import RankSchedule
+from ..rendezvous import derive
 from ..transport.base import Transport
+from ..transport.digest import Digester, DigestTransport
 from .broadcast import ROOT, BroadcastStaging, gather_schedule, run_broadcast
 from .endpoint import Endpoint
 from .runner import BucketError, BucketIO, Counters, Program, compile_program, deadline_in, run_program
@@ -32,6 +34,11 @@ MAX_PROGRAMS = 4
 
 
 def make_transport(info: InitInfo, bind_host: str, device: torch.device) -> Transport:
+    """Join the group `info` describes, with the transport and the digest it names."""
+    return checked(_join(info, bind_host, device), info)
+
+
+def _join(info: InitInfo, bind_host: str, device: torch.device) -> Transport:
     """Join the group `info` describes with the transport it names."""
     broadcast_ranks = sorted({ROOT, *info.worker_ranks})
     if info.transport == "local" or info.world_size == 1:
@@ -45,8 +52,18 @@ def make_transport(info: InitInfo, bind_host: str, device: torch.device) -> Tran
                              broadcast_ranks=broadcast_ranks, broadcast_id=info.nccl_broadcast_id)
     from ..transport.gloo import GlooTransport
 
-    return GlooTransport(info.rank, info.world_size, info.store_host, info.store_port, bind_host=bind_host,
-                         prefix=info.prefix, timeout_s=info.timeout_s, broadcast_ranks=broadcast_ranks)
+    return GlooTransport(info.rank, info.world_size, info.store_host, info.store_port, info.secret,
+                         bind_host=bind_host, prefix=info.prefix, timeout_s=info.timeout_s,
+                         broadcast_ranks=broadcast_ranks)
+
+
+def checked(transport: Transport, info: InitInfo) -> Transport:
+    """`transport` with the digest `info.integrity` asks for on every transfer (none within one
+    process: nothing travels)."""
+    if info.integrity == "off" or info.world_size == 1 or info.transport == "local":
+        return transport
+    key = derive(info.secret, b"digest", info.prefix.encode())
+    return DigestTransport(transport, Digester(info.integrity, key, label=info.prefix.encode()))
 
 
 def part_endpoint(endpoints: Mapping[str, Endpoint], name: str) -> Endpoint | None:

@@ -1,15 +1,15 @@
 """Gloo transport: CPU tensors over `torch.distributed.ProcessGroupGloo`.
 
-The group is built on its own `TCPStore` (hosted by the coordinator) under a
-per-group prefix, so it is independent of any default process group the
-user's trainer already has. Each rank binds its Gloo device to `bind_host`
+The group is built on the coordinator's rendezvous store (`rl_sync.rendezvous`:
+members only, every record authenticated) under a per-group prefix, so it is
+independent of any default process group the user's trainer already has. Each rank binds its Gloo device to `bind_host`
 (its own node address; `127.0.0.1` in tests). Every wait has a deadline;
 Gloo's own timeout is set to the same bound so a stalled peer fails the round
 instead of hanging it.
 
 Typical use::
 
-    t = GlooTransport(rank, world, store_host, store_port, bind_host="127.0.0.1",
+    t = GlooTransport(rank, world, store_host, store_port, secret, bind_host="127.0.0.1",
                       prefix="sync-0", timeout_s=60, broadcast_ranks=[0, 2, 3])
 """
 
@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..rendezvous import MemberStore
 from .base import Ops, Pending, Transport, check_ops, remaining
 
 
@@ -53,6 +54,7 @@ class GlooTransport(Transport):
         world_size: int,
         store_host: str,
         store_port: int,
+        secret: bytes,
         *,
         bind_host: str,
         prefix: str,
@@ -60,7 +62,7 @@ class GlooTransport(Transport):
         broadcast_ranks: Sequence[int] = (),
     ):
         self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
-        store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = self._store = MemberStore(store_host, store_port, secret, timeout_s=timeout_s)
         self.pg = _group(store, f"{prefix}/p2p/", rank, world_size, bind_host, timeout_s)
         self.bcast_ranks = list(broadcast_ranks)
         self.bcast = None
@@ -115,3 +117,4 @@ class GlooTransport(Transport):
                     pass  # already broken: dropping it below is all that is left to do
         self.pg = self.bcast = None
         gc.collect()
+        self._store.close()

@@ -85,12 +85,17 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
     def _answer(self, reply: Rendezvous, op: str, tag: int, work: Callable[[], bytes]) -> None:
         """Run `work` and put its result, or what failed, where the driver waits for it."""
         key = reply_key(reply.prefix, op, tag, engine_rank().rank)
-        store = store_client(reply)
         try:
-            store.set(key, work())
+            value = work()
         except Exception as exc:
-            store.set(key, ERROR + f"{type(exc).__name__}: {exc}".encode())
+            value = ERROR + f"{type(exc).__name__}: {exc}".encode()
             raise
+        finally:
+            store = store_client(reply)
+            try:
+                store.set(key, value)
+            finally:
+                store.close()
 
     def init_transfer_engine(self, init_info: RlSyncInitInfo) -> None:
         op, payload = unpack({"op": init_info.op, "payload": init_info.payload})

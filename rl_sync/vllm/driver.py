@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from dataclasses import replace
 from typing import Protocol
 
 from ..wire import encode
@@ -102,17 +103,20 @@ class ServiceDriver:
         """Every rank's answer to call `op`; raises naming each rank that failed."""
         store = store_client(reply)
         out, errors = [], []
-        for rank in range(self.ranks):
-            key = reply_key(reply.prefix, op, tag, rank)
-            try:
-                value = store.get(key)
-            except Exception as exc:  # the store's timeout: this rank never answered
-                errors.append(f"vLLM rank {rank}: no answer to {op} ({type(exc).__name__})")
-                continue
-            store.delete_key(key)
-            if value.startswith(ERROR):
-                errors.append(f"vLLM rank {rank}: {value[len(ERROR):].decode(errors='replace')}")
-            out.append(value)
+        try:
+            for rank in range(self.ranks):
+                key = reply_key(reply.prefix, op, tag, rank)
+                try:
+                    value = store.get(key)
+                except Exception as exc:  # the store's timeout: this rank never answered
+                    errors.append(f"vLLM rank {rank}: no answer to {op} ({type(exc).__name__})")
+                    continue
+                store.delete_key(key)
+                if value.startswith(ERROR):
+                    errors.append(f"vLLM rank {rank}: {value[len(ERROR):].decode(errors='replace')}")
+                out.append(value)
+        finally:
+            store.close()
         if errors or failure is not None:
             reason = "; ".join(errors) or f"{type(failure).__name__}: {failure}"
             raise RuntimeError(f"vLLM engine service, {op}: {reason}")
@@ -122,7 +126,7 @@ class ServiceDriver:
         try:
             issue(info)
         except Exception as exc:
-            short = Rendezvous(reply.host, reply.port, reply.prefix, min(reply.timeout_s, 2.0))
+            short = replace(reply, timeout_s=min(reply.timeout_s, 2.0))
             self._answers(short, op, tag, failure=exc)
         return self._answers(reply, op, tag)
 

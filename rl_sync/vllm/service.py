@@ -18,10 +18,11 @@ Operations: `describe` (bind and report, answer: a `SideReport`), `connect`
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
 from typing import Literal
 
+from ..rendezvous import MemberStore
+from ..rendezvous.auth import check_secret
 from ..sync_config import check_port, check_seconds
 
 Op = Literal["describe", "connect", "run", "commit", "close"]
@@ -36,10 +37,13 @@ class Rendezvous:
     port: int
     prefix: str
     timeout_s: float
+    secret: bytes = field(repr=False)
+    """Opens the store (`rl_sync.rendezvous`); never printed."""
 
     def __post_init__(self) -> None:
         check_port("Rendezvous.port", self.port, 1)
         check_seconds("Rendezvous.timeout_s", self.timeout_s)
+        check_secret(self.secret)
 
 
 @dataclass(frozen=True)
@@ -99,9 +103,6 @@ def reply_key(prefix: str, op: str, tag: int, rank: int) -> str:
     return f"{prefix}/service/{op}/{tag}/{rank}"
 
 
-def store_client(reply: Rendezvous):
-    """A client of the group's rendezvous store."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(reply.host, reply.port, is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=reply.timeout_s))
+def store_client(reply: Rendezvous) -> MemberStore:
+    """A member's connection to the group's rendezvous store."""
+    return MemberStore(reply.host, reply.port, reply.secret, timeout_s=reply.timeout_s)

@@ -23,7 +23,8 @@ from rl_sync.wire import decode, encode
 LAYOUT = LayoutInfo.of(Layout(Mesh((2,)), (Shard(0),)))
 SAMPLES = [
     InitInfo(rank=1, world_size=4, num_trainers=2, worker_ranks=(2, 3), transport="gloo", store_host="127.0.0.1",
-             store_port=1234, prefix="p", nccl_id=(), nccl_broadcast_id=(), timeout_s=5.0, baseline_device="device"),
+             store_port=1234, prefix="p", nccl_id=(), nccl_broadcast_id=(), timeout_s=5.0, baseline_device="device",
+             integrity="keyed", secret=b"s" * 32),
     RoundInfo(3, "sparse", ("a", "b"), 10.0, True),
     RankStats(rank=0, role="trainer", version=1, mode="m2n", seconds=0.5, sent_bytes=10, received_bytes=0,
               zero_copy_bytes=10, staged_bytes=0, local_bytes=0, messages=1, buckets=1, staging_bytes=0,
@@ -133,7 +134,7 @@ def test_timeouts_ports_and_versions_out_of_range_are_refused_by_name(sample, fi
 def test_a_rendezvous_out_of_range_is_refused_by_name():
     from rl_sync.vllm.service import Rendezvous
 
-    good = msgpack.unpackb(encode(Rendezvous("127.0.0.1", 29500, "p", 5.0)), raw=False)["body"]
+    good = msgpack.unpackb(encode(Rendezvous("127.0.0.1", 29500, "p", 5.0, b"s" * 32)), raw=False)["body"]
     for field, value, message in (("port", -1, r"Rendezvous.port must be a port in \[1, 65535\], got -1"),
                                   ("timeout_s", float("nan"), r"Rendezvous.timeout_s must be > 0")):
         body = dict(good, **{field: value})
