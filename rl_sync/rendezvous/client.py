@@ -69,9 +69,10 @@ class MemberStore(dist.Store):
         with self._lock:
             if self._sock is None:
                 raise ConnectionError(f"the rendezvous store connection to {self.where} is closed")
+            frame = self._sealer.seal(msgpack.packb(request, use_bin_type=True))  # too large: refused here
             try:
                 self._sock.settimeout(wait_s + IO_SLACK_S)
-                self._sock.sendall(self._sealer.seal(msgpack.packb(request, use_bin_type=True)))
+                self._sock.sendall(frame)
                 body = _read(self._sock, frame_length(_read(self._sock, 4)))
                 status, value = msgpack.unpackb(self._sealer.open(body, _read(self._sock, MAC)), raw=False)
             except (OSError, AuthError, ValueError) as exc:
@@ -86,23 +87,23 @@ class MemberStore(dist.Store):
 
 
 def _connect(host: str, port: int, secret: bytes, deadline: float) -> tuple[socket.socket, Sealer]:
-    """Connect (retrying refusals until `deadline`) and run the client's half of the handshake."""
+    """Connect and run the client's half of the handshake, retrying until `deadline` while the
+    store refuses or drops the connection (not yet listening, or shedding a flood); a store
+    that fails its proof is final (`AuthError`)."""
     delay = 0.05
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"the rendezvous store at {host}:{port} did not accept a connection in time")
         try:
-            sock = socket.create_connection((host, port), timeout=min(left, 10.0))
-            break
-        except (ConnectionRefusedError, socket.timeout):
+            with socket.create_connection((host, port), timeout=min(left, 10.0)) as sock:
+                sealer = _handshake(sock, secret)
+                return sock.dup(), sealer
+        except AuthError:
+            raise
+        except (ConnectionError, socket.timeout):
             time.sleep(min(delay, max(left, 0)))
             delay = min(2 * delay, 1.0)
-    try:
-        return sock, _handshake(sock, secret)
-    except BaseException:
-        sock.close()
-        raise
 
 
 def _handshake(sock: socket.socket, secret: bytes) -> Sealer:

@@ -3,8 +3,9 @@
 It serves on a socket the caller has bound (the coordinator's node address,
 never all interfaces), from an event loop on one daemon thread, so a flood of
 connections costs a socket each and no thread. Until a connection has passed
-the handshake (`auth`) it gets nothing; at most `MAX_UNPROVEN` connections may
-be in the handshake at once (more are closed on arrival) and each has
+the handshake (`auth`) it gets nothing; at most `MAX_UNPROVEN` connections
+from one address may be in the handshake at once (more are closed on
+arrival, so a flood from elsewhere never crowds out members), and each has
 `HANDSHAKE_S` seconds. Requests (msgpack lists)::
 
     ["set", key, value]  ["get", key, timeout_s]  ["wait", keys, timeout_s]
@@ -33,7 +34,7 @@ import msgpack
 
 from .auth import HANDSHAKE_S, HELLO, MAC, NONCE, AuthError, Sealer, check_secret, frame_length, proof
 
-MAX_UNPROVEN = 128
+MAX_UNPROVEN = 64
 MAX_KEY = 1024
 MAX_KEYS = 1 << 16
 MAX_STORE_BYTES = 1 << 30
@@ -48,7 +49,7 @@ class StoreServer:
         self._secret = check_secret(secret)
         self._data: dict[str, bytes] = {}
         self._bytes = 0
-        self._unproven = 0
+        self._unproven: dict[str, int] = {}
         self.refused = 0
         """Connections closed because they did not pass the handshake (or arrived in a flood)."""
         self._writers: set[asyncio.StreamWriter] = set()
@@ -79,11 +80,12 @@ class StoreServer:
             writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._unproven >= MAX_UNPROVEN:
+        address = str((writer.get_extra_info("peername") or ("?",))[0])
+        if self._unproven.get(address, 0) >= MAX_UNPROVEN:
             self.refused += 1
             writer.close()
             return
-        self._unproven += 1
+        self._unproven[address] = self._unproven.get(address, 0) + 1
         try:
             sealer = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_S)
         except _BROKEN:
@@ -91,7 +93,9 @@ class StoreServer:
             writer.close()
             return
         finally:
-            self._unproven -= 1
+            self._unproven[address] -= 1
+            if not self._unproven[address]:
+                del self._unproven[address]
         self._writers.add(writer)
         try:
             await self._requests(reader, writer, sealer)

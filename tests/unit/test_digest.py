@@ -1,0 +1,76 @@
+"""Digests: NH against its definition, and a tampered transfer is caught naming its sender."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from rl_sync.engine.runner import deadline_in
+from rl_sync.transport.digest import Digester, DigestTransport, IntegrityError, nh_compress, nh_key
+
+from .test_rendezvous import in_threads, served  # noqa: F401  (fixture)
+
+
+def nh_reference(data: bytes, key: list[int]) -> list[int]:
+    """NH by its definition, per 1 KiB block (zero-padded) and lane, as signed 64-bit words."""
+    data += bytes(-len(data) % 1024)
+    out = []
+    for start in range(0, len(data), 1024):
+        words = struct.unpack("<256I", data[start:start + 1024])
+        for lane in range(2):
+            k = key[4 * lane:4 * lane + 256]
+            total = sum(((words[2 * i] + k[2 * i]) % 2**32) * ((words[2 * i + 1] + k[2 * i + 1]) % 2**32)
+                        for i in range(128)) % 2**64
+            out.append(total - 2**64 if total >= 2**63 else total)
+    return out
+
+
+@pytest.mark.parametrize("offset, length", [(0, 2048), (3, 1500), (0, 1), (4, 4096 + 7)])
+def test_nh_matches_its_definition(offset, length):
+    data = torch.randint(0, 256, (offset + length,), dtype=torch.uint8, generator=torch.Generator().manual_seed(length))
+    key = nh_key(b"k" * 32, torch.device("cpu"))
+    got = struct.unpack(f"<{len(nh_compress(data[offset:], key)) // 8}q", nh_compress(data[offset:], key))
+    assert list(got) == nh_reference(bytes(data[offset:].numpy()), key.tolist())
+
+
+def test_tags_bind_key_peers_sequence_and_every_byte():
+    bufs = [torch.arange(100, dtype=torch.uint8)]
+    keyed = Digester("keyed", b"k" * 32, label=b"g")
+    tag = keyed.tag(0, 1, 0, bufs)
+    flipped = bufs[0].clone()
+    flipped[50] ^= 1
+    others = [Digester("keyed", b"j" * 32, label=b"g").tag(0, 1, 0, bufs), keyed.tag(1, 0, 0, bufs),
+              keyed.tag(0, 1, 1, bufs), keyed.tag(0, 1, 0, [flipped]), Digester("keyed", b"k" * 32, label=b"h").tag(0, 1, 0, bufs),
+              Digester("checksum", b"k" * 32, label=b"g").tag(0, 1, 0, bufs)]
+    assert len({tag, *others}) == 7
+    assert Digester("checksum", b"k" * 32, label=b"g").tag(0, 1, 0, bufs) == \
+        Digester("checksum", b"j" * 32, label=b"g").tag(0, 1, 0, bufs), "a checksum needs no secret"
+
+
+def test_a_flipped_byte_fails_the_bucket_naming_the_sender(served):  # noqa: F811
+    from rl_sync.transport.gloo import GlooTransport
+
+    server, secret = served
+    digester = Digester("keyed", secret, label=b"t")
+    transports = in_threads(lambda r: DigestTransport(GlooTransport(r, 2, "127.0.0.1", server.port, secret,
+                                                                    bind_host="127.0.0.1", prefix="d", timeout_s=20),
+                                                      digester), 2)
+    payload = torch.randint(0, 256, (5000,), dtype=torch.uint8)
+    for flip in (False, True):
+        out = torch.zeros_like(payload)
+        sent = transports[0].post([(1, payload)], [])
+        got = transports[1].post([], [(0, out)])
+        sent.wait(deadline_in(30))
+        if flip:
+            got.inner.wait(deadline_in(30))
+            out[7] ^= 0x80  # as a bad link or an attacker would leave it
+            with pytest.raises(IntegrityError, match=r"^rank 1: the payload from rank 0 \(transfer 1\) failed its keyed "
+                                                     r"digest: altered or corrupted on the way; nothing of this round counts$"):
+                got.wait(deadline_in(30))
+        else:
+            got.wait(deadline_in(30))
+            assert torch.equal(out, payload)
+    for t in transports:
+        t.close()
