@@ -1,12 +1,13 @@
 """Integrity of every transfer: a digest per bucket and peer, checked before the bucket counts.
 
-`DigestTransport` wraps any transport. In each `post`, after the payload a
-rank sends to a peer, it sends a 32-byte tag over that payload; the peer
-computes the same tag over what it received and raises `IntegrityError`
-(naming the sender) before the bucket is complete. Tags bind the sender,
-the receiver and a per-peer sequence number that runs over the group's whole
-life, so a payload cannot be redirected, replayed from an earlier bucket or
-round, or reordered. Broadcasts carry a tag the same way.
+`DigestTransport` wraps any transport. When a bucket is waited for, each rank
+computes a 32-byte tag over what it sent to each peer and sends it in a
+second, tiny grouped launch; the peer computes the same tag over what it
+received and raises `IntegrityError` (naming the sender) unless they match,
+before the bucket completes. Tags bind the sender, the receiver and a
+per-peer sequence number that runs over the group's whole life, so a
+payload cannot be redirected, replayed from an earlier bucket or round, or
+reordered. Broadcasts carry a tag the same way.
 
 Modes (`SyncConfig.integrity`):
 
@@ -17,15 +18,15 @@ Modes (`SyncConfig.integrity`):
   bits, not an attacker who recomputes it.
 - `off`: no tag.
 
-On CUDA, the payload is first compressed on the device by NH, the
-almost-universal hash of UMAC (RFC 4418): each 1 KiB block becomes two
-64-bit words under a secret key, in two lanes, so two different blocks of
-equal length collide with probability at most 2**-64. Only the compressed
-words (1/64 of the payload) cross to the host, where HMAC-SHA256 makes the
-tag; the NH words themselves never travel.
+On CUDA, the payload is first compressed on its device by NH
+(`rl_sync.transport.nh`, keyed too, 2**-64 collision bound); only those
+words (1/64 of the payload) cross to the host for the HMAC, and they never
+travel. Host waits for the device are polled against the bucket's deadline,
+so a stalled peer fails the round in time instead of hanging it.
 
-Ordering contract: that of the wrapped transport; the tag to a peer follows
-the payload to it within the same `post`.
+Ordering contract: that of the wrapped transport. Every rank waits for its
+buckets in posting order (the runner does), so the tag launches of all
+ranks follow the same order as their payloads.
 
 Typical use::
 
@@ -37,22 +38,19 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+import time
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 
-from .base import Ops, Pending, Transport
+from .base import Ops, Pending, Transport, remaining
+from .nh import nh_compress, nh_key
 
 Integrity = Literal["off", "checksum", "keyed"]
 TAG_BYTES = 32
-NH_BLOCK_WORDS = 256
-"""32-bit words per NH block (1 KiB)."""
-NH_LANES = 2
-NH_CHUNK_BYTES = 64 << 20
-"""Payload bytes compressed per device step (bounds the temporaries to a few times this)."""
 PUBLIC_KEY = b"rl-sync public checksum key"
-_MASK32 = 0xFFFFFFFF
+POLL_S = 0.0005
 
 
 class IntegrityError(RuntimeError):
@@ -82,65 +80,46 @@ class Digester:
         key = self._nh_keys.get(buf.device)
         if key is None:
             key = self._nh_keys[buf.device] = nh_key(self._key, buf.device)
-        return nh_compress(buf, key)
+        return nh_compress(buf, key).cpu().numpy().tobytes()
 
 
-def nh_key(key: bytes, device: torch.device) -> torch.Tensor:
-    """NH's key words (int64 holding uint32), expanded from `key` by SHAKE-256."""
-    words = NH_BLOCK_WORDS + 4 * (NH_LANES - 1)
-    raw = hashlib.shake_256(b"rl-sync nh" + key).digest(4 * words)
-    return torch.tensor(struct.unpack(f"<{words}I", raw), dtype=torch.int64, device=device)
+def device_ready(device: torch.device, deadline: float, what: str) -> None:
+    """Block the host until `device`'s current stream has done its queued work, or `TimeoutError`
+    at `deadline` (never an unbounded CUDA synchronize)."""
+    if device.type != "cuda":
+        return
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    while not done.query():
+        remaining(deadline, what)
+        time.sleep(POLL_S)
 
 
-def nh_compress(buf: torch.Tensor, key: torch.Tensor) -> bytes:
-    """NH over `buf` (uint8) in 1 KiB blocks, the last one zero-padded: `NH_LANES` int64 per block."""
-    block = 4 * NH_BLOCK_WORDS
-    full = buf.numel() // block * block
-    parts = [_nh_rows(_words(buf[start:min(full, start + NH_CHUNK_BYTES)]), key)
-             for start in range(0, full, NH_CHUNK_BYTES)]
-    if full < buf.numel():
-        tail = torch.zeros(block, dtype=torch.uint8, device=buf.device)
-        tail[: buf.numel() - full] = buf[full:]
-        parts.append(_nh_rows(_words(tail), key))
-    if not parts:
-        return b""
-    return torch.cat(parts).cpu().numpy().tobytes()
+Peers = list[tuple[int, int, list[torch.Tensor]]]
+"""(peer, sequence number, buffers in posting order) per peer of one bucket."""
 
 
-def _words(chunk: torch.Tensor) -> torch.Tensor:
-    """`chunk` as rows of NH_BLOCK_WORDS int32 words (copied when not 4-byte aligned)."""
-    if chunk.storage_offset() % 4:
-        chunk = chunk.clone()
-    return chunk.view(torch.int32).view(-1, NH_BLOCK_WORDS)
-
-
-def _nh_rows(rows: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """Per row and lane: sum over word pairs of ((m0 + k0) mod 2**32) * ((m1 + k1) mod 2**32), mod 2**64."""
-    words = rows.to(torch.int64) & _MASK32
-    lanes = []
-    for lane in range(NH_LANES):
-        mixed = (words + key[4 * lane: 4 * lane + NH_BLOCK_WORDS]) & _MASK32
-        lanes.append((mixed[:, 0::2] * mixed[:, 1::2]).sum(dim=1))
-    return torch.stack(lanes, dim=1).flatten()
-
-
-def _by_peer(ops: Ops) -> dict[int, list[torch.Tensor]]:
-    """Each peer's buffers, in posting order, peers in order of first appearance."""
-    out: dict[int, list[torch.Tensor]] = {}
+def _by_peer(ops: Ops, counters: dict[int, int]) -> Peers:
+    """Each peer's buffers in posting order (peers in order of first appearance), numbered."""
+    grouped: dict[int, list[torch.Tensor]] = {}
     for peer, buf in ops:
-        out.setdefault(peer, []).append(buf)
+        grouped.setdefault(peer, []).append(buf)
+    out = []
+    for peer, bufs in grouped.items():
+        counters[peer] = counters.get(peer, -1) + 1
+        out.append((peer, counters[peer], bufs))
     return out
 
 
 class _CheckedPending(Pending):
-    def __init__(self, inner: Pending, owner: DigestTransport, expected: list[tuple[int, int, list, torch.Tensor]]):
-        self.inner, self.owner, self.expected = inner, owner, expected
+    def __init__(self, inner: Pending, owner: DigestTransport, sends: Peers, recvs: Peers):
+        self.inner, self.owner, self.sends, self.recvs = inner, owner, sends, recvs
 
     def wait(self, deadline: float) -> None:
         self.inner.wait(deadline)
-        expected, self.expected = self.expected, []
-        for peer, seq, bufs, tag in expected:
-            self.owner.check(peer, seq, bufs, tag)
+        if self.sends or self.recvs:
+            sends, recvs, self.sends, self.recvs = self.sends, self.recvs, [], []
+            self.owner.exchange_tags(sends, recvs, deadline)
 
 
 class DigestTransport(Transport):
@@ -153,31 +132,34 @@ class DigestTransport(Transport):
         self._received: dict[int, int] = {}
         self._broadcasts = 0
 
+    def post(self, sends: Ops, recvs: Ops) -> Pending:
+        pending = self.inner.post(sends, recvs)
+        return _CheckedPending(pending, self, _by_peer(sends, self._sent), _by_peer(recvs, self._received))
+
+    def exchange_tags(self, sends: Peers, recvs: Peers, deadline: float) -> None:
+        """Send the tag of each peer's payload, receive each sender's, and check them."""
+        device_ready(self.device, deadline, f"rank {self.rank}: digest")
+        out = [(peer, self._tag_tensor(self.digester.tag(self.rank, peer, seq, bufs))) for peer, seq, bufs in sends]
+        tags = [(peer, torch.empty(TAG_BYTES, dtype=torch.uint8, device=self.device)) for peer, _, _ in recvs]
+        self.inner.post(out, tags).wait(deadline)
+        device_ready(self.device, deadline, f"rank {self.rank}: digest")
+        for (peer, seq, bufs), (_, tag) in zip(recvs, tags):
+            want = self.digester.tag(peer, self.rank, seq, bufs)
+            self._verify(want, tag, f"the payload from rank {peer} (transfer {seq})")
+
     def _tag_tensor(self, tag: bytes) -> torch.Tensor:
         return torch.frombuffer(bytearray(tag), dtype=torch.uint8).to(self.device)
 
-    def post(self, sends: Ops, recvs: Ops) -> Pending:
-        tags_out, expected = [], []
-        for peer, bufs in _by_peer(sends).items():
-            seq = self._sent[peer] = self._sent.get(peer, -1) + 1
-            tags_out.append((peer, self._tag_tensor(self.digester.tag(self.rank, peer, seq, bufs))))
-        for peer, bufs in _by_peer(recvs).items():
-            seq = self._received[peer] = self._received.get(peer, -1) + 1
-            expected.append((peer, seq, bufs, torch.empty(TAG_BYTES, dtype=torch.uint8, device=self.device)))
-        pending = self.inner.post([*sends, *tags_out], [*recvs, *((p, t) for p, _, _, t in expected)])
-        return _CheckedPending(pending, self, expected)
-
-    def check(self, peer: int, seq: int, bufs: Sequence[torch.Tensor], tag: torch.Tensor) -> None:
-        """Raise `IntegrityError` unless `tag` is the tag of `bufs` from `peer` (`seq`: its transfer)."""
-        self._verify(self.digester.tag(peer, self.rank, seq, bufs), tag, f"the payload from rank {peer} (transfer {seq})")
-
     def broadcast(self, buf: torch.Tensor, root: int, deadline: float) -> None:
         seq, self._broadcasts = self._broadcasts, self._broadcasts + 1
-        tag = self._tag_tensor(self.digester.tag(root, -1, seq, [buf]) if self.rank == root else bytes(TAG_BYTES))
         self.inner.broadcast(buf, root, deadline)
+        device_ready(self.device, deadline, f"rank {self.rank}: digest")
+        want = self.digester.tag(root, -1, seq, [buf])
+        tag = self._tag_tensor(want if self.rank == root else bytes(TAG_BYTES))
         self.inner.broadcast(tag, root, deadline)
+        device_ready(self.device, deadline, f"rank {self.rank}: digest")
         if self.rank != root:
-            self._verify(self.digester.tag(root, -1, seq, [buf]), tag, f"the broadcast from rank {root} (broadcast {seq})")
+            self._verify(want, tag, f"the broadcast from rank {root} (broadcast {seq})")
 
     def _verify(self, want: bytes, tag: torch.Tensor, what: str) -> None:
         if not hmac.compare_digest(bytes(tag.cpu().numpy()), want):

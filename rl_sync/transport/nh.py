@@ -1,0 +1,104 @@
+"""NH, the almost-universal hash of UMAC (RFC 4418, section 5.2), compressing a payload on its device.
+
+A payload is cut into 1 KiB blocks (the last one zero-padded), each read as
+256 little-endian 32-bit words `m`. Under key words `k`, one lane of NH is::
+
+    sum over i < 128 of ((m[2i] + k[2i]) mod 2**32) * ((m[2i+1] + k[2i+1]) mod 2**32)   mod 2**64
+
+Two different blocks collide with probability at most 2**-32 per lane over
+the key; lane j uses the key shifted by 4j words (UMAC's Toeplitz
+construction), so `LANES = 2` gives 2**-64. A block becomes 16 bytes: 1/64 of
+the payload, which is what crosses to the host for the final HMAC
+(`rl_sync.transport.digest`). On CUDA one Triton launch reads each byte once;
+elsewhere, or without Triton, the same result comes from torch operations.
+
+Typical use::
+
+    key = nh_key(secret, device)
+    words = nh_compress(payload_bytes, key)     # int64 tensor of 2 words per 1 KiB block
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import torch
+
+BLOCK_WORDS = 256
+BLOCK_BYTES = 4 * BLOCK_WORDS
+LANES = 2
+CHUNK_BYTES = 64 << 20
+"""Payload compressed per torch step (bounds the fallback's temporaries to a few times this)."""
+_MASK32 = 0xFFFFFFFF
+
+
+def nh_key(key: bytes, device: torch.device) -> torch.Tensor:
+    """NH's key words (int64 holding uint32), expanded from `key` by SHAKE-256."""
+    words = BLOCK_WORDS + 4 * (LANES - 1)
+    raw = hashlib.shake_256(b"rl-sync nh" + key).digest(4 * words)
+    return torch.tensor(struct.unpack(f"<{words}I", raw), dtype=torch.int64, device=device)
+
+
+def nh_compress(buf: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """NH of `buf` (uint8, on `key`'s device): `LANES` int64 words per block, in block order."""
+    full = buf.numel() // BLOCK_BYTES * BLOCK_BYTES
+    parts = [_blocks(buf[start:min(full, start + CHUNK_BYTES)], key) for start in range(0, full, CHUNK_BYTES)]
+    if full < buf.numel():
+        tail = torch.zeros(BLOCK_BYTES, dtype=torch.uint8, device=buf.device)
+        tail[: buf.numel() - full] = buf[full:]
+        parts.append(_blocks(tail, key))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=buf.device)
+
+
+def _blocks(chunk: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """NH of whole blocks; copied first when not 4-byte aligned."""
+    if chunk.data_ptr() % 4:
+        chunk = chunk.clone()
+    words = chunk.view(torch.int32).view(-1, BLOCK_WORDS)
+    if chunk.is_cuda and _kernel() is not None:
+        out = torch.empty(words.shape[0] * LANES, dtype=torch.int64, device=chunk.device)
+        _kernel()[(words.shape[0],)](words, key, out, WORDS=BLOCK_WORDS, LANES=LANES)
+        return out
+    return _nh_torch(words, key)
+
+
+def _nh_torch(rows: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The reference: int64 arithmetic wraps modulo 2**64 as NH's sum and products do."""
+    words = rows.to(torch.int64) & _MASK32
+    lanes = []
+    for lane in range(LANES):
+        mixed = (words + key[4 * lane: 4 * lane + BLOCK_WORDS]) & _MASK32
+        lanes.append((mixed[:, 0::2] * mixed[:, 1::2]).sum(dim=1))
+    return torch.stack(lanes, dim=1).flatten()
+
+
+_KERNEL: list = []
+
+
+def _kernel():
+    """The Triton kernel (one program per block), or None without Triton."""
+    if not _KERNEL:
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            _KERNEL.append(None)
+            return None
+
+        @triton.jit
+        def nh_blocks(words_ptr, key_ptr, out_ptr, WORDS: tl.constexpr, LANES: tl.constexpr):
+            block = tl.program_id(0)
+            pair = tl.arange(0, WORDS // 2)
+            base = words_ptr + block.to(tl.int64) * WORDS
+            even = tl.load(base + 2 * pair).to(tl.uint32).to(tl.uint64)
+            odd = tl.load(base + 2 * pair + 1).to(tl.uint32).to(tl.uint64)
+            for lane in tl.static_range(LANES):
+                k_even = tl.load(key_ptr + 4 * lane + 2 * pair).to(tl.uint64)
+                k_odd = tl.load(key_ptr + 4 * lane + 2 * pair + 1).to(tl.uint64)
+                a = (even + k_even) & 0xFFFFFFFF
+                b = (odd + k_odd) & 0xFFFFFFFF
+                tl.store(out_ptr + block.to(tl.int64) * LANES + lane, tl.sum(a * b, axis=0).to(tl.int64, bitcast=True))
+
+        _KERNEL.append(nh_blocks)
+    return _KERNEL[0]
