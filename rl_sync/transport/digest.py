@@ -18,10 +18,10 @@ Modes (`SyncConfig.integrity`):
   bits, not an attacker who recomputes it.
 - `off`: no tag.
 
-On CUDA, the payload is first compressed on its device by NH
-(`rl_sync.transport.nh`, keyed too, 2**-64 collision bound); only those
-words (1/64 of the payload) cross to the host for the HMAC, and they never
-travel. Host waits for the device are polled against the bucket's deadline,
+On CUDA, the payload is first compressed on its device by NH, level after
+level (`rl_sync.transport.nh`, keyed too, about 2**-64 collision bound per
+level); only the last level's words (at most 4 KiB per buffer) cross to the
+host for the HMAC, in one copy per peer, and they never travel. Host waits for the device are polled against the bucket's deadline,
 so a stalled peer fails the round in time instead of hanging it.
 
 Ordering contract: that of the wrapped transport. Every rank waits for its
@@ -45,7 +45,7 @@ from typing import Literal
 import torch
 
 from .base import Ops, Pending, Transport, remaining
-from .nh import nh_compress, nh_key
+from .nh import nh_keys, nh_reduce
 
 Integrity = Literal["off", "checksum", "keyed"]
 TAG_BYTES = 32
@@ -65,22 +65,24 @@ class Digester:
             raise ValueError(f"Digester: mode must be 'checksum' or 'keyed', got {mode!r}")
         self.mode, self.label = mode, label
         self._key = key if mode == "keyed" else PUBLIC_KEY
-        self._nh_keys: dict[torch.device, torch.Tensor] = {}
+        self._nh_keys: dict[torch.device, list[torch.Tensor]] = {}
 
     def tag(self, src: int, dst: int, seq: int, bufs: Sequence[torch.Tensor]) -> bytes:
-        """HMAC-SHA256 over who sent what to whom, when, and the payload (or its NH on CUDA)."""
+        """HMAC-SHA256 over who sent what to whom, when, and the payload (its NH on CUDA)."""
         mac = hmac.new(self._key, self.label, hashlib.sha256)
-        mac.update(struct.pack(">qqqq", src, dst, seq, len(bufs)))
-        for buf in bufs:
-            mac.update(struct.pack(">q", buf.numel()))
-            mac.update(self._nh(buf) if buf.is_cuda else memoryview(buf.detach().numpy()))
+        mac.update(struct.pack(f">qqqq{len(bufs)}q", src, dst, seq, len(bufs), *(b.numel() for b in bufs)))
+        if bufs and bufs[0].is_cuda:
+            keys = self._keys(bufs[0].device)
+            mac.update(memoryview(torch.cat([nh_reduce(b, keys) for b in bufs]).cpu().numpy()))
+        else:
+            for buf in bufs:
+                mac.update(memoryview(buf.detach().numpy()))
         return mac.digest()
 
-    def _nh(self, buf: torch.Tensor) -> bytes:
-        key = self._nh_keys.get(buf.device)
-        if key is None:
-            key = self._nh_keys[buf.device] = nh_key(self._key, buf.device)
-        return nh_compress(buf, key).cpu().numpy().tobytes()
+    def _keys(self, device: torch.device) -> list[torch.Tensor]:
+        if device not in self._nh_keys:
+            self._nh_keys[device] = nh_keys(self._key, device)
+        return self._nh_keys[device]
 
 
 def device_ready(device: torch.device, deadline: float, what: str) -> None:

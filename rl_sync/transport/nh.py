@@ -8,14 +8,18 @@ A payload is cut into 1 KiB blocks (the last one zero-padded), each read as
 Two different blocks collide with probability at most 2**-32 per lane over
 the key; lane j uses the key shifted by 4j words (UMAC's Toeplitz
 construction), so `LANES = 2` gives 2**-64. A block becomes 16 bytes: 1/64 of
-the payload, which is what crosses to the host for the final HMAC
-(`rl_sync.transport.digest`). On CUDA one Triton launch reads each byte once;
-elsewhere, or without Triton, the same result comes from torch operations.
+the payload. `nh_reduce` applies NH again to those words, each level under its
+own key, until at most `REDUCED_BYTES` remain (a 1 GiB payload: three levels,
+4 KiB); a collision of the whole then needs one at some level, so its bound is
+the sum of the levels' (3 * 2**-64 for 1 GiB). Only that remainder crosses to
+the host for the final HMAC (`rl_sync.transport.digest`). On CUDA one Triton
+launch per level reads each byte once; elsewhere, or without Triton, the same
+result comes from torch operations.
 
 Typical use::
 
-    key = nh_key(secret, device)
-    words = nh_compress(payload_bytes, key)     # int64 tensor of 2 words per 1 KiB block
+    keys = nh_keys(secret, device)
+    words = nh_reduce(payload_bytes, keys)      # int64, at most REDUCED_BYTES
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ BLOCK_BYTES = 4 * BLOCK_WORDS
 LANES = 2
 CHUNK_BYTES = 64 << 20
 """Payload compressed per torch step (bounds the fallback's temporaries to a few times this)."""
+REDUCED_BYTES = 4096
+MAX_LEVELS = 8
+"""Enough for 2**48 bytes (`rl_sync.plan`'s element bound) at 1/64 per level."""
 _MASK32 = 0xFFFFFFFF
 
 
@@ -38,6 +45,22 @@ def nh_key(key: bytes, device: torch.device) -> torch.Tensor:
     words = BLOCK_WORDS + 4 * (LANES - 1)
     raw = hashlib.shake_256(b"rl-sync nh" + key).digest(4 * words)
     return torch.tensor(struct.unpack(f"<{words}I", raw), dtype=torch.int64, device=device)
+
+
+def nh_keys(key: bytes, device: torch.device) -> list[torch.Tensor]:
+    """One independent NH key per level of `nh_reduce`."""
+    return [nh_key(key + bytes([level]), device) for level in range(MAX_LEVELS)]
+
+
+def nh_reduce(buf: torch.Tensor, keys: list[torch.Tensor]) -> torch.Tensor:
+    """NH of `buf`, then of its words, level after level, until at most `REDUCED_BYTES` remain
+    (always at least one level: nothing of the payload itself is returned)."""
+    words = nh_compress(buf, keys[0])
+    level = 1
+    while words.numel() * 8 > REDUCED_BYTES:
+        words = nh_compress(words.view(torch.uint8), keys[level])
+        level += 1
+    return words
 
 
 def nh_compress(buf: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

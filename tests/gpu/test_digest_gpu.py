@@ -8,7 +8,7 @@ import torch
 
 from rl_sync.engine.runner import deadline_in
 from rl_sync.transport.digest import Digester, DigestTransport, IntegrityError
-from rl_sync.transport.nh import BLOCK_WORDS, _kernel, _nh_torch, nh_compress, nh_key
+from rl_sync.transport.nh import BLOCK_WORDS, REDUCED_BYTES, _kernel, _nh_torch, nh_compress, nh_key, nh_keys, nh_reduce
 
 
 @pytest.mark.parametrize("offset, length", [(0, 1024), (0, (64 << 20) + 4096 + 5), (2, 3 << 20), (4, 777)])
@@ -24,6 +24,16 @@ def test_the_triton_kernel_computes_nh_exactly(offset, length):
     padded[:length] = data
     want = _nh_torch(padded.view(torch.int32).view(-1, BLOCK_WORDS), key)
     assert torch.equal(got, want)
+
+
+def test_the_levels_on_cuda_equal_the_torch_operations_on_the_host():
+    if _kernel() is None:
+        pytest.skip("Triton is not importable")
+    device = torch.device("cuda", 0)
+    data = torch.randint(0, 256, ((80 << 20) + 3,), dtype=torch.uint8, device=device)
+    got = nh_reduce(data, nh_keys(b"k" * 32, device))
+    assert got.numel() * 8 <= REDUCED_BYTES
+    assert torch.equal(got.cpu(), nh_reduce(data.cpu(), nh_keys(b"k" * 32, torch.device("cpu"))))
 
 
 def test_a_byte_flipped_in_an_nccl_transfer_is_caught():
