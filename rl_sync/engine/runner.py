@@ -133,6 +133,8 @@ class BucketOps:
     local: Copies = field(default_factory=Copies)
     counters: Counters = field(default_factory=Counters)
     pending: Pending | None = None
+    label: str = ""
+    """Names the bucket in a transport's errors (`describe_bucket`), set at its first run."""
 
 
 def _staged(msg: Message, endpoint: Callable[[int, int], Endpoint], bucket: int, dtypes: Sequence[torch.dtype]) -> bool:
@@ -190,7 +192,7 @@ def start_bucket(ops: BucketOps, transport: Transport) -> None:
     """Pack, copy locally, and post the bucket's grouped send/recv."""
     ops.pack.run()
     ops.local.run()
-    ops.pending = transport.post(ops.sends, ops.recvs) if ops.sends or ops.recvs else None
+    ops.pending = transport.post(ops.sends, ops.recvs, label=ops.label) if ops.sends or ops.recvs else None
 
 
 def complete_bucket(ops: BucketOps, deadline: float) -> None:
@@ -227,23 +229,26 @@ class BucketError(RuntimeError):
 
 def run_program(program: Program, transport: Transport, deadline: float, *, names: Sequence[str], context: str) -> Counters:
     """Replay a compiled round, bucket k+1 packed while bucket k is in flight."""
-    counters, previous, active = Counters(), None, None
+    counters, previous, where = Counters(), None, "before the first bucket"
     try:
         for ops in program.buckets:
-            active = ops.bucket
+            ops.label = ops.label or describe_bucket(ops.bucket, names)
+            where = ops.label
             start_bucket(ops, transport)
             if previous is not None:
-                active = previous.bucket
+                where = previous.label
                 complete_bucket(previous, deadline)
             previous = ops
             counters.add(ops.counters)
         if previous is not None:
-            active = previous.bucket
+            where = previous.label
             complete_bucket(previous, deadline)
+        where = "completing the round"
         transport.finish(deadline)
     except Exception as exc:
+        for ops in program.buckets:
+            ops.pending = None  # nothing may keep the aborted group alive (`transport.gloo`)
         transport.abort()
-        where = describe_bucket(active, names) if active is not None else "before the first bucket"
         raise BucketError(f"rank {transport.rank}, {context}, {where}: {type(exc).__name__}: {exc}") from exc
     return counters
 

@@ -95,9 +95,9 @@ def _payload_sizes(msg: Message, header: list[int], io: SparseIO, where: str) ->
     return blocks
 
 
-def _exchange(transport: Transport, sends, recvs, deadline: float) -> None:
+def _exchange(transport: Transport, sends, recvs, deadline: float, label: str) -> None:
     if sends or recvs:
-        transport.post(sends, recvs).wait(deadline)
+        transport.post(sends, recvs, label=label).wait(deadline)
         transport.finish(deadline)
 
 
@@ -108,13 +108,13 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
     encoded = [_encode_message(m, io, counters, device) for m in bucket.sends]
     _advance_baselines(bucket, io)
     headers_in = [torch.empty(2 * len(m.segments), dtype=torch.int64, device=device) for m in bucket.recvs]
-    _exchange(transport, [(m.peer, h.view(torch.uint8)) for m, (h, _) in zip(bucket.sends, encoded)],
-              [(m.peer, h.view(torch.uint8)) for m, h in zip(bucket.recvs, headers_in)], deadline)
     where = describe_bucket(bucket, names)
+    _exchange(transport, [(m.peer, h.view(torch.uint8)) for m, (h, _) in zip(bucket.sends, encoded)],
+              [(m.peer, h.view(torch.uint8)) for m, h in zip(bucket.recvs, headers_in)], deadline, f"{where} (headers)")
     layouts = [_payload_sizes(m, h.tolist(), io, f"{where}, message from rank {m.peer}") for m, h in zip(bucket.recvs, headers_in)]
     payloads_in = [torch.empty(sum(b[3] for b in blocks), dtype=torch.uint8, device=device) for blocks in layouts]
     _exchange(transport, [(m.peer, p) for m, (_, p) in zip(bucket.sends, encoded)],
-              [(m.peer, p) for m, p in zip(bucket.recvs, payloads_in)], deadline)
+              [(m.peer, p) for m, p in zip(bucket.recvs, payloads_in)], deadline, where)
     decoded, checks = [], []
     for msg, blocks, payload in zip(bucket.recvs, layouts, payloads_in):
         for seg, (code, k, start, size) in zip(msg.segments, blocks):

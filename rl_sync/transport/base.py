@@ -63,8 +63,9 @@ class Transport(ABC):
     device: torch.device
 
     @abstractmethod
-    def post(self, sends: Ops, recvs: Ops) -> Pending:
-        """Start every send and receive of one bucket as one grouped launch."""
+    def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
+        """Start every send and receive of one bucket as one grouped launch; `label` names the
+        bucket in errors."""
 
     @abstractmethod
     def broadcast(self, buf: torch.Tensor, root: int, deadline: float) -> None:

@@ -1,13 +1,18 @@
-"""Integrity of every transfer: a digest per bucket and peer, checked before the bucket counts.
+"""Integrity of every transfer: a digest per bucket and peer, checked before the round counts.
 
 `DigestTransport` wraps any transport. When a bucket is waited for, each rank
-computes a 32-byte tag over what it sent to each peer and sends it in a
-second, tiny grouped launch; the peer computes the same tag over what it
-received and raises `IntegrityError` (naming the sender) unless they match,
-before the bucket completes. Tags bind the sender, the receiver and a
-per-peer sequence number that runs over the group's whole life, so a
-payload cannot be redirected, replayed from an earlier bucket or round, or
-reordered. Broadcasts carry a tag the same way.
+digests what it sent to and received from each peer (on the host for CPU
+buffers, overlapping the next bucket's transfer; on the device for CUDA
+buffers, queued on the current stream with no host wait). At `finish` the
+ranks exchange the 32-byte tags of everything since the last `finish` in one
+small grouped launch per peer, and a rank raises `IntegrityError` naming the
+bucket and the sender of the first payload whose tag does not match. The
+engine calls `finish` before anything of a round counts (before a sparse
+header is read, before the round reports success), so with double buffering
+a tampered round never reaches the live weights. Tags bind the sender, the
+receiver and a per-peer sequence number that runs over the group's whole
+life, so a payload cannot be redirected, replayed from an earlier bucket or
+round, or reordered. Each broadcast carries its tag in a second broadcast.
 
 Modes (`SyncConfig.integrity`):
 
@@ -21,16 +26,19 @@ Modes (`SyncConfig.integrity`):
 On CUDA, the payload is first compressed on its device by NH, level after
 level (`rl_sync.transport.nh`, keyed too, about 2**-64 collision bound per
 level); only the last level's words (at most 4 KiB per buffer) cross to the
-host for the HMAC, in one copy per peer, and they never travel. Host waits for the device are polled against the bucket's deadline,
-so a stalled peer fails the round in time instead of hanging it.
+host, in one copy per `finish`, and they never travel. Host waits for the
+device are polled against the deadline, so a stalled peer fails the round in
+time instead of hanging it.
 
 Ordering contract: that of the wrapped transport. Every rank waits for its
-buckets in posting order (the runner does), so the tag launches of all
-ranks follow the same order as their payloads.
+buckets in posting order and calls `finish` at the same points (the engine
+does), so the tag launches of all ranks line up.
 
 Typical use::
 
     transport = DigestTransport(GlooTransport(...), Digester("keyed", key, label=b"sync-0"))
+    transport.post(sends, recvs, label="bucket 0").wait(deadline)
+    transport.finish(deadline)      # raises IntegrityError on a mismatch
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import hmac
 import struct
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -67,17 +76,27 @@ class Digester:
         self._key = key if mode == "keyed" else PUBLIC_KEY
         self._nh_keys: dict[torch.device, list[torch.Tensor]] = {}
 
-    def tag(self, src: int, dst: int, seq: int, bufs: Sequence[torch.Tensor]) -> bytes:
-        """HMAC-SHA256 over who sent what to whom, when, and the payload (its NH on CUDA)."""
+    def reduce(self, bufs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """CUDA buffers compressed on their device, queued on the current stream (no host wait)."""
+        keys = self._keys(bufs[0].device)
+        return torch.cat([nh_reduce(b, keys) for b in bufs])
+
+    def seal(self, src: int, dst: int, seq: int, lengths: Sequence[int], chunks: Sequence[memoryview]) -> bytes:
+        """HMAC-SHA256 over who sent what to whom, when, the lengths, and the payload (or its NH words)."""
         mac = hmac.new(self._key, self.label, hashlib.sha256)
-        mac.update(struct.pack(f">qqqq{len(bufs)}q", src, dst, seq, len(bufs), *(b.numel() for b in bufs)))
-        if bufs and bufs[0].is_cuda:
-            keys = self._keys(bufs[0].device)
-            mac.update(memoryview(torch.cat([nh_reduce(b, keys) for b in bufs]).cpu().numpy()))
-        else:
-            for buf in bufs:
-                mac.update(memoryview(buf.detach().numpy()))
+        mac.update(struct.pack(f">qqqq{len(lengths)}q", src, dst, seq, len(lengths), *lengths))
+        for chunk in chunks:
+            mac.update(chunk)
         return mac.digest()
+
+    def tag(self, src: int, dst: int, seq: int, bufs: Sequence[torch.Tensor], deadline: float) -> bytes:
+        """The tag of `bufs` (all on one device), made now: host waits bounded by `deadline`."""
+        lengths = [b.numel() for b in bufs]
+        if bufs and bufs[0].is_cuda:
+            words = self.reduce(bufs)
+            device_ready(bufs[0].device, deadline, "digest")
+            return self.seal(src, dst, seq, lengths, [memoryview(words.cpu().numpy())])
+        return self.seal(src, dst, seq, lengths, [memoryview(b.detach().numpy()) for b in bufs])
 
     def _keys(self, device: torch.device) -> list[torch.Tensor]:
         if device not in self._nh_keys:
@@ -97,57 +116,99 @@ def device_ready(device: torch.device, deadline: float, what: str) -> None:
         time.sleep(POLL_S)
 
 
-Peers = list[tuple[int, int, list[torch.Tensor]]]
-"""(peer, sequence number, buffers in posting order) per peer of one bucket."""
+@dataclass
+class _Transfer:
+    """What one rank sent to, or received from, one peer in one bucket: its digest input."""
+
+    peer: int
+    src: int
+    dst: int
+    seq: int
+    label: str
+    lengths: tuple[int, ...]
+    words: torch.Tensor | None = None
+    """CUDA: NH words still on the device (the tag is made at `finish`)."""
+    tag: bytes | None = None
 
 
-def _by_peer(ops: Ops, counters: dict[int, int]) -> Peers:
-    """Each peer's buffers in posting order (peers in order of first appearance), numbered."""
+def _by_peer(ops: Ops) -> dict[int, list[torch.Tensor]]:
+    """Each peer's buffers in posting order, peers in order of first appearance."""
     grouped: dict[int, list[torch.Tensor]] = {}
     for peer, buf in ops:
         grouped.setdefault(peer, []).append(buf)
-    out = []
-    for peer, bufs in grouped.items():
-        counters[peer] = counters.get(peer, -1) + 1
-        out.append((peer, counters[peer], bufs))
-    return out
+    return grouped
 
 
-class _CheckedPending(Pending):
-    def __init__(self, inner: Pending, owner: DigestTransport, sends: Peers, recvs: Peers):
-        self.inner, self.owner, self.sends, self.recvs = inner, owner, sends, recvs
+class _DigestedPending(Pending):
+    def __init__(self, inner: Pending, digest):
+        self.inner, self.digest = inner, digest
 
     def wait(self, deadline: float) -> None:
         self.inner.wait(deadline)
-        if self.sends or self.recvs:
-            sends, recvs, self.sends, self.recvs = self.sends, self.recvs, [], []
-            self.owner.exchange_tags(sends, recvs, deadline)
+        if self.digest is not None:
+            digest, self.digest = self.digest, None
+            digest(deadline)
 
 
 class DigestTransport(Transport):
-    """`inner`, with every payload followed by its tag and checked on arrival."""
+    """`inner`, with every payload digested and the tags checked at `finish`."""
 
     def __init__(self, inner: Transport, digester: Digester):
         self.inner, self.digester = inner, digester
         self.rank, self.world_size, self.device = inner.rank, inner.world_size, inner.device
-        self._sent: dict[int, int] = {}
-        self._received: dict[int, int] = {}
+        self._counts: dict[tuple[str, int], int] = {}
+        self._sent: list[_Transfer] = []
+        self._received: list[_Transfer] = []
         self._broadcasts = 0
 
-    def post(self, sends: Ops, recvs: Ops) -> Pending:
-        pending = self.inner.post(sends, recvs)
-        return _CheckedPending(pending, self, _by_peer(sends, self._sent), _by_peer(recvs, self._received))
+    def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
+        pending = self.inner.post(sends, recvs, label=label)
+        return _DigestedPending(pending, lambda deadline: self._digest(sends, recvs, label, deadline))
 
-    def exchange_tags(self, sends: Peers, recvs: Peers, deadline: float) -> None:
-        """Send the tag of each peer's payload, receive each sender's, and check them."""
+    def _digest(self, sends: Ops, recvs: Ops, label: str, deadline: float) -> None:
+        """Digest a waited-for bucket (the device's part queued, no host wait)."""
+        for side, ops, out in (("send", sends, self._sent), ("recv", recvs, self._received)):
+            for peer, bufs in _by_peer(ops).items():
+                seq = self._counts[side, peer] = self._counts.get((side, peer), -1) + 1
+                src, dst = (self.rank, peer) if side == "send" else (peer, self.rank)
+                transfer = _Transfer(peer, src, dst, seq, label, tuple(b.numel() for b in bufs))
+                if self.device.type == "cuda":
+                    transfer.words = self.digester.reduce(bufs)
+                else:
+                    transfer.tag = self.digester.tag(src, dst, seq, bufs, deadline)
+                out.append(transfer)
+
+    def finish(self, deadline: float) -> None:
+        """Complete everything posted, then exchange and check the tags of every transfer since
+        the last `finish`; raises `IntegrityError` naming the first bucket and sender that fail."""
+        self.inner.finish(deadline)
+        sent, received, self._sent, self._received = self._sent, self._received, [], []
+        if not sent and not received:
+            return
+        self._seal(sent, received, deadline)
+        outgoing = [(peer, self._tag_tensor(b"".join(t.tag for t in ts))) for peer, ts in _per_peer(sent).items()]
+        incoming = [(peer, torch.empty(TAG_BYTES * len(ts), dtype=torch.uint8, device=self.device))
+                    for peer, ts in _per_peer(received).items()]
+        self.inner.post(outgoing, incoming, label="digests").wait(deadline)
+        self.inner.finish(deadline)
+        for (peer, buf), transfers in zip(incoming, _per_peer(received).values()):
+            got = bytes(buf.cpu().numpy())
+            for i, transfer in enumerate(transfers):
+                if not hmac.compare_digest(got[TAG_BYTES * i: TAG_BYTES * (i + 1)], transfer.tag):
+                    self._fail(f"{transfer.label or 'a bucket'} from rank {peer} (transfer {transfer.seq})")
+
+    def _seal(self, sent: list[_Transfer], received: list[_Transfer], deadline: float) -> None:
+        """Make the tags still missing (CUDA: one copy of every transfer's NH words to the host)."""
+        pending = [t for t in sent + received if t.tag is None]
+        if not pending:
+            return
         device_ready(self.device, deadline, f"rank {self.rank}: digest")
-        out = [(peer, self._tag_tensor(self.digester.tag(self.rank, peer, seq, bufs))) for peer, seq, bufs in sends]
-        tags = [(peer, torch.empty(TAG_BYTES, dtype=torch.uint8, device=self.device)) for peer, _, _ in recvs]
-        self.inner.post(out, tags).wait(deadline)
-        device_ready(self.device, deadline, f"rank {self.rank}: digest")
-        for (peer, seq, bufs), (_, tag) in zip(recvs, tags):
-            want = self.digester.tag(peer, self.rank, seq, bufs)
-            self._verify(want, tag, f"the payload from rank {peer} (transfer {seq})")
+        host = torch.cat([t.words for t in pending]).cpu().numpy()
+        start = 0
+        for t in pending:
+            words = host[start:start + t.words.numel()]
+            start += t.words.numel()
+            t.tag, t.words = self.digester.seal(t.src, t.dst, t.seq, t.lengths, [memoryview(words)]), None
 
     def _tag_tensor(self, tag: bytes) -> torch.Tensor:
         return torch.frombuffer(bytearray(tag), dtype=torch.uint8).to(self.device)
@@ -155,27 +216,30 @@ class DigestTransport(Transport):
     def broadcast(self, buf: torch.Tensor, root: int, deadline: float) -> None:
         seq, self._broadcasts = self._broadcasts, self._broadcasts + 1
         self.inner.broadcast(buf, root, deadline)
-        device_ready(self.device, deadline, f"rank {self.rank}: digest")
-        want = self.digester.tag(root, -1, seq, [buf])
+        want = self.digester.tag(root, -1, seq, [buf], deadline)
         tag = self._tag_tensor(want if self.rank == root else bytes(TAG_BYTES))
         self.inner.broadcast(tag, root, deadline)
         device_ready(self.device, deadline, f"rank {self.rank}: digest")
-        if self.rank != root:
-            self._verify(want, tag, f"the broadcast from rank {root} (broadcast {seq})")
+        if self.rank != root and not hmac.compare_digest(bytes(tag.cpu().numpy()), want):
+            self._fail(f"broadcast {seq} from rank {root}")
 
-    def _verify(self, want: bytes, tag: torch.Tensor, what: str) -> None:
-        if not hmac.compare_digest(bytes(tag.cpu().numpy()), want):
-            raise IntegrityError(f"rank {self.rank}: {what} failed its {self.digester.mode} digest: altered or "
-                                 "corrupted on the way; nothing of this round counts")
+    def _fail(self, what: str) -> None:
+        raise IntegrityError(f"rank {self.rank}: {what} failed its {self.digester.mode} digest: altered or corrupted "
+                             "on the way; nothing of this round counts")
 
     def barrier(self, deadline: float) -> None:
         self.inner.barrier(deadline)
-
-    def finish(self, deadline: float) -> None:
-        self.inner.finish(deadline)
 
     def close(self) -> None:
         self.inner.close()
 
     def abort(self) -> None:
+        self._sent, self._received = [], []
         self.inner.abort()
+
+
+def _per_peer(transfers: list[_Transfer]) -> dict[int, list[_Transfer]]:
+    out: dict[int, list[_Transfer]] = {}
+    for t in transfers:
+        out.setdefault(t.peer, []).append(t)
+    return out

@@ -31,11 +31,23 @@ class _GlooPending(Pending):
         self.works, self.rank = works, rank
 
     def wait(self, deadline: float) -> None:
-        for work in self.works:
-            left = remaining(deadline, f"rank {self.rank}: Gloo bucket")
-            if not work.wait(timedelta(seconds=left)):
-                raise TimeoutError(f"rank {self.rank}: Gloo bucket did not complete in time")
-        self.works = []
+        try:
+            while self.works:
+                left = remaining(deadline, f"rank {self.rank}: Gloo bucket")
+                if not self.works[0].wait(timedelta(seconds=left)):
+                    raise TimeoutError(f"rank {self.rank}: Gloo bucket did not complete in time")
+                self.works.pop(0)
+        except Exception:
+            self.works = []  # see `_finished`
+            raise
+
+
+def _finished(work, seconds: float, what: str) -> None:
+    """Wait for one Gloo work. Nothing here keeps a reference to it once it fails: Gloo closes a
+    group's connections (which is what makes peers fail at once) only when the last work of the
+    aborted group is gone, and a failed wait's frame lives on in the traceback."""
+    if not work.wait(timedelta(seconds=seconds)):
+        raise TimeoutError(f"{what} did not complete in time")
 
 
 def _group(store, prefix: str, rank: int, size: int, bind_host: str, timeout_s: float):
@@ -71,7 +83,7 @@ class GlooTransport(Transport):
             self.bcast = _group(store, f"{prefix}/bcast/", index, len(self.bcast_ranks), bind_host, timeout_s)
         self._closed = False
 
-    def post(self, sends: Ops, recvs: Ops) -> Pending:
+    def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
         check_ops(sends, self.world_size, self.rank, "send")
         check_ops(recvs, self.world_size, self.rank, "receive")
         works = []
@@ -88,14 +100,11 @@ class GlooTransport(Transport):
             raise ValueError(f"rank {self.rank} is not in the broadcast group {self.bcast_ranks}")
         opts = dist.BroadcastOptions()
         opts.rootRank = self.bcast_ranks.index(root)
-        work = self.bcast.broadcast([buf], opts)
-        if not work.wait(timedelta(seconds=remaining(deadline, f"rank {self.rank}: broadcast"))):
-            raise TimeoutError(f"rank {self.rank}: broadcast did not complete in time")
+        _finished(self.bcast.broadcast([buf], opts), remaining(deadline, f"rank {self.rank}: broadcast"),
+                  f"rank {self.rank}: broadcast")
 
     def barrier(self, deadline: float) -> None:
-        work = self.pg.barrier()
-        if not work.wait(timedelta(seconds=remaining(deadline, f"rank {self.rank}: barrier"))):
-            raise TimeoutError(f"rank {self.rank}: barrier did not complete in time")
+        _finished(self.pg.barrier(), remaining(deadline, f"rank {self.rank}: barrier"), f"rank {self.rank}: barrier")
 
     def close(self) -> None:
         self._release("shutdown")

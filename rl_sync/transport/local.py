@@ -18,7 +18,7 @@ class LocalTransport(Transport):
     def __init__(self, device: torch.device):
         self.rank, self.world_size, self.device = 0, 1, torch.device(device)
 
-    def post(self, sends: Ops, recvs: Ops) -> Pending:
+    def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
         raise ValueError("a one-rank group has no peers to send to or receive from")
 
     def broadcast(self, buf: torch.Tensor, root: int, deadline: float) -> None:

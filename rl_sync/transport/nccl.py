@@ -92,7 +92,7 @@ class NcclTransport(Transport):
         self._last: torch.cuda.Event | None = None
         self._closed = False
 
-    def post(self, sends: Ops, recvs: Ops) -> Pending:
+    def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
         nccl = _nccl()
         check_ops(sends, self.world_size, self.rank, "send")
         check_ops(recvs, self.world_size, self.rank, "receive")

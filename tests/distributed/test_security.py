@@ -89,8 +89,8 @@ class FlipOnce:
     def __init__(self, inner):
         self.inner, self.armed = inner, True
 
-    def post(self, sends, recvs):
-        pending, owner = self.inner.post(sends, recvs), self
+    def post(self, sends, recvs, label=""):
+        pending, owner = self.inner.post(sends, recvs, label=label), self
 
         class Flipped:
             def wait(self, deadline):
@@ -123,8 +123,8 @@ def test_a_byte_flipped_on_the_wire_fails_the_round_and_double_buffered_weights_
             sync.push()
         text = str(info.value)
         assert "round 2 (m2n) failed on" in text
-        assert ("worker 1 (rank 3): BucketError: rank 3, round 2 (m2n), bucket 0 (tensors 'w', 'b'): IntegrityError: "
-                "rank 3: the payload from rank ") in text
+        assert ("worker 1 (rank 3): BucketError: rank 3, round 2 (m2n), completing the round: IntegrityError: rank 3: "
+                "bucket 0 (tensors 'w', 'b') from rank ") in text
         assert f"failed its {integrity} digest: altered or corrupted on the way; nothing of this round counts" in text
         g.check(1)  # the live weights are still version 1, bit for bit
         assert sync.versions() == [1, 1]

@@ -46,13 +46,15 @@ def test_a_byte_flipped_in_an_nccl_transfer_is_caught():
     payload = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device=device)
     for flip in (False, True):
         out = torch.zeros_like(payload)
-        pending = transport.post([(0, payload)], [(0, out)])
+        pending = transport.post([(0, payload)], [(0, out)], label="bucket 0")
         pending.inner.wait(deadline_in(30))
         if flip:
             out[12345] ^= 1
-            with pytest.raises(IntegrityError, match=r"^rank 0: the payload from rank 0 \(transfer 1\) failed its keyed"):
-                pending.wait(deadline_in(30))
+        pending.wait(deadline_in(30))
+        if flip:
+            with pytest.raises(IntegrityError, match=r"^rank 0: bucket 0 from rank 0 \(transfer 1\) failed its keyed"):
+                transport.finish(deadline_in(30))
         else:
-            pending.wait(deadline_in(30))
+            transport.finish(deadline_in(30))
             assert torch.equal(out, payload)
     transport.close()

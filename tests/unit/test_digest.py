@@ -35,18 +35,21 @@ def test_nh_matches_its_definition(offset, length):
     assert nh_compress(data[offset:], key).tolist() == nh_reference(bytes(data[offset:].numpy()), key.tolist())
 
 
+D = float("inf")
+
+
 def test_tags_bind_key_peers_sequence_and_every_byte():
     bufs = [torch.arange(100, dtype=torch.uint8)]
     keyed = Digester("keyed", b"k" * 32, label=b"g")
-    tag = keyed.tag(0, 1, 0, bufs)
+    tag = keyed.tag(0, 1, 0, bufs, D)
     flipped = bufs[0].clone()
     flipped[50] ^= 1
-    others = [Digester("keyed", b"j" * 32, label=b"g").tag(0, 1, 0, bufs), keyed.tag(1, 0, 0, bufs),
-              keyed.tag(0, 1, 1, bufs), keyed.tag(0, 1, 0, [flipped]), Digester("keyed", b"k" * 32, label=b"h").tag(0, 1, 0, bufs),
-              Digester("checksum", b"k" * 32, label=b"g").tag(0, 1, 0, bufs)]
+    others = [Digester("keyed", b"j" * 32, label=b"g").tag(0, 1, 0, bufs, D), keyed.tag(1, 0, 0, bufs, D),
+              keyed.tag(0, 1, 1, bufs, D), keyed.tag(0, 1, 0, [flipped], D), Digester("keyed", b"k" * 32, label=b"h").tag(0, 1, 0, bufs, D),
+              Digester("checksum", b"k" * 32, label=b"g").tag(0, 1, 0, bufs, D)]
     assert len({tag, *others}) == 7
-    assert Digester("checksum", b"k" * 32, label=b"g").tag(0, 1, 0, bufs) == \
-        Digester("checksum", b"j" * 32, label=b"g").tag(0, 1, 0, bufs), "a checksum needs no secret"
+    assert Digester("checksum", b"k" * 32, label=b"g").tag(0, 1, 0, bufs, D) == \
+        Digester("checksum", b"j" * 32, label=b"g").tag(0, 1, 0, bufs, D), "a checksum needs no secret"
 
 
 def test_a_flipped_byte_fails_the_bucket_naming_the_sender(served):  # noqa: F811
@@ -63,21 +66,23 @@ def test_a_flipped_byte_fails_the_bucket_naming_the_sender(served):  # noqa: F81
 
         def rank(r: int):
             if r == 0:
-                transports[0].post([(1, payload)], []).wait(deadline_in(30))
+                transports[0].post([(1, payload)], [], label="bucket 3").wait(deadline_in(30))
+                transports[0].finish(deadline_in(30))
                 return None
-            got = transports[1].post([], [(0, out)])
+            got = transports[1].post([], [(0, out)], label="bucket 3")
             got.inner.wait(deadline_in(30))
             if flip:
                 out[7] ^= 0x80  # as a bad link or an attacker would leave it
+            got.wait(deadline_in(30))
             try:
-                got.wait(deadline_in(30))
+                transports[1].finish(deadline_in(30))
             except IntegrityError as exc:
                 return str(exc)
             return torch.equal(out, payload)
 
         result = in_threads(rank, 2)[1]
         if flip:
-            assert result == ("rank 1: the payload from rank 0 (transfer 1) failed its keyed digest: altered or "
+            assert result == ("rank 1: bucket 3 from rank 0 (transfer 1) failed its keyed digest: altered or "
                               "corrupted on the way; nothing of this round counts")
         else:
             assert result is True
