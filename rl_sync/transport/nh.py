@@ -80,8 +80,11 @@ def _blocks(chunk: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         chunk = chunk.clone()
     words = chunk.view(torch.int32).view(-1, BLOCK_WORDS)
     if chunk.is_cuda and _kernel() is not None:
-        out = torch.empty(words.shape[0] * LANES, dtype=torch.int64, device=chunk.device)
-        _kernel()[(words.shape[0],)](words, key, out, WORDS=BLOCK_WORDS, LANES=LANES)
+        blocks = words.shape[0]
+        out = torch.empty(blocks * LANES, dtype=torch.int64, device=chunk.device)
+        grid = (-(-blocks // BLOCKS_PER_PROGRAM),)
+        _kernel()[grid](words, key, out, blocks, WORDS=BLOCK_WORDS, LANES=LANES, PER_PROGRAM=BLOCKS_PER_PROGRAM,
+                        num_warps=8)
         return out
     return _nh_torch(words, key)
 
@@ -96,11 +99,14 @@ def _nh_torch(rows: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.stack(lanes, dim=1).flatten()
 
 
+BLOCKS_PER_PROGRAM = 16
+"""Blocks one Triton program hashes: 16 KiB read as one contiguous tile."""
+
 _KERNEL: list = []
 
 
 def _kernel():
-    """The Triton kernel (one program per block), or None without Triton."""
+    """The Triton kernel, or None without Triton."""
     if not _KERNEL:
         try:
             import triton
@@ -110,18 +116,21 @@ def _kernel():
             return None
 
         @triton.jit
-        def nh_blocks(words_ptr, key_ptr, out_ptr, WORDS: tl.constexpr, LANES: tl.constexpr):
-            block = tl.program_id(0)
+        def nh_blocks(words_ptr, key_ptr, out_ptr, blocks, WORDS: tl.constexpr, LANES: tl.constexpr,
+                      PER_PROGRAM: tl.constexpr):
+            row = tl.program_id(0).to(tl.int64) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)
+            column = tl.arange(0, WORDS)
+            mask = (row < blocks)[:, None]
+            tile = tl.load(words_ptr + row[:, None] * WORDS + column[None, :], mask=mask, other=0)
+            even, odd = tl.split(tl.reshape(tile.to(tl.uint32).to(tl.uint64), (PER_PROGRAM, WORDS // 2, 2)))
             pair = tl.arange(0, WORDS // 2)
-            base = words_ptr + block.to(tl.int64) * WORDS
-            even = tl.load(base + 2 * pair).to(tl.uint32).to(tl.uint64)
-            odd = tl.load(base + 2 * pair + 1).to(tl.uint32).to(tl.uint64)
             for lane in tl.static_range(LANES):
                 k_even = tl.load(key_ptr + 4 * lane + 2 * pair).to(tl.uint64)
                 k_odd = tl.load(key_ptr + 4 * lane + 2 * pair + 1).to(tl.uint64)
-                a = (even + k_even) & 0xFFFFFFFF
-                b = (odd + k_odd) & 0xFFFFFFFF
-                tl.store(out_ptr + block.to(tl.int64) * LANES + lane, tl.sum(a * b, axis=0).to(tl.int64, bitcast=True))
+                a = (even + k_even[None, :]) & 0xFFFFFFFF
+                b = (odd + k_odd[None, :]) & 0xFFFFFFFF
+                total = tl.sum(a * b, axis=1).to(tl.int64, bitcast=True)
+                tl.store(out_ptr + row * LANES + lane, total, mask=row < blocks)
 
         _KERNEL.append(nh_blocks)
     return _KERNEL[0]
