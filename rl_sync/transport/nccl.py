@@ -82,7 +82,7 @@ class NcclTransport(Transport):
         nccl = _nccl()
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         torch.cuda.set_device(self.device)
-        self.stream = torch.cuda.Stream(self.device)
+        self.stream = torch.cuda.Stream(self.device, priority=-1)  # ahead of digest kernels for SMs
         self.comm = nccl.NcclCommunicator(world_size, _comm_id(nccl, unique_id), rank)
         self.bcast_ranks = list(broadcast_ranks)
         self.bcast = None
