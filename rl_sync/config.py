@@ -12,6 +12,7 @@ Typical use::
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +22,21 @@ import dacite
 import yaml
 
 T = TypeVar("T")
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 booleans: only true / false. YAML 1.1 also reads `off`, `on`, `no`, `yes` as
+    booleans, which would turn `integrity: off` or `colocate: off` into False."""
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL]
+                                   for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
 
 
 def parse_overrides(args: Sequence[str]) -> list[tuple[list[str], Any]]:
@@ -39,7 +55,7 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[list[str], Any]]:
             raise ValueError(f"cannot read override {arg!r}: expected 'key=value' or '--key value'")
         if not key:
             raise ValueError(f"override {arg!r} has an empty key")
-        out.append((key.replace("-", "_").split("."), yaml.safe_load(value)))
+        out.append((key.replace("-", "_").split("."), _yaml(value)))
     return out
 
 
@@ -86,7 +102,7 @@ def load_config(path: str | Path, cls: type[T], overrides: Sequence[str] = ()) -
     """Read YAML `path` into dataclass `cls`, after `key=value` overrides."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _yaml(path.read_text()) or {}
     except OSError as exc:
         raise ValueError(f"cannot read config {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:

@@ -44,6 +44,15 @@ def test_overrides_in_both_forms():
         parse_overrides(["oops"])
 
 
+def test_off_on_yes_no_stay_strings_and_only_true_false_are_booleans(tmp_path):
+    from rl_sync.sync_config import SyncConfig
+
+    path = tmp_path / "sync.yaml"
+    path.write_text("integrity: off\ncolocate: off\ndouble_buffer: true\nname: yes\n")
+    cfg = load_config(path, SyncConfig, ["auto_repair=false"])
+    assert (cfg.integrity, cfg.colocate, cfg.double_buffer, cfg.name, cfg.auto_repair) == ("off", "off", True, "yes", False)
+
+
 def test_plan_command_prints_the_report(capsys):
     assert main(["plan", str(CONFIGS / "plan_dense_8b.yaml")]) == 0
     out = capsys.readouterr().out
