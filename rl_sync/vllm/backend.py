@@ -88,14 +88,9 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
         try:
             value = work()
         except Exception as exc:
-            value = ERROR + f"{type(exc).__name__}: {exc}".encode()
+            _put(reply, key, ERROR + f"{type(exc).__name__}: {exc}".encode())
             raise
-        finally:
-            store = store_client(reply)
-            try:
-                store.set(key, value)
-            finally:
-                store.close()
+        _put(reply, key, value)
 
     def init_transfer_engine(self, init_info: RlSyncInitInfo) -> None:
         op, payload = unpack({"op": init_info.op, "payload": init_info.payload})
@@ -170,3 +165,11 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
         if self.rank is not None:
             self.rank._rl_sync_close(abort=False)
             self.rank = None
+
+
+def _put(reply: Rendezvous, key: str, value: bytes) -> None:
+    store = store_client(reply)
+    try:
+        store.set(key, value)
+    finally:
+        store.close()
