@@ -1,6 +1,6 @@
 """A stranger on the network: a plain process that imports neither Ray nor rl-sync.
 
-Run as `python -I stranger.py HOST STORE_PORT LISTENER_PORT...` (isolated mode:
+Run as `python -I stranger.py HOST STORE_PORT LISTENER_PORT...` (STORE_PORT 0: no store; isolated mode:
 nothing of the project is importable). It tries what issue 20 found a stranger
 could do against the rendezvous store: read it as a `torch.distributed`
 `TCPStore` client (listing and reading keys, writing forged records), speak
@@ -62,17 +62,47 @@ def flood(host: str, port: int, count: int) -> int:
     return connected
 
 
+def listening_ports(_actor=None) -> set[int]:
+    """TCP ports the calling process listens on (run inside a rank's actor, before and after it
+    joins a group, to find what the group opened)."""
+    ports = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=int(fd))
+        except OSError:
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                ports.add(sock.getsockname()[1])
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+    return ports
+
+
+def run_stranger(store_port: int, listeners) -> dict:
+    """Run this file as an isolated stranger process against 127.0.0.1; its report."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-I", __file__, "127.0.0.1", str(store_port), *map(str, sorted(listeners))],
+                         capture_output=True, text=True, timeout=240, check=True)
+    return json.loads(run.stdout)
+
+
 def main() -> None:
     host, store_port, listeners = sys.argv[1], int(sys.argv[2]), [int(p) for p in sys.argv[3:]]
-    hello = b"rl-sync-store/1\n" + os.urandom(32)
-    report = {
-        "torch_client": as_torch_client(host, store_port),
-        "junk_reply": raw_reply(host, store_port, b"GET / HTTP/1.0\r\n\r\n" + os.urandom(64)).hex(),
-        # the right greeting, then a guessed proof: the store's own proof (random to us) comes back, nothing else
-        "guessed_proof_reply_bytes": len(raw_reply(host, store_port, hello + os.urandom(32))),
-        "store_flood": flood(host, store_port, STORE_FLOOD),
-        "listener_flood": sum(flood(host, port, LISTENER_FLOOD) for port in listeners),
-    }
+    report = {}
+    if store_port:  # 0: the group has no store (NCCL ids travel through Ray)
+        hello = b"rl-sync-store/1\n" + os.urandom(32)
+        report = {
+            "torch_client": as_torch_client(host, store_port),
+            "junk_reply": raw_reply(host, store_port, b"GET / HTTP/1.0\r\n\r\n" + os.urandom(64)).hex(),
+            # the right greeting, then a guessed proof: the store's own proof (random to us) comes back, nothing else
+            "guessed_proof_reply_bytes": len(raw_reply(host, store_port, hello + os.urandom(32))),
+            "store_flood": flood(host, store_port, STORE_FLOOD),
+        }
+    report["listener_flood"] = sum(flood(host, port, LISTENER_FLOOD) for port in listeners)
     print(json.dumps(report))
 
 

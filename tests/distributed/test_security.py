@@ -8,13 +8,6 @@ digest check: what an attacker on the path (or a bad link) would leave.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import ray
 import torch
@@ -23,28 +16,8 @@ from actors import SyncError
 
 from .harness import Group
 from .recipes import as_bytes, expected, read_all
+from .stranger import listening_ports, run_stranger
 from .test_failures import W
-
-STRANGER = Path(__file__).with_name("stranger.py")
-
-
-def listening_ports(actor) -> set[int]:
-    """TCP ports this process listens on."""
-    ports = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            sock = socket.socket(fileno=int(fd))
-        except OSError:
-            continue
-        try:
-            if sock.type == socket.SOCK_STREAM and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                ports.add(sock.getsockname()[1])
-        except OSError:
-            pass
-        finally:
-            sock.detach()
-    return ports
-
 
 def store_port(coordinator) -> int:
     return ray.get(coordinator.__ray_call__.remote(lambda c: (c._store.port, c._store.refused)))
@@ -61,9 +34,7 @@ def test_a_stranger_cannot_read_write_or_flood_the_group(ray_session):
         g.step(1)
         sync.push()
         port, refused_before = store_port(sync.coordinator)
-        run = subprocess.run([sys.executable, "-I", str(STRANGER), "127.0.0.1", str(port), *map(str, gloo)],
-                             capture_output=True, text=True, timeout=240, check=True)
-        seen = json.loads(run.stdout)
+        seen = run_stranger(port, gloo)
         assert seen["torch_client"].startswith("refused"), seen
         assert seen["junk_reply"] == "", "the store answered a stranger's junk"
         assert seen["guessed_proof_reply_bytes"] == 64, "only the store's own proof (of the stranger's nonce) comes back"

@@ -71,15 +71,23 @@ def test_m2n_over_nccl_between_gpus_bit_exact(gpu_ray):
     from actors import WeightSync
     from rl_sync.sync_config import SyncConfig
 
+    from tests.distributed.stranger import listening_ports, run_stranger
+
     ray = gpu_ray
     pg, trainers, workers = _pairs(ray, 1, 1, same_gpu=False)
     try:
+        before = ray.get([a.call.remote(listening_ports) for a in trainers + workers])
         sync = WeightSync.create(trainers, workers, SyncConfig(transport="nccl", colocate="off", **CONFIG))
         assert sync.summary["transport"] == "nccl" and not sync.summary["cuda_ipc"]
+        after = ray.get([a.call.remote(listening_ports) for a in trainers + workers])
+        opened = {p for old, new in zip(before, after) for p in new - old}  # NCCL's bootstrap and proxy listeners
         for version, mode in ((1, "m2n"), (2, "broadcast"), (3, "m2n")):
             ray.get([t.call.remote(builders.set_version, version) for t in trainers])
             sync.push(mode=mode)
             _check(ray, workers, 1, version)
+            if version == 1:  # a stranger floods what the ranks listen on: later rounds still land
+                assert opened, "NCCL's ranks listen for their peers"
+                assert run_stranger(0, opened)["listener_flood"] == 100 * len(opened)
         sync.close()
     finally:
         _release(ray, pg, trainers + workers)
