@@ -90,13 +90,15 @@ class WeightSync:
     @classmethod
     def create(cls, trainers: list, workers: list, config: SyncConfig | None = None, *, progress: bool = True) -> WeightSync:
         """Start a coordinator, plan, and connect every rank (bounded by `init_timeout_s`);
-        `progress` shows a spinner on the driver's terminal meanwhile."""
+        `progress` shows a spinner on the driver's terminal meanwhile. The coordinator runs on
+        the driver's node: a node that drops off the network then takes ranks out of the round,
+        not the group's control."""
         config = config or SyncConfig()
         if not isinstance(config, SyncConfig):
             raise TypeError(f"WeightSync.create: config must be a SyncConfig, got {type(config).__name__}")
         trainers, workers = list(trainers), list(workers)
         Membership.of(trainers, workers)  # bad entries are refused here, before any actor is reached
-        coordinator = ray.remote(Coordinator).options(num_cpus=0).remote(trainers, workers, config)
+        coordinator = ray.remote(Coordinator).options(num_cpus=0, **_beside_driver()).remote(trainers, workers, config)
         try:
             with Console(stderr=True).status(f"rl-sync: planning and connecting {len(trainers)} trainers and "
                                              f"{len(workers)} workers", spinner="dots") if progress else nullcontext():
@@ -160,3 +162,16 @@ class WeightSync:
             _unwrap(self.coordinator.close.remote(), self.config.init_timeout_s)
         finally:
             ray.kill(self.coordinator)
+
+
+def _beside_driver() -> dict:
+    """Affinity to the driver's node, where the driver has one (not as a Ray client). Hard: Ray
+    2.60 placed a zero-resource actor with soft affinity on another node (seen across network
+    namespaces); it needs no resources, so the driver's node can always take it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        node = ray.get_runtime_context().get_node_id()
+    except Exception:  # Ray client mode: no local node
+        return {}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)} if node else {}

@@ -1,0 +1,182 @@
+"""Drivers run inside node 0's namespace of a `NetnsCluster` (`python -m tests.multihost.scenarios NAME`).
+
+Each scenario places trainer and worker actors on chosen nodes (custom
+resources `node<i>`), syncs with rl-sync across the namespaces over Gloo,
+checks every worker bit-exact against the recipes, and prints one JSON line
+of what it saw for the test to assert on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import ray
+import torch
+
+from actors import InferenceWorker, SyncError, TrainerActor, WeightSync
+from rl_sync.layout import Layout, Mesh, Replicate, Shard
+from rl_sync.sync_config import SyncConfig
+from tests.distributed.recipes import Recipe, as_bytes, expected, read_all, set_version, trainer_build, worker_build
+
+FSDP2 = Layout(Mesh((2,)), (Shard(0),))
+RECIPES = [Recipe("w", torch.bfloat16, (64, 48), FSDP2, Layout(Mesh((2,)), (Shard(1),))),
+           Recipe("b", torch.float32, (48,), FSDP2, Layout(Mesh((2,)), (Replicate(),)))]
+REPLICAS = [Recipe("w", torch.bfloat16, (64, 48), FSDP2, Layout(Mesh((2, 2)), (Replicate(), Shard(1)))),
+            Recipe("b", torch.float32, (48,), FSDP2, Layout(Mesh((2, 2)), (Replicate(), Replicate())))]
+BIG = [Recipe("w", torch.float32, (1024, 2048), FSDP2, Layout(Mesh((2,)), (Shard(1),)))]
+"""8 MiB: long enough on a rate-limited link to take the link down in the middle of a round."""
+
+
+def listeners(_actor=None) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket this process listens on."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=int(fd))
+        except OSError:
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                out.append(sock.getsockname()[:2])
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+    return out
+
+
+def place(recipes, trainer_node: int, worker_nodes: list[int], workers_per_node: int):
+    Trainer, Worker = ray.remote(TrainerActor), ray.remote(InferenceWorker)
+    trainers = [Trainer.options(num_cpus=0.1, resources={f"node{trainer_node}": 1}).remote(i, 2, trainer_build(recipes))
+                for i in range(2)]
+    size = len(worker_nodes) * workers_per_node
+    workers = [Worker.options(num_cpus=0.1, resources={f"node{worker_nodes[k // workers_per_node]}": 1})
+               .remote(k, size, worker_build(recipes)) for k in range(size)]
+    return trainers, workers
+
+
+def step(trainers, recipes, version: int) -> None:
+    ray.get([t.call.remote(set_version, recipes, version) for t in trainers])
+
+
+def exact(workers, recipes, version: int) -> bool:
+    got = ray.get([w.call.remote(read_all) for w in workers])
+    return all(torch.equal(tensors[n], as_bytes(v)) for j, tensors in enumerate(got)
+               for n, v in expected(recipes, j, version).items())
+
+
+def config(**overrides) -> SyncConfig:
+    """Addresses left to Ray (the node addresses), as on a real cluster."""
+    return SyncConfig(**{"init_timeout_s": 60.0, "round_timeout_s": 30.0, **overrides})
+
+
+def two_node(args) -> dict:
+    """Trainers on node 0, a TP2 engine on node 1: three rounds, and where everything listened."""
+    trainers, workers = place(RECIPES, 0, [1], 2)
+    before = ray.get([a.call.remote(listeners) for a in trainers + workers])
+    sync = WeightSync.create(trainers, workers, config())
+    after = ray.get([a.call.remote(listeners) for a in trainers + workers])
+    store = ray.get(sync.coordinator.__ray_call__.remote(lambda c: (c._store.host, ray.util.get_node_ip_address())))
+    rounds = []
+    for version in (1, 2, 3):
+        step(trainers, RECIPES, version)
+        sync.push()
+        rounds.append(exact(workers, RECIPES, version))
+    sync.close()
+    opened = [sorted({a for a, _ in set(new) - set(old)}) for old, new in zip(before, after)]
+    return {"exact": rounds, "store_host": store[0], "coordinator_node": store[1], "gloo_addresses": opened,
+            "transport": sync.summary["transport"]}
+
+
+def replicas(args) -> dict:
+    """Trainers on node 0, one TP2 engine replica on node 1 and one on node 2."""
+    trainers, workers = place(REPLICAS, 0, [1, 2], 2)
+    sync = WeightSync.create(trainers, workers, config())
+    rounds = []
+    for version in (1, 2):
+        step(trainers, REPLICAS, version)
+        sync.push()
+        rounds.append(exact(workers, REPLICAS, version))
+    nodes = ray.get([w.call.remote(lambda self: ray.util.get_node_ip_address()) for w in workers])
+    sync.close()
+    return {"exact": rounds, "worker_nodes": nodes}
+
+
+def _bridge(args, node: int, up: bool) -> None:
+    subprocess.run(["ip", "netns", "exec", f"{args.prefix}br", "ip", "link", "set", f"{args.prefix}p{node}",
+                    "up" if up else "down"], check=True, timeout=30)
+
+
+def _shape(args, node: int, rate: str | None) -> None:
+    """Rate-limit what flows into `node` (on its bridge port), or lift the limit."""
+    port = f"{args.prefix}p{node}"
+    tc = ["tc", "qdisc", "replace", "dev", port, "root", "tbf", "rate", rate, "burst", "64kb", "latency", "500ms"] \
+        if rate else ["tc", "qdisc", "del", "dev", port, "root"]
+    subprocess.run(["ip", "netns", "exec", f"{args.prefix}br", *tc], check=True, timeout=30)
+
+
+def link_down(args) -> dict:
+    """Node 1's link goes down in the middle of a round (slowed to 20 Mbit/s so the round lasts)
+    for `DOWN_S` seconds, longer than the round timeout and shorter than Ray takes to declare a
+    node dead; the round fails, and the next push repairs."""
+    trainers, workers = place(BIG, 0, [1], 2)
+    sync = WeightSync.create(trainers, workers, config(round_timeout_s=4.0, init_timeout_s=30.0))
+    coordinator_node = ray.get(sync.coordinator.__ray_call__.remote(lambda c: ray.util.get_node_ip_address()))
+    step(trainers, BIG, 1)
+    sync.push()
+    _shape(args, 1, "20mbit")
+    step(trainers, BIG, 2)
+    start, outcome = time.monotonic(), {}
+    outage = threading.Timer(1.0, _outage, args=(args, 1))
+    outage.start()
+    try:
+        sync.push()
+        outcome["error"] = None
+    except SyncError as exc:
+        outcome["error"] = str(exc)
+    outcome["seconds"] = time.monotonic() - start
+    outage.join()
+    _shape(args, 1, None)
+    step(trainers, BIG, 3)
+    repaired = sync.push(version=3)
+    result = {**outcome, "repaired_version": repaired.version, "exact_after": exact(workers, BIG, 3),
+              "versions": sync.versions(), "coordinator_node": coordinator_node}
+    sync.close()
+    return result
+
+
+DOWN_S = 6.0
+
+
+def _outage(args, node: int) -> None:
+    _bridge(args, node, up=False)
+    time.sleep(DOWN_S)
+    _bridge(args, node, up=True)
+
+
+SCENARIOS = {"two_node": two_node, "replicas": replicas, "link_down": link_down}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--prefix", required=True)
+    parser.add_argument("--nodes", type=int, required=True)
+    args = parser.parse_args()
+    ray.init(address=args.address, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    try:
+        print(json.dumps(SCENARIOS[args.scenario](args)))
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""rl-sync across Ray nodes in separate network namespaces: real interfaces, a real bridge.
+
+One cluster of three nodes (`netns.NetnsCluster`) serves the module; each test
+runs a driver scenario (`scenarios.py`) inside node 0's namespace. Skipped
+where network namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .netns import NetnsCluster
+
+WHY_NOT = NetnsCluster.usable()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with NetnsCluster(nodes=3) as running:
+        yield running
+
+
+def test_two_nodes_sync_bit_exact_over_the_node_addresses(cluster):
+    seen = cluster.run_driver(["tests.multihost.scenarios", "two_node"], timeout_s=300)
+    assert seen["exact"] == [True, True, True] and seen["transport"] == "gloo"
+    assert seen["store_host"] == seen["coordinator_node"] != "127.0.0.1", "the store binds the coordinator's node address"
+    trainers, workers = seen["gloo_addresses"][:2], seen["gloo_addresses"][2:]
+    assert trainers == [[cluster.ip(0)]] * 2 and workers == [[cluster.ip(1)]] * 2, seen["gloo_addresses"]
+
+
+def test_engine_replicas_on_two_other_nodes_sync_bit_exact(cluster):
+    seen = cluster.run_driver(["tests.multihost.scenarios", "replicas"], timeout_s=300)
+    assert seen["exact"] == [True, True]
+    assert seen["worker_nodes"] == [cluster.ip(1)] * 2 + [cluster.ip(2)] * 2
+
+
+def test_a_link_down_mid_round_fails_in_time_and_the_next_push_repairs(cluster):
+    seen = cluster.run_driver(["tests.multihost.scenarios", "link_down"], timeout_s=600)
+    assert seen["coordinator_node"] == cluster.ip(0), "the coordinator runs beside the driver"
+    assert seen["error"] is not None and "round 2 (m2n) failed on" in seen["error"], seen
+    assert seen["seconds"] < 4.0 + 20, f"the round failed {seen['seconds']:.1f} s after it started: {seen}"
+    assert seen["repaired_version"] == 3 and seen["exact_after"] and seen["versions"] == [3, 3], seen
