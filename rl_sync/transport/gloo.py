@@ -27,19 +27,25 @@ from .base import Ops, Pending, Transport, check_ops, remaining
 
 
 class _GlooPending(Pending):
-    def __init__(self, works: list, rank: int):
+    def __init__(self, works: list[tuple[int, object]], rank: int):
         self.works, self.rank = works, rank
+        """(peer, work) of every transfer still in flight."""
 
     def wait(self, deadline: float) -> None:
         try:
             while self.works:
                 left = remaining(deadline, f"rank {self.rank}: Gloo bucket")
-                if not self.works[0].wait(timedelta(seconds=left)):
+                if not self.works[0][1].wait(timedelta(seconds=left)):
                     raise TimeoutError(f"rank {self.rank}: Gloo bucket did not complete in time")
                 self.works.pop(0)
-        except Exception:
+        except Exception as exc:
+            peers = sorted({peer for peer, _ in self.works})
             self.works = []  # see `_finished`
-            raise
+            raise PeerError(f"transfers with rank(s) {peers} did not complete: {type(exc).__name__}: {exc}") from None
+
+
+class PeerError(ConnectionError):
+    """Transfers with these peers failed or timed out (a dead peer, a link down, a stall)."""
 
 
 def _finished(work, seconds: float, what: str) -> None:
@@ -92,7 +98,7 @@ class GlooTransport(Transport):
             for peer, buf in ops:
                 tag = counts.get(peer, 0)
                 counts[peer] = tag + 1
-                works.append(start([buf], peer, tag))
+                works.append((peer, start([buf], peer, tag)))
         return _GlooPending(works, self.rank)
 
     def broadcast(self, buf: torch.Tensor, root: int, deadline: float) -> None:

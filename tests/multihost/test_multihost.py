@@ -7,6 +7,8 @@ where network namespaces cannot be made.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from .netns import NetnsCluster
@@ -40,4 +42,7 @@ def test_a_link_down_mid_round_fails_in_time_and_the_next_push_repairs(cluster):
     assert seen["coordinator_node"] == cluster.ip(0), "the coordinator runs beside the driver"
     assert seen["error"] is not None and "round 2 (m2n) failed on" in seen["error"], seen
     assert seen["seconds"] < 4.0 + 20, f"the round failed {seen['seconds']:.1f} s after it started: {seen}"
+    named = {int(r) for group in re.findall(r"trainer \d \(rank \d\): .*?transfers with rank\(s\) \[([\d, ]+)\]", seen["error"])
+             for r in group.split(",")}
+    assert named and named <= {2, 3}, f"the trainers name the workers behind the link: {seen['error']}"
     assert seen["repaired_version"] == 3 and seen["exact_after"] and seen["versions"] == [3, 3], seen
