@@ -160,7 +160,64 @@ def _outage(args, node: int) -> None:
     _bridge(args, node, up=True)
 
 
-SCENARIOS = {"two_node": two_node, "replicas": replicas, "link_down": link_down}
+def nodes_stopped(args) -> dict:
+    """Trainers on node 1, a TP2 engine on node 2. Node 2 stops dead: the round fails; Ray starts
+    again there, new workers replace the dead ones and catch up. Then node 1 stops: the round
+    fails and the workers keep the last version, untouched."""
+    from tests.multihost.netns import NetnsCluster
+
+    cluster = NetnsCluster(args.nodes, prefix=args.prefix, temp=args.temp)
+    trainers, workers = place(RECIPES, 1, [2], 2)
+    sync = WeightSync.create(trainers, workers, config(round_timeout_s=10.0, init_timeout_s=30.0))
+    step(trainers, RECIPES, 1)
+    sync.push()
+    out: dict = {}
+    cluster.kill_node(2)
+    out["worker_node_error"] = _failure(sync, trainers, 2)
+    _until_dead(cluster.ip(2))  # else Ray may still place the replacements on the dead node
+    cluster.start_node(2)
+    fresh = _workers_on(RECIPES, 2)
+    for index, worker in enumerate(fresh):
+        sync.replace_worker(index, worker)
+    step(trainers, RECIPES, 3)
+    out["replaced_version"] = sync.push(version=3).version
+    out["replaced_exact"] = exact(fresh, RECIPES, 3)
+    cluster.kill_node(1)
+    out["trainer_node_error"] = _failure(sync, None, 4)
+    out["kept_exact"] = exact(fresh, RECIPES, 3)
+    out["versions"] = sync.versions()
+    sync.close()
+    return out
+
+
+def _until_dead(ip: str, timeout_s: float = 120.0) -> None:
+    """Wait until Ray has marked every node at `ip` dead (its heartbeats missed), bounded."""
+    deadline = time.monotonic() + timeout_s
+    while any(n["Alive"] and n["NodeManagerAddress"] == ip for n in ray.nodes()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Ray did not mark the node at {ip} dead within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def _workers_on(recipes, node: int) -> list:
+    Worker = ray.remote(InferenceWorker)
+    return [Worker.options(num_cpus=0.1, resources={f"node{node}": 1}).remote(k, 2, worker_build(recipes))
+            for k in range(2)]
+
+
+def _failure(sync, trainers, version: int) -> dict:
+    """Push `version` (trainers step first where they live); what failed, and how long it took."""
+    if trainers is not None:
+        step(trainers, RECIPES, version)
+    start = time.monotonic()
+    try:
+        sync.push(version=version)
+        return {"error": None, "seconds": time.monotonic() - start}
+    except SyncError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start}
+
+
+SCENARIOS = {"two_node": two_node, "replicas": replicas, "link_down": link_down, "nodes_stopped": nodes_stopped}
 
 
 def main() -> None:
@@ -169,6 +226,7 @@ def main() -> None:
     parser.add_argument("--address", required=True)
     parser.add_argument("--prefix", required=True)
     parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--temp", required=True)
     args = parser.parse_args()
     ray.init(address=args.address, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})

@@ -46,3 +46,14 @@ def test_a_link_down_mid_round_fails_in_time_and_the_next_push_repairs(cluster):
              for r in group.split(",")}
     assert named and named <= {2, 3}, f"the trainers name the workers behind the link: {seen['error']}"
     assert seen["repaired_version"] == 3 and seen["exact_after"] and seen["versions"] == [3, 3], seen
+
+
+@pytest.mark.slow
+def test_stopped_nodes_fail_the_round_clearly_and_replacements_catch_up(cluster):
+    seen = cluster.run_driver(["tests.multihost.scenarios", "nodes_stopped"], timeout_s=600)
+    worker_side, trainer_side = seen["worker_node_error"], seen["trainer_node_error"]
+    assert worker_side["error"] and "round 2" in worker_side["error"], seen
+    assert seen["replaced_version"] == 3 and seen["replaced_exact"], seen
+    assert trainer_side["error"] and "round 4" in trainer_side["error"], seen
+    assert seen["kept_exact"], "a round whose trainers died wrote nothing into the live weights"
+    assert seen["versions"][-2:] != [4, 4], seen
