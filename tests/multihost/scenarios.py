@@ -217,7 +217,50 @@ def _failure(sync, trainers, version: int) -> dict:
         return {"error": str(exc), "seconds": time.monotonic() - start}
 
 
-SCENARIOS = {"two_node": two_node, "replicas": replicas, "link_down": link_down, "nodes_stopped": nodes_stopped}
+LINK_MODEL = [Recipe(f"layers.{i}.w", torch.bfloat16, (2048, 4096), FSDP2, Layout(Mesh((2,)), (Shard(1),)))
+              for i in range(4)]
+"""64 MiB of bf16 in four tensors, FSDP2 -> TP2."""
+
+
+def _perturb(actor, density: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for sharded in actor.held.values():
+        flat = sharded.local.view(-1)
+        index = torch.randperm(flat.numel(), generator=gen)[: int(flat.numel() * density)]
+        flat[index] = (flat[index].float() + 1.0).to(flat.dtype)
+
+
+def links(args) -> dict:
+    """Seconds and bytes per round in each mode, trainers on node 0 and a TP2 engine on node 0
+    (loopback), on node 1 (a veth through the bridge), and on node 1 behind a 1 Gbit/s limit."""
+    trainers, _ = place(LINK_MODEL, 0, [], 2)
+    out = {}
+    for label, node, rate in (("loopback", 0, None), ("veth", 1, None), ("1 Gbit/s", 1, "1gbit")):
+        workers = _workers_on(LINK_MODEL, node)
+        sync = WeightSync.create(trainers, workers, config(bucket_bytes=16 << 20, round_timeout_s=120.0))
+        sync.push()
+        if rate:
+            _shape(args, node, rate)
+        rows = {}
+        for mode in ("m2n", "broadcast", "sparse", "auto"):
+            rounds = []
+            for seed in range(3):
+                if mode in ("sparse", "auto"):
+                    ray.get([t.call.remote(_perturb, 0.01, seed) for t in trainers])
+                rounds.append(sync.push(mode=mode))
+            mid = sorted(rounds, key=lambda r: r.seconds)[1]
+            rows[mode] = {"seconds": mid.seconds, "worker_bytes": mid.worker_received_bytes,
+                          "encodings": {k: v for r in mid.ranks for k, v in r.encodings.items() if v}}
+        if rate:
+            _shape(args, node, None)
+        sync.close()
+        for w in workers:
+            ray.kill(w)
+        out[label] = rows
+    return out
+
+
+SCENARIOS = {"links": links, "two_node": two_node, "replicas": replicas, "link_down": link_down, "nodes_stopped": nodes_stopped}
 
 
 def main() -> None:
