@@ -30,14 +30,14 @@ from rl_sync.patches import check_patch, route_patch
 from rl_sync.plan import SideSpec, join_specs, plan_model
 from rl_sync.plan_info import PlanInfo
 from rl_sync.push_args import repeated_names
-from rl_sync.rendezvous import StoreServer, new_secret
+from rl_sync.rank.address import interface_address
 from rl_sync.rank.claim import GroupTag
+from rl_sync.rendezvous import StoreServer, new_secret
 from rl_sync.schedule import build_schedule
 from rl_sync.stats import RoundStats
 from rl_sync.sync_config import SyncConfig
-from rl_sync.wire import decode, encode
-
 from rl_sync.vllm.service import Rendezvous
+from rl_sync.wire import decode, encode
 
 from .agreement import check_agreement, colocated_mates, merge_sources, split_sources
 from .calls import Budget, SyncError
@@ -199,7 +199,8 @@ class Coordinator:
 
     def _open_store(self) -> tuple[str, int]:
         cfg = self.config
-        host = cfg.rendezvous_host or ray.util.get_node_ip_address()
+        host = cfg.rendezvous_host or (interface_address(cfg.interface) if cfg.interface
+                                       else ray.util.get_node_ip_address())
         try:
             sock = _listen(host, cfg.rendezvous_port)
         except OSError as exc:
@@ -232,7 +233,7 @@ class Coordinator:
                         transport=transport, store_host=host, store_port=port,
                         prefix=f"rl-sync-{uuid.uuid4().hex[:12]}", nccl_id=ids[0], nccl_broadcast_id=ids[1],
                         timeout_s=cfg.round_timeout_s, baseline_device=cfg.sparse_baseline,
-                        integrity=cfg.integrity, secret=self._secret)
+                        integrity=cfg.integrity, interface=cfg.interface or "", secret=self._secret)
 
     def _nccl_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """Two fresh NCCL ids from trainer 0 (p2p group, broadcast group), or None without NCCL."""

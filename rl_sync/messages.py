@@ -65,6 +65,8 @@ class InitInfo:
     baseline_device: Literal["device", "pinned_cpu"]
     integrity: Integrity
     """The digest every transfer carries (`rl_sync.transport.digest`)."""
+    interface: str
+    """`SyncConfig.interface`, or '' for none."""
     secret: bytes = field(repr=False)
     """The group's secret: opens the rendezvous store and keys the digests. Travels only
     through Ray calls (or a vLLM service's init call); never printed."""

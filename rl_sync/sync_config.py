@@ -48,7 +48,12 @@ class SyncConfig:
     rendezvous_port: int = 0
     """Port of the rendezvous store; 0 picks a free one."""
     bind_host: str | None = None
-    """Address each rank's Gloo device binds; `None`: that rank's Ray node address."""
+    """Address each rank's Gloo device binds; `None`: the address of `interface`, else that
+    rank's Ray node address."""
+    interface: str | None = None
+    """Network interface (e.g. 'eth1') whose IPv4 address each rank binds for Gloo, and the store
+    listens on, on hosts with several; NCCL ranks get it as `NCCL_SOCKET_IFNAME` unless that is
+    set. `bind_host` and `rendezvous_host` take precedence."""
     integrity: str = "keyed"
     """Digest on every transfer, checked before a round counts: `keyed` (HMAC under the group's
     secret: catches tampering and corruption), `checksum` (corruption only), `off`. See the
@@ -83,7 +88,7 @@ class SyncConfig:
         _integer("rendezvous_port", self.rendezvous_port, 0, 65535)
         for field in ("init_timeout_s", "round_timeout_s"):
             check_seconds(f"SyncConfig.{field}", getattr(self, field))
-        for field in ("rendezvous_host", "bind_host"):
+        for field in ("rendezvous_host", "bind_host", "interface"):
             if getattr(self, field) is not None:
                 _text(field, getattr(self, field))
 

@@ -13,6 +13,7 @@ reads both off Ray.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -25,6 +26,7 @@ from ..plan_info import PlanInfo
 from ..transport.cuda_ipc import IpcExport, MappedDestinations, device_uuid
 from ..transport.nccl import new_unique_id
 from ..wire import decode, encode
+from .address import interface_address
 from .claim import Claim, GroupTag
 
 _NONE: Mapping = MappingProxyType({})
@@ -115,7 +117,9 @@ class Participant:
     def _rl_sync_connect(self, init: bytes, plan: bytes, bind_host: str | None, device: str,
                          ipc: bytes | None = None) -> None:
         info = decode(InitInfo, init)
-        host = bind_host or self._rl_sync_node()[1]
+        host = bind_host or (interface_address(info.interface) if info.interface else self._rl_sync_node()[1])
+        if info.interface and info.transport == "nccl":
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", info.interface)
         self._rl_sync_session = RankSession(info, decode(PlanInfo, plan), bind_host=host, device=torch.device(device))
         if ipc is not None:
             self._rl_sync_mapped = MappedDestinations(decode(IpcExport, ipc), torch.device(device))

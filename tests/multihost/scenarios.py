@@ -90,8 +90,18 @@ def two_node(args) -> dict:
         rounds.append(exact(workers, RECIPES, version))
     sync.close()
     opened = [sorted({a for a, _ in set(new) - set(old)}) for old, new in zip(before, after)]
+    by_name = WeightSync.create(trainers, workers, config(interface="eth0"))  # each namespace's one NIC
+    step(trainers, RECIPES, 4)
+    by_name.push()
+    rounds.append(exact(workers, RECIPES, 4))
+    by_name.close()
+    try:
+        WeightSync.create(trainers, workers, config(interface="nope0"))
+        unknown = None
+    except ValueError as exc:
+        unknown = str(exc)
     return {"exact": rounds, "store_host": store[0], "coordinator_node": store[1], "gloo_addresses": opened,
-            "transport": sync.summary["transport"]}
+            "transport": sync.summary["transport"], "unknown_interface": unknown}
 
 
 def replicas(args) -> dict:

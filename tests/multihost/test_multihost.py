@@ -25,7 +25,9 @@ def cluster():
 
 def test_two_nodes_sync_bit_exact_over_the_node_addresses(cluster):
     seen = cluster.run_driver(["tests.multihost.scenarios", "two_node"], timeout_s=300)
-    assert seen["exact"] == [True, True, True] and seen["transport"] == "gloo"
+    assert seen["exact"] == [True, True, True, True] and seen["transport"] == "gloo"  # the 4th by interface name
+    assert seen["unknown_interface"] is not None and "SyncConfig.interface 'nope0' has no IPv4 address" in \
+        seen["unknown_interface"] and "eth0" in seen["unknown_interface"], seen["unknown_interface"]
     assert seen["store_host"] == seen["coordinator_node"] != "127.0.0.1", "the store binds the coordinator's node address"
     trainers, workers = seen["gloo_addresses"][:2], seen["gloo_addresses"][2:]
     assert trainers == [[cluster.ip(0)]] * 2 and workers == [[cluster.ip(1)]] * 2, seen["gloo_addresses"]

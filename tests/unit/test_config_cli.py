@@ -53,6 +53,15 @@ def test_off_on_yes_no_stay_strings_and_only_true_false_are_booleans(tmp_path):
     assert (cfg.integrity, cfg.colocate, cfg.double_buffer, cfg.name, cfg.auto_repair) == ("off", "off", True, "yes", False)
 
 
+def test_an_interface_resolves_to_its_address_or_names_the_ones_there_are():
+    from rl_sync.rank.address import interface_address
+
+    assert interface_address("lo") == "127.0.0.1"
+    with pytest.raises(ValueError, match=r"^SyncConfig.interface 'nope0' has no IPv4 address on .* \(No such device\); "
+                                         r"interfaces here: .*\blo\b"):
+        interface_address("nope0")
+
+
 def test_plan_command_prints_the_report(capsys):
     assert main(["plan", str(CONFIGS / "plan_dense_8b.yaml")]) == 0
     out = capsys.readouterr().out

@@ -24,7 +24,7 @@ LAYOUT = LayoutInfo.of(Layout(Mesh((2,)), (Shard(0),)))
 SAMPLES = [
     InitInfo(rank=1, world_size=4, num_trainers=2, worker_ranks=(2, 3), transport="gloo", store_host="127.0.0.1",
              store_port=1234, prefix="p", nccl_id=(), nccl_broadcast_id=(), timeout_s=5.0, baseline_device="device",
-             integrity="keyed", secret=b"s" * 32),
+             integrity="keyed", interface="", secret=b"s" * 32),
     RoundInfo(3, "sparse", ("a", "b"), 10.0, True),
     RankStats(rank=0, role="trainer", version=1, mode="m2n", seconds=0.5, sent_bytes=10, received_bytes=0,
               zero_copy_bytes=10, staged_bytes=0, local_bytes=0, messages=1, buckets=1, staging_bytes=0,
