@@ -62,10 +62,10 @@ def flood(host: str, port: int, count: int) -> int:
     return connected
 
 
-def listening_ports(_actor=None) -> set[int]:
-    """TCP ports the calling process listens on (run inside a rank's actor, before and after it
-    joins a group, to find what the group opened)."""
-    ports = set()
+def listening_sockets(_actor=None) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket the calling process listens on (run inside a rank's
+    actor, before and after it joins a group, to find what the group opened)."""
+    out = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             sock = socket.socket(fileno=int(fd))
@@ -73,12 +73,17 @@ def listening_ports(_actor=None) -> set[int]:
             continue
         try:
             if sock.type == socket.SOCK_STREAM and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                ports.add(sock.getsockname()[1])
+                out.append(sock.getsockname()[:2])
         except OSError:
             pass
         finally:
             sock.detach()
-    return ports
+    return out
+
+
+def listening_ports(_actor=None) -> set[int]:
+    """The ports of `listening_sockets`."""
+    return {port for _, port in listening_sockets()}
 
 
 def run_stranger(store_port: int, listeners) -> dict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -22,7 +21,16 @@ import torch
 from actors import InferenceWorker, SyncError, TrainerActor, WeightSync
 from rl_sync.layout import Layout, Mesh, Replicate, Shard
 from rl_sync.sync_config import SyncConfig
-from tests.distributed.recipes import Recipe, as_bytes, expected, read_all, set_version, trainer_build, worker_build
+from tests.distributed.recipes import (
+    Recipe,
+    as_bytes,
+    expected,
+    read_all,
+    set_version,
+    trainer_build,
+    worker_build,
+)
+from tests.distributed.stranger import listening_sockets
 
 FSDP2 = Layout(Mesh((2,)), (Shard(0),))
 RECIPES = [Recipe("w", torch.bfloat16, (64, 48), FSDP2, Layout(Mesh((2,)), (Shard(1),))),
@@ -31,24 +39,6 @@ REPLICAS = [Recipe("w", torch.bfloat16, (64, 48), FSDP2, Layout(Mesh((2, 2)), (R
             Recipe("b", torch.float32, (48,), FSDP2, Layout(Mesh((2, 2)), (Replicate(), Replicate())))]
 BIG = [Recipe("w", torch.float32, (1024, 2048), FSDP2, Layout(Mesh((2,)), (Shard(1),)))]
 """8 MiB: long enough on a rate-limited link to take the link down in the middle of a round."""
-
-
-def listeners(_actor=None) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket this process listens on."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            sock = socket.socket(fileno=int(fd))
-        except OSError:
-            continue
-        try:
-            if sock.type == socket.SOCK_STREAM and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                out.append(sock.getsockname()[:2])
-        except OSError:
-            pass
-        finally:
-            sock.detach()
-    return out
 
 
 def place(recipes, trainer_node: int, worker_nodes: list[int], workers_per_node: int):
@@ -79,9 +69,9 @@ def config(**overrides) -> SyncConfig:
 def two_node(args) -> dict:
     """Trainers on node 0, a TP2 engine on node 1: three rounds, and where everything listened."""
     trainers, workers = place(RECIPES, 0, [1], 2)
-    before = ray.get([a.call.remote(listeners) for a in trainers + workers])
+    before = ray.get([a.call.remote(listening_sockets) for a in trainers + workers])
     sync = WeightSync.create(trainers, workers, config())
-    after = ray.get([a.call.remote(listeners) for a in trainers + workers])
+    after = ray.get([a.call.remote(listening_sockets) for a in trainers + workers])
     store = ray.get(sync.coordinator.__ray_call__.remote(lambda c: (c._store.host, ray.util.get_node_ip_address())))
     rounds = []
     for version in (1, 2, 3):
