@@ -17,7 +17,7 @@ import socket
 import sys
 from datetime import timedelta
 
-STORE_FLOOD = 1000
+STORE_FLOOD = 500
 LISTENER_FLOOD = 100
 
 

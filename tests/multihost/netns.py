@@ -49,7 +49,7 @@ class NetnsCluster:
                  temp: str | None = None):
         """A new cluster; with `prefix` and `temp`, a handle on a running one (a driver's view)."""
         self.nodes, self.cpus = nodes, cpus_per_node
-        self.prefix = prefix or f"rls{os.getpid() % 100000}"
+        self.prefix = prefix or f"rls{os.getpid() % 10000}s{subnet}"
         self.subnet = subnet
         self.temp = Path(temp) if temp else Path(tempfile.mkdtemp(prefix="rl-sync-mh-"))
         self.address = f"{self.ip(0)}:{PORT}"
@@ -122,7 +122,7 @@ class NetnsCluster:
         """`python -m args...` inside node 0's namespace, connected to this cluster; the last line
         it prints, as JSON."""
         cmd = ["ip", "netns", "exec", self.ns(0), sys.executable, "-m", *args, "--address", self.address,
-               "--prefix", self.prefix, "--nodes", str(self.nodes), "--temp", str(self.temp)]
+               "--prefix", self.prefix, "--nodes", str(self.nodes), "--temp", str(self.temp), "--subnet", str(self.subnet)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **ENV},
                               cwd=ROOT)
         if done.returncode:

@@ -166,7 +166,7 @@ def nodes_stopped(args) -> dict:
     fails and the workers keep the last version, untouched."""
     from tests.multihost.netns import NetnsCluster
 
-    cluster = NetnsCluster(args.nodes, prefix=args.prefix, temp=args.temp)
+    cluster = NetnsCluster(args.nodes, prefix=args.prefix, temp=args.temp, subnet=args.subnet)
     trainers, workers = place(RECIPES, 1, [2], 2)
     sync = WeightSync.create(trainers, workers, config(round_timeout_s=10.0, init_timeout_s=30.0))
     step(trainers, RECIPES, 1)
@@ -270,6 +270,7 @@ def main() -> None:
     parser.add_argument("--prefix", required=True)
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--temp", required=True)
+    parser.add_argument("--subnet", type=int, required=True)
     args = parser.parse_args()
     ray.init(address=args.address, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
