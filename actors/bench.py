@@ -49,7 +49,9 @@ class BenchConfig:
     sync: SyncConfig = field(default_factory=lambda: SyncConfig(transport="gloo", bucket_bytes=64 << 20))
 
 
-def _perturb(actor, density: float, seed: int) -> None:
+def perturb(actor, density: float, seed: int) -> None:
+    """Run inside a trainer actor: add 1 to a `density` fraction of every held shard's elements
+    (chosen by `seed`), as a training step that changes that fraction would."""
     gen = torch.Generator().manual_seed(seed)
     for sharded in actor.held.values():
         flat = sharded.local.view(-1)
@@ -76,7 +78,7 @@ def run(cfg: BenchConfig, console: Console | None = None) -> dict[str, list[Roun
                 rounds[mode] = []
                 for i in range(cfg.repeat):
                     if mode in ("sparse", "auto"):
-                        ray.get([a.call.remote(_perturb, cfg.density, i) for a in trainers])
+                        ray.get([a.call.remote(perturb, cfg.density, i) for a in trainers])
                     rounds[mode].append(sync.push(mode=mode))
                     progress.advance(task)
         sync.close()

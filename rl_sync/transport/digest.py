@@ -47,9 +47,9 @@ import hashlib
 import hmac
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
@@ -60,6 +60,7 @@ Integrity = Literal["off", "checksum", "keyed"]
 TAG_BYTES = 32
 PUBLIC_KEY = b"rl-sync public checksum key"
 POLL_S = 0.0005
+T = TypeVar("T")
 
 
 class IntegrityError(RuntimeError):
@@ -131,11 +132,11 @@ class _Transfer:
     tag: bytes | None = None
 
 
-def _by_peer(ops: Ops) -> dict[int, list[torch.Tensor]]:
-    """Each peer's buffers in posting order, peers in order of first appearance."""
-    grouped: dict[int, list[torch.Tensor]] = {}
-    for peer, buf in ops:
-        grouped.setdefault(peer, []).append(buf)
+def _by_peer(pairs: Iterable[tuple[int, T]]) -> dict[int, list[T]]:
+    """The values of (peer, value) pairs grouped by peer, in order; peers in order of first appearance."""
+    grouped: dict[int, list[T]] = {}
+    for peer, value in pairs:
+        grouped.setdefault(peer, []).append(value)
     return grouped
 
 
@@ -186,12 +187,14 @@ class DigestTransport(Transport):
         if not sent and not received:
             return
         self._seal(sent, received, deadline)
-        outgoing = [(peer, self._tag_tensor(b"".join(t.tag for t in ts))) for peer, ts in _per_peer(sent).items()]
+        expected = _by_peer((t.peer, t) for t in received)
+        outgoing = [(peer, self._tag_tensor(b"".join(t.tag for t in ts)))
+                    for peer, ts in _by_peer((t.peer, t) for t in sent).items()]
         incoming = [(peer, torch.empty(TAG_BYTES * len(ts), dtype=torch.uint8, device=self.device))
-                    for peer, ts in _per_peer(received).items()]
+                    for peer, ts in expected.items()]
         self.inner.post(outgoing, incoming, label="digests").wait(deadline)
         self.inner.finish(deadline)
-        for (peer, buf), transfers in zip(incoming, _per_peer(received).values()):
+        for (peer, buf), transfers in zip(incoming, expected.values()):
             got = bytes(buf.cpu().numpy())
             for i, transfer in enumerate(transfers):
                 if not hmac.compare_digest(got[TAG_BYTES * i: TAG_BYTES * (i + 1)], transfer.tag):
@@ -237,9 +240,3 @@ class DigestTransport(Transport):
         self._sent, self._received = [], []
         self.inner.abort()
 
-
-def _per_peer(transfers: list[_Transfer]) -> dict[int, list[_Transfer]]:
-    out: dict[int, list[_Transfer]] = {}
-    for t in transfers:
-        out.setdefault(t.peer, []).append(t)
-    return out

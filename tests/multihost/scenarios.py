@@ -19,6 +19,7 @@ import ray
 import torch
 
 from actors import InferenceWorker, SyncError, TrainerActor, WeightSync
+from actors.bench import perturb
 from rl_sync.layout import Layout, Mesh, Replicate, Shard
 from rl_sync.sync_config import SyncConfig
 from tests.distributed.recipes import (
@@ -222,14 +223,6 @@ LINK_MODEL = [Recipe(f"layers.{i}.w", torch.bfloat16, (2048, 4096), FSDP2, Layou
 """64 MiB of bf16 in four tensors, FSDP2 -> TP2."""
 
 
-def _perturb(actor, density: float, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for sharded in actor.held.values():
-        flat = sharded.local.view(-1)
-        index = torch.randperm(flat.numel(), generator=gen)[: int(flat.numel() * density)]
-        flat[index] = (flat[index].float() + 1.0).to(flat.dtype)
-
-
 def links(args) -> dict:
     """Seconds and bytes per round in each mode, trainers on node 0 and a TP2 engine on node 0
     (loopback), on node 1 (a veth through the bridge), and on node 1 behind a 1 Gbit/s limit."""
@@ -246,7 +239,7 @@ def links(args) -> dict:
             rounds = []
             for seed in range(3):
                 if mode in ("sparse", "auto"):
-                    ray.get([t.call.remote(_perturb, 0.01, seed) for t in trainers])
+                    ray.get([t.call.remote(perturb, 0.01, seed) for t in trainers])
                 rounds.append(sync.push(mode=mode))
             mid = sorted(rounds, key=lambda r: r.seconds)[1]
             rows[mode] = {"seconds": mid.seconds, "worker_bytes": mid.worker_received_bytes,
