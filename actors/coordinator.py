@@ -162,9 +162,7 @@ class Coordinator:
         world = sum(m.size for m in self.ranks)
         ipc: list = [None] * world
         if self.ipc:
-            exports = gather(self.workers, lambda m: m.ipc_export(self._slice(worker_devices, m)),
-                             self.budget.left(cfg.init_timeout_s),
-                             "init (CUDA IPC export)")
+            exports = self._ipc_exports(worker_devices)
             for rank, export in zip(self.worker_ranks, exports):
                 ipc[rank] = export
         inits = [encode(replace(info, rank=i)) for i in range(world)]
@@ -175,6 +173,21 @@ class Coordinator:
             return member.connect(inits[lo:hi], plan_ref, cfg.bind_host, devices[lo:hi], ipc[lo:hi], self.reply)
 
         gather(self.ranks, connect, self.budget.left(cfg.init_timeout_s), "init (connect)")
+
+    def _ipc_exports(self, worker_devices: list[str]) -> list[bytes]:
+        """Every colocated worker's export; memory no other process can map fails init saying why
+        (there is no other path: NCCL cannot join two ranks on one GPU)."""
+        timeout = self.config.init_timeout_s
+        try:
+            return gather(self.workers, lambda m: m.ipc_export(self._slice(worker_devices, m), timeout),
+                          self.budget.left(timeout), "init (CUDA IPC export)")
+        except SyncError as exc:
+            if "IpcUnavailable" not in str(exc):
+                raise
+            raise SyncError(f"{exc}\nEvery worker shares its GPU with a trainer, so CUDA IPC is the only path between "
+                            "them (NCCL cannot join two ranks on one GPU). Allocate the workers' weights with "
+                            "PyTorch's caching allocator (expandable segments included) or VMM memory created with "
+                            "a POSIX file-descriptor handle type, or give the workers GPUs of their own.") from None
 
     def _rank_firsts(self) -> dict[int, int]:
         """The first group rank of each member that runs rounds."""
@@ -339,10 +352,12 @@ class Coordinator:
         names = self._plan_names(names)
         version, mode = self._check_push(version, names, mode)
         mode = self._round_mode(mode)
+        start = time.perf_counter()
+        if self.ipc and self._ipc_begin(f"round {version} (CUDA IPC)"):
+            self.needs_full_round = True  # a worker's memory moved: it holds what its engine put there
         if self.needs_full_round:
             names, mode = None, "m2n" if mode in ("sparse", "auto") else mode
         names = None if names is None else tuple(names)
-        start = time.perf_counter()
         try:
             blob = encode(RoundInfo(version, mode, names, self.budget.left(self.config.round_timeout_s), self.sparse_used))
             results = self._run_round(blob, version, names, f"round {version} ({mode})")
@@ -362,8 +377,6 @@ class Coordinator:
         """The round's steps, each bounded by the round timeout (plus 5 s for the ranks to report)
         and by what the push's budget has left."""
         step = self.config.round_timeout_s + 5
-        if self.ipc:
-            gather(self.workers, lambda m: m.ipc_begin(), self.budget.left(step), what)
         results = [decode(RankStats, r) for r in gather(self.ranks, lambda m: m.run(blob, version, self.reply),
                                                         self.budget.left(step), what)]
         if self.ipc:
@@ -374,6 +387,23 @@ class Coordinator:
         if self.config.double_buffer:
             gather(self.workers, lambda m: m.commit(version, self.reply), self.budget.left(step), f"{what} commit")
         return results
+
+    def _ipc_begin(self, what: str) -> bool:
+        """Open the round on every colocated worker; a worker whose memory moved since its export
+        answers a new one, which its trainer maps before any write. True if any moved."""
+        step = self.config.round_timeout_s + 5
+        try:
+            fresh = gather(self.workers, lambda m: m.ipc_begin(), self.budget.left(step), what)
+            moved = {rank: export for rank, export in zip(self.worker_ranks, fresh) if export is not None}
+            if moved:
+                firsts = self._rank_firsts()
+                owner = {firsts[id(m)]: m for m in self.ranks}
+                gather([owner[r] for r in moved], lambda m: m.ipc_remap(moved[firsts[id(m)]]),
+                       self.budget.left(step), f"{what}: mapping moved worker memory")
+        except SyncError:
+            self.broken = what
+            raise
+        return bool(moved)
 
     def push_patches(self, patches: list, version: int | None, budget_s: float | None = None) -> int:
         """Apply flat-index patches (`rl_sync.patches`) on every worker that keeps part of them,

@@ -61,11 +61,14 @@ class ActorMember:
     def apply_patches(self, version: int, patches: Sequence[dict]):
         return self.handle._rl_sync_apply_patches.remote(version, patches[0])
 
-    def ipc_export(self, devices: Sequence[str]):
-        return self.handle._rl_sync_ipc_export.remote(devices[0])
+    def ipc_export(self, devices: Sequence[str], timeout_s: float):
+        return self.handle._rl_sync_ipc_export.remote(devices[0], timeout_s)
 
     def ipc_begin(self):
         return self.handle._rl_sync_ipc_begin.remote()
+
+    def ipc_remap(self, ipc: bytes):
+        return self.handle._rl_sync_ipc_remap.remote(ipc)
 
     def ipc_end(self, version: int, names: tuple[str, ...] | None):
         return self.handle._rl_sync_ipc_end.remote(version, names)
@@ -120,10 +123,10 @@ class ServiceMember:
     def apply_patches(self, version: int, patches: Sequence[dict]):
         self._unsupported("push_patches")
 
-    def ipc_export(self, devices: Sequence[str]):
+    def ipc_export(self, *args):
         self._unsupported("colocated CUDA IPC")
 
-    ipc_begin = ipc_end = ipc_export
+    ipc_begin = ipc_end = ipc_remap = ipc_export
 
 
 def gather(members: Sequence, call: Callable, timeout_s: float, what: str) -> list:

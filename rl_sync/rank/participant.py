@@ -122,8 +122,17 @@ class Participant:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", info.interface)
         self._rl_sync_session = RankSession(info, decode(PlanInfo, plan), bind_host=host, device=torch.device(device))
         if ipc is not None:
-            self._rl_sync_mapped = MappedDestinations(decode(IpcExport, ipc), torch.device(device))
-            self._rl_sync_mapped_dests = self._rl_sync_session.destination_endpoints(self._rl_sync_mapped.views)
+            self._rl_sync_ipc_remap(ipc)
+
+    def _rl_sync_ipc_remap(self, ipc: bytes) -> None:
+        """Map a colocated worker's export (at connect, and again after its memory moved), closing
+        the mapping of the one before."""
+        session = self._rl_sync_session
+        if self._rl_sync_mapped is not None:
+            self._rl_sync_mapped.close()
+            self._rl_sync_mapped = None
+        self._rl_sync_mapped = MappedDestinations(decode(IpcExport, ipc), session.device, session.info.timeout_s)
+        self._rl_sync_mapped_dests = session.destination_endpoints(self._rl_sync_mapped.views)
 
     def _rl_sync_run(self, round_blob: bytes) -> bytes:
         session = self._rl_sync_session

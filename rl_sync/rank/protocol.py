@@ -11,7 +11,9 @@ Order (the coordinator's contract, the same on every rank of a group):
 `_rl_sync_ping` (before a repair), `_rl_sync_describe` for each side the rank
 plays, `_rl_sync_nccl_ids` (trainer 0, NCCL only), `_rl_sync_ipc_export`
 (workers, colocated CUDA IPC only), `_rl_sync_connect`; then per round
-`_rl_sync_ipc_begin`, `_rl_sync_run`, `_rl_sync_ipc_end` (IPC only) and
+`_rl_sync_ipc_begin` (IPC only; a worker whose memory moved answers a new
+export, which its trainer maps with `_rl_sync_ipc_remap` before the round),
+`_rl_sync_run`, `_rl_sync_ipc_end` (IPC only) and
 `_rl_sync_commit` (double buffering only); `_rl_sync_version_of`,
 `_rl_sync_apply_patches` and `_rl_sync_close` between rounds.
 
@@ -45,9 +47,11 @@ class SyncRank(Protocol):
 
     def _rl_sync_apply_patches(self, version: int, patches: dict) -> int: ...
 
-    def _rl_sync_ipc_export(self, device: str) -> bytes: ...
+    def _rl_sync_ipc_export(self, device: str, timeout_s: float = 120.0) -> bytes: ...
 
-    def _rl_sync_ipc_begin(self) -> None: ...
+    def _rl_sync_ipc_begin(self) -> bytes | None: ...
+
+    def _rl_sync_ipc_remap(self, ipc: bytes) -> None: ...
 
     def _rl_sync_ipc_end(self, version: int, names: tuple[str, ...] | None = None) -> None: ...
 

@@ -45,6 +45,7 @@ class WorkerRank(Participant):
     _rl_sync_shadow: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     _rl_sync_version: int | None = None
     _rl_sync_ipc: WorkerExport | None = None
+    _rl_sync_ipc_timeout: float = 120.0
     _rl_sync_round_names: tuple[str, ...] | None = None
     _rl_sync_owners: tuple = ()
 
@@ -65,7 +66,8 @@ class WorkerRank(Participant):
     def _rl_sync_leave(self, abort: bool) -> None:
         self._rl_sync_forget_moved()
         super()._rl_sync_leave(abort)
-        self._rl_sync_cached, self._rl_sync_shadow, self._rl_sync_ipc = None, None, None
+        self._rl_sync_drop_export()
+        self._rl_sync_cached, self._rl_sync_shadow = None, None
         self._rl_sync_fallbacks, self._rl_sync_round_names, self._rl_sync_owners = (), None, ()
 
     def _rl_sync_worker_entries(self, rank: int, size: int, options: dict):
@@ -177,22 +179,41 @@ class WorkerRank(Participant):
     def _rl_sync_version_of(self) -> int | None:
         """The version the live weights fully hold, or None (never synced, torn, in flight, or
         the engine moved a bound tensor since: its new storage holds what the engine put there)."""
-        return None if self._rl_sync_storage_moved() else self._rl_sync_version
+        if self._rl_sync_storage_moved() or (self._rl_sync_ipc is not None and self._rl_sync_ipc.moved()):
+            return None
+        return self._rl_sync_version
 
     def _rl_sync_storage_moved(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of each bound tensor with other storage, shape, strides or dtype than
         when it was bound."""
         return [(name, tensor) for name, tensor, bound in self._rl_sync_owners if geometry(tensor) != bound]
 
-    def _rl_sync_ipc_export(self, device: str) -> bytes:
+    def _rl_sync_ipc_export(self, device: str, timeout_s: float = 120.0) -> bytes:
+        """Export the memory behind this worker's destinations to its colocated trainer
+        (`rl_sync.transport.cuda_ipc`); descriptors wait `timeout_s` seconds to be taken."""
         views = {name: e.tensor for name, e in self._rl_sync_endpoints("worker").items()}
-        self._rl_sync_ipc = WorkerExport(views, torch.device(device))
+        self._rl_sync_drop_export()
+        self._rl_sync_ipc = WorkerExport(views, torch.device(device), timeout_s)
+        self._rl_sync_ipc_timeout = timeout_s
         return encode(self._rl_sync_ipc.export)
 
-    def _rl_sync_ipc_begin(self) -> None:
+    def _rl_sync_drop_export(self) -> None:
+        if self._rl_sync_ipc is not None:
+            self._rl_sync_ipc.close()
+        self._rl_sync_ipc = None
+
+    def _rl_sync_ipc_begin(self) -> bytes | None:
+        """Open a colocated round: the trainer may write once this returns. Returns a new export
+        when the memory behind the bound weights was released and re-allocated since the last
+        one (an engine's sleep and wake): the trainer must map it before writing, and the round
+        must be full (what the new memory holds is the engine's)."""
         self._rl_sync_check_storage()
         self._rl_sync_version = None
+        fresh = None
+        if self._rl_sync_ipc.moved():
+            fresh = self._rl_sync_ipc_export(str(self._rl_sync_ipc.device), self._rl_sync_ipc_timeout)
         self._rl_sync_ipc.begin()
+        return fresh
 
     def _rl_sync_ipc_end(self, version: int, names: tuple[str, ...] | None = None) -> None:
         self._rl_sync_ipc.end()

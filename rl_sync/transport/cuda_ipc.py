@@ -1,50 +1,67 @@
 """CUDA IPC for colocated sync: map a worker's live parameters into its trainer.
 
-The worker exports, once, one IPC handle per caching-allocator segment that
-holds any of its destinations (a handful of segments, however many tensors),
-plus each destination's (segment, byte offset, shape, stride, dtype). The
-trainer on the same GPU opens each segment once and rebuilds every
-destination as a strided view of mapped memory, so the engine writes straight
-into the worker's live parameters, fused slots included.
+The worker exports, once, the memory behind its destinations as *regions*: one
+per `cudaMalloc` allocation (PyTorch's classic caching allocator; a
+`cudaIpcMemHandle` each), and one per run of back-to-back VMM mappings
+(expandable segments, VMM allocators; one POSIX file descriptor per mapping,
+handed over a Unix socket, `rl_sync.transport.fd_passing`). Both kinds may sit
+in one worker. Each destination is (region, byte offset, shape, stride,
+dtype). The trainer on the same GPU opens or maps each region once and
+rebuilds every destination as a strided view, so the engine writes straight
+into the worker's live parameters, fused slots included. Memory no other
+process can map raises `IpcUnavailable` with the reason at export.
 
 Two interprocess CUDA events order the handover: the worker records `ready`
 after its last read of the old weights; the trainer's stream waits on it
 before writing and records `done` after; the worker's stream waits on `done`
 before it reads again.
 
+Memory released and re-allocated between rounds (an engine's sleep and wake)
+keeps its addresses but not its identity: `WorkerExport.moved()` compares
+the driver's buffer id of every exported allocation with the one exported, and
+the worker then exports again and its trainer maps the new export, closing
+the old mapping.
+
 Typical use::
 
-    exported = WorkerExport(views, device)              # worker, at init
-    mapped = MappedDestinations(exported.export, device)  # trainer, at init
+    exported = WorkerExport(views, device, timeout_s=60)            # worker, at init
+    mapped = MappedDestinations(exported.export, device, timeout_s=60)  # trainer, at init
     mapped.views["model.layers.0.mlp.down_proj.weight"]
     exported.begin(); mapped.before_writes(); ...; mapped.after_writes(); exported.end()  # a round
+    mapped.close(); exported.close()
 """
-
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from ..dtypes import dtype_name
+from .cuda_memory import Backing, IpcUnavailable, backings, buffer_id, export_fd, extent_bytes, map_fds
+from .fd_passing import FdOffer, receive_fds
 
 
 @dataclass(frozen=True)
-class IpcSegment:
-    """One allocator segment: its IPC handle and size in bytes."""
+class IpcRegion:
+    """Worker memory the trainer maps as one range: a cudaMalloc allocation (`handle`) or back-to-back
+    VMM mappings (`chunks`: the bytes of each, whose descriptors come over the offer in order)."""
 
-    handle: bytes
+    kind: Literal["legacy", "vmm"]
     nbytes: int
+    handle: bytes = b""
+    chunks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class IpcTensor:
-    """Where one destination lives inside the exported segments."""
+    """Where one destination lives inside the exported regions (`region` -1: no bytes)."""
 
     name: str
-    segment: int
+    region: int
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -56,17 +73,20 @@ class IpcExport:
     """Everything a colocated trainer needs to write into a worker's memory."""
 
     device_uuid: str
-    segments: tuple[IpcSegment, ...]
+    regions: tuple[IpcRegion, ...]
     tensors: tuple[IpcTensor, ...]
     ready_event: bytes
     done_event: bytes
+    fd_path: str = ""
+    """The worker's descriptor offer (VMM regions only)."""
+    fd_token: bytes = field(default=b"", repr=False)
 
 
 def _runtime():
     try:
         from cupy.cuda import runtime
     except ImportError as exc:
-        raise ValueError(f"colocated CUDA IPC needs CuPy: pip install 'rl-sync[cuda12]' or '[cuda13]' ({exc})") from None
+        raise IpcUnavailable(f"colocated CUDA IPC needs CuPy: pip install 'rl-sync[cuda12]' or '[cuda13]' ({exc})") from None
     return runtime
 
 
@@ -75,37 +95,66 @@ def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def _segments(device: torch.device) -> list[tuple[int, int]]:
-    snapshot = torch.cuda.memory_snapshot()
-    return sorted((s["address"], s["total_size"]) for s in snapshot if s["device"] == device.index)
+def _regions(views: Mapping[str, torch.Tensor]) -> tuple[list[list[Backing]], dict[str, tuple[int, int]]]:
+    """The backings of `views` grouped into regions, and each view's (region, offset)."""
+    chunks: dict[int, Backing] = {}
+    for name, view in views.items():
+        if view.numel():
+            chunks.update((b.base, b) for b in backings(view.data_ptr(), extent_bytes(view), f"destination {name!r}"))
+    regions: list[list[Backing]] = []
+    for b in sorted(chunks.values(), key=lambda b: b.base):
+        last = regions[-1][-1] if regions else None
+        if last is not None and b.kind == last.kind == "vmm" and last.base + last.size == b.base:
+            regions[-1].append(b)
+        else:
+            regions.append([b])
+    starts = [r[0].base for r in regions]
+    where = {}
+    for name, view in views.items():
+        i = bisect.bisect_right(starts, view.data_ptr()) - 1
+        where[name] = (i, view.data_ptr() - starts[i]) if view.numel() else (-1, 0)
+    return regions, where
 
 
 class WorkerExport:
-    """The worker side: the export message and the two events it shares."""
+    """The worker side: the export message, the two events it shares, and the descriptor offer."""
 
-    def __init__(self, views: Mapping[str, torch.Tensor], device: torch.device):
-        runtime, device = _runtime(), torch.device(device)
-        segments = _segments(device)
-        starts = [a for a, _ in segments]
-        used: dict[int, int] = {}
-        tensors = []
-        for name, view in views.items():
-            ptr = view.data_ptr()
-            i = bisect.bisect_right(starts, ptr) - 1
-            if i < 0 or ptr >= segments[i][0] + segments[i][1]:
-                raise ValueError(f"destination {name!r} is not in a CUDA caching-allocator segment on {device}")
-            index = used.setdefault(i, len(used))
-            tensors.append(IpcTensor(name, index, ptr - segments[i][0], tuple(view.shape), tuple(view.stride()),
-                                     dtype_name(view.dtype)))
-        order = sorted(used, key=used.get)
-        handles = tuple(IpcSegment(bytes(runtime.ipcGetMemHandle(segments[i][0])), segments[i][1]) for i in order)
+    def __init__(self, views: Mapping[str, torch.Tensor], device: torch.device, timeout_s: float):
+        device = torch.device(device)
+        torch.cuda.synchronize(device)
+        regions, where = _regions(views)
+        self.backings = [b for region in regions for b in region]
+        fds: list[int] = []
+        try:
+            exported = tuple(self._region(region, fds) for region in regions)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self.offer = FdOffer(fds, timeout_s) if fds else None
         self.ready = torch.cuda.Event(interprocess=True)
         self.done = torch.cuda.Event(interprocess=True)
         self.ready.record(torch.cuda.current_stream(device))
         self.done.record(torch.cuda.current_stream(device))
         self.device = device
-        self.export = IpcExport(device_uuid(device), handles, tuple(tensors),
-                                bytes(self.ready.ipc_handle()), bytes(self.done.ipc_handle()))
+        tensors = tuple(IpcTensor(name, *where[name], tuple(v.shape), tuple(v.stride()), dtype_name(v.dtype))
+                        for name, v in views.items())
+        self.export = IpcExport(device_uuid(device), exported, tensors, bytes(self.ready.ipc_handle()),
+                                bytes(self.done.ipc_handle()), self.offer.path if self.offer else "",
+                                self.offer.token if self.offer else b"")
+
+    @staticmethod
+    def _region(region: list[Backing], fds: list[int]) -> IpcRegion:
+        size = sum(b.size for b in region)
+        if region[0].kind == "legacy":
+            return IpcRegion("legacy", size, handle=bytes(_runtime().ipcGetMemHandle(region[0].base)))
+        for b in region:
+            fds.append(export_fd(b.base))
+        return IpcRegion("vmm", size, chunks=tuple(b.size for b in region))
+
+    def moved(self) -> bool:
+        """Whether any exported allocation was released (and perhaps re-allocated) since."""
+        return any(buffer_id(b.base) != b.buffer_id for b in self.backings)
 
     def begin(self) -> None:
         """Mark that every read of the old weights issued so far precedes the writes."""
@@ -115,23 +164,48 @@ class WorkerExport:
         """Make this worker's later work wait for the trainer's writes."""
         torch.cuda.current_stream(self.device).wait_event(self.done)
 
+    def close(self) -> None:
+        """Withdraw descriptors the trainer has not taken."""
+        if self.offer is not None:
+            self.offer.close()
+
 
 class MappedDestinations:
-    """The trainer side: each exported segment opened once, each tensor a view of it."""
+    """The trainer side: each exported region opened or mapped once, each tensor a view of it."""
 
-    def __init__(self, export: IpcExport, device: torch.device):
-        runtime, device = _runtime(), torch.device(device)
+    def __init__(self, export: IpcExport, device: torch.device, timeout_s: float):
+        device = torch.device(device)
         if device_uuid(device) != export.device_uuid:
             raise ValueError(f"colocated worker memory is on GPU {export.device_uuid}, this trainer is on {device_uuid(device)}")
-        self.device, self.pointers = device, []
-        bases = []
-        for seg in export.segments:
-            ptr = runtime.ipcOpenMemHandle(seg.handle)
-            self.pointers.append(ptr)
-            bases.append(_wrap(ptr, seg.nbytes, device))
-        self.views = {t.name: _view(bases[t.segment], t) for t in export.tensors}
+        self.device, self.opened, self.ranges = device, [], []
+        try:
+            bases = self._map(export, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.views = {t.name: _view(bases[t.region] if t.region >= 0 else None, t, device) for t in export.tensors}
         self.ready = torch.cuda.Event.from_ipc_handle(device, export.ready_event)
         self.done = torch.cuda.Event.from_ipc_handle(device, export.done_event)
+
+    def _map(self, export: IpcExport, timeout_s: float) -> list[torch.Tensor]:
+        count = sum(len(r.chunks) for r in export.regions)
+        fds = receive_fds(export.fd_path, export.fd_token, count, timeout_s) if count else []
+        bases = []
+        for region in export.regions:
+            if region.kind == "legacy":
+                self.opened.append(_runtime().ipcOpenMemHandle(region.handle))
+                ptr = self.opened[-1]
+            else:
+                mine, fds = fds[:len(region.chunks)], fds[len(region.chunks):]
+                try:
+                    self.ranges.append(map_fds(mine, region.chunks, self.device.index))
+                except BaseException:
+                    for fd in fds:
+                        os.close(fd)
+                    raise
+                ptr = self.ranges[-1].base
+            bases.append(_wrap(ptr, region.nbytes, self.device))
+        return bases
 
     def before_writes(self) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.ready)
@@ -140,12 +214,13 @@ class MappedDestinations:
         self.done.record(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
+        """Close every opened handle and unmap every mapped range (idempotent)."""
         torch.cuda.synchronize(self.device)
         self.views = {}
-        runtime = _runtime()
-        for ptr in self.pointers:
-            runtime.ipcCloseMemHandle(ptr)
-        self.pointers = []
+        while self.opened:
+            _runtime().ipcCloseMemHandle(self.opened.pop())
+        while self.ranges:
+            self.ranges.pop().close()
 
 
 def _wrap(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -156,8 +231,10 @@ def _wrap(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(array, device=device)
 
 
-def _view(base: torch.Tensor, t: IpcTensor) -> torch.Tensor:
+def _view(base: torch.Tensor | None, t: IpcTensor, device: torch.device) -> torch.Tensor:
     dtype = getattr(torch, t.dtype)
+    if base is None:  # a destination with no elements
+        return torch.empty(0, dtype=dtype, device=device).as_strided(t.shape, t.stride)
     if t.offset % dtype.itemsize:
         raise ValueError(f"destination {t.name!r} starts at byte {t.offset}, not aligned to {t.dtype}")
     span = base.numel() - t.offset

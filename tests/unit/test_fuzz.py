@@ -17,7 +17,7 @@ from rl_sync.plan import TensorSpec, plan_model
 from rl_sync.plan_info import LayoutInfo, PlanInfo
 from rl_sync.schedule import build_schedule
 from rl_sync.sparse import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes
-from rl_sync.transport.cuda_ipc import IpcExport, IpcSegment, IpcTensor
+from rl_sync.transport.cuda_ipc import IpcExport, IpcRegion, IpcTensor
 from rl_sync.wire import decode, encode
 
 LAYOUT = LayoutInfo.of(Layout(Mesh((2,)), (Shard(0),)))
@@ -30,7 +30,8 @@ SAMPLES = [
               zero_copy_bytes=10, staged_bytes=0, local_bytes=0, messages=1, buckets=1, staging_bytes=0,
               baseline_bytes=0, dense_bytes=0, changed_elements=0, encodings={"indices": 1}, fallbacks=0),
     SideReport(0, "cpu", "", (TensorReport("w", "bfloat16", (4, 2), LAYOUT),), {"w": "reload"}, 16),
-    IpcExport("uuid", (IpcSegment(b"\x01" * 64, 1024),), (IpcTensor("w", 0, 512, (4, 2), (2, 1), "bfloat16"),), b"e", b"d"),
+    IpcExport("uuid", (IpcRegion("legacy", 1024, handle=b"\x01" * 64), IpcRegion("vmm", 4 << 21, chunks=(2 << 21, 2 << 21))),
+              (IpcTensor("w", 0, 512, (4, 2), (2, 1), "bfloat16"),), b"e", b"d", "/tmp/x/s", b"t" * 32),
     PlanInfo.from_schedule(build_schedule(plan_model([TensorSpec("w", "float32", (4, 2), LAYOUT.to_layout(),
                                                                  Layout(Mesh((2,), start_rank=2), (Shard(1),)))]))),
 ]

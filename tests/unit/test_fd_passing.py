@@ -1,0 +1,93 @@
+"""Descriptor offers (`rl_sync.transport.fd_passing`): one taker, with the token, same user, bounded."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rl_sync.transport.fd_passing import BATCH, FdOffer, receive_fds
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _pipes(count: int) -> tuple[list[int], list[int]]:
+    pairs = [os.pipe() for _ in range(count)]
+    return [r for r, _ in pairs], [w for _, w in pairs]
+
+
+def test_every_descriptor_arrives_in_order_across_batches_and_the_offer_closes_its_copies():
+    before = _open_fds()
+    reads, writes = _pipes(BATCH + 7)
+    offer = FdOffer(reads, timeout_s=30)
+    assert stat.S_IMODE(os.stat(os.path.dirname(offer.path)).st_mode) == 0o700
+    got = receive_fds(offer.path, offer.token, len(reads), timeout_s=30)
+    assert offer.served.wait(5)
+    offer.close()
+    assert not os.path.exists(offer.path)
+    for i, (fd, w) in enumerate(zip(got, writes)):
+        os.write(w, i.to_bytes(2, "big"))
+        assert int.from_bytes(os.read(fd, 2), "big") == i
+    for fd in got + writes:
+        os.close(fd)
+    assert _open_fds() == before
+
+
+def test_another_process_receives_a_descriptor_and_writes_through_it():
+    read, write = os.pipe()
+    offer = FdOffer([write], timeout_s=30)
+    child = (f"import os, sys; from rl_sync.transport.fd_passing import receive_fds; "
+             f"fd, = receive_fds({offer.path!r}, bytes.fromhex({offer.token.hex()!r}), 1, 30); "
+             f"os.write(fd, b'from the child'); os.close(fd)")
+    subprocess.run([sys.executable, "-c", child], check=True, timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert offer.served.wait(5)
+    offer.close()
+    assert os.read(read, 64) == b"from the child"
+    os.close(read)
+
+
+def test_a_wrong_token_gets_nothing_and_the_right_one_still_does():
+    reads, writes = _pipes(3)
+    offer = FdOffer(reads, timeout_s=30)
+    with pytest.raises(ConnectionError, match=r"ended after 0 of 3"):
+        receive_fds(offer.path, b"x" * 32, 3, timeout_s=5)
+    assert not offer.served.is_set()
+    got = receive_fds(offer.path, offer.token, 3, timeout_s=30)
+    offer.close()
+    assert len(got) == 3
+    for fd in got + writes:
+        os.close(fd)
+
+
+def test_an_offer_nobody_takes_closes_its_descriptors_when_it_times_out():
+    before = _open_fds()
+    reads, writes = _pipes(4)
+    offer = FdOffer(reads, timeout_s=0.3)
+    deadline = time.monotonic() + 10
+    while os.path.exists(offer.path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(offer.path)
+    with pytest.raises(ConnectionError, match=r"receiving 4 descriptors from .* failed"):
+        receive_fds(offer.path, offer.token, 4, timeout_s=1)
+    offer.close()
+    for fd in writes:
+        os.close(fd)
+    assert _open_fds() == before
+
+
+def test_closing_an_offer_withdraws_it_at_once():
+    before = _open_fds()
+    reads, writes = _pipes(2)
+    offer = FdOffer(reads, timeout_s=60)
+    start = time.monotonic()
+    offer.close()
+    assert time.monotonic() - start < 5 and not os.path.exists(offer.path)
+    for fd in writes:
+        os.close(fd)
+    assert _open_fds() == before
