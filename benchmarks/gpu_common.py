@@ -43,9 +43,10 @@ def specs_small(total_bytes: int, count: int) -> list[TensorSpec]:
     return [TensorSpec(f"small.{i}.weight", "bfloat16", (rows, cols), src, dst) for i in range(count)]
 
 
-def pair(specs, same_gpu: bool):
+def pair(specs, same_gpu: bool, env: dict | None = None):
     """One trainer and one worker actor holding `specs` on CUDA: sharing one GPU (one
-    placement-group bundle, 0.5 GPU each) or on two GPUs (one bundle each)."""
+    placement-group bundle, 0.5 GPU each) or on two GPUs (one bundle each); `env`: environment
+    variables of both (e.g. `PYTORCH_CUDA_ALLOC_CONF`)."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -54,7 +55,7 @@ def pair(specs, same_gpu: bool):
     gpus = 0.5 if same_gpu else 1
 
     def opts(bundle: int) -> dict:
-        return {"num_gpus": gpus, "num_cpus": 0.5,
+        return {"num_gpus": gpus, "num_cpus": 0.5, **({"runtime_env": {"env_vars": env}} if env else {}),
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
 
     Trainer, Worker = ray.remote(TrainerActor), ray.remote(InferenceWorker)

@@ -6,42 +6,7 @@ import pytest
 import torch
 
 from . import builders
-
-CONFIG = dict(rendezvous_host="127.0.0.1", bind_host="127.0.0.1", init_timeout_s=120.0, round_timeout_s=120.0)
-
-
-def _check(ray, workers, size: int, version: int) -> None:
-    for rank, w in enumerate(workers):
-        got = ray.get(w.call.remote(builders.read))
-        for name, want in builders.expected(rank, size, version).items():
-            assert torch.equal(got[name], want), f"worker {rank}: {name} differs at version {version}"
-
-
-def _release(ray, pg, actors) -> None:
-    for actor in actors:
-        ray.kill(actor)
-    ray.util.remove_placement_group(pg)
-
-
-def _pairs(ray, gpus_each: float, count: int, same_gpu: bool):
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from actors import InferenceWorker, TrainerActor
-
-    bundles = [{"GPU": 1, "CPU": 1} for _ in range(count if same_gpu else 2 * count)]
-    pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready(), timeout=120)
-
-    def opts(i):
-        return {"num_gpus": gpus_each, "num_cpus": 0.25,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
-
-    Trainer, Worker = ray.remote(TrainerActor), ray.remote(InferenceWorker)
-    trainers = [Trainer.options(**opts(i)).remote(i, count, builders.trainer_build()) for i in range(count)]
-    workers = [Worker.options(**opts(i if same_gpu else count + i)).remote(i, count, builders.worker_build)
-               for i in range(count)]
-    return pg, trainers, workers
+from .pairs import CONFIG, check, pairs, release
 
 
 @pytest.mark.parametrize("count", [1, 2])
@@ -52,17 +17,17 @@ def test_colocated_cuda_ipc_bit_exact_with_fused_slots(gpu_ray, count):
     from rl_sync.sync_config import SyncConfig
 
     ray = gpu_ray
-    pg, trainers, workers = _pairs(ray, 0.5, count, same_gpu=True)
+    pg, trainers, workers = pairs(ray, 0.5, count, same_gpu=True)
     try:
         sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
         assert sync.summary["cuda_ipc"] and sync.summary["world_size"] == count
         for version in (1, 2):
             ray.get([t.call.remote(builders.set_version, version) for t in trainers])
             sync.push()
-            _check(ray, workers, count, version)
+            check(ray, workers, count, version)
         sync.close()
     finally:
-        _release(ray, pg, trainers + workers)
+        release(ray, pg, trainers + workers)
 
 
 def test_m2n_over_nccl_between_gpus_bit_exact(gpu_ray):
@@ -74,7 +39,7 @@ def test_m2n_over_nccl_between_gpus_bit_exact(gpu_ray):
     from tests.distributed.stranger import listening_ports, run_stranger
 
     ray = gpu_ray
-    pg, trainers, workers = _pairs(ray, 1, 1, same_gpu=False)
+    pg, trainers, workers = pairs(ray, 1, 1, same_gpu=False)
     try:
         before = ray.get([a.call.remote(listening_ports) for a in trainers + workers])
         sync = WeightSync.create(trainers, workers, SyncConfig(transport="nccl", colocate="off", **CONFIG))
@@ -84,13 +49,13 @@ def test_m2n_over_nccl_between_gpus_bit_exact(gpu_ray):
         for version, mode in ((1, "m2n"), (2, "broadcast"), (3, "m2n")):
             ray.get([t.call.remote(builders.set_version, version) for t in trainers])
             sync.push(mode=mode)
-            _check(ray, workers, 1, version)
+            check(ray, workers, 1, version)
             if version == 1:  # a stranger floods what the ranks listen on: later rounds still land
                 seen = run_stranger(0, opened)
                 assert seen["listener_flood"] > 0, f"no listener of {sorted(opened)} took a connection"
         sync.close()
     finally:
-        _release(ray, pg, trainers + workers)
+        release(ray, pg, trainers + workers)
 
 
 @pytest.mark.parametrize("baseline", ["device", "pinned_cpu"])
@@ -99,15 +64,15 @@ def test_sparse_rounds_through_cuda_ipc_with_either_baseline(gpu_ray, baseline):
     from rl_sync.sync_config import SyncConfig
 
     ray = gpu_ray
-    pg, trainers, workers = _pairs(ray, 0.5, 1, same_gpu=True)
+    pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True)
     try:
         sync = WeightSync.create(trainers, workers, SyncConfig(sparse_baseline=baseline, **CONFIG))
         modes = []
         for version in (1, 2, 3):
             ray.get([t.call.remote(builders.set_version, version) for t in trainers])
             modes.append(sync.push(mode="sparse").mode)
-            _check(ray, workers, 1, version)
+            check(ray, workers, 1, version)
         assert modes == ["m2n", "sparse", "sparse"]
         sync.close()
     finally:
-        _release(ray, pg, trainers + workers)
+        release(ray, pg, trainers + workers)
