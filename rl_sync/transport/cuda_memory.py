@@ -86,17 +86,19 @@ def backing(ptr: int, what: str) -> Backing:
     can map (`what` names the tensor in the message)."""
     if _attr(ptr, "IS_LEGACY_CUDA_IPC_CAPABLE"):
         return Backing("legacy", _attr(ptr, "RANGE_START_ADDR"), _attr(ptr, "RANGE_SIZE"), buffer_id(ptr))
-    base, size = _attr(ptr, "MAPPING_BASE_ADDR"), _attr(ptr, "MAPPING_SIZE")
-    if base is None or not size:
-        pool = " (a stream-ordered pool, cudaMallocAsync)" if _attr(ptr, "MEMPOOL_HANDLE") else ""
-        raise IpcUnavailable(f"{what} is in CUDA memory{pool} that neither a cudaIpcMemHandle nor a VMM export "
-                             f"can share")
+    if _attr(ptr, "MEMPOOL_HANDLE"):
+        raise IpcUnavailable(f"{what} is in a stream-ordered CUDA memory pool (cudaMallocAsync, e.g. "
+                             f"PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), which colocated IPC does not map")
+    cu = driver()
+    err, base, size = cu.cuMemGetAddressRange(ptr)  # a VMM address: the one mapping that holds it
+    if err != cu.CUresult.CUDA_SUCCESS or not size:
+        raise IpcUnavailable(f"{what} is in CUDA memory that neither a cudaIpcMemHandle nor a VMM export can share")
     types = _attr(ptr, "ALLOWED_HANDLE_TYPES") or 0
-    if not types & int(driver().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR):
+    if not types & int(cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR):
         raise IpcUnavailable(f"{what} is in CUDA VMM memory (cuMemCreate) allocated without a POSIX file-descriptor "
                              f"handle type (allowed handle types: {types}), as vLLM's sleep-mode allocator allocates; "
                              f"no other process can map it")
-    return Backing("vmm", base, size, buffer_id(ptr))
+    return Backing("vmm", int(base), int(size), buffer_id(ptr))
 
 
 def backings(ptr: int, nbytes: int, what: str) -> list[Backing]:

@@ -141,18 +141,28 @@ def _qkv_untouched(actor) -> bool:
     return all(bool(torch.isnan(actor.held[p].view).all()) for p in builders.FUSED["qkv"])
 
 
-def test_vmm_memory_without_a_shareable_handle_fails_init_saying_why(gpu_ray):
+POOL = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+WHY = {
+    "vmm without a shareable handle": r"destination '[qkv]_proj\.weight' is in CUDA VMM memory \(cuMemCreate\) "
+                                      r"allocated without a POSIX file-descriptor handle type \(allowed handle types: 0\)",
+    "cudaMallocAsync": r"destination '[\w.]+' is in a stream-ordered CUDA memory pool \(cudaMallocAsync",
+}
+
+
+@pytest.mark.parametrize("memory", list(WHY))
+def test_memory_no_other_process_can_map_fails_init_saying_why(gpu_ray, memory):
     from actors import SyncError, WeightSync
     from rl_sync.sync_config import SyncConfig
 
     ray = gpu_ray
-    pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True, worker_build=vmm_worker(shareable=False))
+    pool = memory == "cudaMallocAsync"
+    pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True, worker_build=vmm_worker(shareable=False),
+                                  worker_env=POOL if pool else None)
     try:
         with pytest.raises(SyncError) as info:
             WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
         text = str(info.value)
-        assert re.search(r"destination '[qkv]_proj\.weight' is in CUDA VMM memory \(cuMemCreate\) allocated without "
-                         r"a POSIX file-descriptor handle type \(allowed handle types: 0\)", text), text
+        assert re.search(WHY[memory], text), text
         assert "NCCL cannot join two ranks on one GPU" in text and "CUDA_ERROR" not in text
         assert ray.get(workers[0].call.remote(_qkv_untouched))
     finally:
