@@ -156,8 +156,8 @@ def test_memory_no_other_process_can_map_fails_init_saying_why(gpu_ray, memory):
 
     ray = gpu_ray
     pool = memory == "cudaMallocAsync"
-    pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True, worker_build=vmm_worker(shareable=False),
-                                  worker_env=POOL if pool else None)
+    build = builders.worker_build if pool else vmm_worker(shareable=False)
+    pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True, worker_build=build, worker_env=POOL if pool else None)
     try:
         with pytest.raises(SyncError) as info:
             WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
