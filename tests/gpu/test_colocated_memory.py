@@ -65,15 +65,19 @@ def _open_fds(actor) -> int:
                if os.path.exists(f"/proc/self/fd/{fd}"))
 
 
-def _mapped_addresses(actor) -> list[int]:
-    mapped = actor._rl_sync_mapped
-    return list(mapped.opened) + [r.base for r in mapped.ranges]
-
-
-def _still_mapped(actor, addresses: list[int]) -> list[int]:
+def _mappings(actor) -> list[tuple[int, int]]:
+    """(address, driver buffer id) of each region the trainer has mapped."""
     from rl_sync.transport.cuda_memory import buffer_id
 
-    return [a for a in addresses if buffer_id(a) is not None]
+    mapped = actor._rl_sync_mapped
+    return [(a, buffer_id(a)) for a in list(mapped.opened) + [r.base for r in mapped.ranges]]
+
+
+def _still_mapped(actor, mappings: list[tuple[int, int]]) -> list[int]:
+    """The addresses of `mappings` that still hold the same mapping (a new one may reuse them)."""
+    from rl_sync.transport.cuda_memory import buffer_id
+
+    return [a for a, old in mappings if buffer_id(a) == old]
 
 
 def _set(ray, trainers, version: int) -> None:
@@ -187,7 +191,7 @@ def test_fifty_groups_formed_and_closed_leave_no_descriptor_or_mapping_behind(gp
             _set(ray, trainers, cycle + 1)
             sync.push()
             check(ray, workers, 1, cycle + 1)
-            mapped = ray.get(trainers[0].call.remote(_mapped_addresses))
+            mapped = ray.get(trainers[0].call.remote(_mappings))
             assert len(mapped) >= 2
             if cycle < 50:
                 sync.repair()
