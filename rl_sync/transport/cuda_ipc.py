@@ -116,6 +116,16 @@ def _regions(views: Mapping[str, torch.Tensor]) -> tuple[list[list[Backing]], di
     return regions, where
 
 
+def _swappable(exported: list[Backing], device: torch.device) -> list[Backing]:
+    """The backings whose memory may change under a live tensor: VMM mappings outside PyTorch's
+    own expandable segments (a VMM allocator's, which may release and re-map at the same
+    addresses, as sleep modes do). A cudaMalloc allocation, or PyTorch's expandable memory under
+    a live tensor, is never released while the group holds the tensor."""
+    torch_owned = [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()
+                   if s.get("is_expandable") and s["device"] == device.index]
+    return [b for b in exported if b.kind == "vmm" and not any(lo <= b.base < hi for lo, hi in torch_owned)]
+
+
 class WorkerExport:
     """The worker side: the export message, the two events it shares, and the descriptor offer."""
 
@@ -123,7 +133,7 @@ class WorkerExport:
         device = torch.device(device)
         torch.cuda.synchronize(device)
         regions, where = _regions(views)
-        self.backings = [b for region in regions for b in region]
+        self.watched = _swappable([b for region in regions for b in region], device)
         fds: list[int] = []
         try:
             exported = tuple(self._region(region, fds) for region in regions)
@@ -153,8 +163,9 @@ class WorkerExport:
         return IpcRegion("vmm", size, chunks=tuple(b.size for b in region))
 
     def moved(self) -> bool:
-        """Whether any exported allocation was released (and perhaps re-allocated) since."""
-        return any(buffer_id(b.base) != b.buffer_id for b in self.backings)
+        """Whether memory that can change under a live tensor was released (and perhaps
+        re-allocated) since the export."""
+        return any(buffer_id(b.base) != b.buffer_id for b in self.watched)
 
     def begin(self) -> None:
         """Mark that every read of the old weights issued so far precedes the writes."""
