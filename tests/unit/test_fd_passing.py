@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from rl_sync.transport import fd_passing
 from rl_sync.transport.fd_passing import BATCH, FdOffer, receive_fds
 
 
@@ -42,10 +43,11 @@ def test_every_descriptor_arrives_in_order_across_batches_and_the_offer_closes_i
 def test_another_process_receives_a_descriptor_and_writes_through_it():
     read, write = os.pipe()
     offer = FdOffer([write], timeout_s=30)
-    child = (f"import os, sys; from rl_sync.transport.fd_passing import receive_fds; "
-             f"fd, = receive_fds({offer.path!r}, bytes.fromhex({offer.token.hex()!r}), 1, 30); "
+    child = (f"import importlib.util, os; spec = importlib.util.spec_from_file_location('fdp', {fd_passing.__file__!r}); "
+             f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+             f"fd, = m.receive_fds({offer.path!r}, bytes.fromhex({offer.token.hex()!r}), 1, 30); "
              f"os.write(fd, b'from the child'); os.close(fd)")
-    subprocess.run([sys.executable, "-c", child], check=True, timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    subprocess.run([sys.executable, "-I", "-c", child], check=True, timeout=60)  # no torch: the module alone
     assert offer.served.wait(5)
     offer.close()
     assert os.read(read, 64) == b"from the child"
