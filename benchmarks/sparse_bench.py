@@ -69,11 +69,10 @@ def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int =
         codes = [choose(n, k, 2, allow_dense=True) for k in ks]
         blocks = [torch.empty(encoded_nbytes(code, n, k, 2), dtype=torch.uint8, device=device) for code, k in zip(codes, ks)]
 
-        def encode_all():  # as the engine does: masks, then every count in one host sync, then encode
-            masks = [sparse_codec.changed(c, b) for c, b in zip(cur, base)]
-            counts = torch.stack([m.sum() for m in masks]).tolist()
-            for c, mask, k, blk, code in zip(cur, masks, counts, blocks, codes):
-                sparse_codec.encode(code, c, mask, k, blk)
+        def encode_all():  # as the engine does: changed elements and their count, then the encoding
+            for c, b, blk, code in zip(cur, base, blocks, codes):
+                mask, index = sparse_codec.changed_index(c, b)
+                sparse_codec.encode(code, c, mask, index, blk)
 
         def apply_all():
             for blk, code, k, l in zip(blocks, codes, ks, live):

@@ -32,6 +32,13 @@ def changed(cur: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return (as_bits(cur) != as_bits(base.to(cur.device, non_blocking=True))).reshape(-1)
 
 
+def changed_index(cur: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat bool mask, row-major flat int64 indices) of the elements whose bits differ; the
+    count is the indices' length (the one host sync of a sparse encode on a GPU)."""
+    mask = changed(cur, base)
+    return mask, torch.nonzero(mask).reshape(-1)
+
+
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """One bit per element, little-endian within each byte; trailing bits zero."""
     pad = (-mask.numel()) % 8
@@ -49,29 +56,30 @@ def _up(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def encode(code: int, cur: torch.Tensor, mask: torch.Tensor, k: int, out: torch.Tensor) -> None:
-    """Write transfer `cur` (a box view) encoded as `code` into byte buffer `out`."""
+def encode(code: int, cur: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    """Write transfer `cur` (a box view), whose changed elements are `mask` / at flat `index`
+    (`changed_index`), encoded as `code` into byte buffer `out`; returns the changed values
+    (None for dense)."""
     flat = cur.reshape(-1)
-    size = cur.element_size()
+    size, k = cur.element_size(), index.numel()
     if code == DENSE:
         out[: size * flat.numel()].view(cur.dtype).copy_(flat)
-        return
+        return None
+    values = flat.index_select(0, index)
     if code == BITMAP:
         nbits = _up(-(-flat.numel() // 8))
         out[: -(-flat.numel() // 8)].copy_(pack_bits(mask))
-        out[nbits : nbits + size * k].view(cur.dtype).copy_(flat[mask])
-        return
-    index = torch.nonzero(mask).reshape(-1)  # the one host sync of a sparse encode
-    values = flat.index_select(0, index)
-    if code == INDICES:
+        out[nbits : nbits + size * k].view(cur.dtype).copy_(values)
+    elif code == INDICES:
         out[: 4 * k].view(torch.int32).copy_(index)
         out[_up(4 * k) : _up(4 * k) + size * k].view(cur.dtype).copy_(values)
-        return
-    blocks = -(-flat.numel() // BLOCK)
-    counts, offsets = _up(4 * blocks), _up(4 * blocks) + _up(2 * k)
-    out[: 4 * blocks].view(torch.int32).copy_(torch.bincount(index >> 16, minlength=blocks))
-    out[counts : counts + 2 * k].view(torch.int16).copy_((index & 0xFFFF).to(torch.int32).to(torch.int16))
-    out[offsets : offsets + size * k].view(cur.dtype).copy_(values)
+    else:
+        blocks = -(-flat.numel() // BLOCK)
+        counts, offsets = _up(4 * blocks), _up(4 * blocks) + _up(2 * k)
+        out[: 4 * blocks].view(torch.int32).copy_(torch.bincount(index >> 16, minlength=blocks))
+        out[counts : counts + 2 * k].view(torch.int16).copy_((index & 0xFFFF).to(torch.int32).to(torch.int16))
+        out[offsets : offsets + size * k].view(cur.dtype).copy_(values)
+    return values
 
 
 def decode(code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

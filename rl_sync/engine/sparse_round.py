@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..schedule import Message, RankBucket
-from ..sparse import DENSE, NAMES, check_count, choose, encoded_nbytes
+from ..sparse import DENSE, INDICES, NAMES, check_count, choose, encoded_nbytes
 from ..transport.base import Transport
 from . import sparse_codec
 from .endpoint import Endpoint
@@ -52,33 +52,40 @@ def _wire(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _encode_message(msg: Message, io: SparseIO, counters: SparseCounters, device: torch.device):
+    """(header, payload, changes): `changes` is (segment, flat index, values) of every segment
+    sent sparse, which advances the baseline once the bucket is encoded."""
     views = [(seg, _wire(io.sources[seg.tensor].view(seg.offsets, seg.sizes), io.dtypes[seg.tensor]),
               io.baselines[seg.tensor].view(seg.offsets, seg.sizes)) for seg in msg.segments]
-    masks = [sparse_codec.changed(cur, base) for _, cur, base in views]
-    counts = torch.stack([m.sum() for m in masks]).tolist() if masks else []
+    found = [sparse_codec.changed_index(cur, base) for _, cur, base in views]
     header, blocks, total = [], [], 0
-    for (seg, cur, _), k in zip(views, counts):
+    for (seg, cur, _), (_, index) in zip(views, found):
+        k = index.numel()
         code = choose(cur.numel(), k, cur.element_size(), io.allow_dense)
         header += [code, cur.numel() if code == DENSE else k]  # a dense block carries every element
         size = encoded_nbytes(code, cur.numel(), k, cur.element_size())
-        blocks.append((code, total, size, k))
+        blocks.append((code, total, size))
         total += size
         counters.encodings[NAMES[code]] += 1
         counters.changed += k
         counters.dense_bytes += seg.nbytes
     payload = torch.empty(total, dtype=torch.uint8, device=device)
-    for (code, start, size, k), (_, cur, _), mask in zip(blocks, views, masks):
-        sparse_codec.encode(code, cur, mask, k, payload[start : start + size])
-    return torch.tensor(header, dtype=torch.int64).to(device), payload
+    changes = []
+    for (code, start, size), (seg, cur, _), (mask, index) in zip(blocks, views, found):
+        values = sparse_codec.encode(code, cur, mask, index, payload[start : start + size])
+        changes.append((seg, index, values))
+    return torch.tensor(header, dtype=torch.int64).to(device), payload, changes
 
 
-def _advance_baselines(bucket: RankBucket, io: SparseIO) -> None:
-    """The bucket's sent boxes are now what their receivers hold. Only after every message is
-    encoded: a box sent to several replicas is diffed against the same baseline each time."""
-    for msg in bucket.sends:
-        for seg in msg.segments:
-            io.baselines[seg.tensor].view(seg.offsets, seg.sizes).copy_(
-                io.sources[seg.tensor].view(seg.offsets, seg.sizes), non_blocking=True)
+def _advance_baselines(bucket: RankBucket, io: SparseIO, changes) -> None:
+    """The bucket's sent boxes are now what their receivers hold: the changed elements are
+    written into the baseline (a dense segment's box is copied whole). Only after every message
+    is encoded: a box sent to several replicas is diffed against the same baseline each time."""
+    for seg, index, values in changes:
+        base = io.baselines[seg.tensor].view(seg.offsets, seg.sizes)
+        if values is None:
+            base.copy_(io.sources[seg.tensor].view(seg.offsets, seg.sizes), non_blocking=True)
+        elif index.numel():
+            sparse_codec.apply(INDICES, base, index.to(base.device), values.to(base.device))
 
 
 def _payload_sizes(msg: Message, header: list[int], io: SparseIO, where: str) -> list[tuple[int, int, int, int]]:
@@ -106,14 +113,14 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
     """Headers, then payloads, then validate-all-then-apply (see the module docstring)."""
     device = transport.device
     encoded = [_encode_message(m, io, counters, device) for m in bucket.sends]
-    _advance_baselines(bucket, io)
+    _advance_baselines(bucket, io, [c for _, _, changes in encoded for c in changes])
     headers_in = [torch.empty(2 * len(m.segments), dtype=torch.int64, device=device) for m in bucket.recvs]
     where = describe_bucket(bucket, names)
-    _exchange(transport, [(m.peer, h.view(torch.uint8)) for m, (h, _) in zip(bucket.sends, encoded)],
+    _exchange(transport, [(m.peer, h.view(torch.uint8)) for m, (h, _, _) in zip(bucket.sends, encoded)],
               [(m.peer, h.view(torch.uint8)) for m, h in zip(bucket.recvs, headers_in)], deadline, f"{where} (headers)")
     layouts = [_payload_sizes(m, h.tolist(), io, f"{where}, message from rank {m.peer}") for m, h in zip(bucket.recvs, headers_in)]
     payloads_in = [torch.empty(sum(b[3] for b in blocks), dtype=torch.uint8, device=device) for blocks in layouts]
-    _exchange(transport, [(m.peer, p) for m, (_, p) in zip(bucket.sends, encoded)],
+    _exchange(transport, [(m.peer, p) for m, (_, p, _) in zip(bucket.sends, encoded)],
               [(m.peer, p) for m, p in zip(bucket.recvs, payloads_in)], deadline, where)
     decoded, checks = [], []
     for msg, blocks, payload in zip(bucket.recvs, layouts, payloads_in):
@@ -133,7 +140,7 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
         io.dests[seg.tensor].view(seg.offsets, seg.sizes).copy_(cur)
         io.baselines[seg.tensor].view(seg.offsets, seg.sizes).copy_(cur)
         counters.local_bytes += seg.nbytes
-    counters.sent_bytes += sum(h.numel() * 8 + p.numel() for h, p in encoded)
+    counters.sent_bytes += sum(h.numel() * 8 + p.numel() for h, p, _ in encoded)
     counters.received_bytes += sum(h.numel() * 8 + p.numel() for h, p in zip(headers_in, payloads_in))
     counters.messages += 2 * (len(bucket.sends) + len(bucket.recvs))
     counters.buckets += 1
