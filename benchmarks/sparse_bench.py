@@ -71,8 +71,7 @@ def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int =
 
         def encode_all():  # as the engine does: changed elements and their count, then the encoding
             for c, b, blk, code in zip(cur, base, blocks, codes):
-                mask, index = sparse_codec.changed_index(c, b)
-                sparse_codec.encode(code, c, mask, index, blk)
+                sparse_codec.encode(code, sparse_codec.Changes(c, b), blk)
 
         def apply_all():
             for blk, code, k, l in zip(blocks, codes, ks, live):

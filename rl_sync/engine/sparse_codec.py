@@ -9,6 +9,7 @@ and never triggers a device-side assert.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..sparse import BITMAP, BLOCK, BLOCKED, DENSE, INDICES, encoded_nbytes
@@ -32,15 +33,69 @@ def changed(cur: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return (as_bits(cur) != as_bits(base.to(cur.device, non_blocking=True))).reshape(-1)
 
 
-def changed_index(cur: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat bool mask, row-major flat int64 indices) of the elements whose bits differ; the
-    count is the indices' length (the one host sync of a sparse encode on a GPU)."""
-    mask = changed(cur, base)
-    return mask, torch.nonzero(mask).reshape(-1)
+class Changes:
+    """The elements of a box whose bits differ from its baseline: `count`, and their row-major
+    flat `index` (int64) and `mask` (flat bool), each computed once, when first asked for.
+
+    Contiguous boxes are compared 8 bytes at a time first; while few words differ, only those
+    are looked at element by element, so a low-density box is scanned without a per-element
+    mask of the whole box. Otherwise the elements are compared into a mask, whose count is one
+    reduction: a box that goes dense never builds its index."""
+
+    def __init__(self, cur: torch.Tensor, base: torch.Tensor):
+        self.cur, self.base = cur, base.to(cur.device, non_blocking=True)
+        self._index: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+        words = _words(self.cur), _words(self.base)
+        if words[0] is not None and words[1] is not None:
+            differ = words[0] != words[1]
+            if int(differ.sum()) * SPARSE_WORDS <= differ.numel():
+                self._index = _inside(torch.nonzero(differ).reshape(-1), words, cur)
+        if self._index is None:
+            self._mask = changed(self.cur, self.base)
+            self.count = int(self._mask.sum())  # the one host sync of a sparse encode on a GPU
+        else:
+            self.count = self._index.numel()
+
+    @property
+    def index(self) -> torch.Tensor:
+        if self._index is None:
+            self._index = torch.nonzero(self._mask).reshape(-1)
+        return self._index
+
+    @property
+    def mask(self) -> torch.Tensor:
+        if self._mask is None:
+            self._mask = torch.zeros(self.cur.numel(), dtype=torch.bool, device=self.cur.device)
+            self._mask[self._index] = True
+        return self._mask
+
+
+SPARSE_WORDS = 8
+"""The word path is kept while at most 1 word in this many differs."""
+
+
+def _inside(hot: torch.Tensor, words: tuple[torch.Tensor, torch.Tensor], cur: torch.Tensor) -> torch.Tensor:
+    """Flat element indices of the differing elements inside the differing words `hot`."""
+    per = 8 // cur.element_size()
+    if per == 1:
+        return hot
+    flips = (words[0].index_select(0, hot) ^ words[1].index_select(0, hot)).view(as_bits(cur).dtype)  # 0 where equal
+    inside = torch.nonzero(flips).reshape(-1)
+    return hot[inside // per] * per + inside % per
+
+
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor's bytes as int64 words, when it is contiguous, 8-byte aligned and whole words."""
+    if not t.is_contiguous() or t.element_size() > 8 or t.data_ptr() % 8 or (t.numel() * t.element_size()) % 8:
+        return None
+    return as_bits(t).reshape(-1).view(torch.int64)
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """One bit per element, little-endian within each byte; trailing bits zero."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
     pad = (-mask.numel()) % 8
     bits = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
     weights = (1 << torch.arange(8, device=mask.device, dtype=torch.int32)).to(torch.uint8)
@@ -48,6 +103,9 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The bits of `packed` (`pack_bits`), padded to whole bytes, as uint8 0 / 1."""
+    if packed.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(packed.numpy(), bitorder="little"))[: ((n + 7) // 8) * 8]
     shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
     return ((packed[:, None] >> shifts) & 1).reshape(-1)[: ((n + 7) // 8) * 8]
 
@@ -56,19 +114,20 @@ def _up(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def encode(code: int, cur: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
-    """Write transfer `cur` (a box view), whose changed elements are `mask` / at flat `index`
-    (`changed_index`), encoded as `code` into byte buffer `out`; returns the changed values
-    (None for dense)."""
+def encode(code: int, changes: Changes, out: torch.Tensor) -> torch.Tensor | None:
+    """Write the box `changes` was found in, encoded as `code`, into byte buffer `out`;
+    returns the changed values (None for dense)."""
+    cur = changes.cur
     flat = cur.reshape(-1)
-    size, k = cur.element_size(), index.numel()
+    size, k = cur.element_size(), changes.count
     if code == DENSE:
         out[: size * flat.numel()].view(cur.dtype).copy_(flat)
         return None
+    index = changes.index
     values = flat.index_select(0, index)
     if code == BITMAP:
         nbits = _up(-(-flat.numel() // 8))
-        out[: -(-flat.numel() // 8)].copy_(pack_bits(mask))
+        out[: -(-flat.numel() // 8)].copy_(pack_bits(changes.mask))
         out[nbits : nbits + size * k].view(cur.dtype).copy_(values)
     elif code == INDICES:
         out[: 4 * k].view(torch.int32).copy_(index)

@@ -56,10 +56,10 @@ def _encode_message(msg: Message, io: SparseIO, counters: SparseCounters, device
     sent sparse, which advances the baseline once the bucket is encoded."""
     views = [(seg, _wire(io.sources[seg.tensor].view(seg.offsets, seg.sizes), io.dtypes[seg.tensor]),
               io.baselines[seg.tensor].view(seg.offsets, seg.sizes)) for seg in msg.segments]
-    found = [sparse_codec.changed_index(cur, base) for _, cur, base in views]
+    found = [sparse_codec.Changes(cur, base) for _, cur, base in views]
     header, blocks, total = [], [], 0
-    for (seg, cur, _), (_, index) in zip(views, found):
-        k = index.numel()
+    for (seg, cur, _), box in zip(views, found):
+        k = box.count
         code = choose(cur.numel(), k, cur.element_size(), io.allow_dense)
         header += [code, cur.numel() if code == DENSE else k]  # a dense block carries every element
         size = encoded_nbytes(code, cur.numel(), k, cur.element_size())
@@ -70,9 +70,9 @@ def _encode_message(msg: Message, io: SparseIO, counters: SparseCounters, device
         counters.dense_bytes += seg.nbytes
     payload = torch.empty(total, dtype=torch.uint8, device=device)
     changes = []
-    for (code, start, size), (seg, cur, _), (mask, index) in zip(blocks, views, found):
-        values = sparse_codec.encode(code, cur, mask, index, payload[start : start + size])
-        changes.append((seg, index, values))
+    for (code, start, size), seg, box in zip(blocks, msg.segments, found):
+        values = sparse_codec.encode(code, box, payload[start : start + size])
+        changes.append((seg, None if values is None else box.index, values))
     return torch.tensor(header, dtype=torch.int64).to(device), payload, changes
 
 

@@ -20,10 +20,10 @@ def test_round_trip_on_cuda(code):
     holder = torch.zeros(70_002, 300, dtype=torch.bfloat16, device="cuda")
     live = holder[1:70_001].t()
     live.copy_(base)
-    mask, index = sparse_codec.changed_index(cur, base)
-    k = index.numel()
+    changes = sparse_codec.Changes(cur, base)
+    k = changes.count
     block = torch.empty(encoded_nbytes(code, cur.numel(), k, 2), dtype=torch.uint8, device="cuda")
-    sparse_codec.encode(code, cur, mask, index, block)
+    sparse_codec.encode(code, changes, block)
     index, values, ok = sparse_codec.decode(code, k, cur.numel(), torch.bfloat16, block)
     assert bool(ok)
     sparse_codec.apply(code, live, index, values)

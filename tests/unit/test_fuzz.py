@@ -100,10 +100,10 @@ def test_corrupted_sparse_payloads_never_write_garbage(code, seed, flips):
     cur = base.clone()
     idx = torch.randperm(base.numel(), generator=gen)[:20]
     cur[idx] += 1
-    mask, index = sparse_codec.changed_index(cur, base)
-    k = index.numel()
+    changes = sparse_codec.Changes(cur, base)
+    k = changes.count
     block = torch.zeros(encoded_nbytes(code, base.numel(), k, 4), dtype=torch.uint8)
-    sparse_codec.encode(code, cur, mask, index, block)
+    sparse_codec.encode(code, changes, block)
     for at, bits in flips:
         block[at % block.numel()] ^= bits
     live = base.clone()

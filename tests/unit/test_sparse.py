@@ -12,10 +12,10 @@ from rl_sync.sparse import BITMAP, BLOCKED, DENSE, INDICES, check_count, choose,
 
 
 def _round_trip(code: int, cur: torch.Tensor, base: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    mask, index = sparse_codec.changed_index(cur, base)
-    k = index.numel()
+    changes = sparse_codec.Changes(cur, base)
+    k = changes.count
     block = torch.zeros(encoded_nbytes(code, cur.numel(), k, cur.element_size()), dtype=torch.uint8)
-    sparse_codec.encode(code, cur, mask, index, block)
+    sparse_codec.encode(code, changes, block)
     index, values, ok = sparse_codec.decode(code, k, cur.numel(), cur.dtype, block)
     assert bool(ok)
     sparse_codec.apply(code, live, index, values)
