@@ -103,9 +103,11 @@ def _payload_sizes(msg: Message, header: list[int], io: SparseIO, where: str) ->
 
 
 def _exchange(transport: Transport, sends, recvs, deadline: float, label: str) -> None:
+    """One grouped exchange, complete before the host reads it (digests are checked once, at
+    the round's `finish`)."""
     if sends or recvs:
         transport.post(sends, recvs, label=label).wait(deadline)
-        transport.finish(deadline)
+        transport.complete(deadline)
 
 
 def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, deadline: float, counters: SparseCounters,

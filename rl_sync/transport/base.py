@@ -76,7 +76,13 @@ class Transport(ABC):
         """Block until every rank of the group reaches the barrier."""
 
     def finish(self, deadline: float) -> None:
-        """Block the host until everything posted has completed."""
+        """Block the host until everything posted has completed, and run the checks that close
+        a round (digests); call it at the end of every round."""
+
+    def complete(self, deadline: float) -> None:
+        """Block the host until everything posted has completed, within a round (before the host
+        reads what arrived); the round-closing checks wait for `finish`."""
+        self.finish(deadline)
 
     @abstractmethod
     def close(self) -> None:

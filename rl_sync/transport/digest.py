@@ -179,6 +179,10 @@ class DigestTransport(Transport):
                     transfer.tag = self.digester.tag(src, dst, seq, bufs, deadline)
                 out.append(transfer)
 
+    def complete(self, deadline: float) -> None:
+        """Complete everything posted; the tags wait for `finish`."""
+        self.inner.finish(deadline)
+
     def finish(self, deadline: float) -> None:
         """Complete everything posted, then exchange and check the tags of every transfer since
         the last `finish`; raises `IntegrityError` naming the first bucket and sender that fail."""

@@ -57,8 +57,10 @@ class FlipOnce:
     bucket it receives, after the transfer (what a bad link or an attacker on the path leaves).
     Tags follow payloads, so the first buffer received is always payload."""
 
-    def __init__(self, inner):
-        self.inner, self.armed = inner, True
+    def __init__(self, inner, skip: int = 0, at: float = 0.5):
+        """Flip a bit of the first receive buffer of the (`skip` + 1)-th post that receives, at
+        fraction `at` of the buffer."""
+        self.inner, self.armed, self.skip, self.at = inner, True, skip, at
 
     def post(self, sends, recvs, label=""):
         pending, owner = self.inner.post(sends, recvs, label=label), self
@@ -66,10 +68,12 @@ class FlipOnce:
         class Flipped:
             def wait(self, deadline):
                 pending.wait(deadline)
-                if owner.armed and recvs:
+                if owner.armed and recvs and owner.skip:
+                    owner.skip -= 1
+                elif owner.armed and recvs:
                     owner.armed = False
                     buf = recvs[0][1]
-                    buf[buf.numel() // 2] ^= 0x10
+                    buf[min(buf.numel() - 1, int(buf.numel() * owner.at))] ^= 0x10
 
         return Flipped()
 
@@ -103,6 +107,32 @@ def test_a_byte_flipped_on_the_wire_fails_the_round_and_double_buffered_weights_
         assert sync.push(version=3).version == 3  # repairs first
         g.check(3)
         assert sync.versions() == [3, 3]
+
+
+def _tamper_sparse_payload(actor) -> None:
+    transport = actor._rl_sync_session.transport
+    transport.inner = FlipOnce(transport.inner, skip=1, at=1.0)  # past the headers, in the last value
+
+
+def test_a_flip_in_a_sparse_payload_fails_the_round_at_its_end(ray_session):
+    """Sparse rounds check every digest once, when the round finishes: the flipped value fails
+    the round, and double buffering keeps the live weights."""
+    with Group(W, 2, 2, double_buffer=True, round_timeout_s=10.0) as g:
+        sync = g.connect()
+        g.step(1)
+        assert sync.push(mode="sparse").mode == "m2n"  # the baselines
+        ray.get(g.workers[1].call.remote(_tamper_sparse_payload))
+        g.step(2)
+        with pytest.raises(SyncError) as info:
+            sync.push(mode="sparse")
+        text = str(info.value)
+        assert "worker 1 (rank 3): BucketError: rank 3, round 2 (sparse): IntegrityError: rank 3: bucket 0 " in text
+        assert "failed its keyed digest: altered or corrupted on the way; nothing of this round counts" in text
+        g.check(1)
+        assert sync.versions() == [1, 1]
+        g.step(3)
+        assert sync.push(version=3, mode="sparse").mode == "m2n"  # the repair's round is dense
+        g.check(3)
 
 
 def test_without_a_digest_the_same_flip_goes_unseen(ray_session):
