@@ -159,8 +159,8 @@ def decode(code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor) -
         return _decode_blocked(k, n, dtype, size, block)
     nbits = -(-n // 8)
     bits = unpack_bits(block[:nbits], n)
-    ok = (bits[n:] == 0).all() & (bits[:n].sum() == k)
     index = torch.nonzero(bits[:n]).reshape(-1)
+    ok = (bits[n:] == 0).all() & (index.numel() == k)
     values = block[_up(nbits) : _up(nbits) + size * k].view(dtype)
     return index, values, ok
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..schedule import Message, RankBucket
-from ..sparse import DENSE, INDICES, NAMES, check_count, choose, encoded_nbytes
+from ..sparse import BITMAP, DENSE, INDICES, NAMES, check_count, choose, encoded_nbytes
 from ..transport.base import Transport
 from . import sparse_codec
 from .endpoint import Endpoint
@@ -52,8 +52,8 @@ def _wire(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _encode_message(msg: Message, io: SparseIO, counters: SparseCounters, device: torch.device):
-    """(header, payload, changes): `changes` is (segment, flat index, values) of every segment
-    sent sparse, which advances the baseline once the bucket is encoded."""
+    """(header, payload, changes): `changes` is (segment, code, `Changes`, values) of every
+    segment, which advance the baseline once the bucket is encoded."""
     views = [(seg, _wire(io.sources[seg.tensor].view(seg.offsets, seg.sizes), io.dtypes[seg.tensor]),
               io.baselines[seg.tensor].view(seg.offsets, seg.sizes)) for seg in msg.segments]
     found = [sparse_codec.Changes(cur, base) for _, cur, base in views]
@@ -72,20 +72,21 @@ def _encode_message(msg: Message, io: SparseIO, counters: SparseCounters, device
     changes = []
     for (code, start, size), seg, box in zip(blocks, msg.segments, found):
         values = sparse_codec.encode(code, box, payload[start : start + size])
-        changes.append((seg, None if values is None else box.index, values))
+        changes.append((seg, code, box, values))
     return torch.tensor(header, dtype=torch.int64).to(device), payload, changes
 
 
 def _advance_baselines(bucket: RankBucket, io: SparseIO, changes) -> None:
-    """The bucket's sent boxes are now what their receivers hold: the changed elements are
-    written into the baseline (a dense segment's box is copied whole). Only after every message
-    is encoded: a box sent to several replicas is diffed against the same baseline each time."""
-    for seg, index, values in changes:
+    """The bucket's sent boxes are now what their receivers hold: the changed elements of
+    indexed segments are written into the baseline, bitmap and dense boxes are copied whole.
+    Only after every message is encoded: a box sent to several replicas is diffed against the
+    same baseline each time."""
+    for seg, code, box, values in changes:
         base = io.baselines[seg.tensor].view(seg.offsets, seg.sizes)
-        if values is None:
+        if code in (DENSE, BITMAP):
             base.copy_(io.sources[seg.tensor].view(seg.offsets, seg.sizes), non_blocking=True)
-        elif index.numel():
-            sparse_codec.apply(INDICES, base, index.to(base.device), values.to(base.device))
+        elif box.count:
+            sparse_codec.apply(INDICES, base, box.index.to(base.device), values.to(base.device))
 
 
 def _payload_sizes(msg: Message, header: list[int], io: SparseIO, where: str) -> list[tuple[int, int, int, int]]:
