@@ -76,7 +76,7 @@ def _encode_message(msg: Message, io: SparseIO, counters: SparseCounters, device
     return torch.tensor(header, dtype=torch.int64).to(device), payload, changes
 
 
-def _advance_baselines(bucket: RankBucket, io: SparseIO, changes) -> None:
+def _advance_baselines(io: SparseIO, changes) -> None:
     """The bucket's sent boxes are now what their receivers hold: the changed elements of
     indexed segments are written into the baseline, bitmap and dense boxes are copied whole.
     Only after every message is encoded: a box sent to several replicas is diffed against the
@@ -116,7 +116,7 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
     """Headers, then payloads, then validate-all-then-apply (see the module docstring)."""
     device = transport.device
     encoded = [_encode_message(m, io, counters, device) for m in bucket.sends]
-    _advance_baselines(bucket, io, [c for _, _, changes in encoded for c in changes])
+    _advance_baselines(io, [c for _, _, changes in encoded for c in changes])
     headers_in = [torch.empty(2 * len(m.segments), dtype=torch.int64, device=device) for m in bucket.recvs]
     where = describe_bucket(bucket, names)
     _exchange(transport, [(m.peer, h.view(torch.uint8)) for m, (h, _, _) in zip(bucket.sends, encoded)],

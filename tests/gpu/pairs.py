@@ -17,6 +17,21 @@ def check(ray, workers, size: int, version: int) -> None:
             assert torch.equal(got[name], want), f"worker {rank}: {name} differs at version {version}"
 
 
+def set_versions(ray, trainers, version: int) -> None:
+    """Every trainer's shards at `version` (`builders.set_version`)."""
+    ray.get([t.call.remote(builders.set_version, version) for t in trainers])
+
+
+def sparse_rounds(ray, sync, trainers, workers, versions=(1, 2, 3)) -> list[str]:
+    """One `push(mode="sparse")` per version, each checked bit-exact; the modes that ran."""
+    modes = []
+    for version in versions:
+        set_versions(ray, trainers, version)
+        modes.append(sync.push(mode="sparse").mode)
+        check(ray, workers, len(workers), version)
+    return modes
+
+
 def release(ray, pg, actors) -> None:
     for actor in actors:
         ray.kill(actor)

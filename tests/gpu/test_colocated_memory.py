@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from . import builders
-from .pairs import CONFIG, EXPANDABLE, check, pairs, release
+from .pairs import CONFIG, EXPANDABLE, check, pairs, release, set_versions, sparse_rounds
 from .vmm import BUFFERS, VmmBuffer
 
 MIB = 1 << 20
@@ -80,10 +80,6 @@ def _still_mapped(actor, mappings: list[tuple[int, int]]) -> list[int]:
     return [a for a, old in mappings if buffer_id(a) == old]
 
 
-def _set(ray, trainers, version: int) -> None:
-    ray.get([t.call.remote(builders.set_version, version) for t in trainers])
-
-
 @pytest.mark.parametrize("side", ["worker", "trainer", "both"])
 def test_expandable_segments_on_either_side_dense_and_sparse_bit_exact(gpu_ray, side):
     from actors import WeightSync
@@ -99,12 +95,7 @@ def test_expandable_segments_on_either_side_dense_and_sparse_bit_exact(gpu_ray, 
         assert sync.summary["cuda_ipc"]
         kinds = {kind for kind, _ in ray.get(workers[0].call.remote(_kinds))}
         assert kinds == ({"vmm"} if side != "trainer" else {"legacy"})
-        modes = []
-        for version in (1, 2, 3):
-            _set(ray, trainers, version)
-            modes.append(sync.push(mode="sparse").mode)
-            check(ray, workers, 1, version)
-        assert modes == ["m2n", "sparse", "sparse"]
+        assert sparse_rounds(ray, sync, trainers, workers) == ["m2n", "sparse", "sparse"]
         sync.close()
     finally:
         release(ray, pg, trainers + workers)
@@ -121,7 +112,7 @@ def test_vmm_memory_beside_the_caching_allocator_and_released_and_reallocated_be
         kinds = ray.get(workers[0].call.remote(_kinds))
         assert ("vmm", (32 * MIB, 32 * MIB)) in kinds and any(kind == "legacy" for kind, _ in kinds)
         for version, mode in ((1, "m2n"), (2, "sparse")):  # the first sparse push is dense: it takes the baseline
-            _set(ray, trainers, version)
+            set_versions(ray, trainers, version)
             assert sync.push(mode="sparse").mode == mode
             check(ray, workers, 1, version)
         before = ray.get(workers[0].call.remote(_used))
@@ -129,13 +120,13 @@ def test_vmm_memory_beside_the_caching_allocator_and_released_and_reallocated_be
         held = ray.get(workers[0].call.remote(_used)) - before
         assert held >= 60 * MIB, f"the trainer's mapping should still hold the old 64 MiB, {held / MIB:.1f} MiB held"
         assert sync.versions() == [None]
-        _set(ray, trainers, 3)
+        set_versions(ray, trainers, 3)
         assert sync.push(mode="sparse").mode == "m2n"  # the new memory holds what the engine put there
         check(ray, workers, 1, 3)
         after = ray.get(workers[0].call.remote(_used)) - before
         assert abs(after) < 16 * MIB, f"the old mapping was not released: {after / MIB:.1f} MiB more in use"
         assert sync.versions() == [3]
-        _set(ray, trainers, 4)
+        set_versions(ray, trainers, 4)
         assert sync.push(mode="sparse").mode == "sparse"
         check(ray, workers, 1, 4)
         sync.close()
@@ -188,7 +179,7 @@ def test_fifty_groups_formed_and_closed_leave_no_descriptor_or_mapping_behind(gp
         sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
         counts = []
         for cycle in range(51):
-            _set(ray, trainers, cycle + 1)
+            set_versions(ray, trainers, cycle + 1)
             sync.push()
             check(ray, workers, 1, cycle + 1)
             mapped = ray.get(trainers[0].call.remote(_mappings))

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from . import builders
-from .pairs import CONFIG, check, pairs, release
+from .pairs import CONFIG, check, pairs, release, set_versions, sparse_rounds
 
 
 @pytest.mark.parametrize("count", [1, 2])
@@ -22,7 +21,7 @@ def test_colocated_cuda_ipc_bit_exact_with_fused_slots(gpu_ray, count):
         sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
         assert sync.summary["cuda_ipc"] and sync.summary["world_size"] == count
         for version in (1, 2):
-            ray.get([t.call.remote(builders.set_version, version) for t in trainers])
+            set_versions(ray, trainers, version)
             sync.push()
             check(ray, workers, count, version)
         sync.close()
@@ -47,7 +46,7 @@ def test_m2n_over_nccl_between_gpus_bit_exact(gpu_ray):
         after = ray.get([a.call.remote(listening_ports) for a in trainers + workers])
         opened = {p for old, new in zip(before, after) for p in new - old}  # NCCL's bootstrap and proxy listeners
         for version, mode in ((1, "m2n"), (2, "broadcast"), (3, "m2n")):
-            ray.get([t.call.remote(builders.set_version, version) for t in trainers])
+            set_versions(ray, trainers, version)
             sync.push(mode=mode)
             check(ray, workers, 1, version)
             if version == 1:  # a stranger floods what the ranks listen on: later rounds still land
@@ -67,12 +66,7 @@ def test_sparse_rounds_through_cuda_ipc_with_either_baseline(gpu_ray, baseline):
     pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True)
     try:
         sync = WeightSync.create(trainers, workers, SyncConfig(sparse_baseline=baseline, **CONFIG))
-        modes = []
-        for version in (1, 2, 3):
-            ray.get([t.call.remote(builders.set_version, version) for t in trainers])
-            modes.append(sync.push(mode="sparse").mode)
-            check(ray, workers, 1, version)
-        assert modes == ["m2n", "sparse", "sparse"]
+        assert sparse_rounds(ray, sync, trainers, workers) == ["m2n", "sparse", "sparse"]
         sync.close()
     finally:
         release(ray, pg, trainers + workers)
