@@ -28,6 +28,7 @@ from rl_sync.messages import InitInfo, RankStats, RoundInfo, SideReport
 from rl_sync.parts import parse_part, sharded_dims
 from rl_sync.patches import check_patch, route_patch
 from rl_sync.plan import SideSpec, join_specs, plan_model
+from rl_sync.quant import scale_name
 from rl_sync.plan_info import PlanInfo
 from rl_sync.push_args import repeated_names
 from rl_sync.rank.address import interface_address
@@ -121,7 +122,7 @@ class Coordinator:
         self._choose_colocation(reports[:T], reports[T:])
         check_agreement(reports[T:], ranks=self.worker_ranks)
         sources = split_sources(sources, [t.name for t in reports[T].tensors])
-        destinations = [SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout().remapped(self.worker_ranks))
+        destinations = [SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout().remapped(self.worker_ranks), t.block)
                         for t in reports[T].tensors]
         colocated = any(r < T for r in self.worker_ranks)
         plan = plan_model(join_specs(sources, destinations), colocated=colocated)
@@ -132,6 +133,7 @@ class Coordinator:
             found = parse_part(name)
             if found is not None:
                 self.parts.setdefault(found[0], []).append(name)
+        self.quantized = {plan.specs[i].name: [plan.specs[i].name, scale_name(plan.specs[i].name)] for i in plan.blocks}
         world = sum(m.size for m in self.ranks)
         devices = [r.device for r in reports[:T]] + [reports[T + self.worker_ranks.index(r)].device
                                                     for r in range(T, world)]
@@ -258,8 +260,11 @@ class Coordinator:
         return tuple(ids[0]), tuple(ids[1])
 
     def _plan_names(self, names: list[str] | None) -> list[str] | None:
-        """Checkpoint names as the plan holds them: a tensor bound in parts is its parts."""
-        return None if names is None else [p for n in names for p in self.parts.get(n, [n])]
+        """Checkpoint names as the plan holds them: a tensor bound in parts is its parts, a
+        block-quantized one its values and its scales."""
+        if names is None:
+            return None
+        return [p for n in names for p in self.parts.get(n) or self.quantized.get(n) or [n]]
 
     def _check_push(self, version: int | None, names: list[str] | None, mode: str | None) -> tuple[int, str]:
         """The round's version and requested mode, or `ValueError`; changes nothing."""
@@ -459,6 +464,10 @@ class Coordinator:
         if in_parts:
             raise ValueError(f"push_patches: {in_parts[:5]} are bound in parts on the workers (cut along a dim); "
                              "patches into them are not supported, push(mode='sparse') is")
+        quantized = [n for n in names if n in self.quantized]
+        if quantized:
+            raise ValueError(f"push_patches: {quantized[:5]} are kept block-quantized (FP8) on the workers; patches "
+                             "carry unquantized values, push(mode='sparse') sends changed FP8 values and scales")
 
     def versions(self) -> list[int | None]:
         """The version each worker-side rank's live weights fully hold; None: torn, in flight,

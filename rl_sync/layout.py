@@ -28,10 +28,16 @@ class Shard:
 
     `block=0` (the default, DTensor's semantics): `torch.chunk` sizes. `block=b`:
     position i holds `[i * b, (i + 1) * b)` clipped to the dim, the layout of a
-    vocab-parallel embedding whose rows are padded to `b * axis size`."""
+    vocab-parallel embedding whose rows are padded to `b * axis size`.
+
+    `grid=n` (with `block=b`): this dim indexes the `b`-element blocks of a dim of
+    `n` elements that `Shard(dim)` splits, and position i holds the blocks whose
+    first element its `torch.chunk` piece holds: the scales of a block-quantized
+    tensor laid out like its data (`rl_sync.quant`)."""
 
     dim: int
     block: int = 0
+    grid: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
@@ -41,9 +47,24 @@ class Shard:
             )
         if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block < 0:
             raise ValueError(f"Shard block must be a non-negative int (0: torch.chunk sizes), got {self.block!r}")
+        if not isinstance(self.grid, int) or isinstance(self.grid, bool) or self.grid < 0 or (self.grid and not self.block):
+            raise ValueError(f"Shard grid must be a non-negative int, and needs a block size, got grid={self.grid!r} "
+                             f"with block={self.block!r}")
 
     def __str__(self) -> str:
+        if self.grid:
+            return f"S({self.dim}, grid={self.grid}/{self.block})"
         return f"S({self.dim})" if not self.block else f"S({self.dim}, block={self.block})"
+
+    def piece(self, length: int, parts: int, index: int) -> tuple[int, int]:
+        """`(start, size)` of position `index` of `parts` along a dim of `length`."""
+        if self.grid:
+            start, size = chunk_at(self.grid, parts, index)
+            first, end = -(-start // self.block), -(-(start + size) // self.block)
+            return min(first, length), max(0, min(end, length) - min(first, length))
+        if self.block:
+            return block_at(length, self.block, index)
+        return chunk_at(length, parts, index)
 
 
 @dataclass(frozen=True)
@@ -300,7 +321,14 @@ class Layout:
                     f"in [0, {len(shape)})"
                 )
             sharing = [p for p in self.placements if isinstance(p, Shard) and p.dim == placement.dim]
-            if placement.block and (len(sharing) > 1 or placement.block * self.mesh.shape[axis] < shape[placement.dim]):
+            if placement.grid and (len(sharing) > 1 or -(-placement.grid // placement.block) != shape[placement.dim]):
+                raise ValueError(
+                    f"{what}: {placement} on mesh axis {axis} must be the only axis sharding dim {placement.dim}, "
+                    f"whose size {shape[placement.dim]} must be the {-(-placement.grid // placement.block)} blocks "
+                    f"of {placement.block} in {placement.grid}"
+                )
+            if placement.block and not placement.grid and (
+                    len(sharing) > 1 or placement.block * self.mesh.shape[axis] < shape[placement.dim]):
                 raise ValueError(
                     f"{what}: {placement} on mesh axis {axis} must be the only axis sharding dim "
                     f"{placement.dim} and cover its {shape[placement.dim]} rows (block x axis size >= size)"
@@ -321,10 +349,7 @@ class Layout:
             if isinstance(placement, Replicate):
                 continue
             dim = placement.dim
-            if placement.block:
-                start, size = block_at(sizes[dim], placement.block, coord[axis])
-            else:
-                start, size = chunk_at(sizes[dim], self.mesh.shape[axis], coord[axis])
+            start, size = placement.piece(sizes[dim], self.mesh.shape[axis], coord[axis])
             sizes[dim] = size
             offsets[dim] = offsets[dim] + start if size else shape[dim]
         return Box(tuple(offsets), tuple(sizes))

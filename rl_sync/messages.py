@@ -28,6 +28,8 @@ class TensorReport:
     dtype: str
     shape: tuple[int, ...]
     layout: LayoutInfo
+    block: tuple[int, ...] = ()
+    """A destination keeping it block-quantized: the block size (`rl_sync.quant`)."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ import numpy as np
 
 from .dtypes import check_cast, itemsize
 from .layout import Box, Layout
+from .quant import (FP8_DTYPE, SCALE_DTYPE, SOURCE_DTYPES, check_block, dest_scale_layout, grid_shape, scale_name,
+                    source_scale_layout)
 from .template import Template, TemplateKey, build_template, mesh_overlap, sum_by, template_key
 
 
@@ -57,12 +59,14 @@ def _shape_as_tuple(spec) -> None:
 
 @dataclass(frozen=True)
 class SideSpec:
-    """What one side reports for a tensor: name, dtype name, global shape, layout."""
+    """What one side reports for a tensor: name, dtype name, global shape, layout, and (a
+    destination keeping it block-quantized, `rl_sync.quant`) the quantization block."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     layout: Layout
+    block: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _shape_as_tuple(self)
@@ -70,13 +74,15 @@ class SideSpec:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A tensor to plan: its name, dtype name, global shape and both layouts."""
+    """A tensor to plan: its name, dtype name (the wire's), global shape and both layouts;
+    `block`: the trainers quantize it to FP8 in blocks of this size (`rl_sync.quant`)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     src: Layout
     dst: Layout
+    block: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _shape_as_tuple(self)
@@ -163,9 +169,10 @@ def join_specs(sources: Sequence[SideSpec], destinations: Sequence[SideSpec]) ->
     """Pair what trainers and workers reported, in source order.
 
     The wire carries the destination's dtype: a floating-point source of another
-    width is cast on the sending side (`rl_sync.dtypes.check_cast`). Raises
-    `ValueError` for duplicate names, a name on one side only, a shape on which
-    the sides disagree, or a dtype pair that is not such a cast.
+    width is cast on the sending side (`rl_sync.dtypes.check_cast`), and a destination
+    that keeps a tensor block-quantized gets it as FP8 plus its scale grid, planned as a
+    second tensor (`rl_sync.quant`). Raises `ValueError` for duplicate names, a name on
+    one side only, a shape on which the sides disagree, or a dtype pair that is neither.
     """
     dst_by_name: dict[str, SideSpec] = {}
     for spec in destinations:
@@ -183,12 +190,38 @@ def join_specs(sources: Sequence[SideSpec], destinations: Sequence[SideSpec]) ->
         if tuple(spec.shape) != tuple(other.shape):
             raise ValueError(f"tensor {spec.name!r}: source shape {tuple(spec.shape)!r} and destination shape "
                              f"{tuple(other.shape)!r} disagree")
+        if other.block:
+            joined.extend(quantized_specs(spec, other, dst_by_name.get(scale_name(spec.name))))
+            seen.add(scale_name(spec.name))
+            continue
         check_cast(spec.name, spec.dtype, other.dtype)
         joined.append(TensorSpec(spec.name, other.dtype, tuple(spec.shape), spec.layout, other.layout))
     extra = sorted(set(dst_by_name) - seen)
     if extra:
         raise ValueError(f"tensors {extra[:8]}: bound by the destination but the source does not declare them")
     return joined
+
+
+def quantized_specs(src: SideSpec, dst: SideSpec, scales: SideSpec | None) -> list[TensorSpec]:
+    """The FP8 values and the scale grid of a tensor a destination keeps block-quantized."""
+    what, shape = f"tensor {src.name!r}", tuple(src.shape)
+    block = check_block(tuple(dst.block), what)
+    if src.dtype not in SOURCE_DTYPES:
+        raise ValueError(f"{what}: the destination keeps it as block-quantized {FP8_DTYPE}, which needs a "
+                         f"floating-point source ({', '.join(SOURCE_DTYPES)}); the trainers hold {src.dtype}")
+    if dst.dtype != FP8_DTYPE:
+        raise ValueError(f"{what}: a block-quantized destination must be {FP8_DTYPE}, got {dst.dtype}")
+    grid = grid_shape(shape, block, what)
+    if scales is None or tuple(scales.shape) != grid or scales.dtype != SCALE_DTYPE:
+        seen = "nothing" if scales is None else f"{scales.dtype} {tuple(scales.shape)}"
+        raise ValueError(f"{what}: the destination keeps it block-quantized in {block} blocks, so it must bind "
+                         f"{scale_name(src.name)!r} as {SCALE_DTYPE} {grid}; it binds {seen}")
+    expected = dest_scale_layout(dst.layout, shape, block, what)
+    if scales.layout != expected:
+        raise ValueError(f"{what}: the destination lays its scales out as {scales.layout}; its values' layout "
+                         f"{dst.layout} gives {expected}")
+    return [TensorSpec(src.name, FP8_DTYPE, shape, src.layout, dst.layout, block),
+            TensorSpec(scales.name, SCALE_DTYPE, grid, source_scale_layout(src.layout, shape, block, what), expected)]
 
 
 @dataclass(frozen=True)
@@ -239,6 +272,8 @@ class ModelPlan:
         )
         self.templates: tuple[Template, ...] = tuple(build_template(key) for key in keys)
         self.itemsizes = np.array([itemsize(s.dtype) for s in self.specs], dtype=np.int64)
+        self.blocks = {i: (s.block[0], s.block[1]) for i, s in enumerate(self.specs) if s.block}
+        """Tensors the trainers quantize, by index: their quantization block."""
 
     def __len__(self) -> int:
         return len(self.specs)

@@ -28,26 +28,28 @@ from .schedule import Schedule
 
 @dataclass(frozen=True)
 class LayoutInfo:
-    """A layout on the wire: mesh shape, flat ranks, placements (-1 = Replicate) and
-    each Shard's block size (0: torch.chunk sizes)."""
+    """A layout on the wire: mesh shape, flat ranks, placements (-1 = Replicate), and
+    each Shard's block size (0: torch.chunk sizes) and grid length (0: none)."""
 
     mesh_shape: tuple[int, ...]
     ranks: tuple[int, ...]
     placements: tuple[int, ...]
     blocks: tuple[int, ...]
+    grids: tuple[int, ...]
 
     @classmethod
     def of(cls, layout: Layout) -> LayoutInfo:
         codes = tuple(p.dim if isinstance(p, Shard) else -1 for p in layout.placements)
         blocks = tuple(p.block if isinstance(p, Shard) else 0 for p in layout.placements)
-        return cls(layout.mesh.shape, layout.mesh.ranks, codes, blocks)
+        grids = tuple(p.grid if isinstance(p, Shard) else 0 for p in layout.placements)
+        return cls(layout.mesh.shape, layout.mesh.ranks, codes, blocks, grids)
 
     def to_layout(self) -> Layout:
-        if any(code < -1 for code in self.placements) or len(self.blocks) != len(self.placements):
-            raise ValueError(f"placement codes must be -1 (Replicate) or a dim >= 0, one block each, "
-                             f"got {self.placements} and {self.blocks}")
-        placements = tuple(Replicate() if code == -1 else Shard(code, block)
-                           for code, block in zip(self.placements, self.blocks))
+        if any(code < -1 for code in self.placements) or not len(self.blocks) == len(self.grids) == len(self.placements):
+            raise ValueError(f"placement codes must be -1 (Replicate) or a dim >= 0, one block and grid each, "
+                             f"got {self.placements}, {self.blocks} and {self.grids}")
+        placements = tuple(Replicate() if code == -1 else Shard(code, block, grid)
+                           for code, block, grid in zip(self.placements, self.blocks, self.grids))
         return Layout(Mesh(self.mesh_shape, ranks=self.ranks), placements)
 
 
@@ -67,6 +69,8 @@ class PlanInfo:
     bucket_bytes: int
     coalesce_bytes: int
     cuts: tuple[int, ...]
+    blocks: tuple[tuple[int, int, int], ...]
+    """(tensor, block rows, block cols) of each tensor the trainers quantize (`rl_sync.quant`)."""
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -81,6 +85,8 @@ class PlanInfo:
                 raise ValueError(f"PlanInfo.{field} has {len(index)} entries for {n} tensors")
             if index and not 0 <= min(index) <= max(index) < len(table):
                 raise ValueError(f"PlanInfo.{field} holds an index outside [0, {len(table)})")
+        if any(len(b) != 3 or not 0 <= b[0] < n for b in self.blocks):
+            raise ValueError(f"PlanInfo.blocks must be (tensor index < {n}, rows, cols) entries")
 
     @classmethod
     def from_schedule(cls, schedule: Schedule) -> PlanInfo:
@@ -99,14 +105,17 @@ class PlanInfo:
             bucket_bytes=schedule.bucket_bytes,
             coalesce_bytes=schedule.coalesce_bytes,
             cuts=schedule.cuts,
+            blocks=tuple((i, *block) for i, block in sorted(schedule.plan.blocks.items())),
         )
 
     def to_schedule(self) -> Schedule:
         """Rebuild (and so re-validate) the plan and schedule this info describes."""
         layouts = [info.to_layout() for info in self.layouts]
+        blocks = {i: (rows, cols) for i, rows, cols in self.blocks}
         specs = [
-            TensorSpec(name, self.dtypes[d], self.shapes[s], layouts[src], layouts[dst])
-            for name, d, s, src, dst in zip(self.names, self.dtype_index, self.shape_index, self.src_index, self.dst_index)
+            TensorSpec(name, self.dtypes[d], self.shapes[s], layouts[src], layouts[dst], blocks.get(i, ()))
+            for i, (name, d, s, src, dst) in enumerate(
+                zip(self.names, self.dtype_index, self.shape_index, self.src_index, self.dst_index))
         ]
         return Schedule(ModelPlan(specs, self.colocated), self.bucket_bytes, self.coalesce_bytes, self.cuts)
 

@@ -35,6 +35,9 @@ class Destination:
     dtype: torch.dtype
     fallback: bool = False
     """Delivered whole and handed to the worker's load hook instead of written in place."""
+    block: tuple[int, ...] = ()
+    """Kept block-quantized (`rl_sync.quant`): `view` holds float8_e4m3fn values, and the
+    destination named `scale_name(name)` the fp32 scale of each block of this size."""
 
 
 def geometry(tensor: torch.Tensor) -> tuple:

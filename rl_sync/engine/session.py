@@ -26,6 +26,7 @@ from ..transport.base import Transport
 from ..transport.digest import Digester, DigestTransport
 from .broadcast import ROOT, BroadcastStaging, gather_schedule, run_broadcast
 from .endpoint import Endpoint
+from .quantize import QuantStage
 from .runner import BucketError, BucketIO, Counters, Program, compile_program, deadline_in, run_program
 from .sparse_round import SparseCounters, SparseIO, run_sparse_bucket
 
@@ -96,6 +97,8 @@ class RankSession:
         """Rounds compiled so far; replayed rounds do not count."""
         self.baselines: dict[int, Endpoint] | None = None
         self.broadcast_staging = BroadcastStaging(self.device)
+        self.quant = QuantStage(self.plan, self.plan.blocks, self.rank) if sends and self.plan.blocks else None
+        """Trainers quantize block-quantized tensors before every round (`engine.quantize`)."""
         self.transport = make_transport(info, bind_host, device)
 
     def destination_endpoints(self, views: Mapping[str, torch.Tensor]) -> dict[str, Endpoint]:
@@ -164,6 +167,9 @@ class RankSession:
         if unknown:
             raise ValueError(f"rank {self.rank}: round {round_info.version} names tensors {unknown[:4]} the plan does not hold")
         wanted = None if round_info.names is None else tuple(sorted({self.plan.index[n] for n in round_info.names}))
+        if self.quant is not None:
+            shards, sources = sources, self.quant.endpoints(sources)
+            self.quant.run(shards, self.transport, deadline, wanted)
         if round_info.mode in ("sparse", "auto"):
             return self._run_sparse(round_info, wanted, sources, dests, deadline, context)
         if round_info.mode == "broadcast":

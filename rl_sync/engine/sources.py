@@ -26,8 +26,8 @@ __all__ = ["Destination", "Sharded", "trainer_entries", "worker_entries"]
 
 
 def _entry(name: str, local: torch.Tensor | None, dtype: torch.dtype, layout: Layout, shape: tuple[int, ...],
-           rank: int, side: str):
-    report = TensorReport(name, dtype_name(dtype), tuple(shape), LayoutInfo.of(layout))
+           rank: int, side: str, block: tuple[int, ...] = ()):
+    report = TensorReport(name, dtype_name(dtype), tuple(shape), LayoutInfo.of(layout), tuple(block))
     box = layout.local_box(shape, rank)
     if box is None:
         return report, None
@@ -81,7 +81,7 @@ def worker_entries(destinations: Mapping[str, Destination], rank: int):
             raise TypeError(f"worker rank {rank}: destination {name!r} is a {type(dest).__name__}; expected a Destination")
         # detached: rounds write in place, which autograd refuses on a leaf that requires grad
         view = None if dest.view is None else dest.view.detach()
-        report, endpoint = _entry(name, view, dest.dtype, dest.layout, tuple(dest.shape), rank, "worker")
+        report, endpoint = _entry(name, view, dest.dtype, dest.layout, tuple(dest.shape), rank, "worker", dest.block)
         reports.append(report)
         if endpoint is not None:
             endpoints[name] = endpoint

@@ -1,0 +1,163 @@
+"""Quantize on the sending side: a trainer rank's FP8 values and block scales for each round.
+
+For every tensor the plan sends as block-quantized FP8 (`rl_sync.quant`), the rank
+keeps an FP8 copy of its shard and the scales of the blocks its shard touches, and
+hands the round those in place of the bf16 shard: the FP8 copy as the tensor's
+source, the scales of the blocks it owns as the scale tensor's source. Each round:
+
+1. the fp32 amax of every block the shard touches (partial where the shard cuts a block);
+2. the partial amaxes of cut blocks go to the other ranks holding parts of them, in one
+   grouped launch (`rl_sync.quant.amax_exchange`), and each rank takes the maximum;
+3. scale = max(amax, 1e-4) / 448 and q = (x * (1 / scale)) cast to float8_e4m3fn, the
+   values vLLM's `per_block_cast_to_fp8` gives for the whole tensor, bit for bit.
+
+Ordering contract: every trainer rank runs `QuantStage.run` at the start of every round,
+before its first bucket, with the round's tensor subset; the exchange is one `post` with
+sends and receives in `amax_exchange` order.
+
+Typical use (what `RankSession` does)::
+
+    stage = QuantStage(plan, rank, device)
+    endpoints = stage.endpoints(sources)           # the same mapping while `sources` is
+    stage.run(sources, transport, deadline, wanted)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import Box
+from ..plan import ModelPlan
+from ..quant import AMAX_FLOOR, FP8_MAX, amax_exchange, grid_shape, scale_name, touched_blocks
+from ..transport.base import Transport
+from .endpoint import Endpoint
+
+
+def _padded(x: torch.Tensor, box: Box, block: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int]]:
+    """`x` (the global `box`) zero-padded to whole blocks of its last two dims, as a
+    `[..., rows, bn, cols, bk]` view, and where `x` starts in it."""
+    lead = x.ndim - 2
+    (r0, c0), (nr, nc) = box.offsets[lead:], box.sizes[lead:]
+    (bn, bk), top, left = block, r0 % block[0], c0 % block[1]
+    rows, cols = -(-(top + nr) // bn), -(-(left + nc) // bk)
+    if top or left or nr != rows * bn or nc != cols * bk or not x.is_contiguous():
+        padded = x.new_zeros(tuple(x.shape[:lead]) + (rows * bn, cols * bk))
+        padded[..., top : top + nr, left : left + nc] = x
+        x = padded
+    return x.view(tuple(x.shape[:lead]) + (rows, bn, cols, bk)), (top, left)
+
+
+def partial_amax(x: torch.Tensor, box: Box, block: tuple[int, int]) -> torch.Tensor:
+    """fp32 max of |x| over each block `box` touches (over its part of a block it cuts)."""
+    blocks, _ = _padded(x, box, block)
+    return blocks.abs().amax(dim=(-3, -1)).float()
+
+
+def scales_from(amax: torch.Tensor) -> torch.Tensor:
+    """Block scales from block amaxes (vLLM's rule: amax floored at 1e-4, over 448)."""
+    return amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+
+
+def quantize_into(out: torch.Tensor, x: torch.Tensor, box: Box, block: tuple[int, int], scales: torch.Tensor) -> None:
+    """Write FP8 `x * (1 / scale)` into `out`; `scales` covers the blocks `box` touches."""
+    blocks, (top, left) = _padded(x, box, block)
+    q = (blocks * (1.0 / scales)[..., :, None, :, None]).to(out.dtype)
+    q = q.view(tuple(q.shape[:-4]) + (q.shape[-4] * q.shape[-3], q.shape[-2] * q.shape[-1]))
+    out.copy_(q[..., top : top + out.shape[-2], left : left + out.shape[-1]])
+
+
+@dataclass
+class _Quantized:
+    """One tensor this rank quantizes: its box, blocks, and the buffers the round sends from."""
+
+    tensor: int
+    name: str
+    box: Box
+    block: tuple[int, int]
+    touched: Box
+    owned: Box
+    values: torch.Tensor | None = None
+    amax: torch.Tensor | None = None
+
+
+def _grid_view(amax: torch.Tensor, touched: Box, box: Box) -> torch.Tensor:
+    """The part of a rank's amax grid (over `touched`) at grid box `box`."""
+    return Endpoint(amax, touched.offsets).view(box.offsets, box.sizes)
+
+
+class QuantStage:
+    """One trainer rank's quantization of every block-quantized tensor it holds (see the module
+    docstring)."""
+
+    def __init__(self, plan: ModelPlan, blocks: Mapping[int, tuple[int, int]], rank: int):
+        self.rank, self.items = rank, []
+        self.exchange: list[tuple[int, int, int, Box]] = []
+        """(tensor, peer, +1 send / -1 receive, grid box), in `amax_exchange` order."""
+        for i, block in sorted(blocks.items()):
+            spec = plan.specs[i]
+            scale = plan.specs[plan.index[scale_name(spec.name)]]
+            for part in amax_exchange(spec.shape, spec.src, block):
+                if rank in (part.sender, part.receiver):
+                    peer, way = (part.receiver, 1) if part.sender == rank else (part.sender, -1)
+                    self.exchange.append((i, peer, way, part.box))
+            box = spec.src.local_box(spec.shape, rank)
+            if box is not None and not box.is_empty():
+                owned = scale.src.local_box(grid_shape(spec.shape, block), rank)
+                self.items.append(_Quantized(i, spec.name, box, block, touched_blocks(box, block), owned))
+        self._sources: Mapping | None = None
+        self._endpoints: dict[str, Endpoint] = {}
+
+    def endpoints(self, sources: Mapping[str, Endpoint]) -> Mapping[str, Endpoint]:
+        """`sources` with each quantized tensor's shard replaced by its FP8 copy, plus the scales
+        this rank owns; the same mapping object for the same `sources` (compiled rounds replay)."""
+        if not self.items or sources is self._sources:
+            return self._endpoints if self.items else sources
+        out = dict(sources)
+        for item in self.items:
+            shard = sources[item.name].tensor
+            item.values = torch.empty(shard.shape, dtype=torch.float8_e4m3fn, device=shard.device)
+            item.amax = torch.zeros(item.touched.sizes, dtype=torch.float32, device=shard.device)
+            out[item.name] = Endpoint(item.values, item.box.offsets)
+            out[scale_name(item.name)] = Endpoint(_grid_view(item.amax, item.touched, item.owned), item.owned.offsets)
+        self._sources, self._endpoints = sources, out
+        return out
+
+    def run(self, sources: Mapping[str, Endpoint], transport: Transport, deadline: float,
+            wanted: Collection[int] | None) -> None:
+        """Quantize this round's tensors into the buffers `endpoints(sources)` handed out."""
+        items = {item.tensor: item for item in self.items if wanted is None or item.tensor in wanted}
+        for item in items.values():
+            item.amax.copy_(partial_amax(sources[item.name].tensor, item.box, item.block))
+        self._trade(items, transport, deadline, wanted)
+        for item in items.values():
+            item.amax.copy_(scales_from(item.amax))
+            quantize_into(item.values, sources[item.name].tensor, item.box, item.block, item.amax)
+
+    def _trade(self, items: Mapping[int, _Quantized], transport: Transport, deadline: float,
+               wanted: Collection[int] | None) -> None:
+        """Send partial amaxes of cut blocks and keep the maximum of what arrives."""
+        sends: dict[int, list[torch.Tensor]] = {}
+        recvs: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        for tensor, peer, way, box in self.exchange:
+            if wanted is not None and tensor not in wanted:
+                continue
+            view = _grid_view(items[tensor].amax, items[tensor].touched, box)
+            if way > 0:
+                sends.setdefault(peer, []).append(view.reshape(-1))
+            else:
+                recvs.setdefault(peer, []).append((view, view.numel()))
+        if not sends and not recvs:
+            return
+        out = [(peer, torch.cat(parts).view(torch.uint8)) for peer, parts in sorted(sends.items())]
+        into = {peer: torch.empty(sum(n for _, n in parts), dtype=torch.float32, device=transport.device)
+                for peer, parts in sorted(recvs.items())}
+        pending = transport.post(out, [(peer, buf.view(torch.uint8)) for peer, buf in into.items()],
+                                 label="amax exchange (FP8 block scales)")
+        pending.wait(deadline)
+        transport.complete(deadline)
+        for peer, parts in recvs.items():
+            for (view, _), arrived in zip(parts, into[peer].split([n for _, n in parts])):
+                view.copy_(torch.maximum(view, arrived.view(view.shape)))
