@@ -16,6 +16,7 @@ Requires `transformers` (the `hf` extra).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -44,7 +45,7 @@ class HFTrainer(SyncTrainerMixin):
     every decoder layer and the root `fully_shard`-ed over the trainers' Gloo group."""
 
     def __init__(self, rank: int, size: int, config: Mapping[str, Any], init_method: str, seed: int = 0,
-                 norm_noise: float = 0.1):
+                 norm_noise: float = 0.1, dtype: str = "float32"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
@@ -52,7 +53,7 @@ class HFTrainer(SyncTrainerMixin):
         self.rank, self.size = rank, size
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=120))
         torch.manual_seed(seed)
-        self.model = AutoModelForCausalLM.from_config(hf_config(config)).float()
+        self.model = AutoModelForCausalLM.from_config(hf_config(config)).to(getattr(torch, dtype))
         with torch.no_grad():
             for name, param in self.model.named_parameters():
                 if "norm" in name:
@@ -73,7 +74,9 @@ class HFTrainer(SyncTrainerMixin):
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The trainer model's logits (collective: every trainer calls it, same tokens)."""
         with torch.no_grad():
-            return self.model(tokens).logits
+            logits = self.model(tokens).logits
+        self.model.reshard()  # FSDP2 keeps the root unsharded after a forward without backward
+        return logits
 
     def train_step(self, tokens: torch.Tensor, lr: float = 1e-3) -> float:
         """One next-token step with AdamW (collective)."""
@@ -92,13 +95,18 @@ class HFTrainer(SyncTrainerMixin):
 
 class EngineWorker(SyncWorkerMixin):
     """An inference worker rank holding its `TPModel` shard; binds checkpoint names with
-    the built-in rules (plus `rules`); `load_hook(self, pairs)` takes what falls back."""
+    the built-in rules (plus `rules`); `load_hook(self, pairs)` takes what falls back.
+    `fp8_block`: keep projections and experts block-quantized FP8 in blocks of this size;
+    `dtype`: every other weight's (and the forward's) dtype."""
 
     def __init__(self, rank: int, par: Parallel, config: Mapping[str, Any], init_method: str,
-                 rules: Iterable[Rule] = (), load_hook=None):
+                 rules: Iterable[Rule] = (), load_hook=None, fp8_block: tuple[int, int] | None = None,
+                 dtype: str = "float32"):
         self.rank, self.par = rank, par
         self.cfg = ModelConfig.from_hf(hf_config(config))
-        self.model = TPModel(self.cfg, par, rank)
+        if fp8_block is not None:
+            self.cfg = replace(self.cfg, fp8_block=tuple(fp8_block))
+        self.model = TPModel(self.cfg, par, rank, getattr(torch, dtype))
         self.binder = Binder(self.cfg, par, tuple(rules))
         self.load_hook = load_hook
         self.fallback_calls = 0

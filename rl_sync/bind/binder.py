@@ -28,8 +28,13 @@ import torch
 
 from ..layout import Box, Layout, Mesh, Replicate, Shard
 from ..models.config import ModelConfig, Parallel
+from ..quant import dest_scale_layout, grid_shape, scale_name
 from ..storage import Destination
-from .rules import BUILTIN, FUSED, Rule
+from .rules import BUILTIN, FUSED, QUANTIZED, Rule
+
+SCALE_SUFFIX = "_scale_inv"
+"""A block-quantized live weight `p` keeps its block scales in `p + SCALE_SUFFIX` (vLLM's
+`weight_scale_inv`, `w13_weight_scale_inv`)."""
 
 
 @dataclass(frozen=True)
@@ -153,17 +158,43 @@ class Binder:
         offsets = _slot_offsets(entries)
         out = {}
         for e in entries:
-            view = None
+            view, quantized = None, self._quantized(e)
             if e.box is not None:
                 if e.target not in params:
                     raise ValueError(f"worker rank {rank}: checkpoint tensor {e.name!r} binds to live parameter "
                                      f"{e.target!r}, which this rank does not hold")
-                view = self._view(e, params[e.target], offsets.get(e.name, 0), rank)
-            out[e.name] = Destination(view, e.layout, e.shape, e.dtype)
+                view = self._view(e, params[e.target], offsets.get(e.name, 0), rank, e.box, quantized)
+            if quantized:
+                out[e.name] = Destination(view, e.layout, e.shape, torch.float8_e4m3fn, block=self.cfg.fp8_block)
+                out[scale_name(e.name)] = self._scales(e, params, offsets.get(e.name, 0), rank)
+            else:
+                out[e.name] = Destination(view, e.layout, e.shape, e.dtype)
         return out
 
-    def _view(self, e: _Entry, param: torch.Tensor, slot_offset: int, rank: int) -> torch.Tensor:
-        if param.dtype != e.dtype:
+    def _quantized(self, e: _Entry) -> bool:
+        """Whether the model keeps this checkpoint tensor as block-quantized FP8: a quantized
+        model's linear and expert weights (`TPModel` and vLLM quantize the same set)."""
+        return self.cfg.fp8_block is not None and e.target.endswith(QUANTIZED) and e.dtype.is_floating_point
+
+    def _scales(self, e: _Entry, params: Mapping[str, torch.Tensor], slot_offset: int, rank: int) -> Destination:
+        """The destination of a quantized tensor's block scales: its blocks of the live scale
+        parameter (a fused slot's start, in blocks, is its start in rows over the block rows)."""
+        block, what = self.cfg.fp8_block, f"worker rank {rank}: {e.name!r}"
+        layout, grid = dest_scale_layout(e.layout, e.shape, block, what), grid_shape(e.shape, block, what)
+        box, view = layout.local_box(grid, rank), None
+        if box is not None:
+            if slot_offset % block[0]:
+                raise ValueError(f"{what}: its slot starts at row {slot_offset} of {e.target!r}, not on a "
+                                 f"{block[0]}-row block boundary; every fused slot must hold whole blocks")
+            target = e.target + SCALE_SUFFIX
+            if target not in params:
+                raise ValueError(f"{what}: {e.target!r} is FP8 but this rank holds no {target!r} for its scales")
+            view = self._view(e, params[target], slot_offset // block[0], rank, box, True)
+        return Destination(view, layout, grid, torch.float32)
+
+    def _view(self, e: _Entry, param: torch.Tensor, slot_offset: int, rank: int, box: Box,
+              quantized: bool) -> torch.Tensor:
+        if param.dtype != e.dtype and not quantized:
             raise ValueError(f"worker rank {rank}: {e.name!r} is {e.dtype} in the checkpoint but live parameter "
                              f"{e.target!r} is {param.dtype}; a cast needs a fallback rule")
         view = param
@@ -172,11 +203,11 @@ class Binder:
             view = view[expert % (self.cfg.experts // self.par.tp) if self.par.ep else expert]
         fused = next((slots for suffix, slots in FUSED.items() if e.target.endswith(suffix)), None)
         if fused is not None and e.rule.slot is not None:
-            view = view.narrow(0, slot_offset, e.box.sizes[0])
+            view = view.narrow(0, slot_offset, box.sizes[0])
         elif e.rule.split == "vocab":
-            view = view.narrow(0, 0, e.box.sizes[0])
-        if tuple(view.shape) != e.box.sizes:
-            raise ValueError(f"worker rank {rank}: {e.name!r} needs a {e.box.sizes} box here but live parameter "
+            view = view.narrow(0, 0, box.sizes[0])
+        if tuple(view.shape) != box.sizes:
+            raise ValueError(f"worker rank {rank}: {e.name!r} needs a {box.sizes} box here but live parameter "
                              f"{e.target!r} (shape {tuple(param.shape)}) gives {tuple(view.shape)}")
         return view
 

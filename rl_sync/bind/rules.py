@@ -38,6 +38,10 @@ FUSED: dict[str, tuple[str, ...]] = {
 }
 """Fused live parameters (by name suffix) and the order of their slots along the fused dim."""
 
+QUANTIZED: tuple[str, ...] = ("proj.weight", "w13_weight", "w2_weight")
+"""Live parameters (by name suffix) a block-quantized FP8 model keeps in FP8: the attention,
+MLP and expert projections; embeddings, the head, norms and routers stay unquantized."""
+
 
 @dataclass(frozen=True)
 class Rule:

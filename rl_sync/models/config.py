@@ -29,6 +29,10 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     tie_embeddings: bool = False
+    fp8_block: tuple[int, int] | None = None
+    """Linear and expert weights kept as block-quantized FP8 with one fp32 scale per block of
+    this size (`rl_sync.quant`; a Hugging Face `quantization_config` of `quant_method: fp8`
+    with `weight_block_size`); `None`: every weight in the model's dtype."""
 
     @classmethod
     def from_hf(cls, cfg: Any) -> ModelConfig:
@@ -47,7 +51,20 @@ class ModelConfig:
             norm_topk_prob=getattr(cfg, "norm_topk_prob", family == "mixtral"),
             qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            fp8_block=_fp8_block(getattr(cfg, "quantization_config", None)),
         )
+
+
+def _fp8_block(quantization: Any) -> tuple[int, int] | None:
+    """The weight block size of a block-quantized FP8 `quantization_config`, else None."""
+    if not quantization:
+        return None
+    quantization = dict(quantization)
+    block = quantization.get("weight_block_size")
+    if quantization.get("quant_method") != "fp8" or not block:
+        raise ValueError(f"quantization_config {quantization} is not supported; expected quant_method 'fp8' with a "
+                         "weight_block_size (block-quantized FP8)")
+    return int(block[0]), int(block[1])
 
 
 @dataclass(frozen=True, kw_only=True)

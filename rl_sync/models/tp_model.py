@@ -6,7 +6,10 @@ exceeds them), fused `gate_up_proj`, row-parallel `o_proj` / `down_proj`,
 vocab-parallel `embed_tokens` / `lm_head` padded to a multiple of `vocab_pad *
 tp` rows, stacked MoE experts (`w13_weight` gate|up, `w2_weight`) split whole
 over TP ranks (expert parallel) or TP-sharded, and only this pipeline stage's
-layers. `forward` runs this rank's stage with the TP group's all-reduces and
+layers. With `cfg.fp8_block` the projections and experts are block-quantized
+FP8 as vLLM holds them (`weight` in float8_e4m3fn plus `weight_scale_inv`, one
+fp32 scale per block; fused slots stacked in both) and are dequantized on the
+fly. `forward` runs this rank's stage with the TP group's all-reduces and
 all-gathers; the numerics follow Hugging Face's modeling code so a synced model
 reproduces the trainer's logits.
 
@@ -42,6 +45,25 @@ class TPModel:
     def _add(self, name: str, *shape: int) -> None:
         self.params[name] = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
+    def _add_weight(self, name: str, *shape: int) -> None:
+        """A projection or expert weight: FP8 values and block scales in a quantized model."""
+        block = self.cfg.fp8_block
+        if block is None:
+            self._add(name, *shape)
+        else:
+            self.params[name] = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=self.device)
+            grid = shape[:-2] + tuple(-(-n // b) for n, b in zip(shape[-2:], block))
+            self.params[name + "_scale_inv"] = torch.ones(grid, dtype=torch.float32, device=self.device)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """A weight in the model's dtype (dequantized: value x its block's scale)."""
+        value, scales = self.params[name], self.params.get(name + "_scale_inv")
+        if scales is None:
+            return value
+        (bn, bk), (n, k) = self.cfg.fp8_block, value.shape[-2:]
+        full = scales.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+        return (value.to(torch.float32) * full).to(self.dtype)
+
     def _allocate(self) -> None:
         cfg, par = self.cfg, self.par
         h, rows = cfg.hidden, par.padded_vocab(cfg.vocab) // par.tp
@@ -71,23 +93,23 @@ class TPModel:
         qkv = (self.q_local + 2 * self.kv_local) * d
         self._add(f"{p}.input_layernorm.weight", h)
         self._add(f"{p}.post_attention_layernorm.weight", h)
-        self._add(f"{p}.self_attn.qkv_proj.weight", qkv, h)
+        self._add_weight(f"{p}.self_attn.qkv_proj.weight", qkv, h)
         if cfg.qkv_bias:
             self._add(f"{p}.self_attn.qkv_proj.bias", qkv)
         if cfg.qk_norm:
             self._add(f"{p}.self_attn.q_norm.weight", d)
             self._add(f"{p}.self_attn.k_norm.weight", d)
-        self._add(f"{p}.self_attn.o_proj.weight", h, self.q_local * d)
+        self._add_weight(f"{p}.self_attn.o_proj.weight", h, self.q_local * d)
         if not cfg.experts:
             inter = cfg.intermediate // par.tp
-            self._add(f"{p}.mlp.gate_up_proj.weight", 2 * inter, h)
-            self._add(f"{p}.mlp.down_proj.weight", h, inter)
+            self._add_weight(f"{p}.mlp.gate_up_proj.weight", 2 * inter, h)
+            self._add_weight(f"{p}.mlp.down_proj.weight", h, inter)
             return
         self._add(f"{p}.mlp.gate.weight", cfg.experts, h)
         inter = cfg.moe_intermediate if par.ep else cfg.moe_intermediate // par.tp
         experts = cfg.experts // par.tp if par.ep else cfg.experts
-        self._add(f"{p}.mlp.experts.w13_weight", experts, 2 * inter, h)
-        self._add(f"{p}.mlp.experts.w2_weight", experts, h, inter)
+        self._add_weight(f"{p}.mlp.experts.w13_weight", experts, 2 * inter, h)
+        self._add_weight(f"{p}.mlp.experts.w2_weight", experts, h, inter)
 
     def forward(self, inputs: torch.Tensor, group=None) -> torch.Tensor:
         """This stage: token ids (stage 0) or hidden states in; hidden states or, on the
@@ -123,7 +145,7 @@ class TPModel:
     def _attention(self, p: str, x: torch.Tensor, group) -> torch.Tensor:
         cfg, d = self.cfg, self.cfg.head_dim
         b, t, _ = x.shape
-        qkv = F.linear(x, self.params[f"{p}.self_attn.qkv_proj.weight"], self.params.get(f"{p}.self_attn.qkv_proj.bias"))
+        qkv = F.linear(x, self.weight(f"{p}.self_attn.qkv_proj.weight"), self.params.get(f"{p}.self_attn.qkv_proj.bias"))
         q, k, v = qkv.split([self.q_local * d, self.kv_local * d, self.kv_local * d], dim=-1)
         q, k, v = (z.view(b, t, -1, d) for z in (q, k, v))
         if cfg.qk_norm:
@@ -134,11 +156,11 @@ class TPModel:
         k, v = (z.repeat_interleave(self.q_local // self.kv_local, dim=1) for z in (k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5)
         out = out.transpose(1, 2).reshape(b, t, self.q_local * d)
-        return _all_reduce(out @ self.params[f"{p}.self_attn.o_proj.weight"].t(), group)
+        return _all_reduce(out @ self.weight(f"{p}.self_attn.o_proj.weight").t(), group)
 
     def _mlp(self, p: str, x: torch.Tensor, group) -> torch.Tensor:
-        gate, up = F.linear(x, self.params[f"{p}.mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
-        return _all_reduce(F.linear(F.silu(gate) * up, self.params[f"{p}.mlp.down_proj.weight"]), group)
+        gate, up = F.linear(x, self.weight(f"{p}.mlp.gate_up_proj.weight")).chunk(2, dim=-1)
+        return _all_reduce(F.linear(F.silu(gate) * up, self.weight(f"{p}.mlp.down_proj.weight")), group)
 
     def _moe(self, p: str, x: torch.Tensor, group) -> torch.Tensor:
         cfg, par = self.cfg, self.par
@@ -148,7 +170,7 @@ class TPModel:
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(flat.dtype)
-        w13, w2 = self.params[f"{p}.mlp.experts.w13_weight"], self.params[f"{p}.mlp.experts.w2_weight"]
+        w13, w2 = self.weight(f"{p}.mlp.experts.w13_weight"), self.weight(f"{p}.mlp.experts.w2_weight")
         first = self.tp_rank * w13.shape[0] if par.ep else 0
         out = torch.zeros_like(flat)
         for local in range(w13.shape[0]):
