@@ -43,10 +43,11 @@ def specs_small(total_bytes: int, count: int) -> list[TensorSpec]:
     return [TensorSpec(f"small.{i}.weight", "bfloat16", (rows, cols), src, dst) for i in range(count)]
 
 
-def pair(specs, same_gpu: bool, env: dict | None = None):
+def pair(specs, same_gpu: bool, env: dict | None = None, fp8_block: tuple[int, int] | None = None):
     """One trainer and one worker actor holding `specs` on CUDA: sharing one GPU (one
     placement-group bundle, 0.5 GPU each) or on two GPUs (one bundle each); `env`: environment
-    variables of both (e.g. `PYTORCH_CUDA_ALLOC_CONF`)."""
+    variables of both (e.g. `PYTORCH_CUDA_ALLOC_CONF`); `fp8_block`: the worker keeps projections
+    block-quantized FP8."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -60,7 +61,7 @@ def pair(specs, same_gpu: bool, env: dict | None = None):
 
     Trainer, Worker = ray.remote(TrainerActor), ray.remote(InferenceWorker)
     trainer = Trainer.options(**opts(0)).remote(0, 1, trainer_build(specs, "cuda"))
-    worker = Worker.options(**opts(0 if same_gpu else 1)).remote(0, 1, worker_build(specs, 1, "cuda"))
+    worker = Worker.options(**opts(0 if same_gpu else 1)).remote(0, 1, worker_build(specs, 1, "cuda", fp8_block))
     ray.get([trainer.call.remote(lambda self: torch.cuda.synchronize()), worker.call.remote(lambda self: torch.cuda.synchronize())])
     return pg, trainer, worker
 

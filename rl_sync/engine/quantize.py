@@ -11,6 +11,9 @@ source, the scales of the blocks it owns as the scale tensor's source. Each roun
 3. scale = max(amax, 1e-4) / 448 and q = (x * (1 / scale)) cast to float8_e4m3fn, the
    values vLLM's `per_block_cast_to_fp8` gives for the whole tensor, bit for bit.
 
+CUDA shards run steps 1 and 3 as two Triton kernels (`engine.quantize_triton`: one read of
+the shard each, one byte written per element); CPU shards run torch ops.
+
 Ordering contract: every trainer rank runs `QuantStage.run` at the start of every round,
 before its first bucket, with the round's tensor subset; the exchange is one `post` with
 sends and receives in `amax_exchange` order.
@@ -34,6 +37,13 @@ from ..plan import ModelPlan
 from ..quant import AMAX_FLOOR, FP8_MAX, amax_exchange, grid_shape, scale_name, touched_blocks
 from ..transport.base import Transport
 from .endpoint import Endpoint
+
+
+def kernels():
+    """The Triton kernels for CUDA shards (imported on first use: CPU installs need no Triton)."""
+    from . import quantize_triton
+
+    return quantize_triton
 
 
 def _padded(x: torch.Tensor, box: Box, block: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -130,11 +140,19 @@ class QuantStage:
         """Quantize this round's tensors into the buffers `endpoints(sources)` handed out."""
         items = {item.tensor: item for item in self.items if wanted is None or item.tensor in wanted}
         for item in items.values():
-            item.amax.copy_(partial_amax(sources[item.name].tensor, item.box, item.block))
+            shard = sources[item.name].tensor
+            if shard.is_cuda:
+                kernels().block_amax(shard, item.box.offsets[-2:], item.block, item.amax)
+            else:
+                item.amax.copy_(partial_amax(shard, item.box, item.block))
         self._trade(items, transport, deadline, wanted)
         for item in items.values():
+            shard = sources[item.name].tensor
             item.amax.copy_(scales_from(item.amax))
-            quantize_into(item.values, sources[item.name].tensor, item.box, item.block, item.amax)
+            if shard.is_cuda:
+                kernels().quantize_blocks(shard, item.box.offsets[-2:], item.block, 1.0 / item.amax, item.values)
+            else:
+                quantize_into(item.values, shard, item.box, item.block, item.amax)
 
     def _trade(self, items: Mapping[int, _Quantized], transport: Transport, deadline: float,
                wanted: Collection[int] | None) -> None:

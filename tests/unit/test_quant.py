@@ -65,8 +65,8 @@ class Hub:
 
 
 class ThreadTransport(Transport):
-    def __init__(self, hub: Hub, rank: int, world_size: int):
-        self.hub, self.rank, self.world_size, self.device = hub, rank, world_size, torch.device("cpu")
+    def __init__(self, hub: Hub, rank: int, world_size: int, device: torch.device):
+        self.hub, self.rank, self.world_size, self.device = hub, rank, world_size, device
         self.posts = 0
 
     def post(self, sends, recvs, label: str = "") -> Pending:
@@ -107,7 +107,7 @@ def push(x: torch.Tensor, src: Layout, dst: Layout, block, wanted=None):
     plan = _plan(shape, src, dst, block, str(x.dtype).removeprefix("torch."))
     hub, ranks = Hub(), src.mesh.ranks
     stages = {r: QuantStage(plan, plan.blocks, r) for r in ranks}
-    transports = {r: ThreadTransport(hub, r, len(ranks)) for r in ranks}
+    transports = {r: ThreadTransport(hub, r, len(ranks), x.device) for r in ranks}
     shards = {r: {"w": Endpoint(_box(x, b).clone(), b.offsets)} for r in ranks
               if not (b := src.local_box(shape, r)).is_empty()}
     endpoints = {r: stages[r].endpoints(shards[r]) for r in shards}
@@ -125,8 +125,8 @@ def push(x: torch.Tensor, src: Layout, dst: Layout, block, wanted=None):
     for t in threads:
         t.join(60)
     assert not errors, errors
-    out = {"w": torch.full(shape, float("nan")).to(torch.float8_e4m3fn),
-           scale_name("w"): torch.full(grid_shape(shape, block), float("nan"))}
+    out = {"w": torch.full(shape, float("nan"), device=x.device).to(torch.float8_e4m3fn),
+           scale_name("w"): torch.full(grid_shape(shape, block), float("nan"), device=x.device)}
     for i, spec in enumerate(plan.specs):
         tensor_plan = plan.tensor_plan(i)
         for t in tensor_plan.transfers + tensor_plan.local_copies:

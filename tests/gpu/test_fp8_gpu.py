@@ -1,0 +1,85 @@
+"""FP8 destinations on the GPU: the Triton quantizer against the block formula for every layout
+pair of the CPU tests, and a colocated (CUDA IPC) FP8 push, bit-exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_sync.engine.sources import Destination
+from rl_sync.quant import dest_scale_layout, grid_shape, scale_name
+
+from ..unit.test_quant import LAYOUTS, _random, bits, push, reference
+from . import builders
+from .pairs import CONFIG, pairs, release
+
+BLOCK = (64, 64)
+
+
+@pytest.mark.parametrize("name, shape, src, dst, block", LAYOUTS, ids=[entry[0] for entry in LAYOUTS])
+def test_triton_quantizer_delivers_the_reference_for_every_layout(name, shape, src, dst, block):
+    x = _random(shape, seed=7)
+    got, _ = push(x.cuda(), src, dst, block)
+    want_q, want_scale = reference(x, block)
+    assert torch.equal(bits(got[scale_name("w")].cpu()), bits(want_scale))
+    assert torch.equal(bits(got["w"].cpu()), bits(want_q))
+
+
+def test_a_nan_makes_its_block_nan_and_leaves_the_others_exact():
+    x = _random((300, 256), seed=8)
+    x[200, 200] = float("nan")
+    got, _ = push(x.cuda(), LAYOUTS[0][2], LAYOUTS[0][3], (128, 128))
+    want_q, want_scale = reference(x, (128, 128))
+    q, scale = got["w"].cpu().float(), got[scale_name("w")].cpu()
+    assert torch.equal(scale.isnan(), want_scale.isnan()) and scale.isnan().sum() == 1
+    assert torch.equal(q.isnan(), want_q.float().isnan())
+    finite = ~want_q.float().isnan()
+    assert torch.equal(bits(got["w"].cpu()[finite]), bits(want_q[finite]))
+
+
+def fp8_worker_build(rank: int, size: int) -> dict:
+    """Every projection FP8 with its block scales (64 x 64 blocks), the norm in bf16; NaN until synced."""
+    out = {}
+    for name, shape in builders.SHAPES.items():
+        layout = builders.dst_layout(name, size)
+        box = layout.local_box(shape, rank)
+        if len(shape) == 1:
+            out[name] = Destination(torch.full(box.sizes, float("nan"), dtype=torch.bfloat16, device="cuda"), layout,
+                                    shape, torch.bfloat16)
+            continue
+        values = torch.full(box.sizes, float("nan"), device="cuda").to(torch.float8_e4m3fn)
+        out[name] = Destination(values, layout, shape, torch.float8_e4m3fn, block=BLOCK)
+        grid, scales = grid_shape(shape, BLOCK), dest_scale_layout(layout, shape, BLOCK, name)
+        view = torch.full(scales.local_box(grid, rank).sizes, float("nan"), device="cuda")
+        out[scale_name(name)] = Destination(view, scales, grid, torch.float32)
+    return out
+
+
+def _read(actor) -> dict:
+    return {n: d.view.detach().cpu().contiguous().view(torch.uint8) for n, d in actor.held.items()}
+
+
+def test_colocated_fp8_push_is_bit_exact(gpu_ray):
+    from actors import WeightSync
+    from rl_sync.sync_config import SyncConfig
+
+    pg, trainers, workers = pairs(gpu_ray, 0.5, 1, same_gpu=True, worker_build=fp8_worker_build)
+    try:
+        sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
+        assert sync.summary["cuda_ipc"]
+        modes = []
+        for version in (0, 1, 2):
+            gpu_ray.get([t.call.remote(builders.set_version, version) for t in trainers])
+            modes.append(sync.push(mode="sparse").mode)
+            got = gpu_ray.get(workers[0].call.remote(_read))
+            for name in builders.SHAPES:
+                full = builders.full(name, version, "cpu")
+                if full.ndim == 1:
+                    assert torch.equal(got[name], bits(full)), name
+                    continue
+                q, scale = reference(full, BLOCK)
+                assert torch.equal(got[name], bits(q)) and torch.equal(got[scale_name(name)], bits(scale)), name
+        assert modes == ["m2n", "sparse", "sparse"]
+        sync.close()
+    finally:
+        release(gpu_ray, pg, trainers + workers)
