@@ -67,8 +67,10 @@ def partial_amax(x: torch.Tensor, box: Box, block: tuple[int, int]) -> torch.Ten
 
 
 def scales_from(amax: torch.Tensor) -> torch.Tensor:
-    """Block scales from block amaxes (vLLM's rule: amax floored at 1e-4, over 448)."""
-    return amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    """Block scales from block amaxes (vLLM's rule: amax floored at 1e-4, over 448), divided
+    exactly on every device (CUDA divides by a host scalar as a multiply by its reciprocal,
+    one ulp off in some blocks, so the divisor is a tensor)."""
+    return amax.clamp(min=AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)
 
 
 def quantize_into(out: torch.Tensor, x: torch.Tensor, box: Box, block: tuple[int, int], scales: torch.Tensor) -> None:
@@ -119,6 +121,8 @@ class QuantStage:
                 self.items.append(_Quantized(i, spec.name, box, block, touched_blocks(box, block), owned))
         self._sources: Mapping | None = None
         self._endpoints: dict[str, Endpoint] = {}
+        self._grid: torch.Tensor | None = None
+        """Every tensor's amax grid, then its scales, in one buffer (`_Quantized.amax` are views)."""
 
     def endpoints(self, sources: Mapping[str, Endpoint]) -> Mapping[str, Endpoint]:
         """`sources` with each quantized tensor's shard replaced by its FP8 copy, plus the scales
@@ -126,10 +130,13 @@ class QuantStage:
         if not self.items or sources is self._sources:
             return self._endpoints if self.items else sources
         out = dict(sources)
-        for item in self.items:
+        device = sources[self.items[0].name].tensor.device
+        sizes = [item.touched.numel for item in self.items]
+        self._grid = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        for item, grid in zip(self.items, self._grid.split(sizes)):
             shard = sources[item.name].tensor
             item.values = torch.empty(shard.shape, dtype=torch.float8_e4m3fn, device=shard.device)
-            item.amax = torch.zeros(item.touched.sizes, dtype=torch.float32, device=shard.device)
+            item.amax = grid.view(item.touched.sizes)
             out[item.name] = Endpoint(item.values, item.box.offsets)
             out[scale_name(item.name)] = Endpoint(_grid_view(item.amax, item.touched, item.owned), item.owned.offsets)
         self._sources, self._endpoints = sources, out
@@ -146,11 +153,18 @@ class QuantStage:
             else:
                 item.amax.copy_(partial_amax(shard, item.box, item.block))
         self._trade(items, transport, deadline, wanted)
+        if wanted is None:  # every grid at once: a few launches, not a few per tensor
+            self._grid.copy_(scales_from(self._grid))
+            inverse = dict(zip([i.tensor for i in self.items], (1.0 / self._grid).split([i.touched.numel for i in self.items])))
+        else:
+            for item in items.values():
+                item.amax.copy_(scales_from(item.amax))
+            inverse = {}
         for item in items.values():
             shard = sources[item.name].tensor
-            item.amax.copy_(scales_from(item.amax))
             if shard.is_cuda:
-                kernels().quantize_blocks(shard, item.box.offsets[-2:], item.block, 1.0 / item.amax, item.values)
+                inv = inverse[item.tensor].view(item.touched.sizes) if inverse else 1.0 / item.amax
+                kernels().quantize_blocks(shard, item.box.offsets[-2:], item.block, inv, item.values)
             else:
                 quantize_into(item.values, shard, item.box, item.block, item.amax)
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS_PER_STEP = 16
+ROWS_PER_STEP = 32
 
 
 @triton.jit
