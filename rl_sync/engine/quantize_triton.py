@@ -1,7 +1,8 @@
 """The FP8 block quantizer's two passes as Triton kernels (CUDA shards; `engine.quantize` uses
 torch ops elsewhere, with the same results bit for bit on finite values).
 
-One program per block the shard touches: `block_amax` reads the block's part of the shard
+One program per block the shard touches (any block size: rows go `ROWS_PER_STEP` at a time,
+columns in a power-of-two tile, both masked to the block): `block_amax` reads the block's part of the shard
 once (2 bytes an element for bf16), `quantize_blocks` reads it again and writes one byte an
 element; a shard cutting a block reads only its own rows and columns of it (masked loads),
 so nothing is padded or copied. Results match the torch path: the amax is exact (a maximum),
@@ -21,15 +22,15 @@ ROWS_PER_STEP = 32
 
 @triton.jit
 def _amax_kernel(x, out, n, k, top, left, s_l, s_r, s_c, R, C, BN: tl.constexpr, BK: tl.constexpr,
-                 STEP: tl.constexpr):
+                 STEP: tl.constexpr, WIDTH: tl.constexpr):
     bc, br, lead = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    cols = bc * BK - left + tl.arange(0, BK)
-    col_ok = (cols >= 0) & (cols < k)
-    peak = tl.zeros([STEP, BK], dtype=tl.float32)
-    nans = tl.zeros([STEP, BK], dtype=tl.int32)
+    cols = bc * BK - left + tl.arange(0, WIDTH)
+    col_ok = (cols >= 0) & (cols < k) & (tl.arange(0, WIDTH) < BK)
+    peak = tl.zeros([STEP, WIDTH], dtype=tl.float32)
+    nans = tl.zeros([STEP, WIDTH], dtype=tl.int32)
     for step in range(0, BN, STEP):
         rows = br * BN - top + step + tl.arange(0, STEP)
-        ok = ((rows >= 0) & (rows < n))[:, None] & col_ok[None, :]
+        ok = ((rows >= 0) & (rows < n) & (step + tl.arange(0, STEP) < BN))[:, None] & col_ok[None, :]
         v = tl.load(x + lead * s_l + rows[:, None] * s_r + cols[None, :] * s_c, mask=ok, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.abs(v))
         nans += (v != v).to(tl.int32)
@@ -40,14 +41,14 @@ def _amax_kernel(x, out, n, k, top, left, s_l, s_r, s_c, R, C, BN: tl.constexpr,
 
 @triton.jit
 def _quantize_kernel(x, inv, q, n, k, top, left, s_l, s_r, s_c, q_l, q_r, q_c, R, C, BN: tl.constexpr,
-                     BK: tl.constexpr, STEP: tl.constexpr):
+                     BK: tl.constexpr, STEP: tl.constexpr, WIDTH: tl.constexpr):
     bc, br, lead = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     scale = tl.load(inv + (lead * R + br) * C + bc)
-    cols = bc * BK - left + tl.arange(0, BK)
-    col_ok = (cols >= 0) & (cols < k)
+    cols = bc * BK - left + tl.arange(0, WIDTH)
+    col_ok = (cols >= 0) & (cols < k) & (tl.arange(0, WIDTH) < BK)
     for step in range(0, BN, STEP):
         rows = br * BN - top + step + tl.arange(0, STEP)
-        ok = ((rows >= 0) & (rows < n))[:, None] & col_ok[None, :]
+        ok = ((rows >= 0) & (rows < n) & (step + tl.arange(0, STEP) < BN))[:, None] & col_ok[None, :]
         v = tl.load(x + lead * s_l + rows[:, None] * s_r + cols[None, :] * s_c, mask=ok, other=0.0).to(tl.float32)
         tl.store(q + lead * q_l + rows[:, None] * q_r + cols[None, :] * q_c, (v * scale).to(tl.float8e4nv), mask=ok)
 
@@ -61,7 +62,8 @@ def _launch(kernel, x: torch.Tensor, grid_shape: tuple[int, ...], offsets: tuple
     (bn, bk), (top, left) = block, (offsets[0] % block[0], offsets[1] % block[1])
     R, C = grid_shape[-2], grid_shape[-1]
     kernel[(C, R, x3.shape[0])](x3, *args[:-1], x3.shape[1], x3.shape[2], top, left, *x3.stride(), *args[-1], R, C,
-                                BN=bn, BK=bk, STEP=min(ROWS_PER_STEP, bn))
+                                BN=bn, BK=bk, STEP=min(ROWS_PER_STEP, triton.next_power_of_2(bn)),
+                                WIDTH=triton.next_power_of_2(bk))
 
 
 def block_amax(x: torch.Tensor, offsets: tuple[int, int], block: tuple[int, int], out: torch.Tensor) -> None:
