@@ -11,8 +11,9 @@ source, the scales of the blocks it owns as the scale tensor's source. Each roun
 3. scale = max(amax, 1e-4) / 448 and q = (x * (1 / scale)) cast to float8_e4m3fn, the
    values vLLM's `per_block_cast_to_fp8` gives for the whole tensor, bit for bit.
 
-CUDA shards run steps 1 and 3 as two Triton kernels (`engine.quantize_triton`: one read of
-the shard each, one byte written per element); CPU shards run torch ops.
+CUDA shards run steps 1 and 3 as Triton kernels (`engine.quantize_triton`: one read of the
+shard each, one byte written per element), replayed as two CUDA graphs per round; CPU shards
+run torch ops.
 
 Ordering contract: every trainer rank runs `QuantStage.run` at the start of every round,
 before its first bucket, with the round's tensor subset; the exchange is one `post` with
@@ -37,6 +38,10 @@ from ..plan import ModelPlan
 from ..quant import AMAX_FLOOR, FP8_MAX, amax_exchange, grid_shape, scale_name, touched_blocks
 from ..transport.base import Transport
 from .endpoint import Endpoint
+
+
+MAX_SUBSETS = 4
+"""CUDA graphs kept per stage: the full round's plus recent tensor subsets'."""
 
 
 def kernels():
@@ -93,6 +98,22 @@ class _Quantized:
     owned: Box
     values: torch.Tensor | None = None
     amax: torch.Tensor | None = None
+    """The amax of each block this rank touches, then its scale: a view of the round's grid."""
+    start: int = 0
+    """Where `amax` starts in the round's grid buffer."""
+
+
+def _captured(step) -> torch.cuda.CUDAGraph:
+    """`step`'s launches as a CUDA graph (run once first, off the graph, to compile and allocate)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may use the device
+        step()
+    return graph
 
 
 def _grid_view(amax: torch.Tensor, touched: Box, box: Box) -> torch.Tensor:
@@ -123,6 +144,7 @@ class QuantStage:
         self._endpoints: dict[str, Endpoint] = {}
         self._grid: torch.Tensor | None = None
         """Every tensor's amax grid, then its scales, in one buffer (`_Quantized.amax` are views)."""
+        self._launches: dict[tuple | None, list] = {}
 
     def endpoints(self, sources: Mapping[str, Endpoint]) -> Mapping[str, Endpoint]:
         """`sources` with each quantized tensor's shard replaced by its FP8 copy, plus the scales
@@ -133,40 +155,71 @@ class QuantStage:
         device = sources[self.items[0].name].tensor.device
         sizes = [item.touched.numel for item in self.items]
         self._grid = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        start = 0
         for item, grid in zip(self.items, self._grid.split(sizes)):
+            item.start, start = start, start + grid.numel()
             shard = sources[item.name].tensor
             item.values = torch.empty(shard.shape, dtype=torch.float8_e4m3fn, device=shard.device)
             item.amax = grid.view(item.touched.sizes)
             out[item.name] = Endpoint(item.values, item.box.offsets)
             out[scale_name(item.name)] = Endpoint(_grid_view(item.amax, item.touched, item.owned), item.owned.offsets)
-        self._sources, self._endpoints = sources, out
+        self._sources, self._endpoints, self._launches = sources, out, {}
+        self._graphs(sources, None)
         return out
 
     def run(self, sources: Mapping[str, Endpoint], transport: Transport, deadline: float,
             wanted: Collection[int] | None) -> None:
         """Quantize this round's tensors into the buffers `endpoints(sources)` handed out."""
         items = {item.tensor: item for item in self.items if wanted is None or item.tensor in wanted}
-        for item in items.values():
-            shard = sources[item.name].tensor
-            if shard.is_cuda:
-                kernels().block_amax(shard, item.box.offsets[-2:], item.block, item.amax)
-            else:
-                item.amax.copy_(partial_amax(shard, item.box, item.block))
+        graphs = self._graphs(sources, wanted)
+        if graphs is not None:
+            graphs[0].replay()
+        else:
+            for item in items.values():
+                item.amax.copy_(partial_amax(sources[item.name].tensor, item.box, item.block))
         self._trade(items, transport, deadline, wanted)
+        if graphs is not None:
+            graphs[1].replay()
+        else:
+            self._scales(items, wanted)
+            for item in items.values():
+                quantize_into(item.values, sources[item.name].tensor, item.box, item.block, item.amax)
+
+    def _scales(self, items: Mapping[int, _Quantized], wanted: Collection[int] | None) -> None:
         if wanted is None:  # every grid at once: a few launches, not a few per tensor
             self._grid.copy_(scales_from(self._grid))
-            inverse = dict(zip([i.tensor for i in self.items], (1.0 / self._grid).split([i.touched.numel for i in self.items])))
         else:
             for item in items.values():
                 item.amax.copy_(scales_from(item.amax))
-            inverse = {}
-        for item in items.values():
-            shard = sources[item.name].tensor
-            if shard.is_cuda:
-                inv = inverse[item.tensor].view(item.touched.sizes) if inverse else 1.0 / item.amax
-                kernels().quantize_blocks(shard, item.box.offsets[-2:], item.block, inv, item.values)
-            else:
-                quantize_into(item.values, shard, item.box, item.block, item.amax)
+
+    def _graphs(self, sources: Mapping[str, Endpoint], wanted: Collection[int] | None) -> tuple | None:
+        """CUDA graphs of the two device steps (block maxima; scales and FP8 values), captured
+        once per tensor subset while the shards stay the same (the full round's when the
+        endpoints are made): one launch each per round, however many tensors (per-tensor
+        launches cost more than the kernels). None on CPU."""
+        items = {item.tensor: item for item in self.items if wanted is None or item.tensor in wanted}
+        if not items or not sources[next(iter(items.values())).name].tensor.is_cuda:
+            return None
+        key = None if wanted is None else tuple(sorted(wanted))
+        if key not in self._launches:
+            if len(self._launches) >= MAX_SUBSETS:
+                self._launches.pop(next(iter(self._launches)))
+            triton = kernels()
+
+            def maxima() -> None:
+                for item in items.values():
+                    triton.block_amax(sources[item.name].tensor, item.box.offsets[-2:], item.block, item.amax)
+
+            def quantize() -> None:
+                self._scales(items, wanted)
+                inverse = 1.0 / self._grid
+                for item in items.values():
+                    cells = inverse[item.start : item.start + item.touched.numel].view(item.touched.sizes)
+                    triton.quantize_blocks(sources[item.name].tensor, item.box.offsets[-2:], item.block, cells,
+                                           item.values)
+
+            self._launches[key] = (_captured(maxima), _captured(quantize))
+        return self._launches[key]
 
     def _trade(self, items: Mapping[int, _Quantized], transport: Transport, deadline: float,
                wanted: Collection[int] | None) -> None:
