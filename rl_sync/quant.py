@@ -26,7 +26,6 @@ Typical use::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -40,6 +39,9 @@ AMAX_FLOOR = 1e-4
 """Smallest block amax (vLLM's `per_block_cast_to_fp8`): an all-zero block gets scale 1e-4 / 448."""
 SOURCE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 _SUFFIX = "::scale_inv"
+LIVE_SCALE_SUFFIX = "_scale_inv"
+"""An engine keeps the scales of block-quantized live weight `p` in `p + LIVE_SCALE_SUFFIX`
+(vLLM's `weight_scale_inv`, `w13_weight_scale_inv`)."""
 
 
 def scale_name(name: str) -> str:
@@ -49,6 +51,11 @@ def scale_name(name: str) -> str:
 
 def is_scale_name(name: str) -> bool:
     return name.endswith(_SUFFIX)
+
+
+def scaled_name(name: str) -> str:
+    """The tensor whose scales plan name `name` holds (`name` itself when it holds none)."""
+    return name.removesuffix(_SUFFIX)
 
 
 def check_block(block: tuple[int, ...], what: str) -> tuple[int, int]:
@@ -154,8 +161,3 @@ def amax_exchange(shape: tuple[int, ...], layout: Layout, block: tuple[int, int]
             for index, receiver in enumerate(holders):
                 parts.append(AmaxPart(senders[index % len(senders)], receiver, common))
     return tuple(parts)
-
-
-def quantized_bytes(shape: tuple[int, ...], block: tuple[int, int]) -> int:
-    """Bytes of a quantized tensor: one per value plus four per block scale."""
-    return math.prod(shape) + 4 * math.prod(grid_shape(shape, block))

@@ -28,13 +28,9 @@ import torch
 
 from ..layout import Box, Layout, Mesh, Replicate, Shard
 from ..models.config import ModelConfig, Parallel
-from ..quant import dest_scale_layout, grid_shape, scale_name
+from ..quant import LIVE_SCALE_SUFFIX, dest_scale_layout, grid_shape, scale_name
 from ..storage import Destination
 from .rules import BUILTIN, FUSED, QUANTIZED, Rule
-
-SCALE_SUFFIX = "_scale_inv"
-"""A block-quantized live weight `p` keeps its block scales in `p + SCALE_SUFFIX` (vLLM's
-`weight_scale_inv`, `w13_weight_scale_inv`)."""
 
 
 @dataclass(frozen=True)
@@ -186,7 +182,7 @@ class Binder:
             if slot_offset % block[0]:
                 raise ValueError(f"{what}: its slot starts at row {slot_offset} of {e.target!r}, not on a "
                                  f"{block[0]}-row block boundary; every fused slot must hold whole blocks")
-            target = e.target + SCALE_SUFFIX
+            target = e.target + LIVE_SCALE_SUFFIX
             if target not in params:
                 raise ValueError(f"{what}: {e.target!r} is FP8 but this rank holds no {target!r} for its scales")
             view = self._view(e, params[target], slot_offset // block[0], rank, box, True)

@@ -52,23 +52,25 @@ def kernels():
 
 
 def _padded(x: torch.Tensor, box: Box, block: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int]]:
-    """`x` (the global `box`) zero-padded to whole blocks of its last two dims, as a
-    `[..., rows, bn, cols, bk]` view, and where `x` starts in it."""
+    """`x` (the global `box`) in fp32, zero-padded to whole blocks of its last two dims, as a
+    fresh `[..., rows, bn, cols, bk]` tensor, and where `x` starts in it."""
     lead = x.ndim - 2
     (r0, c0), (nr, nc) = box.offsets[lead:], box.sizes[lead:]
     (bn, bk), top, left = block, r0 % block[0], c0 % block[1]
     rows, cols = -(-(top + nr) // bn), -(-(left + nc) // bk)
-    if top or left or nr != rows * bn or nc != cols * bk or not x.is_contiguous():
-        padded = x.new_zeros(tuple(x.shape[:lead]) + (rows * bn, cols * bk))
+    if top or left or nr != rows * bn or nc != cols * bk:
+        padded = torch.zeros(tuple(x.shape[:lead]) + (rows * bn, cols * bk), dtype=torch.float32, device=x.device)
         padded[..., top : top + nr, left : left + nc] = x
-        x = padded
-    return x.view(tuple(x.shape[:lead]) + (rows, bn, cols, bk)), (top, left)
+    else:
+        padded = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    return padded.view(tuple(x.shape[:lead]) + (rows, bn, cols, bk)), (top, left)
 
 
 def partial_amax(x: torch.Tensor, box: Box, block: tuple[int, int]) -> torch.Tensor:
-    """fp32 max of |x| over each block `box` touches (over its part of a block it cuts)."""
+    """fp32 max of |x| over each block `box` touches (over its part of a block it cuts): the
+    larger of the block's maximum and its negated minimum (two reductions, no |x| copy)."""
     blocks, _ = _padded(x, box, block)
-    return blocks.abs().amax(dim=(-3, -1)).float()
+    return torch.maximum(blocks.amax(dim=(-3, -1)), blocks.amin(dim=(-3, -1)).neg_())
 
 
 def scales_from(amax: torch.Tensor) -> torch.Tensor:
@@ -81,8 +83,8 @@ def scales_from(amax: torch.Tensor) -> torch.Tensor:
 def quantize_into(out: torch.Tensor, x: torch.Tensor, box: Box, block: tuple[int, int], scales: torch.Tensor) -> None:
     """Write FP8 `x * (1 / scale)` into `out`; `scales` covers the blocks `box` touches."""
     blocks, (top, left) = _padded(x, box, block)
-    q = (blocks * (1.0 / scales)[..., :, None, :, None]).to(out.dtype)
-    q = q.view(tuple(q.shape[:-4]) + (q.shape[-4] * q.shape[-3], q.shape[-2] * q.shape[-1]))
+    blocks.mul_((1.0 / scales)[..., :, None, :, None])
+    q = blocks.view(tuple(blocks.shape[:-4]) + (blocks.shape[-4] * blocks.shape[-3], blocks.shape[-2] * blocks.shape[-1]))
     out.copy_(q[..., top : top + out.shape[-2], left : left + out.shape[-1]])
 
 

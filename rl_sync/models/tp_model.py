@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..quant import LIVE_SCALE_SUFFIX, grid_shape
 from .config import ModelConfig, Parallel
 
 
@@ -52,12 +53,12 @@ class TPModel:
             self._add(name, *shape)
         else:
             self.params[name] = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=self.device)
-            grid = shape[:-2] + tuple(-(-n // b) for n, b in zip(shape[-2:], block))
-            self.params[name + "_scale_inv"] = torch.ones(grid, dtype=torch.float32, device=self.device)
+            grid = grid_shape(shape, block, name)
+            self.params[name + LIVE_SCALE_SUFFIX] = torch.ones(grid, dtype=torch.float32, device=self.device)
 
     def weight(self, name: str) -> torch.Tensor:
         """A weight in the model's dtype (dequantized: value x its block's scale)."""
-        value, scales = self.params[name], self.params.get(name + "_scale_inv")
+        value, scales = self.params[name], self.params.get(name + LIVE_SCALE_SUFFIX)
         if scales is None:
             return value
         (bn, bk), (n, k) = self.cfg.fp8_block, value.shape[-2:]

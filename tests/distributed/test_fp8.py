@@ -15,7 +15,8 @@ from actors import WeightSync  # noqa: E402
 from actors.cluster import free_init_url  # noqa: E402
 from actors.models import EngineWorker, HFTrainer  # noqa: E402
 from rl_sync.models.config import Parallel  # noqa: E402
-from rl_sync.quant import is_scale_name  # noqa: E402
+from rl_sync.patches import SparseWeightPatch  # noqa: E402
+from rl_sync.quant import is_scale_name, scaled_name  # noqa: E402
 
 from ..unit.test_quant import bits, reference  # noqa: E402
 from .conftest import loopback_config  # noqa: E402
@@ -50,7 +51,7 @@ def _check(full: dict, bound: dict) -> int:
     """Every bound tensor equals the reference; returns the bytes the worker keeps."""
     kept = 0
     for name, (origin, value) in bound.items():
-        base = name.removesuffix("::scale_inv")
+        base = scaled_name(name)
         if value.dtype == torch.uint8:
             value = value.view(torch.float8_e4m3fn)
         if value.dtype == torch.float8_e4m3fn or is_scale_name(name):
@@ -124,6 +125,16 @@ def test_fsdp2_bf16_trainers_into_the_fp8_engine(ray_session, family, par):
         ray.get([t.train_step.remote(tokens) for t in trainers])
         _sync_and_check(sync, trainers, workers, "broadcast", modes)
         assert modes == ["m2n", "sparse", "sparse", "broadcast"]
+        if family == "llama":  # a subset: the named tensors only, each with its scales
+            ray.get([t.train_step.remote(tokens) for t in trainers])
+            names = [q, "model.norm.weight"]
+            sync.push(names=names)
+            full = ray.get([t.full_state.remote() for t in trainers])[0]
+            for bound in ray.get([w.call.remote(_bound) for w in workers]):
+                _check(full, {n: v for n, v in bound.items() if scaled_name(n) in names})
+            with pytest.raises(ValueError, match=rf"push_patches: \['{q}'\] are kept block-quantized \(FP8\) on the "
+                                                 r"workers; patches carry unquantized values"):
+                sync.push_patches([SparseWeightPatch(q, torch.tensor([0]), torch.tensor([1.0]))])
         sync.close()
     finally:
         POOL.give_back(Trainer, trainers)
