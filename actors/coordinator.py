@@ -28,6 +28,7 @@ from rl_sync.messages import InitInfo, RankStats, RoundInfo, SideReport
 from rl_sync.parts import parse_part, sharded_dims
 from rl_sync.patches import check_patch, route_patch
 from rl_sync.plan import SideSpec, join_specs, plan_model
+from rl_sync.auto import AutoPolicy, RoundCost
 from rl_sync.quant import scale_name
 from rl_sync.plan_info import PlanInfo
 from rl_sync.push_args import repeated_names
@@ -81,6 +82,8 @@ class Coordinator:
         yet filled): the first round after init or a repair carries every tensor."""
         self.sparse_used = self.sparse_ready = False
         self.since_dense = 0
+        self.auto = AutoPolicy()
+        """What `auto` rounds have learned of this group's costs (kept across repairs)."""
         self.version = 0
         self.broken: str | None = None
         self._store: StoreServer | None = None
@@ -280,15 +283,17 @@ class Coordinator:
             raise ValueError(f"push: mode must be 'm2n', 'broadcast', 'sparse' or 'auto', got {mode!r}")
         return version, mode
 
-    def _round_mode(self, mode: str) -> str:
-        """The mode the round runs: sparse and auto rounds are dense until every worker holds a
-        full copy, and every `dense_refresh_every`-th one."""
+    def _round_mode(self, mode: str) -> tuple[str, str]:
+        """The mode the round runs, and why when it is not `mode`: sparse and auto rounds are
+        dense until every worker holds a full copy, and every `dense_refresh_every`-th one."""
         if mode in ("sparse", "auto"):
             self.sparse_used = True
             every = self.config.dense_refresh_every
-            if not self.sparse_ready or (every and self.since_dense + 1 >= every):
-                return "m2n"  # first round, a worker without a full copy, or a scheduled refresh
-        return mode
+            if not self.sparse_ready:
+                return "m2n", f"{mode}: a dense round first fills the baselines sparse rounds diff against"
+            if every and self.since_dense + 1 >= every:
+                return "m2n", f"{mode}: the dense refresh due every {every} rounds"
+        return mode, ""
 
     def repair(self, budget_s: float | None = None) -> dict:
         """Re-form the group after a failure, within `budget_s` seconds: abort what is left of it,
@@ -356,27 +361,51 @@ class Coordinator:
             self._repair()
         names = self._plan_names(names)
         version, mode = self._check_push(version, names, mode)
-        mode = self._round_mode(mode)
+        mode, reason = self._round_mode(mode)
         start = time.perf_counter()
         if self.ipc and self._ipc_begin(f"round {version} (CUDA IPC)"):
             self.needs_full_round = True  # a worker's memory moved: it holds what its engine put there
         if self.needs_full_round:
             names, mode = None, "m2n" if mode in ("sparse", "auto") else mode
+            reason = "a full dense round repairs the workers"
         names = None if names is None else tuple(names)
+        if mode == "auto":
+            choice = self.auto.choose(self._dense_bytes(names))
+            mode, reason = ("auto" if choice.engine == "sparse" else "m2n"), f"auto: {choice.reason}"
         try:
             blob = encode(RoundInfo(version, mode, names, self.budget.left(self.config.round_timeout_s), self.sparse_used))
             results = self._run_round(blob, version, names, f"round {version} ({mode})")
         except SyncError:
             self.broken = f"round {version}"
             raise
-        self.version, self.needs_full_round = version, False
+        first, self.version, self.needs_full_round = self.needs_full_round, version, False
         if mode in ("sparse", "auto"):
             self.since_dense += 1
         elif self.sparse_used and names is None:
             self.sparse_ready, self.since_dense = True, 0
-        stats = RoundStats(version, mode, time.perf_counter() - start, tuple(results))
+        stats = RoundStats(version, mode, time.perf_counter() - start, tuple(results), reason)
+        if not first:  # the first round after init or a repair pays one-time costs (compiling, mapping)
+            self._learn(stats, names)
         self.metrics.record(stats)
         return stats
+
+    def _dense_bytes(self, names: tuple[str, ...] | None) -> int:
+        """What a dense round of `names` (None: all) sends, in proportion of the plan's bytes."""
+        stats, specs = self.schedule.plan.stats, self.schedule.plan.specs
+        if names is None:
+            return stats.total_bytes
+        plan = self.schedule.plan
+        subset = sum(specs[plan.index[n]].nbytes for n in names)
+        return stats.total_bytes * subset // max(1, sum(s.nbytes for s in specs))
+
+    def _learn(self, stats: RoundStats, names: tuple[str, ...] | None) -> None:
+        """Teach `auto` what this round cost (dense M2N and sparse-engine rounds)."""
+        if stats.mode == "m2n":
+            self.auto.record(RoundCost("dense", stats.seconds, self._dense_bytes(names)))
+        elif stats.mode in ("sparse", "auto"):
+            sent = sum(r.sent_bytes for r in stats.ranks if r.role != "worker")
+            dense = self._dense_bytes(names)
+            self.auto.record(RoundCost("sparse", stats.seconds, dense, sent / max(1, stats.dense_bytes)))
 
     def _run_round(self, blob: bytes, version: int, names, what: str) -> list[RankStats]:
         """The round's steps, each bounded by the round timeout (plus 5 s for the ranks to report)

@@ -2,8 +2,9 @@
 
 `--e2e` (CPU, Gloo, Ray actors): 2 FSDP trainers push a ~50M-parameter bf16
 model to one engine of TP2; for each density, exactly that fraction of every
-tensor changes, then one sparse (`auto`) round and one dense round run; the
-table shows wire bytes, seconds and the encoding mix, and the crossover.
+tensor changes, then one sparse round and one dense round run (`--repeat`
+times); the table shows wire bytes, seconds and the encoding mix, and what an
+`auto` round chose next, with its reason (it learns from every round before).
 `--codec` (any device): diff + encode + decode + apply for 1 GiB of bf16
 parameters at each density, against a device-to-device copy of the same bytes
 measured in the same run.
@@ -107,10 +108,11 @@ def e2e_table(repeat: int) -> Table:
                                                            bind_host="127.0.0.1", bucket_bytes=64 << 20))
     sync.push(mode="auto")
     params = sum(s.nbytes for s in specs) / 2
-    table = Table(title=f"CPU / Gloo, {params / 1e6:.0f}M bf16 parameters, 2 FSDP trainers -> TP2: sparse (auto) vs dense")
+    table = Table(title=f"CPU / Gloo, {params / 1e6:.0f}M bf16 parameters, 2 FSDP trainers -> TP2: sparse vs dense, and auto's choice")
     for column in ("density", "transfers indices/blocked/bitmap/dense", "sparse wire", "dense wire", "wire ratio",
-                   "sparse s", "dense s"):
+                   "sparse s", "dense s", "auto ran"):
         table.add_column(column, justify="right")
+    reasons = []
     for density in DENSITIES:
         def perturb(actor, d=density):
             gen = torch.Generator().manual_seed(int(d * 1e6))
@@ -122,14 +124,19 @@ def e2e_table(repeat: int) -> Table:
         sparse_s, dense_s, wire, dense_wire, mix = [], [], 0, 0, {}
         for _ in range(repeat):
             ray.get([t.call.remote(perturb) for t in trainers])
-            stats = sync.push(mode="auto")
+            stats = sync.push(mode="sparse")
             sparse_s.append(stats.seconds)
             wire = sum(r.sent_bytes for r in stats.ranks if r.role == "trainer")
             dense_wire, mix = stats.dense_bytes, stats.encodings
             dense_s.append(sync.push(mode="m2n").seconds)
+        ray.get([t.call.remote(perturb) for t in trainers])
+        auto = sync.push(mode="auto")
+        reasons.append(f"{density:.1%}: ran {auto.mode} in {auto.seconds:.3f} s; {auto.reason}")
         counts = "/".join(str(mix.get(NAMES[c], 0)) for c in (INDICES, BLOCKED, BITMAP, DENSE))
         table.add_row(f"{density:.1%}", counts, f"{wire / 1e6:.2f} MB", f"{dense_wire / 1e6:.2f} MB",
-                      f"{wire / dense_wire:.2%}", f"{statistics.median(sparse_s):.3f}", f"{statistics.median(dense_s):.3f}")
+                      f"{wire / dense_wire:.2%}", f"{statistics.median(sparse_s):.3f}", f"{statistics.median(dense_s):.3f}",
+                      auto.mode)
+    table.caption = "auto, after each density's rounds:\n" + "\n".join(reasons)
     sync.close()
     ray.shutdown()
     return table

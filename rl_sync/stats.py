@@ -15,6 +15,9 @@ class RoundStats:
     mode: str
     seconds: float
     ranks: tuple[RankStats, ...]
+    reason: str = ""
+    """Why the round ran in `mode` when that is not simply what was asked (`auto`'s choice, a
+    first or refreshing dense round of a sparse request)."""
 
     def _of(self, role: str) -> list[RankStats]:
         return [r for r in self.ranks if r.role == role]
@@ -62,4 +65,5 @@ class RoundStats:
     def log_line(self) -> str:
         return (f"rl-sync round {self.version} [{self.mode}]: {self.seconds:.3f} s, busiest trainer sent "
                 f"{self.busiest_sender_bytes / 1e6:.1f} MB, busiest worker received "
-                f"{self.worker_received_bytes / 1e6:.1f} MB ({self.gbps:.2f} GB/s), staging {self.staging_bytes / 1e6:.1f} MB")
+                f"{self.worker_received_bytes / 1e6:.1f} MB ({self.gbps:.2f} GB/s), staging {self.staging_bytes / 1e6:.1f} MB"
+                + (f"; {self.reason}" if self.reason else ""))
