@@ -2,12 +2,13 @@
 
     python benchmarks/fp8_bench.py --quantize [--device cuda]   # Llama-3-8B shapes (--layers on CPU)
     python benchmarks/fp8_bench.py --colocated                  # one GPU: trainer and worker share it
+    python benchmarks/fp8_bench.py --nccl                       # two GPUs: NCCL from trainer to worker
     python benchmarks/fp8_bench.py --e2e                        # CPU: the quickstart model, 4 -> 2 x TP2
 
 `--quantize` times one trainer rank's whole quantize step (block amax, scales, FP8 values) over
 every projection of the model, against one device copy of the same bf16 bytes in the same
 run. `--colocated` pushes Llama-3-8B shapes through CUDA IPC into a bf16 worker and into an FP8
-one. `--e2e` runs bf16 FSDP2 trainers into bf16 and into FP8 (128 x 128 blocks) engines.
+one, `--nccl` the same over NCCL between two GPUs. `--e2e` runs bf16 FSDP2 trainers into bf16 and into FP8 (128 x 128 blocks) engines.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def quantize(device: torch.device, layers: int, repeat: int) -> dict:
     return {"tensors": len(specs), "bf16_bytes": nbytes, "quantize_s": seconds, "copy_s": floor}
 
 
-def colocated(repeat: int) -> dict:
+def pushes(repeat: int, same_gpu: bool) -> dict:
     specs = model_specs(LLAMA_8B, TrainerParallel(ranks=1), InferenceParallel(engines=1, tensor_parallel=1))
     import ray
 
@@ -80,10 +81,10 @@ def colocated(repeat: int) -> dict:
 
     out = {}
     for label, block in (("bf16", None), ("fp8", BLOCK)):
-        pg, trainer, worker = pair(specs, same_gpu=True, fp8_block=block)
+        pg, trainer, worker = pair(specs, same_gpu=same_gpu, fp8_block=block)
         sync = WeightSync.create([trainer], [worker], SyncConfig(rendezvous_host="127.0.0.1", bind_host="127.0.0.1",
                                                                   bucket_bytes=1 << 30, round_timeout_s=600))
-        assert sync.summary["cuda_ipc"], "expected colocated CUDA IPC"
+        assert sync.summary["cuda_ipc"] == same_gpu, "expected CUDA IPC exactly when the GPU is shared"
         sync.push()
         out[label] = median_round(sync, repeat)
         sync.close()
@@ -126,6 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quantize", action="store_true")
     parser.add_argument("--colocated", action="store_true")
+    parser.add_argument("--nccl", action="store_true", help="trainer and worker on two GPUs (NCCL)")
     parser.add_argument("--e2e", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--layers", type=int, default=LLAMA_8B.layers)
@@ -141,14 +143,15 @@ def main() -> None:
                f"{gb / r['copy_s']:.0f}", "1.00"],
               ["quantize (amax, scales, FP8 values)", f"{gb:.2f}", f"{r['quantize_s'] * 1e3:.1f}",
                f"{gb / r['quantize_s']:.0f}", f"{r['quantize_s'] / r['copy_s']:.2f}"]], "fp8_quantize", r)
-    if args.colocated or args.e2e:
+    if args.colocated or args.nccl or args.e2e:
         start_ray()
-    if args.colocated:
-        r = colocated(args.repeat)
-        show(f"Colocated push, Llama-3-8B shapes, on {torch.cuda.get_device_name()} (median of {args.repeat})",
-             ["worker", "GB into the worker", "handover ms", "round ms (with Ray RPC)"],
-             [[k, f"{v['bytes'] / 1e9:.2f}", f"{v['rank_s'] * 1e3:.1f}", f"{v['round_s'] * 1e3:.1f}"]
-              for k, v in r.items()], "fp8_colocated", r)
+    for wanted, same_gpu, label in ((args.colocated, True, "colocated"), (args.nccl, False, "nccl")):
+        if wanted:
+            r = pushes(args.repeat, same_gpu)
+            show(f"{label} push, Llama-3-8B shapes, on {torch.cuda.get_device_name()} (median of {args.repeat})",
+                 ["worker", "GB into the worker", "slowest rank ms", "round ms (with Ray RPC)"],
+                 [[k, f"{v['bytes'] / 1e9:.2f}", f"{v['rank_s'] * 1e3:.1f}", f"{v['round_s'] * 1e3:.1f}"]
+                  for k, v in r.items()], f"fp8_{label}", r)
     if args.e2e:
         r = e2e(args.rounds)
         show(f"Quickstart model, 4 bf16 FSDP2 trainers -> 2 engines x TP2 (median of {args.rounds})",
