@@ -31,13 +31,17 @@ def main() -> int:
     with NetnsCluster(nodes=2) as cluster:
         result = cluster.run_driver(["tests.multihost.scenarios", "links"], timeout_s=1200)
     table = Table(title="64 MiB bf16, 2 FSDP trainers -> TP2 engine, medians of 3 (sparse/auto: 1% changed)")
-    for column in ("link", "mode", "seconds", "MB into the busiest worker", "transfers by encoding"):
+    for column in ("link", "mode", "ran", "seconds", "MB into the busiest worker", "transfers by encoding"):
         table.add_column(column, justify="right")
+    reasons = []
     for link, rows in result.items():
         for mode, row in rows.items():
-            table.add_row(link, mode, f"{row['seconds']:.3f}", f"{row['worker_bytes'] / 1e6:.2f}",
+            table.add_row(link, mode, row["ran"], f"{row['seconds']:.3f}", f"{row['worker_bytes'] / 1e6:.2f}",
                           ", ".join(f"{k} {v}" for k, v in row["encodings"].items()))
-    Console(width=140).print(table)
+            if mode == "auto":
+                reasons.append(f"{link}: {row['reason']}")
+    table.caption = "\n".join(reasons)
+    Console(width=160).print(table)
     return 0
 
 

@@ -242,8 +242,8 @@ def links(args) -> dict:
                     ray.get([t.call.remote(perturb, 0.01, seed) for t in trainers])
                 rounds.append(sync.push(mode=mode))
             mid = sorted(rounds, key=lambda r: r.seconds)[1]
-            rows[mode] = {"seconds": mid.seconds, "worker_bytes": mid.worker_received_bytes,
-                          "encodings": {k: v for r in mid.ranks for k, v in r.encodings.items() if v}}
+            rows[mode] = {"seconds": mid.seconds, "worker_bytes": mid.worker_received_bytes, "ran": mid.mode,
+                          "reason": mid.reason, "encodings": {k: v for r in mid.ranks for k, v in r.encodings.items() if v}}
         if rate:
             _shape(args, node, None)
         sync.close()
