@@ -29,7 +29,7 @@ from rl_sync.parts import parse_part, sharded_dims
 from rl_sync.patches import check_patch, route_patch
 from rl_sync.plan import SideSpec, join_specs, plan_model
 from rl_sync.auto import AutoPolicy, RoundCost
-from rl_sync.quant import scale_name
+from rl_sync.quant import scale_name, scaled_name
 from rl_sync.plan_info import PlanInfo
 from rl_sync.push_args import repeated_names
 from rl_sync.rank.address import interface_address
@@ -267,7 +267,8 @@ class Coordinator:
         block-quantized one its values and its scales."""
         if names is None:
             return None
-        return [p for n in names for p in self.parts.get(n) or self.quantized.get(n) or [n]]
+        return list(dict.fromkeys(p for n in names for p in self.parts.get(n) or self.quantized.get(scaled_name(n))
+                                  or [n]))
 
     def _check_push(self, version: int | None, names: list[str] | None, mode: str | None) -> tuple[int, str]:
         """The round's version and requested mode, or `ValueError`; changes nothing."""
@@ -367,7 +368,7 @@ class Coordinator:
             self.needs_full_round = True  # a worker's memory moved: it holds what its engine put there
         if self.needs_full_round:
             names, mode = None, "m2n" if mode in ("sparse", "auto") else mode
-            reason = "a full dense round repairs the workers"
+            reason = "the first round after init or a repair carries every tensor, dense"
         names = None if names is None else tuple(names)
         if mode == "auto":
             choice = self.auto.choose(self._dense_bytes(names))

@@ -7,10 +7,11 @@ sent, as a fraction of dense, are shown with the prediction). An `auto` round
 then runs the engine predicted faster for its tensors, and says why (`Choice.reason`, shown
 in the round's statistics):
 
-* until both engines are measured (`WARMUP` sparse rounds) it runs sparse, to measure it;
-* a round whose dense prediction is under `MIN_DECIDING_S` runs sparse: at that size the
-  times are latency and noise, and within the sparse engine each transfer still takes its
-  smallest encoding (dense included);
+* until `WARMUP` sparse rounds are measured it runs sparse, to measure it; then, if no dense
+  round has been measured (the group's first round, which compiles, is not), one dense;
+* a round whose dense prediction (or, before one, its sparse prediction) is under
+  `MIN_DECIDING_S` runs sparse: at that size the times are latency and noise, and within the
+  sparse engine each transfer still takes its smallest encoding (dense included);
 * after `PROBE_EVERY` dense choices in a row it runs sparse once, because the density
   moves with training and only a sparse round measures it.
 
@@ -79,9 +80,16 @@ class AutoPolicy:
         return choice
 
     def _choose(self, dense_bytes: int) -> Choice:
-        if "dense" not in self.rate or self.sparse_rounds < WARMUP:
+        if self.sparse_rounds < WARMUP:
             return Choice("sparse", f"measuring the sparse engine ({self.sparse_rounds} of {WARMUP} rounds measured)")
-        dense, sparse = self.rate["dense"] * dense_bytes, self.rate["sparse"] * dense_bytes
+        sparse = self.rate["sparse"] * dense_bytes
+        if "dense" not in self.rate:
+            if sparse < MIN_DECIDING_S:
+                return Choice("sparse", f"a sparse round takes {sparse * 1e3:.1f} ms, under the "
+                                        f"{MIN_DECIDING_S * 1e3:.0f} ms where timings decide")
+            return Choice("dense", f"measuring the dense engine (sparse {sparse:.3f} s predicted, no dense round "
+                                   "measured)")
+        dense = self.rate["dense"] * dense_bytes
         figures = f"sparse {sparse:.3f} s against dense {dense:.3f} s predicted (the last sparse round sent {self.wire:.1%} of dense)"
         if dense < MIN_DECIDING_S:
             return Choice("sparse", f"a dense round would take {dense * 1e3:.1f} ms, under the {MIN_DECIDING_S * 1e3:.0f} "

@@ -309,8 +309,9 @@ class Layout:
         return Layout(Mesh(self.mesh.shape, ranks=new), self.placements)
 
     def check_shape(self, shape: Sequence[int], what: str = "tensor") -> None:
-        """Raise `ValueError` if a placement shards a dim the tensor lacks, or a blocked
-        shard does not cover its dim (or shares it with another axis)."""
+        """Raise `ValueError` if a placement shards a dim the tensor lacks, a blocked shard does
+        not cover its dim, a grid shard's dim is not the block count of its length, or either
+        shares its dim with another axis."""
         for axis, placement in enumerate(self.placements):
             if not isinstance(placement, Shard):
                 continue

@@ -29,6 +29,7 @@ import numpy as np
 
 from .dtypes import check_cast, itemsize
 from .layout import Box, Layout
+from .parts import parse_part
 from .quant import (FP8_DTYPE, SCALE_DTYPE, SOURCE_DTYPES, check_block, dest_scale_layout, grid_shape, scale_name,
                     source_scale_layout)
 from .template import Template, TemplateKey, build_template, mesh_overlap, sum_by, template_key
@@ -206,6 +207,9 @@ def quantized_specs(src: SideSpec, dst: SideSpec, scales: SideSpec | None) -> li
     """The FP8 values and the scale grid of a tensor a destination keeps block-quantized."""
     what, shape = f"tensor {src.name!r}", tuple(src.shape)
     block = check_block(tuple(dst.block), what)
+    if parse_part(src.name) is not None:
+        raise ValueError(f"{what}: the destination binds a part of a tensor block-quantized; FP8 destinations "
+                         "take whole checkpoint tensors")
     if src.dtype not in SOURCE_DTYPES:
         raise ValueError(f"{what}: the destination keeps it as block-quantized {FP8_DTYPE}, which needs a "
                          f"floating-point source ({', '.join(SOURCE_DTYPES)}); the trainers hold {src.dtype}")

@@ -112,8 +112,10 @@ def dest_scale_layout(layout: Layout, shape: tuple[int, ...], block: tuple[int, 
             continue
         _check_single_axis(layout, p.dim, what)
         parts, n = layout.mesh.shape[axis], shape[p.dim]
+        if p.grid:
+            raise ValueError(f"{what}: the destination lays dim {p.dim} out as {p}, a scale grid; expected its data")
         piece = p.block or -(-n // parts)
-        if p.grid or piece % b and parts > 1 and piece < n:
+        if p.block and piece % b or not p.block and piece % b and parts > 1 and piece < n:
             raise ValueError(f"{what}: the destination splits dim {p.dim} (size {n}) into shards of {piece} over "
                              f"{parts} ranks, which is not a multiple of the quantization block {b}; expected shards "
                              f"of whole {b}-blocks (choose a block size that divides {piece}, or another TP size)")

@@ -8,8 +8,10 @@ source, the scales of the blocks it owns as the scale tensor's source. Each roun
 1. the fp32 amax of every block the shard touches (partial where the shard cuts a block);
 2. the partial amaxes of cut blocks go to the other ranks holding parts of them, in one
    grouped launch (`rl_sync.quant.amax_exchange`), and each rank takes the maximum;
-3. scale = max(amax, 1e-4) / 448 and q = (x * (1 / scale)) cast to float8_e4m3fn, the
-   values vLLM's `per_block_cast_to_fp8` gives for the whole tensor, bit for bit.
+3. scale = max(amax, 1e-4) / 448 and q = (x * (1 / scale)) cast to float8_e4m3fn: for the
+   whole tensor, bit for bit, what vLLM's `per_block_cast_to_fp8` gives on a CPU. (On CUDA
+   vLLM divides by 448 as a multiply by float32 1/448, one ulp off in some blocks; rl-sync
+   divides exactly on every device.)
 
 CUDA shards run steps 1 and 3 as Triton kernels (`engine.quantize_triton`: one read of the
 shard each, one byte written per element), replayed as two CUDA graphs per round; CPU shards
@@ -21,9 +23,9 @@ sends and receives in `amax_exchange` order.
 
 Typical use (what `RankSession` does)::
 
-    stage = QuantStage(plan, rank, device)
-    endpoints = stage.endpoints(sources)           # the same mapping while `sources` is
-    stage.run(sources, transport, deadline, wanted)
+    stage = QuantStage(plan, plan.blocks, rank)
+    endpoints = stage.endpoints(sources)   # FP8 values and owned scales in place of the bf16 shards
+    stage.run(sources, transport, deadline, wanted)   # every round, before the first bucket
 """
 
 from __future__ import annotations
@@ -185,7 +187,9 @@ class QuantStage:
     def run(self, sources: Mapping[str, Endpoint], transport: Transport, deadline: float,
             wanted: Collection[int] | None) -> None:
         """Quantize this round's tensors into the buffers `endpoints(sources)` handed out."""
-        items = {item.tensor: item for item in self.items if wanted is None or item.tensor in wanted}
+        items = self._items(wanted)
+        if not items:
+            return  # nothing here to quantize, so nothing to trade either (traders hold parts)
         graphs = self._graphs(sources, wanted)
         if graphs is not None:
             graphs[0].replay()
@@ -200,6 +204,10 @@ class QuantStage:
             self._scales(items, wanted)
             for item in items.values():
                 quantize_into(item.values, sources[item.name].tensor, item.box, item.block, item.amax, scratch)
+
+    def _items(self, wanted: Collection[int] | None) -> dict[int, _Quantized]:
+        """This rank's quantized tensors in the round, by plan index (plan order)."""
+        return {item.tensor: item for item in self.items if wanted is None or item.tensor in wanted}
 
     def _scratch(self, items: Mapping[int, _Quantized]) -> torch.Tensor:
         """fp32 room for the largest padded shard of a CPU round, kept across rounds."""
@@ -220,10 +228,10 @@ class QuantStage:
         once per tensor subset while the shards stay the same (the full round's when the
         endpoints are made): one launch each per round, however many tensors (per-tensor
         launches cost more than the kernels). None on CPU."""
-        items = {item.tensor: item for item in self.items if wanted is None or item.tensor in wanted}
+        items = self._items(wanted)
         if not items or not sources[next(iter(items.values())).name].tensor.is_cuda:
             return None
-        key = None if wanted is None else tuple(sorted(wanted))
+        key = None if wanted is None else tuple(items)
         if key not in self._launches:
             if len(self._launches) >= MAX_SUBSETS:
                 self._launches.pop(next(iter(self._launches)))

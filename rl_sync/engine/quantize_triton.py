@@ -8,7 +8,9 @@ element; a shard cutting a block reads only its own rows and columns of it (mask
 so nothing is padded or copied. Results match the torch path: the amax is exact (a maximum),
 `x * inv_scale` is one IEEE fp32 multiply with `inv_scale` computed by torch, and the cast
 rounds to nearest even (saturating only values that torch would turn into NaN, which finite
-blocks never reach); a block holding a NaN gets a NaN amax, as `torch.amax` gives.
+blocks never reach); a block holding a NaN gets a NaN amax, as `torch.amax` gives. A block's start is
+computed in 64 bits (a shard of an MoE layer's stacked experts passes 2**31 elements), the
+offsets within it in 32.
 """
 
 from __future__ import annotations
@@ -21,36 +23,50 @@ ROWS_PER_STEP = 32
 
 
 @triton.jit
+def _block(n, k, top, left, BN: tl.constexpr, BK: tl.constexpr, WIDTH: tl.constexpr):
+    """This program's block: its first row and column in the shard (64-bit: shards may pass 2**31
+    elements; may be negative where the shard starts inside the block), the valid rows within
+    it as `[r_lo, r_hi)`, and the column mask of its tile."""
+    row0 = tl.program_id(1).to(tl.int64) * BN - top
+    col0 = tl.program_id(0).to(tl.int64) * BK - left
+    r_lo, r_hi = tl.maximum(-row0, 0).to(tl.int32), tl.minimum(n - row0, BN).to(tl.int32)
+    c = tl.arange(0, WIDTH)
+    col_ok = (c >= tl.maximum(-col0, 0).to(tl.int32)) & (c < tl.minimum(k - col0, BK).to(tl.int32))
+    return row0, col0, r_lo, r_hi, c, col_ok
+
+
+@triton.jit
 def _amax_kernel(x, out, n, k, top, left, s_l, s_r, s_c, R, C, BN: tl.constexpr, BK: tl.constexpr,
                  STEP: tl.constexpr, WIDTH: tl.constexpr):
-    bc, br, lead = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    cols = bc * BK - left + tl.arange(0, WIDTH)
-    col_ok = (cols >= 0) & (cols < k) & (tl.arange(0, WIDTH) < BK)
+    row0, col0, r_lo, r_hi, c, col_ok = _block(n, k, top, left, BN, BK, WIDTH)
+    lead = tl.program_id(2).to(tl.int64)
+    start = x + lead * s_l + row0 * s_r + col0 * s_c
     peak = tl.zeros([STEP, WIDTH], dtype=tl.float32)
     nans = tl.zeros([STEP, WIDTH], dtype=tl.int32)
     for step in range(0, BN, STEP):
-        rows = br * BN - top + step + tl.arange(0, STEP)
-        ok = ((rows >= 0) & (rows < n) & (step + tl.arange(0, STEP) < BN))[:, None] & col_ok[None, :]
-        v = tl.load(x + lead * s_l + rows[:, None] * s_r + cols[None, :] * s_c, mask=ok, other=0.0).to(tl.float32)
+        r = step + tl.arange(0, STEP)
+        ok = ((r >= r_lo) & (r < r_hi))[:, None] & col_ok[None, :]
+        v = tl.load(start + r[:, None] * s_r + c[None, :] * s_c, mask=ok, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.abs(v))
         nans += (v != v).to(tl.int32)
     m = tl.max(tl.max(peak, axis=1), axis=0)
     m = tl.where(tl.sum(tl.sum(nans, axis=1), axis=0) > 0, float("nan"), m)
-    tl.store(out + (lead * R + br) * C + bc, m)
+    tl.store(out + (lead * R + tl.program_id(1)) * C + tl.program_id(0), m)
 
 
 @triton.jit
 def _quantize_kernel(x, inv, q, n, k, top, left, s_l, s_r, s_c, q_l, q_r, q_c, R, C, BN: tl.constexpr,
                      BK: tl.constexpr, STEP: tl.constexpr, WIDTH: tl.constexpr):
-    bc, br, lead = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    scale = tl.load(inv + (lead * R + br) * C + bc)
-    cols = bc * BK - left + tl.arange(0, WIDTH)
-    col_ok = (cols >= 0) & (cols < k) & (tl.arange(0, WIDTH) < BK)
+    row0, col0, r_lo, r_hi, c, col_ok = _block(n, k, top, left, BN, BK, WIDTH)
+    lead = tl.program_id(2).to(tl.int64)
+    scale = tl.load(inv + (lead * R + tl.program_id(1)) * C + tl.program_id(0))
+    start = x + lead * s_l + row0 * s_r + col0 * s_c
+    target = q + lead * q_l + row0 * q_r + col0 * q_c
     for step in range(0, BN, STEP):
-        rows = br * BN - top + step + tl.arange(0, STEP)
-        ok = ((rows >= 0) & (rows < n) & (step + tl.arange(0, STEP) < BN))[:, None] & col_ok[None, :]
-        v = tl.load(x + lead * s_l + rows[:, None] * s_r + cols[None, :] * s_c, mask=ok, other=0.0).to(tl.float32)
-        tl.store(q + lead * q_l + rows[:, None] * q_r + cols[None, :] * q_c, (v * scale).to(tl.float8e4nv), mask=ok)
+        r = step + tl.arange(0, STEP)
+        ok = ((r >= r_lo) & (r < r_hi))[:, None] & col_ok[None, :]
+        v = tl.load(start + r[:, None] * s_r + c[None, :] * s_c, mask=ok, other=0.0).to(tl.float32)
+        tl.store(target + r[:, None] * q_r + c[None, :] * q_c, (v * scale).to(tl.float8e4nv), mask=ok)
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:

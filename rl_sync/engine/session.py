@@ -20,6 +20,7 @@ import torch
 from ..messages import InitInfo, RankStats, RoundInfo
 from ..parts import parse_part
 from ..plan_info import PlanInfo
+from ..quant import is_scale_name, scale_name, scaled_name
 from ..schedule import RankSchedule
 from ..rendezvous import derive
 from ..transport.base import Transport
@@ -166,7 +167,7 @@ class RankSession:
         unknown = [n for n in round_info.names or () if n not in self.plan.index]
         if unknown:
             raise ValueError(f"rank {self.rank}: round {round_info.version} names tensors {unknown[:4]} the plan does not hold")
-        wanted = None if round_info.names is None else tuple(sorted({self.plan.index[n] for n in round_info.names}))
+        wanted = None if round_info.names is None else self._paired({self.plan.index[n] for n in round_info.names})
         if self.quant is not None:
             shards, sources = sources, self.quant.endpoints(sources)
             self.quant.run(shards, self.transport, deadline, wanted)
@@ -182,6 +183,17 @@ class RankSession:
         if round_info.baseline:
             self._refresh_baselines(self._indices(sources, "source"), wanted)
         return counters
+
+    def _paired(self, wanted: set[int]) -> tuple[int, ...]:
+        """A round's tensors with each block-quantized tensor's values and scales together (the
+        scales change with the values, and are computed only with them)."""
+        for i in list(wanted):
+            name = self.plan.specs[i].name
+            if i in self.plan.blocks:
+                wanted.add(self.plan.index[scale_name(name)])
+            elif is_scale_name(name) and scaled_name(name) in self.plan.index:
+                wanted.add(self.plan.index[scaled_name(name)])
+        return tuple(sorted(wanted))
 
     def _refresh_baselines(self, src: dict[int, Endpoint], wanted: tuple[int, ...] | None) -> None:
         """After a dense round: the last synced values are the current ones."""

@@ -16,7 +16,7 @@ from actors.cluster import free_init_url  # noqa: E402
 from actors.models import EngineWorker, HFTrainer  # noqa: E402
 from rl_sync.models.config import Parallel  # noqa: E402
 from rl_sync.patches import SparseWeightPatch  # noqa: E402
-from rl_sync.quant import is_scale_name, scaled_name  # noqa: E402
+from rl_sync.quant import is_scale_name, scale_name, scaled_name  # noqa: E402
 
 from ..unit.test_quant import bits, reference  # noqa: E402
 from .conftest import loopback_config  # noqa: E402
@@ -132,6 +132,11 @@ def test_fsdp2_bf16_trainers_into_the_fp8_engine(ray_session, family, par):
             full = ray.get([t.full_state.remote() for t in trainers])[0]
             for bound in ray.get([w.call.remote(_bound) for w in workers]):
                 _check(full, {n: v for n, v in bound.items() if scaled_name(n) in names})
+            ray.get([t.train_step.remote(tokens) for t in trainers])
+            sync.push(names=[scale_name(q)])  # naming the scales pushes the values with them
+            full = ray.get([t.full_state.remote() for t in trainers])[0]
+            for bound in ray.get([w.call.remote(_bound) for w in workers]):
+                _check(full, {n: v for n, v in bound.items() if scaled_name(n) == q})
             with pytest.raises(ValueError, match=rf"push_patches: \['{q}'\] are kept block-quantized \(FP8\) on the "
                                                  r"workers; patches carry unquantized values"):
                 sync.push_patches([SparseWeightPatch(q, torch.tensor([0]), torch.tensor([1.0]))])

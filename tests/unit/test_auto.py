@@ -23,6 +23,19 @@ def test_the_sparse_engine_is_measured_before_anything_is_decided():
     assert policy.choose(GB).engine == "sparse"
 
 
+def test_without_a_dense_round_one_is_measured_unless_rounds_are_too_short_to_time():
+    policy = AutoPolicy()
+    for _ in range(WARMUP):
+        policy.record(RoundCost("sparse", 0.3, GB))
+    choice = policy.choose(GB)
+    assert (choice.engine, choice.reason) == ("dense", "measuring the dense engine (sparse 0.300 s predicted, no "
+                                                       "dense round measured)")
+    quick = AutoPolicy()
+    for _ in range(WARMUP):
+        quick.record(RoundCost("sparse", 0.02, GB))
+    assert quick.choose(GB).reason == "a sparse round takes 20.0 ms, under the 50 ms where timings decide"
+
+
 def test_the_faster_engine_is_chosen_with_the_predictions_as_the_reason():
     slow_sparse = _policy(dense_s=0.125, sparse_s=0.25, wire=0.5)
     choice = slow_sparse.choose(2 * GB)

@@ -191,6 +191,17 @@ def test_fp32_sources_zero_blocks_nan_and_negative_zero_quantize_like_the_refere
     assert got[scale_name("w")][0, 0].item() == pytest.approx(1e-4 / 448)
 
 
+def test_a_rank_holding_nothing_of_a_quantized_tensor_quantizes_nothing():
+    x = _random((4, 32))
+    got, _ = push(x, fsdp(7), workers((2,), (Shard(1),), 7), (2, 8))  # ranks 4 to 6 hold empty pieces
+    want_q, want_scale = reference(x, (2, 8))
+    assert torch.equal(bits(got["w"]), bits(want_q)) and torch.equal(bits(got[scale_name("w")]), bits(want_scale))
+    plan = _plan((4, 32), fsdp(7), workers((2,), (Shard(1),), 7), (2, 8))
+    idle = QuantStage(plan, plan.blocks, 6)
+    assert idle.endpoints({}) == {}
+    idle.run({}, ThreadTransport(Hub(), 6, 7, torch.device("cpu")), time.monotonic() + 5, None)
+
+
 def test_the_exchange_is_only_between_ranks_sharing_a_cut_block():
     parts = amax_exchange((1000, 300), fsdp(3), (128, 128))
     assert [(p.sender, p.receiver, p.box) for p in parts] == [
@@ -214,6 +225,14 @@ def test_destination_shards_that_cut_blocks_are_refused():
         dest_scale_layout(Layout(Mesh((2,)), (Shard(0),)), (1000, 512), (128, 128), "w")
 
 
+def test_fixed_size_destination_shards_must_be_whole_blocks():
+    with pytest.raises(ValueError, match=r"w: the destination splits dim 0 \(size 150\) into shards of 160 over 2 "
+                                         r"ranks, which is not a multiple of the quantization block 128"):
+        dest_scale_layout(Layout(Mesh((2,)), (Shard(0, 160),)), (150, 256), (128, 128), "w")
+    scales = dest_scale_layout(Layout(Mesh((2,)), (Shard(0, 256),)), (300, 256), (128, 128), "w")
+    assert scales.all_boxes((3, 2)) == [Box((0, 0), (2, 2)), Box((2, 0), (1, 2))]
+
+
 def test_integer_sources_and_missing_scales_are_refused():
     shape, dst = (256, 256), workers((2,), (Shard(0),), 2)
     with pytest.raises(ValueError, match="tensor 'w': the destination keeps it as block-quantized float8_e4m3fn, "
@@ -222,3 +241,7 @@ def test_integer_sources_and_missing_scales_are_refused():
     with pytest.raises(ValueError, match=r"so it must bind 'w::scale_inv' as float32 \(2, 2\); it binds nothing"):
         join_specs([SideSpec("w", "bfloat16", shape, fsdp(2))],
                    [SideSpec("w", "float8_e4m3fn", shape, dst, (128, 128))])
+    with pytest.raises(ValueError, match="tensor 'w@1:0:128': the destination binds a part of a tensor "
+                                         "block-quantized; FP8 destinations take whole checkpoint tensors"):
+        join_specs([SideSpec("w@1:0:128", "bfloat16", (256, 128), fsdp(2))],
+                   [SideSpec("w@1:0:128", "float8_e4m3fn", (256, 128), dst, (128, 128))])
