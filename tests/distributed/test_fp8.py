@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 
 from actors import WeightSync  # noqa: E402
 from actors.cluster import free_init_url  # noqa: E402
-from actors.models import EngineWorker, HFTrainer  # noqa: E402
 from rl_sync.models.config import Parallel  # noqa: E402
 from rl_sync.patches import SparseWeightPatch  # noqa: E402
 from rl_sync.quant import is_scale_name, scale_name, scaled_name  # noqa: E402
@@ -22,8 +21,7 @@ from ..unit.test_quant import bits, reference  # noqa: E402
 from .conftest import loopback_config  # noqa: E402
 from .harness import POOL  # noqa: E402
 
-Trainer = ray.remote(num_cpus=0.1)(HFTrainer)
-Worker = ray.remote(num_cpus=0.1)(EngineWorker)
+from .test_models import Trainer, Worker  # noqa: E402  (the same classes: pooled actors are reused)
 
 SMALL = dict(vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -125,18 +123,12 @@ def test_fsdp2_bf16_trainers_into_the_fp8_engine(ray_session, family, par):
         ray.get([t.train_step.remote(tokens) for t in trainers])
         _sync_and_check(sync, trainers, workers, "broadcast", modes)
         assert modes == ["m2n", "sparse", "sparse", "broadcast"]
-        if family == "llama":  # a subset: the named tensors only, each with its scales
+        if family == "llama":  # a subset naming one tensor's scales and an unquantized tensor
             ray.get([t.train_step.remote(tokens) for t in trainers])
-            names = [q, "model.norm.weight"]
-            sync.push(names=names)
+            sync.push(names=[scale_name(q), "model.norm.weight"])  # the values travel with their scales
             full = ray.get([t.full_state.remote() for t in trainers])[0]
             for bound in ray.get([w.call.remote(_bound) for w in workers]):
-                _check(full, {n: v for n, v in bound.items() if scaled_name(n) in names})
-            ray.get([t.train_step.remote(tokens) for t in trainers])
-            sync.push(names=[scale_name(q)])  # naming the scales pushes the values with them
-            full = ray.get([t.full_state.remote() for t in trainers])[0]
-            for bound in ray.get([w.call.remote(_bound) for w in workers]):
-                _check(full, {n: v for n, v in bound.items() if scaled_name(n) == q})
+                _check(full, {n: v for n, v in bound.items() if scaled_name(n) in (q, "model.norm.weight")})
             with pytest.raises(ValueError, match=rf"push_patches: \['{q}'\] are kept block-quantized \(FP8\) on the "
                                                  r"workers; patches carry unquantized values"):
                 sync.push_patches([SparseWeightPatch(q, torch.tensor([0]), torch.tensor([1.0]))])
