@@ -370,8 +370,9 @@ class Coordinator:
             names, mode = None, "m2n" if mode in ("sparse", "auto") else mode
             reason = "the first round after init or a repair carries every tensor, dense"
         names = None if names is None else tuple(names)
+        dense_bytes = self._dense_bytes(names)
         if mode == "auto":
-            choice = self.auto.choose(self._dense_bytes(names))
+            choice = self.auto.choose(dense_bytes)
             mode, reason = ("auto" if choice.engine == "sparse" else "m2n"), f"auto: {choice.reason}"
         try:
             blob = encode(RoundInfo(version, mode, names, self.budget.left(self.config.round_timeout_s), self.sparse_used))
@@ -386,27 +387,26 @@ class Coordinator:
             self.sparse_ready, self.since_dense = True, 0
         stats = RoundStats(version, mode, time.perf_counter() - start, tuple(results), reason)
         if not first:  # the first round after init or a repair pays one-time costs (compiling, mapping)
-            self._learn(stats, names)
+            self._learn(stats, dense_bytes)
         self.metrics.record(stats)
         return stats
 
     def _dense_bytes(self, names: tuple[str, ...] | None) -> int:
-        """What a dense round of `names` (None: all) sends, in proportion of the plan's bytes."""
-        stats, specs = self.schedule.plan.stats, self.schedule.plan.specs
-        if names is None:
-            return stats.total_bytes
+        """What a dense round of `names` (None: all) sends, in proportion of the plan's bytes
+        (the model's bytes are the plan's `broadcast_recv_bytes`)."""
         plan = self.schedule.plan
-        subset = sum(specs[plan.index[n]].nbytes for n in names)
-        return stats.total_bytes * subset // max(1, sum(s.nbytes for s in specs))
+        if names is None:
+            return plan.stats.total_bytes
+        subset = sum(plan.specs[plan.index[n]].nbytes for n in names)
+        return plan.stats.total_bytes * subset // max(1, plan.stats.broadcast_recv_bytes)
 
-    def _learn(self, stats: RoundStats, names: tuple[str, ...] | None) -> None:
-        """Teach `auto` what this round cost (dense M2N and sparse-engine rounds)."""
+    def _learn(self, stats: RoundStats, dense_bytes: int) -> None:
+        """Teach `auto` what this round cost (dense M2N and sparse-engine rounds of `dense_bytes`)."""
         if stats.mode == "m2n":
-            self.auto.record(RoundCost("dense", stats.seconds, self._dense_bytes(names)))
+            self.auto.record(RoundCost("dense", stats.seconds, dense_bytes))
         elif stats.mode in ("sparse", "auto"):
             sent = sum(r.sent_bytes for r in stats.ranks if r.role != "worker")
-            dense = self._dense_bytes(names)
-            self.auto.record(RoundCost("sparse", stats.seconds, dense, sent / max(1, stats.dense_bytes)))
+            self.auto.record(RoundCost("sparse", stats.seconds, dense_bytes, sent / max(1, stats.dense_bytes)))
 
     def _run_round(self, blob: bytes, version: int, names, what: str) -> list[RankStats]:
         """The round's steps, each bounded by the round timeout (plus 5 s for the ranks to report)

@@ -27,11 +27,10 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from .dtypes import check_cast, itemsize
+from .dtypes import CASTABLE, check_cast, itemsize
 from .layout import Box, Layout
 from .parts import parse_part
-from .quant import (FP8_DTYPE, SCALE_DTYPE, SOURCE_DTYPES, check_block, dest_scale_layout, grid_shape, scale_name,
-                    source_scale_layout)
+from .quant import FP8_DTYPE, SCALE_DTYPE, check_block, dest_scale_layout, grid_shape, scale_name, source_scale_layout
 from .template import Template, TemplateKey, build_template, mesh_overlap, sum_by, template_key
 
 
@@ -210,9 +209,9 @@ def quantized_specs(src: SideSpec, dst: SideSpec, scales: SideSpec | None) -> li
     if parse_part(src.name) is not None:
         raise ValueError(f"{what}: the destination binds a part of a tensor block-quantized; FP8 destinations "
                          "take whole checkpoint tensors")
-    if src.dtype not in SOURCE_DTYPES:
+    if src.dtype not in CASTABLE:
         raise ValueError(f"{what}: the destination keeps it as block-quantized {FP8_DTYPE}, which needs a "
-                         f"floating-point source ({', '.join(SOURCE_DTYPES)}); the trainers hold {src.dtype}")
+                         f"floating-point source ({', '.join(sorted(CASTABLE))}); the trainers hold {src.dtype}")
     if dst.dtype != FP8_DTYPE:
         raise ValueError(f"{what}: a block-quantized destination must be {FP8_DTYPE}, got {dst.dtype}")
     grid = grid_shape(shape, block, what)

@@ -37,7 +37,6 @@ FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
 AMAX_FLOOR = 1e-4
 """Smallest block amax (vLLM's `per_block_cast_to_fp8`): an all-zero block gets scale 1e-4 / 448."""
-SOURCE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 _SUFFIX = "::scale_inv"
 LIVE_SCALE_SUFFIX = "_scale_inv"
 """An engine keeps the scales of block-quantized live weight `p` in `p + LIVE_SCALE_SUFFIX`
