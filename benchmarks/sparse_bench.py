@@ -5,12 +5,13 @@ model to one engine of TP2; for each density, exactly that fraction of every
 tensor changes, then one sparse round and one dense round run (`--repeat`
 times); the table shows wire bytes, seconds and the encoding mix, and what an
 `auto` round chose next, with its reason (it learns from every round before).
-`--codec` (any device): diff + encode + decode + apply for 1 GiB of bf16
-parameters at each density, against a device-to-device copy of the same bytes
-measured in the same run.
+`--codec` (any device): diff + encode + baseline update, then validate +
+decode + apply, for 1 GiB of bf16 parameters at each density as one bucket,
+against a device-to-device copy of the same bytes measured in the same run
+(CUDA takes the fused Triton codec; `--reference` also times the torch codec).
 
     python benchmarks/sparse_bench.py --e2e
-    python benchmarks/sparse_bench.py --codec --device cuda
+    python benchmarks/sparse_bench.py --codec --device cuda --reference
 """
 
 from __future__ import annotations
@@ -34,30 +35,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device: torch.device, repeat: int = 3) -> float:
-    fn()
-    _sync(device)
+def _timed(fn, device: torch.device, repeat: int = 3, setup=lambda: None) -> float:
+    """Median seconds of `fn()` over `repeat` runs after a warm-up, `setup()` untimed before each."""
     times = []
-    for _ in range(repeat):
+    for _ in range(repeat + 1):
+        setup()
+        _sync(device)
         start = time.perf_counter()
         fn()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times[1:])
 
 
-def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int = 16) -> Table:
-    """Diff + encode + decode + apply for `total_bytes` of bf16 in `tensors` tensors."""
+def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int = 16, reference: bool = False) -> Table:
+    """Diff + encode + baseline update, then validate + apply, for `total_bytes` of bf16 in
+    `tensors` tensors, as one bucket (as a sparse round does); `reference` forces the torch codec."""
+    if reference:
+        sparse_codec._on_kernel_device = lambda t: False
     n = total_bytes // 2 // tensors
     gen = torch.Generator(device=device).manual_seed(0)
     base = [torch.randn(n, generator=gen, device=device).to(torch.bfloat16) for _ in range(tensors)]
-    live = [b.clone() for b in base]
+    live, baseline = [b.clone() for b in base], [b.clone() for b in base]
     copy_s = _timed(lambda: [l.copy_(b) for l, b in zip(live, base)], device)
-    table = Table(title=f"sparse codec on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}: "
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    kind = "fused Triton" if device.type == "cuda" and not reference else "torch"
+    table = Table(title=f"sparse codec ({kind}) on {name}: "
                         f"{total_bytes / 2**30:.0f} GiB bf16 in {tensors} tensors; copy {copy_s * 1e3:.2f} ms "
                         f"({total_bytes / copy_s / 1e9:.0f} GB/s)")
     for column in ("density", "encoding", "wire / dense", "diff+encode ms", "decode+apply ms", "total / copy"):
         table.add_column(column, justify="right")
+    boxes = [(i, (0,), (n,)) for i in range(tensors)]
     for density in DENSITIES:
         cur = []
         for b in base:
@@ -65,28 +73,31 @@ def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int =
             idx = torch.randperm(n, generator=gen, device=device)[: int(n * density)]
             c[idx] = (c[idx].float() + 1.0).to(torch.bfloat16)
             cur.append(c)
-        masks = [sparse_codec.changed(c, b) for c, b in zip(cur, base)]
-        ks = [int(m.sum()) for m in masks]
+        ks = [int(sparse_codec.changed(c, b).sum()) for c, b in zip(cur, base)]
         codes = [choose(n, k, 2, allow_dense=True) for k in ks]
         blocks = [torch.empty(encoded_nbytes(code, n, k, 2), dtype=torch.uint8, device=device) for code, k in zip(codes, ks)]
 
-        def encode_all():  # as the engine does: changed elements and their count, then the encoding
-            for c, b, blk, code in zip(cur, base, blocks, codes):
-                sparse_codec.encode(code, sparse_codec.Changes(c, b), blk)
+        def encode_all():  # as a sparse round does: the bucket's changes, the encodings, the baseline update
+            found = sparse_codec.BucketChanges(list(zip(cur, baseline)), boxes)
+            for i, (code, blk) in enumerate(zip(codes, blocks)):
+                found.encode(i, code, blk)
+            found.advance()
 
-        def apply_all():
-            for blk, code, k, l in zip(blocks, codes, ks, live):
-                index, values, ok = sparse_codec.decode(code, k, n, torch.bfloat16, blk)
-                assert bool(ok)
-                sparse_codec.apply(code, l, index, values)
+        def apply_all():  # validate every box (one host sync), then write
+            received = [sparse_codec.receive(code, k, n, torch.bfloat16, blk, l) for blk, code, k, l in zip(blocks, codes, ks, live)]
+            assert bool(torch.stack([ok for ok, _ in received]).all())
+            for _, write in received:
+                write()
 
-        encode_s, apply_s = _timed(encode_all, device), _timed(apply_all, device)
-        assert all(torch.equal(l.view(torch.int16), c.view(torch.int16)) for l, c in zip(live, cur))
+        def reset(targets):
+            return lambda: [t.copy_(b) for t, b in zip(targets, base)]
+
+        encode_s = _timed(encode_all, device, setup=reset(baseline))
+        apply_s = _timed(apply_all, device, setup=reset(live))
+        assert all(torch.equal(t.view(torch.int16), c.view(torch.int16)) for t, c in zip(live + baseline, cur + cur))
         wire = sum(b.numel() for b in blocks)
         table.add_row(f"{density:.1%}", NAMES[codes[0]], f"{wire / total_bytes:.2%}", f"{encode_s * 1e3:.2f}",
                       f"{apply_s * 1e3:.2f}", f"{(encode_s + apply_s) / copy_s:.1f}x")
-        for l, b in zip(live, base):
-            l.copy_(b)
     return table
 
 
@@ -147,11 +158,14 @@ def main() -> None:
     parser.add_argument("--e2e", action="store_true", help="end to end over Ray actors and Gloo (CPU)")
     parser.add_argument("--codec", action="store_true", help="codec throughput for 1 GiB on --device")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--reference", action="store_true", help="with --codec: time the torch codec too")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     console = Console(width=160)
     if args.codec:
         console.print(codec_table(torch.device(args.device)))
+        if args.reference:
+            console.print(codec_table(torch.device(args.device), reference=True))
     if args.e2e:
         console.print(e2e_table(args.repeat))
 

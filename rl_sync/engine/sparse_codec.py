@@ -9,6 +9,8 @@ and never triggers a device-side assert.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 import torch
 
@@ -195,3 +197,184 @@ def apply(code: int, view: torch.Tensor, index: torch.Tensor, values: torch.Tens
     span = 1 + sum((s - 1) * st for s, st in zip(view.shape, view.stride()))
     flat = view.as_strided((span,), (1,))
     flat[offsets] = values.to(view.dtype)
+
+
+Box = tuple[int, tuple[int, ...], tuple[int, ...]]
+"""(tensor, offsets, sizes): where a sent box sits in its tensor."""
+
+
+def _kernels():
+    from . import sparse_triton
+
+    return sparse_triton
+
+
+def _on_kernel_device(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _fused_pair(cur: torch.Tensor, base: torch.Tensor):
+    """(cur, base) as the Triton kernels' `Strided2D`s when both can take the fused path: the
+    same CUDA device, the same dtype of at most 8 bytes, dims that merge into two."""
+    if not _on_kernel_device(cur) or base.device != cur.device or cur.dtype != base.dtype or cur.element_size() > 8:
+        return None
+    kernels = _kernels()
+    pair = kernels.as_2d(cur, as_bits(cur)), kernels.as_2d(base, as_bits(base))
+    return None if None in pair else pair
+
+
+def _overlap(a: Box, b: Box) -> bool:
+    return a[0] == b[0] and all(p < q + m and q < p + n for p, n, q, m in zip(a[1], a[2], b[1], b[2]))
+
+
+class _Fused:
+    """One box on the fused CUDA path: its change bitmap and tile counts live in the bucket's
+    shared buffers; `starts` are its tiles' exclusive prefix sums."""
+
+    def __init__(self, cur, base, n: int, bitmap: torch.Tensor, counts: torch.Tensor):
+        self.cur, self.base, self.n, self.bitmap, self.counts = cur, base, n, bitmap, counts
+        self.starts = counts
+        _kernels().diff(cur, base, n, bitmap, counts)
+
+
+class BucketChanges:
+    """The changes of every box one rank sends in a bucket, found together.
+
+    Usage: `found = BucketChanges(pairs, boxes)`; `found.counts[i]` (changed elements of box i);
+    `found.encode(i, code, out)` for each box; then `found.advance()` once, after every box is
+    encoded, which makes each baseline equal to what was sent.
+
+    CUDA boxes (`_fused_pair`) take the Triton path: one diff pass per box, then the counts of
+    the whole bucket come back to the host in one transfer; encoding reads only the bitmap and
+    the changed elements, and writes the baseline as it goes unless a later box of the bucket
+    overlaps it (a box sent to several replicas is diffed against the same baseline each time).
+    Other boxes use `Changes` (one host sync each on a GPU)."""
+
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], boxes: Sequence[Box]):
+        self.pairs = list(pairs)
+        fused = [_fused_pair(cur, base) for cur, base in self.pairs]
+        self._boxes: list[Changes | _Fused | None] = [None if f else Changes(*p) for f, p in zip(fused, self.pairs)]
+        self._values: list[torch.Tensor | None] = [None] * len(self.pairs)
+        self._late = [any(_overlap(boxes[i], boxes[j]) for j in range(i + 1, len(boxes))) for i in range(len(boxes))]
+        self._written = [False] * len(self.pairs)
+        self._codes = [DENSE] * len(self.pairs)
+        self.counts = self._find(fused)
+
+    def _find(self, fused) -> list[int]:
+        on = [i for i, f in enumerate(fused) if f and self.pairs[i][0].numel()]
+        counts = {i: 0 for i, f in enumerate(fused) if f} | {i: b.count for i, b in enumerate(self._boxes) if b}
+        if not on:
+            return [counts[i] for i in range(len(self.pairs))]
+        kernels = _kernels()
+        device = self.pairs[on[0]][0].device
+        sizes = [self.pairs[i][0].numel() for i in on]
+        tile_at = np.cumsum([0] + [kernels.tiles(n) for n in sizes])
+        firsts = torch.tensor(tile_at[:-1], device=device)  # before any kernel: a copy from the host waits
+        lasts = torch.tensor(tile_at[1:] - 1, device=device)
+        tiles = torch.empty(int(tile_at[-1]), dtype=torch.int32, device=device)
+        bitmaps = torch.empty(int(tile_at[-1]) * (kernels.TILE // 8), dtype=torch.uint8, device=device)
+        for i, n, t0, t1 in zip(on, sizes, tile_at[:-1].tolist(), tile_at[1:].tolist()):
+            self._boxes[i] = _Fused(*fused[i], n, bitmaps[t0 * (kernels.TILE // 8) :][: -(-n // 8)], tiles[t0:t1])
+        ends = torch.cumsum(tiles, 0)
+        before = ends - tiles
+        counts |= dict(zip(on, (ends[lasts] - before[firsts]).tolist()))  # the bucket's one host transfer
+        for i, t0, t1 in zip(on, tile_at[:-1].tolist(), tile_at[1:].tolist()):
+            self._boxes[i].starts = before[t0:t1] - before[t0]
+        return [counts[i] for i in range(len(self.pairs))]
+
+    def encode(self, i: int, code: int, out: torch.Tensor) -> None:
+        """Write box `i`, encoded as `code`, into the byte buffer `out` (`encoded_nbytes` long)."""
+        box = self._boxes[i]
+        if not isinstance(box, _Fused):
+            self._values[i] = encode(code, box, out) if box else None
+            return
+        self._codes[i] = code
+        cur, k = self.pairs[i][0], self.counts[i]
+        if code == DENSE:
+            out[: cur.element_size() * cur.numel()].view(cur.dtype).copy_(cur.reshape(-1))
+            return
+        bits, update = as_bits(cur).dtype, not self._late[i]
+        size = cur.element_size()
+        if code == BITMAP:
+            nbits = -(-box.n // 8)
+            out[:nbits].copy_(box.bitmap)
+            values, index, kind = out[_up(nbits) : _up(nbits) + size * k], None, 0
+        elif code == INDICES:
+            values, index, kind = out[_up(4 * k) : _up(4 * k) + size * k], out[: 4 * k].view(torch.int32), 1
+        else:
+            blocks = -(-box.n // BLOCK)
+            per = BLOCK // _kernels().TILE
+            padded = torch.nn.functional.pad(box.counts, (0, blocks * per - box.counts.numel()))
+            out[: 4 * blocks].view(torch.int32).copy_(padded.view(blocks, per).sum(1, dtype=torch.int32))
+            start = _up(4 * blocks)
+            index, kind = out[start : start + 2 * k].view(torch.int16), 2
+            values = out[start + _up(2 * k) : start + _up(2 * k) + size * k]
+        if not k:
+            return
+        _kernels().compact(box.cur, box.base if update else None, box.n, box.bitmap, box.starts, values.view(bits),
+                           index, kind)
+        self._written[i] = update
+
+    def advance(self) -> None:
+        """Make every box's baseline what was sent (after every box of the bucket is encoded)."""
+        for i, ((cur, base), box) in enumerate(zip(self.pairs, self._boxes)):
+            if isinstance(box, Changes):
+                _advance(base, cur, self._codes[i], box, self._values[i])
+            elif box and not self._written[i] and self.counts[i]:
+                _kernels().compact(box.cur, box.base, box.n, box.bitmap, box.starts, None, None, 0)
+
+
+def _advance(base: torch.Tensor, cur: torch.Tensor, code: int, changes: Changes, values: torch.Tensor | None) -> None:
+    """Bitmap and dense boxes copy whole; indexed ones write their changed elements."""
+    if code in (DENSE, BITMAP):
+        base.copy_(cur, non_blocking=True)
+    elif changes.count:
+        apply(INDICES, base, changes.index.to(base.device), values.to(base.device))
+
+
+def receive(code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor,
+            view: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """(ok, write) for one received box: `ok` a 0-dim bool tensor (validated on the device, no
+    host sync); `write()` puts the box into the live `view`, to be called only once every box of
+    the bucket is known to be ok. Bitmap and blocked payloads bound for a CUDA view of the wire
+    dtype take the Triton kernels; the rest `decode` and `apply`."""
+    if block.numel() != encoded_nbytes(code, n, k, dtype.itemsize):
+        raise ValueError(f"payload of {block.numel()} bytes, header implies {encoded_nbytes(code, n, k, dtype.itemsize)}")
+    dest = None
+    if code in (BITMAP, BLOCKED) and _on_kernel_device(view) and block.device == view.device and view.dtype == dtype \
+            and dtype.itemsize <= 8:
+        dest = _kernels().as_2d(view, as_bits(view))
+    if dest is None:
+        index, values, ok = decode(code, k, n, dtype, block)
+        return ok, lambda: apply(code, view, index, values)
+    bits = as_bits(view).dtype
+    return (_receive_bitmap if code == BITMAP else _receive_blocked)(k, n, dtype.itemsize, block, dest, bits)
+
+
+def _receive_bitmap(k, n, size, block, dest, bits):
+    kernels = _kernels()
+    nbits = -(-n // 8)
+    bitmap, values = block[:nbits], block[_up(nbits) : _up(nbits) + size * k].view(bits)
+    counts = torch.empty(kernels.tiles(n), dtype=torch.int32, device=block.device)
+    kernels.popcounts(bitmap, n, counts)
+    ends = torch.cumsum(counts, 0)
+    ok = ends[-1] == k if n else torch.tensor(k == 0, device=block.device)
+    if n % 8:
+        ok = ok & ((bitmap[-1] >> (n % 8)) == 0)
+    starts = ends - counts
+    return ok, lambda: kernels.expand(dest, n, k, bitmap, starts, values)
+
+
+def _receive_blocked(k, n, size, block, dest, bits):
+    kernels = _kernels()
+    blocks = -(-n // BLOCK)
+    start = _up(4 * blocks)
+    counts = block[: 4 * blocks].view(torch.int32)
+    offsets = block[start : start + 2 * k].view(torch.int16)
+    values = block[start + _up(2 * k) : start + _up(2 * k) + size * k].view(bits)
+    clamped = counts.clamp(0, BLOCK).long()
+    starts = torch.cumsum(clamped, 0) - clamped
+    bad = torch.empty(blocks, dtype=torch.int32, device=block.device)
+    kernels.blocked_check(counts, starts, offsets, n, k, bad)
+    ok = (bad.max() == 0) & (counts.long().sum() == k) if blocks else torch.tensor(k == 0, device=block.device)
+    return ok, lambda: kernels.blocked_apply(dest, counts, starts, offsets, values, k)

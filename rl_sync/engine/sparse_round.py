@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..schedule import Message, RankBucket
-from ..sparse import BITMAP, DENSE, INDICES, NAMES, check_count, choose, encoded_nbytes
+from ..sparse import DENSE, NAMES, check_count, choose, encoded_nbytes
 from ..transport.base import Transport
 from . import sparse_codec
 from .endpoint import Endpoint
@@ -51,42 +52,32 @@ def _wire(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return view if view.dtype == dtype else view.to(dtype)
 
 
-def _encode_message(msg: Message, io: SparseIO, counters: SparseCounters, device: torch.device):
-    """(header, payload, changes): `changes` is (segment, code, `Changes`, values) of every
-    segment, which advance the baseline once the bucket is encoded."""
-    views = [(seg, _wire(io.sources[seg.tensor].view(seg.offsets, seg.sizes), io.dtypes[seg.tensor]),
-              io.baselines[seg.tensor].view(seg.offsets, seg.sizes)) for seg in msg.segments]
-    found = [sparse_codec.Changes(cur, base) for _, cur, base in views]
+def _find_changes(sends: Sequence[Message], io: SparseIO) -> sparse_codec.BucketChanges:
+    """The changes of every segment this rank sends in the bucket, in message order."""
+    segments = [seg for msg in sends for seg in msg.segments]
+    pairs = [(_wire(io.sources[seg.tensor].view(seg.offsets, seg.sizes), io.dtypes[seg.tensor]),
+              io.baselines[seg.tensor].view(seg.offsets, seg.sizes)) for seg in segments]
+    return sparse_codec.BucketChanges(pairs, [(seg.tensor, tuple(seg.offsets), tuple(seg.sizes)) for seg in segments])
+
+
+def _encode_message(msg: Message, found: sparse_codec.BucketChanges, first: int, io: SparseIO,
+                    counters: SparseCounters, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) of one message, whose segments are `found`'s boxes from `first` on."""
     header, blocks, total = [], [], 0
-    for (seg, cur, _), box in zip(views, found):
-        k = box.count
-        code = choose(cur.numel(), k, cur.element_size(), io.allow_dense)
-        header += [code, cur.numel() if code == DENSE else k]  # a dense block carries every element
-        size = encoded_nbytes(code, cur.numel(), k, cur.element_size())
-        blocks.append((code, total, size))
-        total += size
+    for i, seg in enumerate(msg.segments, start=first):
+        n, size, k = found.pairs[i][0].numel(), found.pairs[i][0].element_size(), found.counts[i]
+        code = choose(n, k, size, io.allow_dense)
+        header += [code, n if code == DENSE else k]  # a dense block carries every element
+        nbytes = encoded_nbytes(code, n, k, size)
+        blocks.append((i, code, total, nbytes))
+        total += nbytes
         counters.encodings[NAMES[code]] += 1
         counters.changed += k
         counters.dense_bytes += seg.nbytes
     payload = torch.empty(total, dtype=torch.uint8, device=device)
-    changes = []
-    for (code, start, size), seg, box in zip(blocks, msg.segments, found):
-        values = sparse_codec.encode(code, box, payload[start : start + size])
-        changes.append((seg, code, box, values))
-    return torch.tensor(header, dtype=torch.int64).to(device), payload, changes
-
-
-def _advance_baselines(io: SparseIO, changes) -> None:
-    """The bucket's sent boxes are now what their receivers hold: the changed elements of
-    indexed segments are written into the baseline, bitmap and dense boxes are copied whole.
-    Only after every message is encoded: a box sent to several replicas is diffed against the
-    same baseline each time."""
-    for seg, code, box, values in changes:
-        base = io.baselines[seg.tensor].view(seg.offsets, seg.sizes)
-        if code in (DENSE, BITMAP):
-            base.copy_(io.sources[seg.tensor].view(seg.offsets, seg.sizes), non_blocking=True)
-        elif box.count:
-            sparse_codec.apply(INDICES, base, box.index.to(base.device), values.to(base.device))
+    for i, code, start, nbytes in blocks:
+        found.encode(i, code, payload[start : start + nbytes])
+    return torch.tensor(header, dtype=torch.int64).to(device), payload
 
 
 def _payload_sizes(msg: Message, header: list[int], io: SparseIO, where: str) -> list[tuple[int, int, int, int]]:
@@ -115,35 +106,37 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
                       names: Sequence[str]) -> None:
     """Headers, then payloads, then validate-all-then-apply (see the module docstring)."""
     device = transport.device
-    encoded = [_encode_message(m, io, counters, device) for m in bucket.sends]
-    _advance_baselines(io, [c for _, _, changes in encoded for c in changes])
+    found = _find_changes(bucket.sends, io)
+    firsts = np.cumsum([0] + [len(m.segments) for m in bucket.sends]).tolist()
+    encoded = [_encode_message(m, found, first, io, counters, device) for m, first in zip(bucket.sends, firsts)]
+    found.advance()
     headers_in = [torch.empty(2 * len(m.segments), dtype=torch.int64, device=device) for m in bucket.recvs]
     where = describe_bucket(bucket, names)
-    _exchange(transport, [(m.peer, h.view(torch.uint8)) for m, (h, _, _) in zip(bucket.sends, encoded)],
+    _exchange(transport, [(m.peer, h.view(torch.uint8)) for m, (h, _) in zip(bucket.sends, encoded)],
               [(m.peer, h.view(torch.uint8)) for m, h in zip(bucket.recvs, headers_in)], deadline, f"{where} (headers)")
     layouts = [_payload_sizes(m, h.tolist(), io, f"{where}, message from rank {m.peer}") for m, h in zip(bucket.recvs, headers_in)]
     payloads_in = [torch.empty(sum(b[3] for b in blocks), dtype=torch.uint8, device=device) for blocks in layouts]
-    _exchange(transport, [(m.peer, p) for m, (_, p, _) in zip(bucket.sends, encoded)],
+    _exchange(transport, [(m.peer, p) for m, (_, p) in zip(bucket.sends, encoded)],
               [(m.peer, p) for m, p in zip(bucket.recvs, payloads_in)], deadline, where)
-    decoded, checks = [], []
+    received = []
     for msg, blocks, payload in zip(bucket.recvs, layouts, payloads_in):
         for seg, (code, k, start, size) in zip(msg.segments, blocks):
             n = seg.nbytes // io.dtypes[seg.tensor].itemsize
-            index, values, ok = sparse_codec.decode(code, k, n, io.dtypes[seg.tensor], payload[start : start + size])
-            decoded.append((seg, code, index, values))
-            checks.append(ok)
-    if checks and not bool(torch.stack(checks).all()):
-        bad = [names[seg.tensor] for (seg, *_), ok in zip(decoded, torch.stack(checks).tolist()) if not ok]
+            received.append((seg, *sparse_codec.receive(code, k, n, io.dtypes[seg.tensor], payload[start : start + size],
+                                                        io.dests[seg.tensor].view(seg.offsets, seg.sizes))))
+    if received and not bool(torch.stack([ok for _, ok, _ in received]).all()):  # the bucket's one host sync
+        bad = [names[seg.tensor] for (seg, _, _), ok in zip(received, torch.stack([ok for _, ok, _ in received]).tolist())
+               if not ok]
         raise BucketError(f"rank {transport.rank}, {where}: malformed sparse payload for tensors {bad[:4]} "
                           "(index out of range, out of order, or bitmap count mismatch); nothing of this bucket was written")
-    for seg, code, index, values in decoded:
-        sparse_codec.apply(code, io.dests[seg.tensor].view(seg.offsets, seg.sizes), index, values)
+    for _, _, write in received:
+        write()
     for seg in bucket.local:
         cur = io.sources[seg.tensor].view(seg.offsets, seg.sizes)
         io.dests[seg.tensor].view(seg.offsets, seg.sizes).copy_(cur)
         io.baselines[seg.tensor].view(seg.offsets, seg.sizes).copy_(cur)
         counters.local_bytes += seg.nbytes
-    counters.sent_bytes += sum(h.numel() * 8 + p.numel() for h, p, _ in encoded)
+    counters.sent_bytes += sum(h.numel() * 8 + p.numel() for h, p in encoded)
     counters.received_bytes += sum(h.numel() * 8 + p.numel() for h, p in zip(headers_in, payloads_in))
     counters.messages += 2 * (len(bucket.sends) + len(bucket.recvs))
     counters.buckets += 1

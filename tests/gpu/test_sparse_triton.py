@@ -1,0 +1,141 @@
+"""The fused CUDA sparse codec (`engine.sparse_triton` through `sparse_codec.BucketChanges` and
+`sparse_codec.receive`) against the torch reference: the same payload bytes, the same baselines
+and live weights bit for bit, and malformed payloads refused before any write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rl_sync.engine import sparse_codec
+from rl_sync.sparse import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes
+
+CODES = [INDICES, BLOCKED, BITMAP, DENSE]
+DTYPES = [torch.bfloat16, torch.float32, torch.uint8, torch.float64]
+
+
+def _reference(code: int, cur: torch.Tensor, base: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Count and payload from the torch codec, on copies."""
+    changes = sparse_codec.Changes(cur.clone(), base.clone())
+    out = torch.zeros(encoded_nbytes(code, cur.numel(), changes.count, cur.element_size()), dtype=torch.uint8,
+                      device=cur.device)
+    sparse_codec.encode(code, changes, out)
+    return changes.count, out
+
+
+def _strided(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of 2-D `t` living as a transposed slice of a larger zeroed holder: (view, holder)."""
+    holder = torch.zeros(t.shape[1] + 3, t.shape[0], dtype=t.dtype, device=t.device)
+    view = holder[1 : t.shape[1] + 1].t()
+    view.copy_(t)
+    return view, holder
+
+
+def _pair(rows: int, cols: int, density: float, dtype: torch.dtype, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    base = (torch.randn(rows, cols, generator=gen, device="cuda") * 10).to(dtype)
+    change = torch.rand(rows, cols, generator=gen, device="cuda") < density
+    cur = torch.where(change, (torch.randn(rows, cols, generator=gen, device="cuda") * 10).to(dtype), base)
+    if dtype == torch.bfloat16 and cur.numel() >= 3:
+        flat_c, flat_b = cur.view(-1), base.view(-1)
+        flat_c[0], flat_b[0] = float("nan"), float("nan")
+        flat_c.view(torch.int16)[0] ^= 1  # another NaN payload: changed
+        flat_c[1], flat_b[1] = -0.0, 0.0  # changed
+        flat_c[2], flat_b[2] = -0.0, -0.0  # not changed
+    return cur, base
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 300), cols=st.sampled_from([1, 7, 4096, 70_001]), density=st.sampled_from([0, 0.001, 0.01, 0.1, 0.5, 1]),
+       code=st.sampled_from(CODES), dtype=st.sampled_from(DTYPES), strided_src=st.booleans(), strided_dst=st.booleans(),
+       seed=st.integers(0, 1000))
+def test_fused_codec_matches_the_reference_bit_for_bit(rows, cols, density, code, dtype, strided_src, strided_dst, seed):
+    rows = min(rows, max(1, 600_000 // cols))
+    cur, base = _pair(rows, cols, density, dtype, seed)
+    k_ref, payload_ref = _reference(code, cur, base)
+    src, baseline = (_strided(cur)[0], _strided(base)[0]) if strided_src else (cur.clone(), base.clone())
+    found = sparse_codec.BucketChanges([(src, baseline)], [(0, (0, 0), (rows, cols))])
+    assert found.counts == [k_ref]
+    payload = torch.zeros_like(payload_ref)
+    found.encode(0, code, payload)
+    found.advance()
+    assert torch.equal(payload, payload_ref)
+    assert torch.equal(_bits(baseline), _bits(cur))
+    live, holder = _strided(base) if strided_dst else (base.clone(), None)
+    ok, write = sparse_codec.receive(code, k_ref, cur.numel(), dtype, payload, live)
+    assert bool(ok)
+    write()
+    assert torch.equal(_bits(live), _bits(cur))
+    if holder is not None:  # nothing outside the view was touched
+        assert torch.count_nonzero(holder[0]) == 0 and torch.count_nonzero(holder[cols + 1 :]) == 0
+
+
+def test_a_bucket_of_overlapping_boxes_diffs_each_against_the_old_baseline():
+    """A box sent to two replicas and an overlapping box: every payload is what the reference
+    encodes against the baseline before the bucket, and the baseline ends equal to the source."""
+    cur, base = _pair(64, 5000, 0.05, torch.bfloat16, 3)
+    baseline = base.clone()
+    boxes = [(0, (0, 0), (32, 5000)), (0, (0, 0), (32, 5000)), (0, (16, 0), (32, 5000)), (0, (48, 0), (16, 5000))]
+    views = [(cur[o[0] : o[0] + s[0]], baseline[o[0] : o[0] + s[0]]) for _, o, s in boxes]
+    refs = [_reference(code, c, b) for code, (c, b) in zip([BLOCKED, BITMAP, INDICES, DENSE], views)]
+    found = sparse_codec.BucketChanges(views, boxes)
+    assert found.counts == [k for k, _ in refs]
+    for i, (code, (_, ref)) in enumerate(zip([BLOCKED, BITMAP, INDICES, DENSE], refs)):
+        payload = torch.zeros_like(ref)
+        found.encode(i, code, payload)
+        assert torch.equal(payload, ref), i
+    found.advance()
+    assert torch.equal(_bits(baseline), _bits(cur))
+
+
+def test_counts_of_a_bucket_come_back_in_one_transfer(monkeypatch):
+    """Finding the changes of 16 boxes reads the device once (the counts), whatever their number."""
+    reads = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or original(t))
+    pairs = [_pair(8, 10_000, 0.01, torch.bfloat16, s) for s in range(16)]
+    found = sparse_codec.BucketChanges(pairs, [(i, (0, 0), (8, 10_000)) for i in range(16)])
+    assert reads == [16]
+    assert found.counts == [sparse_codec.Changes(c, b).count for c, b in pairs]
+
+
+@pytest.mark.parametrize("case", ["out of order", "beyond the box", "count over a block", "negative count",
+                                  "counts not summing to k"])
+def test_malformed_blocked_payloads_are_refused_before_any_write(case):
+    n, k = 200_000, 3
+    blocks = -(-n // 65536)
+    payload = torch.zeros(encoded_nbytes(BLOCKED, n, k, 2), dtype=torch.uint8, device="cuda")
+    counts, offsets = [2, 0, 0, 1], [5, 7, 9]
+    if case == "out of order":
+        offsets = [7, 5, 9]
+    elif case == "beyond the box":
+        offsets = [5, 7, -1]  # offset 65535 of the last block: element 262143 of 200000
+    elif case == "count over a block":
+        counts = [2, 0, 0, 70_000]
+    elif case == "negative count":
+        counts = [4, -1, 0, 0]
+    else:
+        counts = [2, 0, 0, 2]
+    payload[: 4 * blocks].view(torch.int32).copy_(torch.tensor(counts, dtype=torch.int32))
+    payload[16 : 16 + 2 * k].view(torch.int16).copy_(torch.tensor(offsets, dtype=torch.int16))
+    live = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+    ok, _ = sparse_codec.receive(BLOCKED, k, n, torch.bfloat16, payload, live)
+    assert not bool(ok)
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(live) == 0
+
+
+@pytest.mark.parametrize("case", ["trailing bit", "count"])
+def test_malformed_bitmaps_are_refused(case):
+    n, k = 13, 2
+    payload = torch.zeros(encoded_nbytes(BITMAP, n, k, 2), dtype=torch.uint8, device="cuda")
+    payload[0] = 3
+    payload[1] = 1 << 6 if case == "trailing bit" else 1
+    ok, _ = sparse_codec.receive(BITMAP, k, n, torch.bfloat16, payload, torch.zeros(n, dtype=torch.bfloat16, device="cuda"))
+    assert not bool(ok)
