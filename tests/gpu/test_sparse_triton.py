@@ -48,7 +48,7 @@ def _pair(rows: int, cols: int, density: float, dtype: torch.dtype, seed: int):
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
+    return t.reshape(-1).view(torch.uint8)
 
 
 @settings(max_examples=60, deadline=None)
