@@ -84,10 +84,11 @@ def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int =
             found.advance()
 
         def apply_all():  # validate every box (one host sync), then write
-            received = [sparse_codec.receive(code, k, n, torch.bfloat16, blk, l) for blk, code, k, l in zip(blocks, codes, ks, live)]
-            assert bool(torch.stack([ok for ok, _ in received]).all())
-            for _, write in received:
-                write()
+            received = sparse_codec.BucketReceiver(device, tensors)
+            for slot, (blk, code, k, l) in enumerate(zip(blocks, codes, ks, live)):
+                received.add(slot, code, k, n, torch.bfloat16, blk, l)
+            assert not received.bad()
+            received.write()
 
         def reset(targets):
             return lambda: [t.copy_(b) for t, b in zip(targets, base)]

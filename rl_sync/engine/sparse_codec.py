@@ -228,13 +228,21 @@ def _overlap(a: Box, b: Box) -> bool:
 
 
 class _Fused:
-    """One box on the fused CUDA path: its change bitmap and tile counts live in the bucket's
-    shared buffers; `starts` are its tiles' exclusive prefix sums."""
+    """One box on the fused CUDA path. Its tile counts and bitmap words live in the bucket's
+    shared buffers, in a slot of whole wire blocks (16 tiles each: the padding counts stay 0);
+    `starts` is the bucket-wide exclusive prefix of tile counts from the box's first tile on."""
 
-    def __init__(self, cur, base, n: int, bitmap: torch.Tensor, counts: torch.Tensor):
-        self.cur, self.base, self.n, self.bitmap, self.counts = cur, base, n, bitmap, counts
+    def __init__(self, cur, base, n: int, words: torch.Tensor, counts: torch.Tensor):
+        self.cur, self.base, self.n, self.words, self.counts = cur, base, n, words, counts
         self.starts = counts
-        _kernels().diff(cur, base, n, bitmap, counts)
+        self.block_counts = counts
+        _kernels().diff(cur, base, n, words, counts)
+
+
+def _slots(sizes: Sequence[int], kernels) -> np.ndarray:
+    """Each box's first tile slot in the bucket's buffers (whole wire blocks per box), and the end."""
+    per_block = BLOCK // kernels.TILE
+    return np.cumsum([0] + [-(-n // BLOCK) * per_block for n in sizes])
 
 
 class BucketChanges:
@@ -268,18 +276,22 @@ class BucketChanges:
         kernels = _kernels()
         device = self.pairs[on[0]][0].device
         sizes = [self.pairs[i][0].numel() for i in on]
-        tile_at = np.cumsum([0] + [kernels.tiles(n) for n in sizes])
-        firsts = torch.tensor(tile_at[:-1], device=device)  # before any kernel: a copy from the host waits
-        lasts = torch.tensor(tile_at[1:] - 1, device=device)
-        tiles = torch.empty(int(tile_at[-1]), dtype=torch.int32, device=device)
-        bitmaps = torch.empty(int(tile_at[-1]) * (kernels.TILE // 8), dtype=torch.uint8, device=device)
-        for i, n, t0, t1 in zip(on, sizes, tile_at[:-1].tolist(), tile_at[1:].tolist()):
-            self._boxes[i] = _Fused(*fused[i], n, bitmaps[t0 * (kernels.TILE // 8) :][: -(-n // 8)], tiles[t0:t1])
-        ends = torch.cumsum(tiles, 0)
-        before = ends - tiles
-        counts |= dict(zip(on, (ends[lasts] - before[firsts]).tolist()))  # the bucket's one host transfer
-        for i, t0, t1 in zip(on, tile_at[:-1].tolist(), tile_at[1:].tolist()):
-            self._boxes[i].starts = before[t0:t1] - before[t0]
+        slot = _slots(sizes, kernels)
+        per_block = BLOCK // kernels.TILE
+        firsts = torch.tensor(slot[:-1] // per_block, device=device)  # before any kernel: a host copy waits
+        tiles = torch.zeros(int(slot[-1]), dtype=torch.int32, device=device)
+        words = torch.empty(int(slot[-1]) * (kernels.TILE // 32), dtype=torch.int32, device=device)
+        for i, n, t0 in zip(on, sizes, slot[:-1].tolist()):
+            box = words[t0 * (kernels.TILE // 32) :][: kernels.tiles(n) * (kernels.TILE // 32)]
+            self._boxes[i] = _Fused(*fused[i], n, box, tiles[t0 : t0 + kernels.tiles(n)])
+        blocks = tiles.view(-1, per_block).sum(1, dtype=torch.int32)
+        ends = torch.cumsum(blocks, 0)
+        box_ends = torch.cat([ends[firsts[1:] - 1], ends[-1:]])
+        before_tiles = torch.cumsum(tiles, 0) - tiles
+        counts |= dict(zip(on, (box_ends - (ends - blocks)[firsts]).tolist()))  # the bucket's one host transfer
+        for i, n, t0, t1 in zip(on, sizes, slot[:-1].tolist(), slot[1:].tolist()):
+            self._boxes[i].starts = before_tiles[t0:t1]
+            self._boxes[i].block_counts = blocks[t0 // per_block : t1 // per_block]
         return [counts[i] for i in range(len(self.pairs))]
 
     def encode(self, i: int, code: int, out: torch.Tensor) -> None:
@@ -297,21 +309,19 @@ class BucketChanges:
         size = cur.element_size()
         if code == BITMAP:
             nbits = -(-box.n // 8)
-            out[:nbits].copy_(box.bitmap)
+            out[:nbits].copy_(box.words.view(torch.uint8)[:nbits])
             values, index, kind = out[_up(nbits) : _up(nbits) + size * k], None, 0
         elif code == INDICES:
             values, index, kind = out[_up(4 * k) : _up(4 * k) + size * k], out[: 4 * k].view(torch.int32), 1
         else:
             blocks = -(-box.n // BLOCK)
-            per = BLOCK // _kernels().TILE
-            padded = torch.nn.functional.pad(box.counts, (0, blocks * per - box.counts.numel()))
-            out[: 4 * blocks].view(torch.int32).copy_(padded.view(blocks, per).sum(1, dtype=torch.int32))
+            out[: 4 * blocks].view(torch.int32).copy_(box.block_counts)
             start = _up(4 * blocks)
             index, kind = out[start : start + 2 * k].view(torch.int16), 2
             values = out[start + _up(2 * k) : start + _up(2 * k) + size * k]
         if not k:
             return
-        _kernels().compact(box.cur, box.base if update else None, box.n, box.bitmap, box.starts, values.view(bits),
+        _kernels().compact(box.cur, box.base if update else None, box.n, box.words, box.starts, values.view(bits),
                            index, kind)
         self._written[i] = update
 
@@ -321,7 +331,7 @@ class BucketChanges:
             if isinstance(box, Changes):
                 _advance(base, cur, self._codes[i], box, self._values[i])
             elif box and not self._written[i] and self.counts[i]:
-                _kernels().compact(box.cur, box.base, box.n, box.bitmap, box.starts, None, None, 0)
+                _kernels().compact(box.cur, box.base, box.n, box.words, box.starts, None, None, 0)
 
 
 def _advance(base: torch.Tensor, cur: torch.Tensor, code: int, changes: Changes, values: torch.Tensor | None) -> None:
@@ -332,49 +342,60 @@ def _advance(base: torch.Tensor, cur: torch.Tensor, code: int, changes: Changes,
         apply(INDICES, base, changes.index.to(base.device), values.to(base.device))
 
 
-def receive(code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor,
-            view: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-    """(ok, write) for one received box: `ok` a 0-dim bool tensor (validated on the device, no
-    host sync); `write()` puts the box into the live `view`, to be called only once every box of
-    the bucket is known to be ok. Bitmap and blocked payloads bound for a CUDA view of the wire
-    dtype take the Triton kernels; the rest `decode` and `apply`."""
-    if block.numel() != encoded_nbytes(code, n, k, dtype.itemsize):
-        raise ValueError(f"payload of {block.numel()} bytes, header implies {encoded_nbytes(code, n, k, dtype.itemsize)}")
-    dest = None
-    if code in (BITMAP, BLOCKED) and _on_kernel_device(view) and block.device == view.device and view.dtype == dtype \
-            and dtype.itemsize <= 8:
-        dest = _kernels().as_2d(view, as_bits(view))
-    if dest is None:
-        index, values, ok = decode(code, k, n, dtype, block)
-        return ok, lambda: apply(code, view, index, values)
-    bits = as_bits(view).dtype
-    return (_receive_bitmap if code == BITMAP else _receive_blocked)(k, n, dtype.itemsize, block, dest, bits)
+class BucketReceiver:
+    """Every box one rank receives in a bucket: validated together, then written together.
 
+    Usage: `received = BucketReceiver(device, boxes)`; `received.add(slot, code, k, n, dtype,
+    block, view)` for each box; `received.bad()` (the slots whose payload is malformed: the
+    bucket's one host sync); only when it is empty, `received.write()`.
 
-def _receive_bitmap(k, n, size, block, dest, bits):
-    kernels = _kernels()
-    nbits = -(-n // 8)
-    bitmap, values = block[:nbits], block[_up(nbits) : _up(nbits) + size * k].view(bits)
-    counts = torch.empty(kernels.tiles(n), dtype=torch.int32, device=block.device)
-    kernels.popcounts(bitmap, n, counts)
-    ends = torch.cumsum(counts, 0)
-    ok = ends[-1] == k if n else torch.tensor(k == 0, device=block.device)
-    if n % 8:
-        ok = ok & ((bitmap[-1] >> (n % 8)) == 0)
-    starts = ends - counts
-    return ok, lambda: kernels.expand(dest, n, k, bitmap, starts, values)
+    Bitmap and blocked payloads bound for a CUDA view of the wire dtype are validated and
+    written by the Triton kernels (validation only raises the box's flag on the device); the
+    rest `decode` and `apply`."""
 
+    def __init__(self, device: torch.device, boxes: int):
+        self.flags = torch.zeros(boxes, dtype=torch.int32, device=device)
+        self._writes: list[Callable[[], None]] = []
 
-def _receive_blocked(k, n, size, block, dest, bits):
-    kernels = _kernels()
-    blocks = -(-n // BLOCK)
-    start = _up(4 * blocks)
-    counts = block[: 4 * blocks].view(torch.int32)
-    offsets = block[start : start + 2 * k].view(torch.int16)
-    values = block[start + _up(2 * k) : start + _up(2 * k) + size * k].view(bits)
-    clamped = counts.clamp(0, BLOCK).long()
-    starts = torch.cumsum(clamped, 0) - clamped
-    bad = torch.empty(blocks, dtype=torch.int32, device=block.device)
-    kernels.blocked_check(counts, starts, offsets, n, k, bad)
-    ok = (bad.max() == 0) & (counts.long().sum() == k) if blocks else torch.tensor(k == 0, device=block.device)
-    return ok, lambda: kernels.blocked_apply(dest, counts, starts, offsets, values, k)
+    def add(self, slot: int, code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor,
+            view: torch.Tensor) -> None:
+        if block.numel() != encoded_nbytes(code, n, k, dtype.itemsize):
+            raise ValueError(f"payload of {block.numel()} bytes, header implies {encoded_nbytes(code, n, k, dtype.itemsize)}")
+        dest = None
+        if code in (BITMAP, BLOCKED) and n and _on_kernel_device(view) and block.device == view.device \
+                and view.dtype == dtype and dtype.itemsize <= 8:
+            dest = _kernels().as_2d(view, as_bits(view))
+        if dest is None:
+            index, values, ok = decode(code, k, n, dtype, block)
+            self.flags[slot] = (~ok).to(torch.int32)
+            self._writes.append(lambda: apply(code, view, index, values))
+            return
+        receive = self._bitmap if code == BITMAP else self._blocked
+        self._writes.append(receive(slot, k, n, dtype.itemsize, block, dest, as_bits(view).dtype))
+
+    def bad(self) -> list[int]:
+        return [slot for slot, flag in enumerate(self.flags.tolist()) if flag]
+
+    def write(self) -> None:
+        for write in self._writes:
+            write()
+
+    def _bitmap(self, slot, k, n, size, block, dest, bits):
+        kernels = _kernels()
+        nbits = _up(-(-n // 8))
+        words, values = block[:nbits].view(torch.int32), block[nbits : nbits + size * k].view(bits)
+        counts = torch.empty(kernels.tiles(n), dtype=torch.int32, device=block.device)
+        starts = torch.empty(kernels.tiles(n), dtype=torch.int64, device=block.device)
+        kernels.bitmap_check(words, n, k, counts, starts, self.flags, slot)
+        return lambda: kernels.expand(dest, n, k, words, starts, values)
+
+    def _blocked(self, slot, k, n, size, block, dest, bits):
+        kernels = _kernels()
+        blocks = -(-n // BLOCK)
+        start = _up(4 * blocks)
+        counts = block[: 4 * blocks].view(torch.int32)
+        offsets = block[start : start + 2 * k].view(torch.int16)
+        values = block[start + _up(2 * k) : start + _up(2 * k) + size * k].view(bits)
+        starts = torch.empty(blocks, dtype=torch.int64, device=block.device)
+        kernels.blocked_check(counts, starts, offsets, n, k, self.flags, slot)
+        return lambda: kernels.blocked_apply(dest, counts, starts, offsets, values, k)

@@ -118,19 +118,19 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
     payloads_in = [torch.empty(sum(b[3] for b in blocks), dtype=torch.uint8, device=device) for blocks in layouts]
     _exchange(transport, [(m.peer, p) for m, (_, p) in zip(bucket.sends, encoded)],
               [(m.peer, p) for m, p in zip(bucket.recvs, payloads_in)], deadline, where)
-    received = []
+    received, segments = sparse_codec.BucketReceiver(device, sum(len(m.segments) for m in bucket.recvs)), []
     for msg, blocks, payload in zip(bucket.recvs, layouts, payloads_in):
         for seg, (code, k, start, size) in zip(msg.segments, blocks):
             n = seg.nbytes // io.dtypes[seg.tensor].itemsize
-            received.append((seg, *sparse_codec.receive(code, k, n, io.dtypes[seg.tensor], payload[start : start + size],
-                                                        io.dests[seg.tensor].view(seg.offsets, seg.sizes))))
-    if received and not bool(torch.stack([ok for _, ok, _ in received]).all()):  # the bucket's one host sync
-        bad = [names[seg.tensor] for (seg, _, _), ok in zip(received, torch.stack([ok for _, ok, _ in received]).tolist())
-               if not ok]
-        raise BucketError(f"rank {transport.rank}, {where}: malformed sparse payload for tensors {bad[:4]} "
-                          "(index out of range, out of order, or bitmap count mismatch); nothing of this bucket was written")
-    for _, _, write in received:
-        write()
+            received.add(len(segments), code, k, n, io.dtypes[seg.tensor], payload[start : start + size],
+                         io.dests[seg.tensor].view(seg.offsets, seg.sizes))
+            segments.append(seg)
+    bad = received.bad() if segments else []  # the bucket's one host sync
+    if bad:
+        raise BucketError(f"rank {transport.rank}, {where}: malformed sparse payload for tensors "
+                          f"{[names[segments[i].tensor] for i in bad][:4]} (index out of range, out of order, or "
+                          "bitmap count mismatch); nothing of this bucket was written")
+    received.write()
     for seg in bucket.local:
         cur = io.sources[seg.tensor].view(seg.offsets, seg.sizes)
         io.dests[seg.tensor].view(seg.offsets, seg.sizes).copy_(cur)

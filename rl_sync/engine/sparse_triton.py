@@ -85,41 +85,68 @@ def _where(i, cols, row_stride, col_stride, CONTIG: tl.constexpr):
 
 
 @triton.jit
-def _tile_bits(bitmap, n, TILE: tl.constexpr):
-    """This program's elements (int64 flat indices) and which of them the bitmap marks."""
-    pid = tl.program_id(0).to(tl.int64)
-    byte = pid * (TILE // 8) + tl.arange(0, TILE // 8)
-    packed = tl.load(bitmap + byte, mask=byte < (n + 7) // 8, other=0).to(tl.int32)
-    bits = (packed[:, None] >> tl.arange(0, 8)[None, :]) & 1
-    i = pid * TILE + tl.arange(0, TILE)
-    return i, (tl.reshape(bits, [TILE]) != 0) & (i < n)
+def _popc(x):
+    """Set bits of each uint32."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return (x * 0x01010101) >> 24
+
+
+@triton.jit
+def _low_bits(count):
+    """uint32 masks of the `count` (clamped to 0..32) lowest bits."""
+    count = tl.minimum(tl.maximum(count, 0), 32).to(tl.uint32)
+    return tl.where(count >= 32, 0xFFFFFFFF, (tl.full(count.shape, 1, tl.uint32) << tl.minimum(count, 31)) - 1)
+
+
+@triton.jit
+def _tile(n, TILE: tl.constexpr):
+    """This program's elements as a [TILE // 32, 32] grid of int64 flat indices (row w: bitmap
+    word w of the tile), and the number of them below `n` per word."""
+    w = tl.arange(0, TILE // 32)
+    first = tl.program_id(0).to(tl.int64) * TILE + w * 32
+    return first[:, None] + tl.arange(0, 32)[None, :], n - first
+
+
+@triton.jit
+def _marked(bitmap, n, TILE: tl.constexpr):
+    """(flat indices, hits, positions among the tile's hits, the tile's hit count): the bitmap's
+    marks of this tile, bits at or past `n` ignored."""
+    i, left = _tile(n, TILE)
+    word = tl.load(bitmap + tl.program_id(0).to(tl.int64) * (TILE // 32) + tl.arange(0, TILE // 32),
+                   mask=left > 0, other=0).to(tl.uint32, bitcast=True) & _low_bits(left)
+    j = tl.arange(0, 32).to(tl.uint32)
+    hit = ((word[:, None] >> j[None, :]) & 1) != 0
+    per_word = _popc(word).to(tl.int32)
+    below = _popc(word[:, None] & ((tl.full([32], 1, tl.uint32) << j) - 1)[None, :]).to(tl.int32)
+    at = (tl.cumsum(per_word, axis=0) - per_word)[:, None] + below
+    return i, hit, at, tl.sum(per_word, axis=0)
 
 
 @triton.jit
 def _diff_kernel(cur, c_cols, c_rs, c_cs, base, b_cols, b_rs, b_cs, n, bitmap, counts,
                  C_CONTIG: tl.constexpr, B_CONTIG: tl.constexpr, TILE: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    i = pid * TILE + tl.arange(0, TILE)
+    i, left = _tile(n, TILE)
     inside = i < n
     a = tl.load(cur + _where(i, c_cols, c_rs, c_cs, C_CONTIG), mask=inside, other=0)
     b = tl.load(base + _where(i, b_cols, b_rs, b_cs, B_CONTIG), mask=inside, other=0)
-    differ = ((a != b) & inside).to(tl.int32)
-    tl.store(counts + pid, tl.sum(differ, axis=0))
-    weights = 1 << tl.arange(0, 8)
-    packed = tl.sum(tl.reshape(differ, [TILE // 8, 8]) * weights[None, :], axis=1)
-    byte = pid * (TILE // 8) + tl.arange(0, TILE // 8)
-    tl.store(bitmap + byte, packed.to(tl.uint8), mask=byte < (n + 7) // 8)
+    differ = (a != b) & inside
+    word = tl.sum(differ.to(tl.uint32) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)
+    pid = tl.program_id(0).to(tl.int64)
+    tl.store(bitmap + pid * (TILE // 32) + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True))
+    tl.store(counts + pid, tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0))
 
 
 @triton.jit
 def _compact_kernel(cur, c_cols, c_rs, c_cs, base, b_cols, b_rs, b_cs, n, bitmap, starts, values, index,
                     C_CONTIG: tl.constexpr, B_CONTIG: tl.constexpr, VALUES: tl.constexpr, INDEX: tl.constexpr,
                     UPDATE: tl.constexpr, TILE: tl.constexpr):
-    i, hit = _tile_bits(bitmap, n, TILE)
+    i, hit, at, _ = _marked(bitmap, n, TILE)
     v = tl.load(cur + _where(i, c_cols, c_rs, c_cs, C_CONTIG), mask=hit)
     if UPDATE:
         tl.store(base + _where(i, b_cols, b_rs, b_cs, B_CONTIG), v, mask=hit)
-    at = tl.load(starts + tl.program_id(0)) + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+    at += tl.load(starts + tl.program_id(0)) - tl.load(starts)
     if VALUES:
         tl.store(values + at, v, mask=hit)
     if INDEX == 1:
@@ -129,16 +156,39 @@ def _compact_kernel(cur, c_cols, c_rs, c_cs, base, b_cols, b_rs, b_cs, n, bitmap
 
 
 @triton.jit
-def _popcount_kernel(bitmap, n, counts, TILE: tl.constexpr):
-    _, hit = _tile_bits(bitmap, n, TILE)
-    tl.store(counts + tl.program_id(0), tl.sum(hit.to(tl.int32), axis=0))
+def _popcount_kernel(bitmap, n, counts, flags, slot, TILE: tl.constexpr):
+    """Tile counts; flags the box when a bit between `n` and the bitmap's last whole byte is set."""
+    _, _, _, count = _marked(bitmap, n, TILE)
+    tl.store(counts + tl.program_id(0), count)
+    _, left = _tile(n, TILE)
+    word = tl.load(bitmap + tl.program_id(0).to(tl.int64) * (TILE // 32) + tl.arange(0, TILE // 32),
+                   mask=left > 0, other=0).to(tl.uint32, bitcast=True)
+    wire_bits = (n + 7) // 8 * 8 - (n - left)
+    stray = word & ~_low_bits(left) & _low_bits(wire_bits)
+    tl.atomic_max(flags + slot, tl.max((stray != 0).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _scan_kernel(counts, m, k, starts, flags, slot, LIMIT: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: `starts` = exclusive prefix sums of `counts` (each clamped to 0..LIMIT);
+    flags the box when a count is out of range or they do not sum to `k`."""
+    carry = tl.zeros([], dtype=tl.int64)
+    wrong = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, m, CHUNK):
+        r = c0 + tl.arange(0, CHUNK)
+        x = tl.load(counts + r, mask=r < m, other=0)
+        wrong = wrong | tl.max(((x < 0) | (x > LIMIT)).to(tl.int32), axis=0)
+        x = tl.minimum(tl.maximum(x, 0), LIMIT).to(tl.int64)
+        tl.store(starts + r, carry + tl.cumsum(x, axis=0) - x, mask=r < m)
+        carry += tl.sum(x, axis=0)
+    tl.atomic_max(flags + slot, wrong | (carry != k).to(tl.int32))
 
 
 @triton.jit
 def _expand_kernel(dest, d_cols, d_rs, d_cs, n, k, bitmap, starts, values, D_CONTIG: tl.constexpr,
                    TILE: tl.constexpr):
-    i, hit = _tile_bits(bitmap, n, TILE)
-    at = tl.load(starts + tl.program_id(0)) + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+    i, hit, at, _ = _marked(bitmap, n, TILE)
+    at += tl.load(starts + tl.program_id(0))
     hit = hit & (at < k)
     v = tl.load(values + at, mask=hit)
     tl.store(dest + _where(i, d_cols, d_rs, d_cs, D_CONTIG), v, mask=hit)
@@ -160,15 +210,14 @@ def _block_entries(counts, starts, offsets, k, j, CHUNK: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
-def _blocked_check_kernel(counts, starts, offsets, n, k, bad, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _blocked_check_kernel(counts, starts, offsets, n, k, flags, slot, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    count = tl.load(counts + b)
-    wrong = ((count < 0) | (count > BLOCK)).to(tl.int32)
-    for j in range(0, tl.minimum(tl.maximum(count, 0), BLOCK), CHUNK):
+    wrong = tl.zeros([], dtype=tl.int32)
+    for j in range(0, tl.minimum(tl.maximum(tl.load(counts + b), 0), BLOCK), CHUNK):
         at, ok, off, before = _block_entries(counts, starts, offsets, k, j, CHUNK, BLOCK)
         outside = ok & ((off <= before) | (b * BLOCK + off >= n))
         wrong = wrong | tl.max(outside.to(tl.int32), axis=0)
-    tl.store(bad + b, wrong)
+    tl.atomic_max(flags + slot, wrong)
 
 
 @triton.jit
@@ -186,15 +235,17 @@ def tiles(n: int) -> int:
 
 
 def diff(cur: Strided2D, base: Strided2D, n: int, bitmap: torch.Tensor, counts: torch.Tensor) -> None:
-    """`bitmap` (ceil(n / 8) bytes) and `counts` (`tiles(n)` int32) of the elements whose bits differ."""
+    """`bitmap` (int32 words, `tiles(n) * TILE // 32`) and `counts` (`tiles(n)` int32) of the
+    elements whose bits differ; bits past `n` are zero."""
     _diff_kernel[(tiles(n),)](*cur.args(), *base.args(), n, bitmap, counts, C_CONTIG=cur.contiguous,
                               B_CONTIG=base.contiguous, TILE=TILE)
 
 
 def compact(cur: Strided2D, base: Strided2D | None, n: int, bitmap: torch.Tensor, starts: torch.Tensor,
             values: torch.Tensor | None, index: torch.Tensor | None, index_kind: int) -> None:
-    """Write the marked elements of `cur` at their tile's `starts` into `values` (if given) and
-    their indices (`index_kind`) into `index`, and into `base` where `base` is given."""
+    """Write the marked elements of `cur` at their tile's start (`starts[t] - starts[0]`) into
+    `values` (if given) and their indices (`index_kind`) into `index`, and into `base` where
+    `base` is given."""
     dummy = starts
     _compact_kernel[(tiles(n),)](*cur.args(), *(base.args() if base else (dummy, 1, 1, 1)), n, bitmap, starts,
                                  dummy if values is None else values, dummy if index is None else index,
@@ -202,9 +253,12 @@ def compact(cur: Strided2D, base: Strided2D | None, n: int, bitmap: torch.Tensor
                                  VALUES=values is not None, INDEX=index_kind, UPDATE=base is not None, TILE=TILE)
 
 
-def popcounts(bitmap: torch.Tensor, n: int, counts: torch.Tensor) -> None:
-    """`counts` (`tiles(n)` int32): the marked elements of each tile (bits past `n` not counted)."""
-    _popcount_kernel[(tiles(n),)](bitmap, n, counts, TILE=TILE)
+def bitmap_check(bitmap: torch.Tensor, n: int, k: int, counts: torch.Tensor, starts: torch.Tensor,
+                 flags: torch.Tensor, slot: int) -> None:
+    """Tile counts and starts of a received bitmap (int32 words); `flags[slot]` set when it has
+    stray bits or does not mark exactly `k` elements."""
+    _popcount_kernel[(tiles(n),)](bitmap, n, counts, flags, slot, TILE=TILE)
+    _scan_kernel[(1,)](counts, counts.numel(), k, starts, flags, slot, LIMIT=TILE, CHUNK=CHUNK)
 
 
 def expand(dest: Strided2D, n: int, k: int, bitmap: torch.Tensor, starts: torch.Tensor, values: torch.Tensor) -> None:
@@ -213,10 +267,11 @@ def expand(dest: Strided2D, n: int, k: int, bitmap: torch.Tensor, starts: torch.
 
 
 def blocked_check(counts: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor, n: int, k: int,
-                  bad: torch.Tensor) -> None:
-    """`bad[b]` = 1 when wire block `b`'s count or offsets are not a valid strictly increasing run
-    inside the box."""
-    _blocked_check_kernel[(counts.numel(),)](counts, starts, offsets, n, k, bad, CHUNK=CHUNK, BLOCK=BLOCK)
+                  flags: torch.Tensor, slot: int) -> None:
+    """Starts of each wire block's run; `flags[slot]` set when a count is out of range, the
+    counts do not sum to `k`, or a block's offsets are not strictly increasing inside the box."""
+    _scan_kernel[(1,)](counts, counts.numel(), k, starts, flags, slot, LIMIT=BLOCK, CHUNK=CHUNK)
+    _blocked_check_kernel[(counts.numel(),)](counts, starts, offsets, n, k, flags, slot, CHUNK=CHUNK, BLOCK=BLOCK)
 
 
 def blocked_apply(dest: Strided2D, counts: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor,

@@ -1,5 +1,5 @@
 """The fused CUDA sparse codec (`engine.sparse_triton` through `sparse_codec.BucketChanges` and
-`sparse_codec.receive`) against the torch reference: the same payload bytes, the same baselines
+`sparse_codec.BucketReceiver`) against the torch reference: the same payload bytes, the same baselines
 and live weights bit for bit, and malformed payloads refused before any write."""
 
 from __future__ import annotations
@@ -47,6 +47,16 @@ def _pair(rows: int, cols: int, density: float, dtype: torch.dtype, seed: int):
     return cur, base
 
 
+def _receive(code: int, k: int, n: int, dtype: torch.dtype, payload: torch.Tensor, live: torch.Tensor) -> bool:
+    """Validate one box and, when valid, write it; whether it was valid."""
+    received = sparse_codec.BucketReceiver(live.device, 1)
+    received.add(0, code, k, n, dtype, payload, live)
+    if received.bad():
+        return False
+    received.write()
+    return True
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
@@ -68,9 +78,7 @@ def test_fused_codec_matches_the_reference_bit_for_bit(rows, cols, density, code
     assert torch.equal(payload, payload_ref)
     assert torch.equal(_bits(baseline), _bits(cur))
     live, holder = _strided(base) if strided_dst else (base.clone(), None)
-    ok, write = sparse_codec.receive(code, k_ref, cur.numel(), dtype, payload, live)
-    assert bool(ok)
-    write()
+    assert _receive(code, k_ref, cur.numel(), dtype, payload, live)
     assert torch.equal(_bits(live), _bits(cur))
     if holder is not None:  # nothing outside the view was touched
         assert torch.count_nonzero(holder[0]) == 0 and torch.count_nonzero(holder[cols + 1 :]) == 0
@@ -125,8 +133,7 @@ def test_malformed_blocked_payloads_are_refused_before_any_write(case):
     payload[: 4 * blocks].view(torch.int32).copy_(torch.tensor(counts, dtype=torch.int32))
     payload[16 : 16 + 2 * k].view(torch.int16).copy_(torch.tensor(offsets, dtype=torch.int16))
     live = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
-    ok, _ = sparse_codec.receive(BLOCKED, k, n, torch.bfloat16, payload, live)
-    assert not bool(ok)
+    assert not _receive(BLOCKED, k, n, torch.bfloat16, payload, live)
     torch.cuda.synchronize()
     assert torch.count_nonzero(live) == 0
 
@@ -137,5 +144,6 @@ def test_malformed_bitmaps_are_refused(case):
     payload = torch.zeros(encoded_nbytes(BITMAP, n, k, 2), dtype=torch.uint8, device="cuda")
     payload[0] = 3
     payload[1] = 1 << 6 if case == "trailing bit" else 1
-    ok, _ = sparse_codec.receive(BITMAP, k, n, torch.bfloat16, payload, torch.zeros(n, dtype=torch.bfloat16, device="cuda"))
-    assert not bool(ok)
+    live = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+    assert not _receive(BITMAP, k, n, torch.bfloat16, payload, live)
+    assert torch.count_nonzero(live) == 0
