@@ -81,7 +81,7 @@ def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int =
             found = sparse_codec.BucketChanges(list(zip(cur, baseline)), boxes)
             for i, (code, blk) in enumerate(zip(codes, blocks)):
                 found.encode(i, code, blk)
-            found.advance()
+            found.finish()
 
         def apply_all():  # validate every box (one host sync), then write
             received = sparse_codec.BucketReceiver(device, tensors)

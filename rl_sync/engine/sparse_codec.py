@@ -228,44 +228,53 @@ def _overlap(a: Box, b: Box) -> bool:
 
 
 class _Fused:
-    """One box on the fused CUDA path. Its tile counts and bitmap words live in the bucket's
-    shared buffers, in a slot of whole wire blocks (16 tiles each: the padding counts stay 0);
-    `starts` is the bucket-wide exclusive prefix of tile counts from the box's first tile on."""
+    """One box on the fused CUDA path: its `Strided2D` source and baseline, its size, its tile
+    slot in the bucket's buffers (whole wire blocks per box, so the padding counts stay 0) and
+    whether another box of the bucket overlaps it."""
 
-    def __init__(self, cur, base, n: int, words: torch.Tensor, counts: torch.Tensor):
-        self.cur, self.base, self.n, self.words, self.counts = cur, base, n, words, counts
-        self.starts = counts
-        self.block_counts = counts
-        _kernels().diff(cur, base, n, words, counts)
+    def __init__(self, cur, base, n: int, slot: int, shared: bool):
+        self.cur, self.base, self.n, self.slot, self.shared = cur, base, n, slot, shared
+
+    def row(self, values: int = 0, index: int = 0, kind: int = 0, update: bool = False, bitmap: int = 0,
+            blocks: int = 0) -> list[int]:
+        """Its `sparse_triton.SEND_*` table row."""
+        return [*self.cur.columns(), *self.base.columns(), self.n, self.slot, values, index, kind, int(update), bitmap,
+                blocks]
 
 
-def _slots(sizes: Sequence[int], kernels) -> np.ndarray:
-    """Each box's first tile slot in the bucket's buffers (whole wire blocks per box), and the end."""
-    per_block = BLOCK // kernels.TILE
-    return np.cumsum([0] + [-(-n // BLOCK) * per_block for n in sizes])
+def _launch_by_width(kernel, rows: dict[int, list[tuple[int, list[int]]]], device: torch.device, *args) -> None:
+    """One launch of `kernel(table, firsts, boxes, total, width, *args)` per element width of
+    `rows` (width -> [(programs, row)])."""
+    for width, group in rows.items():
+        kernels = _kernels()
+        firsts, total = kernels.programs([p for p, _ in group], device)
+        if total:
+            kernel(kernels.upload([r for _, r in group], device), firsts, len(group), total, width, *args)
 
 
 class BucketChanges:
     """The changes of every box one rank sends in a bucket, found together.
 
     Usage: `found = BucketChanges(pairs, boxes)`; `found.counts[i]` (changed elements of box i);
-    `found.encode(i, code, out)` for each box; then `found.advance()` once, after every box is
-    encoded, which makes each baseline equal to what was sent.
+    `found.encode(i, code, out)` for each box; then `found.finish()` once: the encodings are
+    complete, and each baseline equals what was sent.
 
-    CUDA boxes (`_fused_pair`) take the Triton path: one diff pass per box, then the counts of
-    the whole bucket come back to the host in one transfer; encoding reads only the bitmap and
-    the changed elements, and writes the baseline as it goes unless a later box of the bucket
-    overlaps it (a box sent to several replicas is diffed against the same baseline each time).
-    Other boxes use `Changes` (one host sync each on a GPU)."""
+    CUDA boxes (`_fused_pair`) take the Triton path, every box of the bucket in the same
+    launches: one diff pass (bitmap words and tile counts), the bucket's counts back to the host
+    in one transfer; at `finish`, one compact pass that reads only the bitmap and the changed
+    elements, writes every payload and updates the baselines of boxes no other box overlaps,
+    then one pass updating the overlapping ones (a box sent to several replicas is diffed
+    against the same baseline each time). Other boxes use `Changes` (one host sync each on a
+    GPU) and `encode`."""
 
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], boxes: Sequence[Box]):
         self.pairs = list(pairs)
         fused = [_fused_pair(cur, base) for cur, base in self.pairs]
         self._boxes: list[Changes | _Fused | None] = [None if f else Changes(*p) for f, p in zip(fused, self.pairs)]
         self._values: list[torch.Tensor | None] = [None] * len(self.pairs)
-        self._late = [any(_overlap(boxes[i], boxes[j]) for j in range(i + 1, len(boxes))) for i in range(len(boxes))]
-        self._written = [False] * len(self.pairs)
         self._codes = [DENSE] * len(self.pairs)
+        self._shared = [any(_overlap(a, b) for j, b in enumerate(boxes) if j != i) for i, a in enumerate(boxes)]
+        self._rows: dict[int, list[tuple[int, list[int]]]] = {}
         self.counts = self._find(fused)
 
     def _find(self, fused) -> list[int]:
@@ -274,64 +283,70 @@ class BucketChanges:
         if not on:
             return [counts[i] for i in range(len(self.pairs))]
         kernels = _kernels()
-        device = self.pairs[on[0]][0].device
-        sizes = [self.pairs[i][0].numel() for i in on]
-        slot = _slots(sizes, kernels)
+        self.device = device = self.pairs[on[0]][0].device
         per_block = BLOCK // kernels.TILE
-        firsts = torch.tensor(slot[:-1] // per_block, device=device)  # before any kernel: a host copy waits
-        tiles = torch.zeros(int(slot[-1]), dtype=torch.int32, device=device)
-        words = torch.empty(int(slot[-1]) * (kernels.TILE // 32), dtype=torch.int32, device=device)
-        for i, n, t0 in zip(on, sizes, slot[:-1].tolist()):
-            box = words[t0 * (kernels.TILE // 32) :][: kernels.tiles(n) * (kernels.TILE // 32)]
-            self._boxes[i] = _Fused(*fused[i], n, box, tiles[t0 : t0 + kernels.tiles(n)])
-        blocks = tiles.view(-1, per_block).sum(1, dtype=torch.int32)
-        ends = torch.cumsum(blocks, 0)
+        slot = np.cumsum([0] + [-(-self.pairs[i][0].numel() // BLOCK) * per_block for i in on])
+        rows: dict[int, list[tuple[int, list[int]]]] = {}
+        for i, t0 in zip(on, slot[:-1].tolist()):
+            box = self._boxes[i] = _Fused(*fused[i], self.pairs[i][0].numel(), t0, self._shared[i])
+            rows.setdefault(self.pairs[i][0].element_size(), []).append((kernels.tiles(box.n), box.row()))
+        firsts = kernels.upload(slot[:-1] // per_block, device)
+        self._tiles = torch.zeros(int(slot[-1]), dtype=torch.int32, device=device)
+        self._words = torch.empty(int(slot[-1]) * kernels.WORDS, dtype=torch.int32, device=device)
+        _launch_by_width(kernels.diff, rows, device, self._words, self._tiles)
+        self._blocks = self._tiles.view(-1, per_block).sum(1, dtype=torch.int32)
+        ends = torch.cumsum(self._blocks, 0)
         box_ends = torch.cat([ends[firsts[1:] - 1], ends[-1:]])
-        before_tiles = torch.cumsum(tiles, 0) - tiles
-        counts |= dict(zip(on, (box_ends - (ends - blocks)[firsts]).tolist()))  # the bucket's one host transfer
-        for i, n, t0, t1 in zip(on, sizes, slot[:-1].tolist(), slot[1:].tolist()):
-            self._boxes[i].starts = before_tiles[t0:t1]
-            self._boxes[i].block_counts = blocks[t0 // per_block : t1 // per_block]
+        self._starts = torch.cumsum(self._tiles, 0) - self._tiles
+        counts |= dict(zip(on, (box_ends - (ends - self._blocks)[firsts]).tolist()))  # the bucket's one host transfer
         return [counts[i] for i in range(len(self.pairs))]
 
     def encode(self, i: int, code: int, out: torch.Tensor) -> None:
-        """Write box `i`, encoded as `code`, into the byte buffer `out` (`encoded_nbytes` long)."""
-        box = self._boxes[i]
+        """Encode box `i` as `code` into the byte buffer `out` (`encoded_nbytes` long); complete
+        once `finish` has run."""
+        box, self._codes[i] = self._boxes[i], code
         if not isinstance(box, _Fused):
             self._values[i] = encode(code, box, out) if box else None
             return
-        self._codes[i] = code
         cur, k = self.pairs[i][0], self.counts[i]
         if code == DENSE:
             out[: cur.element_size() * cur.numel()].view(cur.dtype).copy_(cur.reshape(-1))
+            self._add(box, update=not box.shared)
             return
-        bits, update = as_bits(cur).dtype, not self._late[i]
-        size = cur.element_size()
+        n = box.n
         if code == BITMAP:
-            nbits = -(-box.n // 8)
-            out[:nbits].copy_(box.words.view(torch.uint8)[:nbits])
-            values, index, kind = out[_up(nbits) : _up(nbits) + size * k], None, 0
+            head = -(-n // 8)
+            row = dict(values=out[_up(head) :], bitmap=out)
         elif code == INDICES:
-            values, index, kind = out[_up(4 * k) : _up(4 * k) + size * k], out[: 4 * k].view(torch.int32), 1
+            head = 0
+            row = dict(values=out[_up(4 * k) :], index=out, kind=1)
         else:
-            blocks = -(-box.n // BLOCK)
-            out[: 4 * blocks].view(torch.int32).copy_(box.block_counts)
-            start = _up(4 * blocks)
-            index, kind = out[start : start + 2 * k].view(torch.int16), 2
-            values = out[start + _up(2 * k) : start + _up(2 * k) + size * k]
+            head = 4 * -(-n // BLOCK)
+            row = dict(values=out[_up(head) + _up(2 * k) :], index=out[_up(head) :], kind=2, blocks=out)
         if not k:
+            out[:head].zero_()
             return
-        _kernels().compact(box.cur, box.base if update else None, box.n, box.words, box.starts, values.view(bits),
-                           index, kind)
-        self._written[i] = update
+        self._add(box, update=not box.shared, **{name: t.data_ptr() if isinstance(t, torch.Tensor) else t
+                                                 for name, t in row.items()})
 
-    def advance(self) -> None:
-        """Make every box's baseline what was sent (after every box of the bucket is encoded)."""
+    def _add(self, box: _Fused, **row) -> None:
+        if row.get("values") or row.get("update"):
+            self._rows.setdefault(box.cur.bits.element_size(), []).append((_kernels().tiles(box.n), box.row(**row)))
+
+    def finish(self) -> None:
+        """Complete every encoding and make every box's baseline what was sent."""
+        kernels = _kernels()
+        if self._rows:
+            _launch_by_width(kernels.compact, self._rows, self.device, self._words, self._starts, self._blocks)
+        shared = {}
+        for i, box in enumerate(self._boxes):
+            if isinstance(box, _Fused) and box.shared and self.counts[i]:
+                shared.setdefault(box.cur.bits.element_size(), []).append((kernels.tiles(box.n), box.row(update=True)))
+        if shared:
+            _launch_by_width(kernels.compact, shared, self.device, self._words, self._starts, self._blocks)
         for i, ((cur, base), box) in enumerate(zip(self.pairs, self._boxes)):
             if isinstance(box, Changes):
                 _advance(base, cur, self._codes[i], box, self._values[i])
-            elif box and not self._written[i] and self.counts[i]:
-                _kernels().compact(box.cur, box.base, box.n, box.words, box.starts, None, None, 0)
 
 
 def _advance(base: torch.Tensor, cur: torch.Tensor, code: int, changes: Changes, values: torch.Tensor | None) -> None:
@@ -349,13 +364,16 @@ class BucketReceiver:
     block, view)` for each box; `received.bad()` (the slots whose payload is malformed: the
     bucket's one host sync); only when it is empty, `received.write()`.
 
-    Bitmap and blocked payloads bound for a CUDA view of the wire dtype are validated and
-    written by the Triton kernels (validation only raises the box's flag on the device); the
-    rest `decode` and `apply`."""
+    Bitmap and blocked payloads bound for a CUDA view of the wire dtype are validated by the
+    Triton kernels, every such box of the bucket in the same launches (validation only raises
+    the box's flag on the device), and written likewise; the rest `decode` and `apply`."""
 
     def __init__(self, device: torch.device, boxes: int):
+        self.device = device
         self.flags = torch.zeros(boxes, dtype=torch.int32, device=device)
         self._writes: list[Callable[[], None]] = []
+        self._rows: list[tuple[int, int, int, list[int]]] = []  # (code, width, programs, row)
+        self._entries = 0
 
     def add(self, slot: int, code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor,
             view: torch.Tensor) -> None:
@@ -370,32 +388,43 @@ class BucketReceiver:
             self.flags[slot] = (~ok).to(torch.int32)
             self._writes.append(lambda: apply(code, view, index, values))
             return
-        receive = self._bitmap if code == BITMAP else self._blocked
-        self._writes.append(receive(slot, k, n, dtype.itemsize, block, dest, as_bits(view).dtype))
+        kernels = _kernels()
+        size = dtype.itemsize
+        if code == BITMAP:
+            head, m = _up(-(-n // 8)), kernels.tiles(n)
+            payload = [block.data_ptr(), 0, block[head:].data_ptr()]
+            counts, limit = 0, kernels.TILE
+        else:
+            head, m = _up(4 * -(-n // BLOCK)), -(-n // BLOCK)
+            payload = [0, block[head:].data_ptr(), block[head + _up(2 * k) :].data_ptr()]
+            counts, limit = block.data_ptr(), BLOCK
+        row = [*payload, *dest.columns(), n, k, slot, self._entries, m, counts, limit]
+        self._rows.append((code, size, m, row))
+        self._entries += m
+
+    def _launch(self, kernel, code: int, *args, width: int | None = None) -> None:
+        """`kernel` over the rows of `code` (and `width`): the others get no programs."""
+        kernels = _kernels()
+        firsts, total = kernels.programs([m if c == code and width in (None, w) else 0 for c, w, m, _ in self._rows],
+                                         self.device)
+        if total:
+            kernel(self._table, firsts, len(self._rows), total, *([width] if width else []), *args)
 
     def bad(self) -> list[int]:
+        if self._rows:
+            kernels = _kernels()
+            self._table = kernels.upload([row for *_, row in self._rows], self.device)
+            self._counts = torch.empty(self._entries, dtype=torch.int32, device=self.device)
+            self._starts = torch.empty(self._entries, dtype=torch.int64, device=self.device)
+            self._launch(kernels.bitmap_counts, BITMAP, self._counts, self.flags)
+            kernels.scan(self._table, len(self._rows), self._counts, self._starts, self.flags)
+            self._launch(kernels.blocked_check, BLOCKED, self._starts, self.flags)
         return [slot for slot, flag in enumerate(self.flags.tolist()) if flag]
 
     def write(self) -> None:
+        kernels = _kernels()
+        for width in sorted({w for _, w, _, _ in self._rows}):
+            self._launch(kernels.expand, BITMAP, self._starts, width=width)
+            self._launch(kernels.blocked_apply, BLOCKED, self._starts, width=width)
         for write in self._writes:
             write()
-
-    def _bitmap(self, slot, k, n, size, block, dest, bits):
-        kernels = _kernels()
-        nbits = _up(-(-n // 8))
-        words, values = block[:nbits].view(torch.int32), block[nbits : nbits + size * k].view(bits)
-        counts = torch.empty(kernels.tiles(n), dtype=torch.int32, device=block.device)
-        starts = torch.empty(kernels.tiles(n), dtype=torch.int64, device=block.device)
-        kernels.bitmap_check(words, n, k, counts, starts, self.flags, slot)
-        return lambda: kernels.expand(dest, n, k, words, starts, values)
-
-    def _blocked(self, slot, k, n, size, block, dest, bits):
-        kernels = _kernels()
-        blocks = -(-n // BLOCK)
-        start = _up(4 * blocks)
-        counts = block[: 4 * blocks].view(torch.int32)
-        offsets = block[start : start + 2 * k].view(torch.int16)
-        values = block[start + _up(2 * k) : start + _up(2 * k) + size * k].view(bits)
-        starts = torch.empty(blocks, dtype=torch.int64, device=block.device)
-        kernels.blocked_check(counts, starts, offsets, n, k, self.flags, slot)
-        return lambda: kernels.blocked_apply(dest, counts, starts, offsets, values, k)

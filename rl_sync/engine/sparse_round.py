@@ -109,7 +109,7 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
     found = _find_changes(bucket.sends, io)
     firsts = np.cumsum([0] + [len(m.segments) for m in bucket.sends]).tolist()
     encoded = [_encode_message(m, found, first, io, counters, device) for m, first in zip(bucket.sends, firsts)]
-    found.advance()
+    found.finish()
     headers_in = [torch.empty(2 * len(m.segments), dtype=torch.int64, device=device) for m in bucket.recvs]
     where = describe_bucket(bucket, names)
     _exchange(transport, [(m.peer, h.view(torch.uint8)) for m, (h, _) in zip(bucket.sends, encoded)],

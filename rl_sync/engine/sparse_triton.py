@@ -1,31 +1,37 @@
-"""The sparse codec's CUDA kernels (Triton): find, encode, validate and apply in a few passes,
-with no host synchronization inside them.
+"""The sparse codec's CUDA kernels (Triton): every box of a bucket in one launch per step, with
+no host synchronization inside.
 
-Every box is cut into tiles of `TILE` elements (row-major over the box; a wire block of
-`sparse.BLOCK` elements is 16 tiles). Elements are compared, copied and written as integers
-of their width, so NaN payloads and -0.0 keep their bits. A box is addressed through
-`Strided2D`: its flat row-major index `i` sits at `(i // cols) * row_stride + (i % cols) *
-col_stride` elements from its start (contiguous boxes skip the division).
+A launch takes a *box table* (int64 rows, one per box; pointers are addresses) and the
+boxes' cumulative program counts: each program finds its box by binary search, so the host
+cost of a step does not grow with the number of boxes. One launch serves boxes of one element
+width (`VT`, the same-width integer type: elements are compared, copied and written as bits,
+so NaN payloads and -0.0 keep them). A box is addressed as `Strided2D`: flat row-major index
+`i` sits at `(i // cols) * row_stride + (i % cols) * col_stride` elements from its start
+(contiguous boxes skip the division).
 
-Sender, per box:
-1. `diff`: one read of the box and its baseline; writes the box's change bitmap (the wire's
-   `BITMAP` bit order) and one count per tile.
-2. The caller sums the counts of every box of a bucket on the device and reads them back in one
-   transfer, chooses each box's encoding, and turns the tile counts into tile starts.
-3. `compact`: reads the bitmap and only the changed elements, and writes them (and their
-   int32 indices or uint16 in-block offsets) at their tile's start; optionally writes them
-   into the baseline too (the baseline update).
+Boxes are cut into tiles of `TILE` elements; a tile's change bitmap is `TILE // 32` int32
+words, bit `b` of word `w` for element `32 w + b` (the wire's `BITMAP` bit order).
 
-Receiver: `bitmap_counts` / `blocked_check` validate a payload into device flags (no write);
-only once every box of the bucket is valid do `expand` (bitmap) and `blocked_apply` write
-into the live view. Loads from a payload are bounded by the header's count, so even an
-unvalidated payload cannot make a kernel read out of bounds.
+Sender (`SEND_*` columns): `diff` reads each box and its baseline once and writes the bitmap
+words and a count per tile into the bucket's buffers, at the box's tile slot; the caller
+reads the bucket's counts back in one transfer, chooses encodings and fills the payload
+columns; `compact` reads the words and only the changed elements and writes the values,
+their indices (int32) or in-block offsets (uint16), the wire bitmap and the wire block
+counts, and the baseline where asked.
+
+Receiver (`RECV_*` columns): `bitmap_counts` counts each received bitmap's tiles (and flags
+stray bits past `n`); `scan` turns each box's tile or block counts into starts and flags counts
+out of range or not summing to `k`; `blocked_check` flags blocks whose offsets are not strictly
+increasing inside the box. Only once no flag is raised do `expand` and `blocked_apply` write
+into live views. Every payload load is bounded by the header's `k`, so even an unvalidated
+payload cannot make a kernel read out of bounds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -34,10 +40,20 @@ from ..sparse import BLOCK
 
 TILE = 4096
 """Elements per program in the tile kernels (a power of two dividing `sparse.BLOCK`)."""
+WORDS = TILE // 32
 CHUNK = 1024
-"""Elements per step of the per-block kernels."""
+"""Entries per step of the per-block and scan kernels."""
 NONE, INT32_INDEX, UINT16_OFFSET = 0, 1, 2
 """What `compact` writes beside the values."""
+
+(SEND_CUR, SEND_C_COLS, SEND_C_RS, SEND_C_CS, SEND_C_CONTIG, SEND_BASE, SEND_B_COLS, SEND_B_RS, SEND_B_CS,
+ SEND_B_CONTIG, SEND_N, SEND_SLOT, SEND_VALUES, SEND_INDEX, SEND_INDEX_KIND, SEND_UPDATE, SEND_BITMAP_OUT,
+ SEND_BLOCKS_OUT) = range(18)
+SEND_COLUMNS = 18
+(RECV_WORDS, RECV_OFFSETS, RECV_VALUES, RECV_DEST, RECV_D_COLS, RECV_D_RS, RECV_D_CS, RECV_D_CONTIG, RECV_N,
+ RECV_K, RECV_FLAG, RECV_FIRST, RECV_M, RECV_COUNTS, RECV_LIMIT) = range(15)
+RECV_COLUMNS = 15
+BITS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 @dataclass(frozen=True)
@@ -54,8 +70,9 @@ class Strided2D:
     def contiguous(self) -> bool:
         return self.col_stride == 1 and self.row_stride == self.cols
 
-    def args(self) -> tuple:
-        return self.bits, self.cols, self.row_stride, self.col_stride
+    def columns(self) -> list[int]:
+        """(address, cols, row stride, col stride, contiguous) as table columns."""
+        return [self.bits.data_ptr(), self.cols, self.row_stride, self.col_stride, int(self.contiguous)]
 
 
 def as_2d(view: torch.Tensor, bits: torch.Tensor) -> Strided2D | None:
@@ -77,11 +94,53 @@ def as_2d(view: torch.Tensor, bits: torch.Tensor) -> Strided2D | None:
     return Strided2D(bits, cols, row_stride, col_stride)
 
 
+def tiles(n: int) -> int:
+    return -(-n // TILE)
+
+
+def upload(values, device: torch.device) -> torch.Tensor:
+    """int64 `values` (a table's rows, or a list) on `device`, copied from pinned memory without
+    waiting for the device (a copy from pageable memory would wait for all queued work)."""
+    host = torch.from_numpy(np.asarray(values, dtype=np.int64))
+    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+
+
+def programs(counts: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
+    """(cumulative program starts of the boxes on `device`, total programs)."""
+    firsts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return upload(firsts, device), int(firsts[-1])
+
+
 @triton.jit
-def _where(i, cols, row_stride, col_stride, CONTIG: tl.constexpr):
-    if CONTIG:
-        return i
-    return (i // cols) * row_stride + (i % cols) * col_stride
+def _box(firsts, boxes):
+    """(this program's box, its program index within the box): the last box whose first
+    program is at most this one."""
+    pid = tl.program_id(0).to(tl.int64)
+    lo = tl.zeros([], dtype=tl.int64)
+    hi = tl.zeros([], dtype=tl.int64) + boxes
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        go = tl.load(firsts + mid) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    return lo, pid - tl.load(firsts + lo)
+
+
+@triton.jit
+def _ptr(row, column, VT: tl.constexpr):
+    return tl.load(row + column).to(tl.pointer_type(VT))
+
+
+@triton.jit
+def _where(row, first, i):
+    """Element offsets of flat indices `i` in the box whose (cols, row stride, col stride,
+    contiguous) columns start at `first`."""
+    if tl.load(row + first + 3) != 0:
+        offsets = i
+    else:
+        cols = tl.load(row + first)
+        offsets = (i // cols) * tl.load(row + first + 1) + (i % cols) * tl.load(row + first + 2)
+    return offsets
 
 
 @triton.jit
@@ -101,181 +160,209 @@ def _low_bits(count):
 
 
 @triton.jit
-def _tile(n, TILE: tl.constexpr):
-    """This program's elements as a [TILE // 32, 32] grid of int64 flat indices (row w: bitmap
-    word w of the tile), and the number of them below `n` per word."""
-    w = tl.arange(0, TILE // 32)
-    first = tl.program_id(0).to(tl.int64) * TILE + w * 32
+def _tile(t, n, TILE: tl.constexpr):
+    """Tile `t`'s elements as a [TILE // 32, 32] grid of int64 flat indices (row w: bitmap word
+    w), and how many elements of each word are below `n`."""
+    first = t * TILE + tl.arange(0, TILE // 32).to(tl.int64) * 32
     return first[:, None] + tl.arange(0, 32)[None, :], n - first
 
 
 @triton.jit
-def _marked(bitmap, n, TILE: tl.constexpr):
-    """(flat indices, hits, positions among the tile's hits, the tile's hit count): the bitmap's
-    marks of this tile, bits at or past `n` ignored."""
-    i, left = _tile(n, TILE)
-    word = tl.load(bitmap + tl.program_id(0).to(tl.int64) * (TILE // 32) + tl.arange(0, TILE // 32),
-                   mask=left > 0, other=0).to(tl.uint32, bitcast=True) & _low_bits(left)
+def _words(words, t, left, TILE: tl.constexpr):
+    """Tile `t`'s bitmap words, bits at or past `n` cleared."""
+    w = tl.load(words + t * (TILE // 32) + tl.arange(0, TILE // 32), mask=left > 0, other=0)
+    return w.to(tl.uint32, bitcast=True) & _low_bits(left)
+
+
+@triton.jit
+def _marked(word):
+    """(hits, positions among the tile's hits) of a tile's words."""
     j = tl.arange(0, 32).to(tl.uint32)
     hit = ((word[:, None] >> j[None, :]) & 1) != 0
     per_word = _popc(word).to(tl.int32)
     below = _popc(word[:, None] & ((tl.full([32], 1, tl.uint32) << j) - 1)[None, :]).to(tl.int32)
-    at = (tl.cumsum(per_word, axis=0) - per_word)[:, None] + below
-    return i, hit, at, tl.sum(per_word, axis=0)
+    return hit, (tl.cumsum(per_word, axis=0) - per_word)[:, None] + below
 
 
 @triton.jit
-def _diff_kernel(cur, c_cols, c_rs, c_cs, base, b_cols, b_rs, b_cs, n, bitmap, counts,
-                 C_CONTIG: tl.constexpr, B_CONTIG: tl.constexpr, TILE: tl.constexpr):
-    i, left = _tile(n, TILE)
+def _diff_kernel(table, firsts, boxes, words, counts, VT: tl.constexpr, TILE: tl.constexpr, COLUMNS: tl.constexpr):
+    box, t = _box(firsts, boxes)
+    row = table + box * COLUMNS
+    n = tl.load(row + 10)
+    i, _ = _tile(t, n, TILE)
     inside = i < n
-    a = tl.load(cur + _where(i, c_cols, c_rs, c_cs, C_CONTIG), mask=inside, other=0)
-    b = tl.load(base + _where(i, b_cols, b_rs, b_cs, B_CONTIG), mask=inside, other=0)
+    a = tl.load(_ptr(row, 0, VT) + _where(row, 1, i), mask=inside, other=0)
+    b = tl.load(_ptr(row, 5, VT) + _where(row, 6, i), mask=inside, other=0)
     differ = (a != b) & inside
     word = tl.sum(differ.to(tl.uint32) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)
-    pid = tl.program_id(0).to(tl.int64)
-    tl.store(bitmap + pid * (TILE // 32) + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True))
-    tl.store(counts + pid, tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0))
+    slot = tl.load(row + 11) + t
+    tl.store(words + slot * (TILE // 32) + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True))
+    tl.store(counts + slot, tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0))
 
 
 @triton.jit
-def _compact_kernel(cur, c_cols, c_rs, c_cs, base, b_cols, b_rs, b_cs, n, bitmap, starts, values, index,
-                    C_CONTIG: tl.constexpr, B_CONTIG: tl.constexpr, VALUES: tl.constexpr, INDEX: tl.constexpr,
-                    UPDATE: tl.constexpr, TILE: tl.constexpr):
-    i, hit, at, _ = _marked(bitmap, n, TILE)
-    v = tl.load(cur + _where(i, c_cols, c_rs, c_cs, C_CONTIG), mask=hit)
-    if UPDATE:
-        tl.store(base + _where(i, b_cols, b_rs, b_cs, B_CONTIG), v, mask=hit)
-    at += tl.load(starts + tl.program_id(0)) - tl.load(starts)
-    if VALUES:
-        tl.store(values + at, v, mask=hit)
-    if INDEX == 1:
-        tl.store(index + at, i.to(tl.int32), mask=hit)
-    if INDEX == 2:
-        tl.store(index + at, (i & 0xFFFF).to(tl.int32).to(tl.int16), mask=hit)
+def _compact_kernel(table, firsts, boxes, words, starts, blocks, VT: tl.constexpr, TILE: tl.constexpr,
+                    COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+    box, t = _box(firsts, boxes)
+    row = table + box * COLUMNS
+    n = tl.load(row + 10)
+    slot = tl.load(row + 11)
+    i, left = _tile(t, n, TILE)
+    word = _words(words + slot * (TILE // 32), t, left, TILE)
+    hit, at = _marked(word)
+    v = tl.load(_ptr(row, 0, VT) + _where(row, 1, i), mask=hit)
+    if tl.load(row + 15) != 0:
+        tl.store(_ptr(row, 5, VT) + _where(row, 6, i), v, mask=hit)
+    at += tl.load(starts + slot + t) - tl.load(starts + slot)
+    if tl.load(row + 12) != 0:
+        tl.store(_ptr(row, 12, VT) + at, v, mask=hit)
+    kind = tl.load(row + 14)
+    if kind == 1:
+        tl.store(_ptr(row, 13, tl.int32) + at, i.to(tl.int32), mask=hit)
+    if kind == 2:
+        tl.store(_ptr(row, 13, tl.int16) + at, (i & 0xFFFF).to(tl.int32).to(tl.int16), mask=hit)
+    if tl.load(row + 16) != 0:
+        tl.store(_ptr(row, 16, tl.int32) + t * (TILE // 32) + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True),
+                 mask=left > 0)
+    if (tl.load(row + 17) != 0) & (t % (BLOCK // TILE) == 0):
+        tl.store(_ptr(row, 17, tl.int32) + t // (BLOCK // TILE), tl.load(blocks + (slot + t) // (BLOCK // TILE)))
 
 
 @triton.jit
-def _popcount_kernel(bitmap, n, counts, flags, slot, TILE: tl.constexpr):
-    """Tile counts; flags the box when a bit between `n` and the bitmap's last whole byte is set."""
-    _, _, _, count = _marked(bitmap, n, TILE)
-    tl.store(counts + tl.program_id(0), count)
-    _, left = _tile(n, TILE)
-    word = tl.load(bitmap + tl.program_id(0).to(tl.int64) * (TILE // 32) + tl.arange(0, TILE // 32),
-                   mask=left > 0, other=0).to(tl.uint32, bitcast=True)
-    wire_bits = (n + 7) // 8 * 8 - (n - left)
-    stray = word & ~_low_bits(left) & _low_bits(wire_bits)
-    tl.atomic_max(flags + slot, tl.max((stray != 0).to(tl.int32), axis=0))
+def _bitmap_counts_kernel(table, firsts, boxes, counts, flags, TILE: tl.constexpr, COLUMNS: tl.constexpr):
+    box, t = _box(firsts, boxes)
+    row = table + box * COLUMNS
+    n = tl.load(row + 8)
+    _, left = _tile(t, n, TILE)
+    words = _ptr(row, 0, tl.int32)
+    tl.store(counts + tl.load(row + 11) + t, tl.sum(_popc(_words(words, t, left, TILE)).to(tl.int32), axis=0))
+    raw = tl.load(words + t * (TILE // 32) + tl.arange(0, TILE // 32), mask=left > 0, other=0).to(tl.uint32, bitcast=True)
+    wire_bits = left + ((n + 7) // 8 * 8 - n)
+    stray = raw & ~_low_bits(left) & _low_bits(wire_bits)
+    tl.atomic_max(flags + tl.load(row + 10), tl.max((stray != 0).to(tl.int32), axis=0))
 
 
 @triton.jit
-def _scan_kernel(counts, m, k, starts, flags, slot, LIMIT: tl.constexpr, CHUNK: tl.constexpr):
-    """One program: `starts` = exclusive prefix sums of `counts` (each clamped to 0..LIMIT);
-    flags the box when a count is out of range or they do not sum to `k`."""
+def _scan_kernel(table, counts, starts, flags, CHUNK: tl.constexpr, COLUMNS: tl.constexpr):
+    """One program per box: its `starts` = exclusive prefix sums of its counts (each clamped to
+    the box's limit); flags the box when a count is out of range or they do not sum to `k`."""
+    row = table + tl.program_id(0).to(tl.int64) * COLUMNS
+    m = tl.load(row + 12)
+    first = tl.load(row + 11)
+    limit = tl.load(row + 14).to(tl.int32)
+    if tl.load(row + 13) != 0:
+        source = _ptr(row, 13, tl.int32)
+    else:
+        source = counts + first
     carry = tl.zeros([], dtype=tl.int64)
     wrong = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, m, CHUNK):
         r = c0 + tl.arange(0, CHUNK)
-        x = tl.load(counts + r, mask=r < m, other=0)
-        wrong = wrong | tl.max(((x < 0) | (x > LIMIT)).to(tl.int32), axis=0)
-        x = tl.minimum(tl.maximum(x, 0), LIMIT).to(tl.int64)
-        tl.store(starts + r, carry + tl.cumsum(x, axis=0) - x, mask=r < m)
+        x = tl.load(source + r, mask=r < m, other=0)
+        wrong = wrong | tl.max(((x < 0) | (x > limit)).to(tl.int32), axis=0)
+        x = tl.minimum(tl.maximum(x, 0), limit).to(tl.int64)
+        tl.store(starts + first + r, carry + tl.cumsum(x, axis=0) - x, mask=r < m)
         carry += tl.sum(x, axis=0)
-    tl.atomic_max(flags + slot, wrong | (carry != k).to(tl.int32))
+    tl.atomic_max(flags + tl.load(row + 10), wrong | (carry != tl.load(row + 9)).to(tl.int32))
 
 
 @triton.jit
-def _expand_kernel(dest, d_cols, d_rs, d_cs, n, k, bitmap, starts, values, D_CONTIG: tl.constexpr,
-                   TILE: tl.constexpr):
-    i, hit, at, _ = _marked(bitmap, n, TILE)
-    at += tl.load(starts + tl.program_id(0))
-    hit = hit & (at < k)
-    v = tl.load(values + at, mask=hit)
-    tl.store(dest + _where(i, d_cols, d_rs, d_cs, D_CONTIG), v, mask=hit)
+def _expand_kernel(table, firsts, boxes, starts, VT: tl.constexpr, TILE: tl.constexpr, COLUMNS: tl.constexpr):
+    box, t = _box(firsts, boxes)
+    row = table + box * COLUMNS
+    n = tl.load(row + 8)
+    i, left = _tile(t, n, TILE)
+    hit, at = _marked(_words(_ptr(row, 0, tl.int32), t, left, TILE))
+    at += tl.load(starts + tl.load(row + 11) + t)
+    hit = hit & (at < tl.load(row + 9))
+    v = tl.load(_ptr(row, 2, VT) + at, mask=hit)
+    tl.store(_ptr(row, 3, VT) + _where(row, 4, i), v, mask=hit)
 
 
 @triton.jit
-def _block_entries(counts, starts, offsets, k, j, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Entries `j .. j + CHUNK` of this program's wire block: (payload positions, mask, in-block
+def _block_entries(row, b, starts, j, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Entries `j .. j + CHUNK` of wire block `b` of a box: (payload positions, mask, in-block
     offsets, the offsets one entry earlier or -1)."""
-    b = tl.program_id(0).to(tl.int64)
-    count = tl.minimum(tl.maximum(tl.load(counts + b), 0), BLOCK)
+    count = tl.minimum(tl.maximum(tl.load(_ptr(row, 13, tl.int32) + b), 0), BLOCK)
     r = j + tl.arange(0, CHUNK)
-    at = tl.load(starts + b) + r
-    ok = (r < count) & (at < k)
+    at = tl.load(starts + tl.load(row + 11) + b) + r
+    ok = (r < count) & (at < tl.load(row + 9))
+    offsets = _ptr(row, 1, tl.int16)
     off = tl.load(offsets + at, mask=ok, other=0).to(tl.int32) & 0xFFFF
     before = tl.load(offsets + at - 1, mask=ok & (r > 0), other=-1).to(tl.int32)
-    before = tl.where(r > 0, before & 0xFFFF, -1)
-    return at, ok, off, before
+    return at, ok, off, tl.where(r > 0, before & 0xFFFF, -1)
 
 
 @triton.jit
-def _blocked_check_kernel(counts, starts, offsets, n, k, flags, slot, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+def _block_count(row, b, BLOCK: tl.constexpr):
+    return tl.minimum(tl.maximum(tl.load(_ptr(row, 13, tl.int32) + b), 0), BLOCK)
+
+
+@triton.jit
+def _blocked_check_kernel(table, firsts, boxes, starts, flags, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                          COLUMNS: tl.constexpr):
+    box, b = _box(firsts, boxes)
+    row = table + box * COLUMNS
+    n = tl.load(row + 8)
     wrong = tl.zeros([], dtype=tl.int32)
-    for j in range(0, tl.minimum(tl.maximum(tl.load(counts + b), 0), BLOCK), CHUNK):
-        at, ok, off, before = _block_entries(counts, starts, offsets, k, j, CHUNK, BLOCK)
-        outside = ok & ((off <= before) | (b * BLOCK + off >= n))
-        wrong = wrong | tl.max(outside.to(tl.int32), axis=0)
-    tl.atomic_max(flags + slot, wrong)
+    for j in range(0, _block_count(row, b, BLOCK), CHUNK):
+        _, ok, off, before = _block_entries(row, b, starts, j, CHUNK, BLOCK)
+        wrong = wrong | tl.max((ok & ((off <= before) | (b * BLOCK + off >= n))).to(tl.int32), axis=0)
+    tl.atomic_max(flags + tl.load(row + 10), wrong)
 
 
 @triton.jit
-def _blocked_apply_kernel(dest, d_cols, d_rs, d_cs, counts, starts, offsets, values, k, D_CONTIG: tl.constexpr,
-                          CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    for j in range(0, tl.minimum(tl.maximum(tl.load(counts + b), 0), BLOCK), CHUNK):
-        at, ok, off, _ = _block_entries(counts, starts, offsets, k, j, CHUNK, BLOCK)
-        v = tl.load(values + at, mask=ok)
-        tl.store(dest + _where(b * BLOCK + off, d_cols, d_rs, d_cs, D_CONTIG), v, mask=ok)
+def _blocked_apply_kernel(table, firsts, boxes, starts, VT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                          COLUMNS: tl.constexpr):
+    box, b = _box(firsts, boxes)
+    row = table + box * COLUMNS
+    for j in range(0, _block_count(row, b, BLOCK), CHUNK):
+        at, ok, off, _ = _block_entries(row, b, starts, j, CHUNK, BLOCK)
+        v = tl.load(_ptr(row, 2, VT) + at, mask=ok)
+        tl.store(_ptr(row, 3, VT) + _where(row, 4, b * BLOCK + off), v, mask=ok)
 
 
-def tiles(n: int) -> int:
-    return -(-n // TILE)
+def diff(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, width: int, words: torch.Tensor,
+         counts: torch.Tensor) -> None:
+    """For each `SEND_*` row (elements of `width` bytes): its bitmap words and tile counts, at its
+    slot of `words` / `counts`; bits past `n` are zero."""
+    _diff_kernel[(total,)](table, firsts, boxes, words, counts, VT=BITS[width], TILE=TILE, COLUMNS=SEND_COLUMNS)
 
 
-def diff(cur: Strided2D, base: Strided2D, n: int, bitmap: torch.Tensor, counts: torch.Tensor) -> None:
-    """`bitmap` (int32 words, `tiles(n) * TILE // 32`) and `counts` (`tiles(n)` int32) of the
-    elements whose bits differ; bits past `n` are zero."""
-    _diff_kernel[(tiles(n),)](*cur.args(), *base.args(), n, bitmap, counts, C_CONTIG=cur.contiguous,
-                              B_CONTIG=base.contiguous, TILE=TILE)
+def compact(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, width: int, words: torch.Tensor,
+            starts: torch.Tensor, blocks: torch.Tensor) -> None:
+    """For each `SEND_*` row: the marked elements at their positions (`starts` of its slot, made
+    relative to its first tile), their indices, the wire bitmap and wire block counts, and the
+    baseline update, as its payload columns ask."""
+    _compact_kernel[(total,)](table, firsts, boxes, words, starts, blocks, VT=BITS[width], TILE=TILE,
+                              COLUMNS=SEND_COLUMNS, BLOCK=BLOCK)
 
 
-def compact(cur: Strided2D, base: Strided2D | None, n: int, bitmap: torch.Tensor, starts: torch.Tensor,
-            values: torch.Tensor | None, index: torch.Tensor | None, index_kind: int) -> None:
-    """Write the marked elements of `cur` at their tile's start (`starts[t] - starts[0]`) into
-    `values` (if given) and their indices (`index_kind`) into `index`, and into `base` where
-    `base` is given."""
-    dummy = starts
-    _compact_kernel[(tiles(n),)](*cur.args(), *(base.args() if base else (dummy, 1, 1, 1)), n, bitmap, starts,
-                                 dummy if values is None else values, dummy if index is None else index,
-                                 C_CONTIG=cur.contiguous, B_CONTIG=base is None or base.contiguous,
-                                 VALUES=values is not None, INDEX=index_kind, UPDATE=base is not None, TILE=TILE)
+def bitmap_counts(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, counts: torch.Tensor,
+                  flags: torch.Tensor) -> None:
+    """Tile counts of each received bitmap (`RECV_*` rows) at its `first` in `counts`; flags stray bits."""
+    _bitmap_counts_kernel[(total,)](table, firsts, boxes, counts, flags, TILE=TILE, COLUMNS=RECV_COLUMNS)
 
 
-def bitmap_check(bitmap: torch.Tensor, n: int, k: int, counts: torch.Tensor, starts: torch.Tensor,
-                 flags: torch.Tensor, slot: int) -> None:
-    """Tile counts and starts of a received bitmap (int32 words); `flags[slot]` set when it has
-    stray bits or does not mark exactly `k` elements."""
-    _popcount_kernel[(tiles(n),)](bitmap, n, counts, flags, slot, TILE=TILE)
-    _scan_kernel[(1,)](counts, counts.numel(), k, starts, flags, slot, LIMIT=TILE, CHUNK=CHUNK)
+def scan(table: torch.Tensor, boxes: int, counts: torch.Tensor, starts: torch.Tensor, flags: torch.Tensor) -> None:
+    """Starts from each row's counts (its `counts` column, or `counts` at its `first`)."""
+    _scan_kernel[(boxes,)](table, counts, starts, flags, CHUNK=CHUNK, COLUMNS=RECV_COLUMNS)
 
 
-def expand(dest: Strided2D, n: int, k: int, bitmap: torch.Tensor, starts: torch.Tensor, values: torch.Tensor) -> None:
-    """Write `values` into the marked elements of `dest`, in order."""
-    _expand_kernel[(tiles(n),)](*dest.args(), n, k, bitmap, starts, values, D_CONTIG=dest.contiguous, TILE=TILE)
+def expand(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, width: int, starts: torch.Tensor) -> None:
+    """Write each validated bitmap row's values into its marked elements, in order."""
+    _expand_kernel[(total,)](table, firsts, boxes, starts, VT=BITS[width], TILE=TILE, COLUMNS=RECV_COLUMNS)
 
 
-def blocked_check(counts: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor, n: int, k: int,
-                  flags: torch.Tensor, slot: int) -> None:
-    """Starts of each wire block's run; `flags[slot]` set when a count is out of range, the
-    counts do not sum to `k`, or a block's offsets are not strictly increasing inside the box."""
-    _scan_kernel[(1,)](counts, counts.numel(), k, starts, flags, slot, LIMIT=BLOCK, CHUNK=CHUNK)
-    _blocked_check_kernel[(counts.numel(),)](counts, starts, offsets, n, k, flags, slot, CHUNK=CHUNK, BLOCK=BLOCK)
+def blocked_check(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, starts: torch.Tensor,
+                  flags: torch.Tensor) -> None:
+    """Flag blocked rows whose offsets are not strictly increasing inside the box."""
+    _blocked_check_kernel[(total,)](table, firsts, boxes, starts, flags, CHUNK=CHUNK, BLOCK=BLOCK,
+                                    COLUMNS=RECV_COLUMNS)
 
 
-def blocked_apply(dest: Strided2D, counts: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor,
-                  values: torch.Tensor, k: int) -> None:
-    """Write each wire block's values at its offsets (a validated payload)."""
-    _blocked_apply_kernel[(counts.numel(),)](*dest.args(), counts, starts, offsets, values, k,
-                                             D_CONTIG=dest.contiguous, CHUNK=CHUNK, BLOCK=BLOCK)
+def blocked_apply(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, width: int,
+                  starts: torch.Tensor) -> None:
+    """Write each validated blocked row's values at its offsets."""
+    _blocked_apply_kernel[(total,)](table, firsts, boxes, starts, VT=BITS[width], CHUNK=CHUNK, BLOCK=BLOCK,
+                                    COLUMNS=RECV_COLUMNS)
