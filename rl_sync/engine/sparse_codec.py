@@ -235,21 +235,27 @@ class _Fused:
     def __init__(self, cur, base, n: int, slot: int, shared: bool):
         self.cur, self.base, self.n, self.slot, self.shared = cur, base, n, slot, shared
 
-    def row(self, values: int = 0, index: int = 0, kind: int = 0, update: bool = False, bitmap: int = 0,
+    @property
+    def key(self) -> tuple[int, bool]:
+        """Which launch it joins: (element width, both boxes on the vectorized path)."""
+        return self.cur.bits.element_size(), self.cur.fast and self.base.fast
+
+    def row(self, values: int = 0, index: int = 0, kind: int = -1, update: bool = False, bitmap: int = 0,
             blocks: int = 0) -> list[int]:
-        """Its `sparse_triton.SEND_*` table row."""
+        """Its `sparse_triton.SEND_*` table row (`kind` -1: no values written)."""
         return [*self.cur.columns(), *self.base.columns(), self.n, self.slot, values, index, kind, int(update), bitmap,
                 blocks]
 
 
-def _launch_by_width(kernel, rows: dict[int, list[tuple[int, list[int]]]], device: torch.device, *args) -> None:
-    """One launch of `kernel(table, firsts, boxes, total, width, *args)` per element width of
-    `rows` (width -> [(programs, row)])."""
-    for width, group in rows.items():
+def _launch_by_key(kernel, rows: dict[tuple[int, bool], list[tuple[int, list[int]]]], device: torch.device,
+                   *args) -> None:
+    """One launch of `kernel(table, firsts, boxes, total, key, *args)` per key of `rows`
+    ((width, fast) -> [(programs, row)])."""
+    for key, group in rows.items():
         kernels = _kernels()
         firsts, total = kernels.programs([p for p, _ in group], device)
         if total:
-            kernel(kernels.upload([r for _, r in group], device), firsts, len(group), total, width, *args)
+            kernel(kernels.upload([r for _, r in group], device), firsts, len(group), total, key, *args)
 
 
 class BucketChanges:
@@ -289,11 +295,11 @@ class BucketChanges:
         rows: dict[int, list[tuple[int, list[int]]]] = {}
         for i, t0 in zip(on, slot[:-1].tolist()):
             box = self._boxes[i] = _Fused(*fused[i], self.pairs[i][0].numel(), t0, self._shared[i])
-            rows.setdefault(self.pairs[i][0].element_size(), []).append((kernels.tiles(box.n), box.row()))
+            rows.setdefault(box.key, []).append((kernels.tiles(box.n), box.row()))
         firsts = kernels.upload(slot[:-1] // per_block, device)
         self._tiles = torch.zeros(int(slot[-1]), dtype=torch.int32, device=device)
         self._words = torch.empty(int(slot[-1]) * kernels.WORDS, dtype=torch.int32, device=device)
-        _launch_by_width(kernels.diff, rows, device, self._words, self._tiles)
+        _launch_by_key(kernels.diff, rows, device, self._words, self._tiles)
         self._blocks = self._tiles.view(-1, per_block).sum(1, dtype=torch.int32)
         ends = torch.cumsum(self._blocks, 0)
         box_ends = torch.cat([ends[firsts[1:] - 1], ends[-1:]])
@@ -313,37 +319,37 @@ class BucketChanges:
             out[: cur.element_size() * cur.numel()].view(cur.dtype).copy_(cur.reshape(-1))
             self._add(box, update=not box.shared)
             return
-        n = box.n
+        n, bits, offset = box.n, as_bits(cur).dtype, _kernels().element_offset
         if code == BITMAP:
             head = -(-n // 8)
-            row = dict(values=out[_up(head) :], bitmap=out)
+            row = dict(values=offset(out[_up(head) :].view(bits)), kind=0, bitmap=out.data_ptr())
         elif code == INDICES:
             head = 0
-            row = dict(values=out[_up(4 * k) :], index=out, kind=1)
+            row = dict(values=offset(out[_up(4 * k) :].view(bits)), index=out.data_ptr(), kind=1)
         else:
             head = 4 * -(-n // BLOCK)
-            row = dict(values=out[_up(head) + _up(2 * k) :], index=out[_up(head) :], kind=2, blocks=out)
+            row = dict(values=offset(out[_up(head) + _up(2 * k) :].view(bits)), index=out[_up(head) :].data_ptr(),
+                       kind=2, blocks=out.data_ptr())
         if not k:
             out[:head].zero_()
             return
-        self._add(box, update=not box.shared, **{name: t.data_ptr() if isinstance(t, torch.Tensor) else t
-                                                 for name, t in row.items()})
+        self._add(box, update=not box.shared, **row)
 
     def _add(self, box: _Fused, **row) -> None:
-        if row.get("values") or row.get("update"):
-            self._rows.setdefault(box.cur.bits.element_size(), []).append((_kernels().tiles(box.n), box.row(**row)))
+        if row.get("kind", -1) >= 0 or row.get("update"):
+            self._rows.setdefault(box.key, []).append((_kernels().tiles(box.n), box.row(**row)))
 
     def finish(self) -> None:
         """Complete every encoding and make every box's baseline what was sent."""
         kernels = _kernels()
         if self._rows:
-            _launch_by_width(kernels.compact, self._rows, self.device, self._words, self._starts, self._blocks)
+            _launch_by_key(kernels.compact, self._rows, self.device, self._words, self._starts, self._blocks)
         shared = {}
         for i, box in enumerate(self._boxes):
             if isinstance(box, _Fused) and box.shared and self.counts[i]:
-                shared.setdefault(box.cur.bits.element_size(), []).append((kernels.tiles(box.n), box.row(update=True)))
+                shared.setdefault(box.key, []).append((kernels.tiles(box.n), box.row(update=True)))
         if shared:
-            _launch_by_width(kernels.compact, shared, self.device, self._words, self._starts, self._blocks)
+            _launch_by_key(kernels.compact, shared, self.device, self._words, self._starts, self._blocks)
         for i, ((cur, base), box) in enumerate(zip(self.pairs, self._boxes)):
             if isinstance(box, Changes):
                 _advance(base, cur, self._codes[i], box, self._values[i])
@@ -389,26 +395,26 @@ class BucketReceiver:
             self._writes.append(lambda: apply(code, view, index, values))
             return
         kernels = _kernels()
-        size = dtype.itemsize
+        bits = as_bits(view).dtype
         if code == BITMAP:
             head, m = _up(-(-n // 8)), kernels.tiles(n)
-            payload = [block.data_ptr(), 0, block[head:].data_ptr()]
+            payload = [block.data_ptr(), 0, kernels.element_offset(block[head:].view(bits))]
             counts, limit = 0, kernels.TILE
         else:
             head, m = _up(4 * -(-n // BLOCK)), -(-n // BLOCK)
-            payload = [0, block[head:].data_ptr(), block[head + _up(2 * k) :].data_ptr()]
+            payload = [0, block[head:].data_ptr(), kernels.element_offset(block[head + _up(2 * k) :].view(bits))]
             counts, limit = block.data_ptr(), BLOCK
         row = [*payload, *dest.columns(), n, k, slot, self._entries, m, counts, limit]
-        self._rows.append((code, size, m, row))
+        self._rows.append((code, (dtype.itemsize, dest.fast), m, row))
         self._entries += m
 
-    def _launch(self, kernel, code: int, *args, width: int | None = None) -> None:
-        """`kernel` over the rows of `code` (and `width`): the others get no programs."""
+    def _launch(self, kernel, code: int, *args, key: tuple[int, bool] | None = None) -> None:
+        """`kernel` over the rows of `code` (and `key`): the others get no programs."""
         kernels = _kernels()
-        firsts, total = kernels.programs([m if c == code and width in (None, w) else 0 for c, w, m, _ in self._rows],
+        firsts, total = kernels.programs([m if c == code and key in (None, k) else 0 for c, k, m, _ in self._rows],
                                          self.device)
         if total:
-            kernel(self._table, firsts, len(self._rows), total, *([width] if width else []), *args)
+            kernel(self._table, firsts, len(self._rows), total, *([key] if key else []), *args)
 
     def bad(self) -> list[int]:
         if self._rows:
@@ -423,8 +429,8 @@ class BucketReceiver:
 
     def write(self) -> None:
         kernels = _kernels()
-        for width in sorted({w for _, w, _, _ in self._rows}):
-            self._launch(kernels.expand, BITMAP, self._starts, width=width)
-            self._launch(kernels.blocked_apply, BLOCKED, self._starts, width=width)
+        for key in sorted({k for _, k, _, _ in self._rows}):
+            self._launch(kernels.expand, BITMAP, self._starts, key=key)
+            self._launch(kernels.blocked_apply, BLOCKED, self._starts, key=key)
         for write in self._writes:
             write()

@@ -54,6 +54,7 @@ SEND_COLUMNS = 18
  RECV_K, RECV_FLAG, RECV_FIRST, RECV_M, RECV_COUNTS, RECV_LIMIT) = range(15)
 RECV_COLUMNS = 15
 BITS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+BITS_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,34 @@ class Strided2D:
     def contiguous(self) -> bool:
         return self.col_stride == 1 and self.row_stride == self.cols
 
+    @property
+    def fast(self) -> bool:
+        """Contiguous and 16-byte aligned: the kernels' vectorized path."""
+        return self.contiguous and self.bits.data_ptr() % 16 == 0
+
     def columns(self) -> list[int]:
-        """(address, cols, row stride, col stride, contiguous) as table columns."""
-        return [self.bits.data_ptr(), self.cols, self.row_stride, self.col_stride, int(self.contiguous)]
+        """(start in elements from its width's anchor, cols, row stride, col stride, contiguous)
+        as table columns."""
+        return [element_offset(self.bits), self.cols, self.row_stride, self.col_stride, int(self.contiguous)]
+
+
+_ANCHORS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def anchor(device: torch.device, width: int) -> torch.Tensor:
+    """The tensor the kernels address every element of `width` bytes on `device` from (one
+    element, kept): a table holds element offsets from it, so a launch knows its pointers'
+    alignment."""
+    key = (device, width)
+    if key not in _ANCHORS:
+        _ANCHORS[key] = torch.empty(1, dtype=BITS_TORCH[width], device=device)
+    return _ANCHORS[key]
+
+
+def element_offset(t: torch.Tensor) -> int:
+    """Where `t` starts, in its elements from its width's anchor."""
+    width = t.element_size()
+    return (t.data_ptr() - anchor(t.device, width).data_ptr()) // width
 
 
 def as_2d(view: torch.Tensor, bits: torch.Tensor) -> Strided2D | None:
@@ -132,15 +158,19 @@ def _ptr(row, column, VT: tl.constexpr):
 
 
 @triton.jit
-def _where(row, first, i):
-    """Element offsets of flat indices `i` in the box whose (cols, row stride, col stride,
-    contiguous) columns start at `first`."""
-    if tl.load(row + first + 3) != 0:
+def _at(row, first, i, anchor, FAST: tl.constexpr, ALIGN: tl.constexpr):
+    """Pointers to flat indices `i` of the box whose (start, cols, row stride, col stride,
+    contiguous) columns start at `first`; FAST: every box of the launch is contiguous and
+    16-byte aligned (`ALIGN` elements), so loads vectorize."""
+    start = tl.load(row + first)
+    if FAST:
+        return anchor + tl.multiple_of(start, ALIGN) + i
+    if tl.load(row + first + 4) != 0:
         offsets = i
     else:
-        cols = tl.load(row + first)
-        offsets = (i // cols) * tl.load(row + first + 1) + (i % cols) * tl.load(row + first + 2)
-    return offsets
+        cols = tl.load(row + first + 1)
+        offsets = (i // cols) * tl.load(row + first + 2) + (i % cols) * tl.load(row + first + 3)
+    return anchor + start + offsets
 
 
 @triton.jit
@@ -185,14 +215,15 @@ def _marked(word):
 
 
 @triton.jit
-def _diff_kernel(table, firsts, boxes, words, counts, VT: tl.constexpr, TILE: tl.constexpr, COLUMNS: tl.constexpr):
+def _diff_kernel(table, firsts, boxes, words, counts, anchor, FAST: tl.constexpr, ALIGN: tl.constexpr,
+                 TILE: tl.constexpr, COLUMNS: tl.constexpr):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + 10)
     i, _ = _tile(t, n, TILE)
     inside = i < n
-    a = tl.load(_ptr(row, 0, VT) + _where(row, 1, i), mask=inside, other=0)
-    b = tl.load(_ptr(row, 5, VT) + _where(row, 6, i), mask=inside, other=0)
+    a = tl.load(_at(row, 0, i, anchor, FAST, ALIGN), mask=inside, other=0)
+    b = tl.load(_at(row, 5, i, anchor, FAST, ALIGN), mask=inside, other=0)
     differ = (a != b) & inside
     word = tl.sum(differ.to(tl.uint32) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)
     slot = tl.load(row + 11) + t
@@ -201,8 +232,8 @@ def _diff_kernel(table, firsts, boxes, words, counts, VT: tl.constexpr, TILE: tl
 
 
 @triton.jit
-def _compact_kernel(table, firsts, boxes, words, starts, blocks, VT: tl.constexpr, TILE: tl.constexpr,
-                    COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+def _compact_kernel(table, firsts, boxes, words, starts, blocks, anchor, FAST: tl.constexpr, ALIGN: tl.constexpr,
+                    TILE: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + 10)
@@ -210,12 +241,12 @@ def _compact_kernel(table, firsts, boxes, words, starts, blocks, VT: tl.constexp
     i, left = _tile(t, n, TILE)
     word = _words(words + slot * (TILE // 32), t, left, TILE)
     hit, at = _marked(word)
-    v = tl.load(_ptr(row, 0, VT) + _where(row, 1, i), mask=hit)
+    v = tl.load(_at(row, 0, i, anchor, FAST, ALIGN), mask=hit)
     if tl.load(row + 15) != 0:
-        tl.store(_ptr(row, 5, VT) + _where(row, 6, i), v, mask=hit)
+        tl.store(_at(row, 5, i, anchor, FAST, ALIGN), v, mask=hit)
     at += tl.load(starts + slot + t) - tl.load(starts + slot)
-    if tl.load(row + 12) != 0:
-        tl.store(_ptr(row, 12, VT) + at, v, mask=hit)
+    if tl.load(row + 14) >= 0:
+        tl.store(anchor + tl.load(row + 12) + at, v, mask=hit)
     kind = tl.load(row + 14)
     if kind == 1:
         tl.store(_ptr(row, 13, tl.int32) + at, i.to(tl.int32), mask=hit)
@@ -267,7 +298,8 @@ def _scan_kernel(table, counts, starts, flags, CHUNK: tl.constexpr, COLUMNS: tl.
 
 
 @triton.jit
-def _expand_kernel(table, firsts, boxes, starts, VT: tl.constexpr, TILE: tl.constexpr, COLUMNS: tl.constexpr):
+def _expand_kernel(table, firsts, boxes, starts, anchor, FAST: tl.constexpr, ALIGN: tl.constexpr, TILE: tl.constexpr,
+                   COLUMNS: tl.constexpr):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + 8)
@@ -275,8 +307,8 @@ def _expand_kernel(table, firsts, boxes, starts, VT: tl.constexpr, TILE: tl.cons
     hit, at = _marked(_words(_ptr(row, 0, tl.int32), t, left, TILE))
     at += tl.load(starts + tl.load(row + 11) + t)
     hit = hit & (at < tl.load(row + 9))
-    v = tl.load(_ptr(row, 2, VT) + at, mask=hit)
-    tl.store(_ptr(row, 3, VT) + _where(row, 4, i), v, mask=hit)
+    v = tl.load(anchor + tl.load(row + 2) + at, mask=hit)
+    tl.store(_at(row, 3, i, anchor, FAST, ALIGN), v, mask=hit)
 
 
 @triton.jit
@@ -312,29 +344,35 @@ def _blocked_check_kernel(table, firsts, boxes, starts, flags, CHUNK: tl.constex
 
 
 @triton.jit
-def _blocked_apply_kernel(table, firsts, boxes, starts, VT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                          COLUMNS: tl.constexpr):
+def _blocked_apply_kernel(table, firsts, boxes, starts, anchor, FAST: tl.constexpr, ALIGN: tl.constexpr,
+                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, COLUMNS: tl.constexpr):
     box, b = _box(firsts, boxes)
     row = table + box * COLUMNS
     for j in range(0, _block_count(row, b, BLOCK), CHUNK):
         at, ok, off, _ = _block_entries(row, b, starts, j, CHUNK, BLOCK)
-        v = tl.load(_ptr(row, 2, VT) + at, mask=ok)
-        tl.store(_ptr(row, 3, VT) + _where(row, 4, b * BLOCK + off), v, mask=ok)
+        v = tl.load(anchor + tl.load(row + 2) + at, mask=ok)
+        tl.store(_at(row, 3, b * BLOCK + off, anchor, False, ALIGN), v, mask=ok)
 
 
-def diff(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, width: int, words: torch.Tensor,
-         counts: torch.Tensor) -> None:
-    """For each `SEND_*` row (elements of `width` bytes): its bitmap words and tile counts, at its
-    slot of `words` / `counts`; bits past `n` are zero."""
-    _diff_kernel[(total,)](table, firsts, boxes, words, counts, VT=BITS[width], TILE=TILE, COLUMNS=SEND_COLUMNS)
+def _fast(width: int, fast: bool, device: torch.device) -> dict:
+    return dict(anchor=anchor(device, width), FAST=fast, ALIGN=16 // width)
 
 
-def compact(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, width: int, words: torch.Tensor,
-            starts: torch.Tensor, blocks: torch.Tensor) -> None:
+def diff(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool],
+         words: torch.Tensor, counts: torch.Tensor) -> None:
+    """For each `SEND_*` row (elements of `key`'s width; `key`'s flag: every box `fast`): its
+    bitmap words and tile counts, at its slot of `words` / `counts`; bits past `n` are zero."""
+    _diff_kernel[(total,)](table, firsts, boxes, words, counts, **_fast(*key, words.device), TILE=TILE,
+                           COLUMNS=SEND_COLUMNS)
+
+
+def compact(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool],
+            words: torch.Tensor, starts: torch.Tensor, blocks: torch.Tensor) -> None:
     """For each `SEND_*` row: the marked elements at their positions (`starts` of its slot, made
     relative to its first tile), their indices, the wire bitmap and wire block counts, and the
-    baseline update, as its payload columns ask."""
-    _compact_kernel[(total,)](table, firsts, boxes, words, starts, blocks, VT=BITS[width], TILE=TILE,
+    baseline update, as its payload columns ask (values at element offset `SEND_VALUES` unless
+    `SEND_INDEX_KIND` is -1)."""
+    _compact_kernel[(total,)](table, firsts, boxes, words, starts, blocks, **_fast(*key, words.device), TILE=TILE,
                               COLUMNS=SEND_COLUMNS, BLOCK=BLOCK)
 
 
@@ -349,9 +387,11 @@ def scan(table: torch.Tensor, boxes: int, counts: torch.Tensor, starts: torch.Te
     _scan_kernel[(boxes,)](table, counts, starts, flags, CHUNK=CHUNK, COLUMNS=RECV_COLUMNS)
 
 
-def expand(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, width: int, starts: torch.Tensor) -> None:
+def expand(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool],
+           starts: torch.Tensor) -> None:
     """Write each validated bitmap row's values into its marked elements, in order."""
-    _expand_kernel[(total,)](table, firsts, boxes, starts, VT=BITS[width], TILE=TILE, COLUMNS=RECV_COLUMNS)
+    _expand_kernel[(total,)](table, firsts, boxes, starts, **_fast(*key, starts.device), TILE=TILE,
+                             COLUMNS=RECV_COLUMNS)
 
 
 def blocked_check(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, starts: torch.Tensor,
@@ -361,8 +401,8 @@ def blocked_check(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: 
                                     COLUMNS=RECV_COLUMNS)
 
 
-def blocked_apply(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, width: int,
+def blocked_apply(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool],
                   starts: torch.Tensor) -> None:
     """Write each validated blocked row's values at its offsets."""
-    _blocked_apply_kernel[(total,)](table, firsts, boxes, starts, VT=BITS[width], CHUNK=CHUNK, BLOCK=BLOCK,
-                                    COLUMNS=RECV_COLUMNS)
+    _blocked_apply_kernel[(total,)](table, firsts, boxes, starts, **_fast(*key, starts.device), CHUNK=CHUNK,
+                                    BLOCK=BLOCK, COLUMNS=RECV_COLUMNS)

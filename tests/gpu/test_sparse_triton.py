@@ -94,11 +94,11 @@ def test_a_bucket_of_overlapping_boxes_diffs_each_against_the_old_baseline():
     refs = [_reference(code, c, b) for code, (c, b) in zip([BLOCKED, BITMAP, INDICES, DENSE], views)]
     found = sparse_codec.BucketChanges(views, boxes)
     assert found.counts == [k for k, _ in refs]
-    for i, (code, (_, ref)) in enumerate(zip([BLOCKED, BITMAP, INDICES, DENSE], refs)):
-        payload = torch.zeros_like(ref)
+    payloads = [torch.zeros_like(ref) for _, ref in refs]
+    for i, (code, payload) in enumerate(zip([BLOCKED, BITMAP, INDICES, DENSE], payloads)):
         found.encode(i, code, payload)
-        assert torch.equal(payload, ref), i
     found.finish()
+    assert all(torch.equal(payload, ref) for payload, (_, ref) in zip(payloads, refs))
     assert torch.equal(_bits(baseline), _bits(cur))
 
 
