@@ -280,7 +280,8 @@ class BucketChanges:
         self._values: list[torch.Tensor | None] = [None] * len(self.pairs)
         self._codes = [DENSE] * len(self.pairs)
         self._shared = [any(_overlap(a, b) for j, b in enumerate(boxes) if j != i) for i, a in enumerate(boxes)]
-        self._rows: dict[int, list[tuple[int, list[int]]]] = {}
+        self._rows: dict[tuple[int, bool], list[tuple[int, list[int]]]] = {}
+        self._payloads: list[torch.Tensor] = []  # the tables hold their addresses: kept until `finish`
         self.counts = self._find(fused)
 
     def _find(self, fused) -> list[int]:
@@ -333,6 +334,7 @@ class BucketChanges:
         if not k:
             out[:head].zero_()
             return
+        self._payloads.append(out)
         self._add(box, update=not box.shared, **row)
 
     def _add(self, box: _Fused, **row) -> None:
@@ -378,7 +380,8 @@ class BucketReceiver:
         self.device = device
         self.flags = torch.zeros(boxes, dtype=torch.int32, device=device)
         self._writes: list[Callable[[], None]] = []
-        self._rows: list[tuple[int, int, int, list[int]]] = []  # (code, width, programs, row)
+        self._rows: list[tuple[int, tuple[int, bool], int, list[int]]] = []  # (code, launch key, programs, row)
+        self._kept: list[torch.Tensor] = []  # the table holds their addresses
         self._entries = 0
 
     def add(self, slot: int, code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor,
@@ -405,6 +408,7 @@ class BucketReceiver:
             payload = [0, block[head:].data_ptr(), kernels.element_offset(block[head + _up(2 * k) :].view(bits))]
             counts, limit = block.data_ptr(), BLOCK
         row = [*payload, *dest.columns(), n, k, slot, self._entries, m, counts, limit]
+        self._kept += [block, view]
         self._rows.append((code, (dtype.itemsize, dest.fast), m, row))
         self._entries += m
 

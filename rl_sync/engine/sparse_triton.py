@@ -29,6 +29,7 @@ payload cannot make a kernel read out of bounds.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,7 @@ SEND_COLUMNS = 18
 (RECV_WORDS, RECV_OFFSETS, RECV_VALUES, RECV_DEST, RECV_D_COLS, RECV_D_RS, RECV_D_CS, RECV_D_CONTIG, RECV_N,
  RECV_K, RECV_FLAG, RECV_FIRST, RECV_M, RECV_COUNTS, RECV_LIMIT) = range(15)
 RECV_COLUMNS = 15
+HARDWARE_POPC = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 BITS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 BITS_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -158,24 +160,27 @@ def _ptr(row, column, VT: tl.constexpr):
 
 
 @triton.jit
-def _at(row, first, i, anchor, FAST: tl.constexpr, ALIGN: tl.constexpr):
-    """Pointers to flat indices `i` of the box whose (start, cols, row stride, col stride,
-    contiguous) columns start at `first`; FAST: every box of the launch is contiguous and
-    16-byte aligned (`ALIGN` elements), so loads vectorize."""
-    start = tl.load(row + first)
+def _at(row, first, start, local, anchor, FAST: tl.constexpr, ALIGN: tl.constexpr):
+    """Pointers to flat indices `start + local` (an int64 scalar, int32 offsets) of the box whose
+    (start, cols, row stride, col stride, contiguous) columns start at `first`; FAST: every box
+    of the launch is contiguous and 16-byte aligned (`ALIGN` elements), so loads vectorize."""
+    box = tl.load(row + first)
     if FAST:
-        return anchor + tl.multiple_of(start, ALIGN) + i
+        return anchor + tl.multiple_of(box, ALIGN) + start + local
+    i = start + local.to(tl.int64)
     if tl.load(row + first + 4) != 0:
         offsets = i
     else:
         cols = tl.load(row + first + 1)
         offsets = (i // cols) * tl.load(row + first + 2) + (i % cols) * tl.load(row + first + 3)
-    return anchor + start + offsets
+    return anchor + box + offsets
 
 
 @triton.jit
 def _popc(x):
-    """Set bits of each uint32."""
+    """Set bits of each uint32 (the GPU's popc; bit arithmetic under the interpreter)."""
+    if HARDWARE_POPC:
+        return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=tl.uint32, is_pure=True, pack=1)
     x = x - ((x >> 1) & 0x55555555)
     x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
     x = (x + (x >> 4)) & 0x0F0F0F0F
@@ -191,10 +196,11 @@ def _low_bits(count):
 
 @triton.jit
 def _tile(t, n, TILE: tl.constexpr):
-    """Tile `t`'s elements as a [TILE // 32, 32] grid of int64 flat indices (row w: bitmap word
-    w), and how many elements of each word are below `n`."""
-    first = t * TILE + tl.arange(0, TILE // 32).to(tl.int64) * 32
-    return first[:, None] + tl.arange(0, 32)[None, :], n - first
+    """Tile `t`: its first flat index (int64), its elements as a [TILE // 32, 32] grid of int32
+    offsets from there (row w: bitmap word w), and how many elements of each word are below `n`."""
+    start = t * TILE
+    words = tl.arange(0, TILE // 32) * 32
+    return start, words[:, None] + tl.arange(0, 32)[None, :], tl.minimum(n - start, TILE).to(tl.int32) - words
 
 
 @triton.jit
@@ -220,10 +226,10 @@ def _diff_kernel(table, firsts, boxes, words, counts, anchor, FAST: tl.constexpr
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + 10)
-    i, _ = _tile(t, n, TILE)
-    inside = i < n
-    a = tl.load(_at(row, 0, i, anchor, FAST, ALIGN), mask=inside, other=0)
-    b = tl.load(_at(row, 5, i, anchor, FAST, ALIGN), mask=inside, other=0)
+    start, local, _ = _tile(t, n, TILE)
+    inside = local < tl.minimum(n - start, TILE).to(tl.int32)
+    a = tl.load(_at(row, 0, start, local, anchor, FAST, ALIGN), mask=inside, other=0)
+    b = tl.load(_at(row, 5, start, local, anchor, FAST, ALIGN), mask=inside, other=0)
     differ = (a != b) & inside
     word = tl.sum(differ.to(tl.uint32) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)
     slot = tl.load(row + 11) + t
@@ -238,20 +244,20 @@ def _compact_kernel(table, firsts, boxes, words, starts, blocks, anchor, FAST: t
     row = table + box * COLUMNS
     n = tl.load(row + 10)
     slot = tl.load(row + 11)
-    i, left = _tile(t, n, TILE)
+    start, local, left = _tile(t, n, TILE)
     word = _words(words + slot * (TILE // 32), t, left, TILE)
     hit, at = _marked(word)
-    v = tl.load(_at(row, 0, i, anchor, FAST, ALIGN), mask=hit)
+    v = tl.load(_at(row, 0, start, local, anchor, FAST, ALIGN), mask=hit)
     if tl.load(row + 15) != 0:
-        tl.store(_at(row, 5, i, anchor, FAST, ALIGN), v, mask=hit)
+        tl.store(_at(row, 5, start, local, anchor, FAST, ALIGN), v, mask=hit)
     at += tl.load(starts + slot + t) - tl.load(starts + slot)
     if tl.load(row + 14) >= 0:
         tl.store(anchor + tl.load(row + 12) + at, v, mask=hit)
     kind = tl.load(row + 14)
     if kind == 1:
-        tl.store(_ptr(row, 13, tl.int32) + at, i.to(tl.int32), mask=hit)
+        tl.store(_ptr(row, 13, tl.int32) + at, start.to(tl.int32) + local, mask=hit)
     if kind == 2:
-        tl.store(_ptr(row, 13, tl.int16) + at, (i & 0xFFFF).to(tl.int32).to(tl.int16), mask=hit)
+        tl.store(_ptr(row, 13, tl.int16) + at, (((start % BLOCK).to(tl.int32) + local) & 0xFFFF).to(tl.int16), mask=hit)
     if tl.load(row + 16) != 0:
         tl.store(_ptr(row, 16, tl.int32) + t * (TILE // 32) + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True),
                  mask=left > 0)
@@ -264,7 +270,7 @@ def _bitmap_counts_kernel(table, firsts, boxes, counts, flags, TILE: tl.constexp
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + 8)
-    _, left = _tile(t, n, TILE)
+    _, _, left = _tile(t, n, TILE)
     words = _ptr(row, 0, tl.int32)
     tl.store(counts + tl.load(row + 11) + t, tl.sum(_popc(_words(words, t, left, TILE)).to(tl.int32), axis=0))
     raw = tl.load(words + t * (TILE // 32) + tl.arange(0, TILE // 32), mask=left > 0, other=0).to(tl.uint32, bitcast=True)
@@ -303,12 +309,12 @@ def _expand_kernel(table, firsts, boxes, starts, anchor, FAST: tl.constexpr, ALI
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + 8)
-    i, left = _tile(t, n, TILE)
+    start, local, left = _tile(t, n, TILE)
     hit, at = _marked(_words(_ptr(row, 0, tl.int32), t, left, TILE))
     at += tl.load(starts + tl.load(row + 11) + t)
     hit = hit & (at < tl.load(row + 9))
     v = tl.load(anchor + tl.load(row + 2) + at, mask=hit)
-    tl.store(_at(row, 3, i, anchor, FAST, ALIGN), v, mask=hit)
+    tl.store(_at(row, 3, start, local, anchor, FAST, ALIGN), v, mask=hit)
 
 
 @triton.jit
@@ -351,7 +357,7 @@ def _blocked_apply_kernel(table, firsts, boxes, starts, anchor, FAST: tl.constex
     for j in range(0, _block_count(row, b, BLOCK), CHUNK):
         at, ok, off, _ = _block_entries(row, b, starts, j, CHUNK, BLOCK)
         v = tl.load(anchor + tl.load(row + 2) + at, mask=ok)
-        tl.store(_at(row, 3, b * BLOCK + off, anchor, False, ALIGN), v, mask=ok)
+        tl.store(_at(row, 3, b * BLOCK, off, anchor, False, ALIGN), v, mask=ok)
 
 
 def _fast(width: int, fast: bool, device: torch.device) -> dict:
