@@ -234,6 +234,7 @@ class _Fused:
 
     def __init__(self, cur, base, n: int, slot: int, shared: bool):
         self.cur, self.base, self.n, self.slot, self.shared = cur, base, n, slot, shared
+        self._head = [*cur.columns(), *base.columns(), n, slot]
 
     @property
     def key(self) -> tuple[int, bool]:
@@ -243,8 +244,7 @@ class _Fused:
     def row(self, values: int = 0, index: int = 0, kind: int = -1, update: bool = False, bitmap: int = 0,
             blocks: int = 0) -> list[int]:
         """Its `sparse_triton.SEND_*` table row (`kind` -1: no values written)."""
-        return [*self.cur.columns(), *self.base.columns(), self.n, self.slot, values, index, kind, int(update), bitmap,
-                blocks]
+        return [*self._head, values, index, kind, int(update), bitmap, blocks]
 
 
 def _launch_by_key(kernel, rows: dict[tuple[int, bool], list[tuple[int, list[int]]]], device: torch.device,

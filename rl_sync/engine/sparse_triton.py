@@ -211,13 +211,20 @@ def _words(words, t, left, TILE: tl.constexpr):
 
 
 @triton.jit
-def _marked(word):
-    """(hits, positions among the tile's hits) of a tile's words."""
-    j = tl.arange(0, 32).to(tl.uint32)
-    hit = ((word[:, None] >> j[None, :]) & 1) != 0
+def _runs(word):
+    """(marks per word, each word's first position among the tile's marks, the most marks in
+    one word): the marks are visited one round per mark, lowest bit first, in every word at once."""
     per_word = _popc(word).to(tl.int32)
-    below = _popc(word[:, None] & ((tl.full([32], 1, tl.uint32) << j) - 1)[None, :]).to(tl.int32)
-    return hit, (tl.cumsum(per_word, axis=0) - per_word)[:, None] + below
+    return per_word, tl.cumsum(per_word, axis=0) - per_word, tl.max(per_word, axis=0)
+
+
+@triton.jit
+def _next_mark(word, WORDS: tl.constexpr):
+    """(whether each word still has a mark, the offset in the tile of its lowest mark, the word
+    without it)."""
+    lowest = word & (~word + 1)
+    offset = tl.arange(0, WORDS) * 32 + _popc(lowest - 1).to(tl.int32)
+    return word != 0, offset, word & (word - 1)
 
 
 @triton.jit
@@ -244,20 +251,26 @@ def _compact_kernel(table, firsts, boxes, words, starts, blocks, anchor, FAST: t
     row = table + box * COLUMNS
     n = tl.load(row + 10)
     slot = tl.load(row + 11)
-    start, local, left = _tile(t, n, TILE)
+    start, _, left = _tile(t, n, TILE)
     word = _words(words + slot * (TILE // 32), t, left, TILE)
-    hit, at = _marked(word)
-    v = tl.load(_at(row, 0, start, local, anchor, FAST, ALIGN), mask=hit)
-    if tl.load(row + 15) != 0:
-        tl.store(_at(row, 5, start, local, anchor, FAST, ALIGN), v, mask=hit)
-    at += tl.load(starts + slot + t) - tl.load(starts + slot)
-    if tl.load(row + 14) >= 0:
-        tl.store(anchor + tl.load(row + 12) + at, v, mask=hit)
+    _, first, rounds = _runs(word)
+    first += tl.load(starts + slot + t) - tl.load(starts + slot)
     kind = tl.load(row + 14)
-    if kind == 1:
-        tl.store(_ptr(row, 13, tl.int32) + at, start.to(tl.int32) + local, mask=hit)
-    if kind == 2:
-        tl.store(_ptr(row, 13, tl.int16) + at, (((start % BLOCK).to(tl.int32) + local) & 0xFFFF).to(tl.int16), mask=hit)
+    update = tl.load(row + 15) != 0
+    marks = word
+    for r in range(0, rounds):
+        hit, local, marks = _next_mark(marks, TILE // 32)
+        at = first + r
+        v = tl.load(_at(row, 0, start, local, anchor, FAST, ALIGN), mask=hit)
+        if update:
+            tl.store(_at(row, 5, start, local, anchor, FAST, ALIGN), v, mask=hit)
+        if kind >= 0:
+            tl.store(anchor + tl.load(row + 12) + at, v, mask=hit)
+        if kind == 1:
+            tl.store(_ptr(row, 13, tl.int32) + at, start.to(tl.int32) + local, mask=hit)
+        if kind == 2:
+            tl.store(_ptr(row, 13, tl.int16) + at, (((start % BLOCK).to(tl.int32) + local) & 0xFFFF).to(tl.int16),
+                     mask=hit)
     if tl.load(row + 16) != 0:
         tl.store(_ptr(row, 16, tl.int32) + t * (TILE // 32) + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True),
                  mask=left > 0)
@@ -309,12 +322,17 @@ def _expand_kernel(table, firsts, boxes, starts, anchor, FAST: tl.constexpr, ALI
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + 8)
-    start, local, left = _tile(t, n, TILE)
-    hit, at = _marked(_words(_ptr(row, 0, tl.int32), t, left, TILE))
-    at += tl.load(starts + tl.load(row + 11) + t)
-    hit = hit & (at < tl.load(row + 9))
-    v = tl.load(anchor + tl.load(row + 2) + at, mask=hit)
-    tl.store(_at(row, 3, start, local, anchor, FAST, ALIGN), v, mask=hit)
+    start, _, left = _tile(t, n, TILE)
+    marks = _words(_ptr(row, 0, tl.int32), t, left, TILE)
+    _, first, rounds = _runs(marks)
+    first += tl.load(starts + tl.load(row + 11) + t)
+    k = tl.load(row + 9)
+    values = anchor + tl.load(row + 2)
+    for r in range(0, rounds):
+        hit, local, marks = _next_mark(marks, TILE // 32)
+        hit = hit & (first + r < k)
+        v = tl.load(values + first + r, mask=hit)
+        tl.store(_at(row, 3, start, local, anchor, FAST, ALIGN), v, mask=hit)
 
 
 @triton.jit
