@@ -44,6 +44,9 @@ TILE = 4096
 WORDS = TILE // 32
 CHUNK = 1024
 """Entries per step of the per-block and scan kernels."""
+TUNING = {"rounds": 4, "warps": 4}
+"""compact / expand: tiles whose busiest word has at most `rounds` marks visit the marks one
+round per mark; busier tiles handle every element at once. `warps` per program."""
 NONE, INT32_INDEX, UINT16_OFFSET = 0, 1, 2
 """What `compact` writes beside the values."""
 
@@ -211,6 +214,18 @@ def _words(words, t, left, TILE: tl.constexpr):
 
 
 @triton.jit
+def _marked(word):
+    """(hits, offsets in the tile, positions among the tile's marks) of a tile's words, as
+    [words, 32] grids: every element at once."""
+    j = tl.arange(0, 32).to(tl.uint32)
+    hit = ((word[:, None] >> j[None, :]) & 1) != 0
+    per_word = _popc(word).to(tl.int32)
+    below = _popc(word[:, None] & ((tl.full([32], 1, tl.uint32) << j) - 1)[None, :]).to(tl.int32)
+    local = tl.arange(0, word.shape[0])[:, None] * 32 + tl.arange(0, 32)[None, :]
+    return hit, local, (tl.cumsum(per_word, axis=0) - per_word)[:, None] + below
+
+
+@triton.jit
 def _runs(word):
     """(marks per word, each word's first position among the tile's marks, the most marks in
     one word): the marks are visited one round per mark, lowest bit first, in every word at once."""
@@ -245,8 +260,24 @@ def _diff_kernel(table, firsts, boxes, words, counts, anchor, FAST: tl.constexpr
 
 
 @triton.jit
+def _emit(row, anchor, start, local, at, hit, kind, update, FAST: tl.constexpr, ALIGN: tl.constexpr,
+          BLOCK: tl.constexpr):
+    """Compact's writes for the marks `hit` at tile offsets `local`: value (and index) at `at`,
+    and the baseline when `update`."""
+    v = tl.load(_at(row, 0, start, local, anchor, FAST, ALIGN), mask=hit)
+    if update:
+        tl.store(_at(row, 5, start, local, anchor, FAST, ALIGN), v, mask=hit)
+    if kind >= 0:
+        tl.store(anchor + tl.load(row + 12) + at, v, mask=hit)
+    if kind == 1:
+        tl.store(_ptr(row, 13, tl.int32) + at, start.to(tl.int32) + local, mask=hit)
+    if kind == 2:
+        tl.store(_ptr(row, 13, tl.int16) + at, (((start % BLOCK).to(tl.int32) + local) & 0xFFFF).to(tl.int16), mask=hit)
+
+
+@triton.jit
 def _compact_kernel(table, firsts, boxes, words, starts, blocks, anchor, FAST: tl.constexpr, ALIGN: tl.constexpr,
-                    TILE: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+                    TILE: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr, ROUNDS: tl.constexpr):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + 10)
@@ -254,23 +285,17 @@ def _compact_kernel(table, firsts, boxes, words, starts, blocks, anchor, FAST: t
     start, _, left = _tile(t, n, TILE)
     word = _words(words + slot * (TILE // 32), t, left, TILE)
     _, first, rounds = _runs(word)
-    first += tl.load(starts + slot + t) - tl.load(starts + slot)
+    tile_start = tl.load(starts + slot + t) - tl.load(starts + slot)
     kind = tl.load(row + 14)
     update = tl.load(row + 15) != 0
-    marks = word
-    for r in range(0, rounds):
-        hit, local, marks = _next_mark(marks, TILE // 32)
-        at = first + r
-        v = tl.load(_at(row, 0, start, local, anchor, FAST, ALIGN), mask=hit)
-        if update:
-            tl.store(_at(row, 5, start, local, anchor, FAST, ALIGN), v, mask=hit)
-        if kind >= 0:
-            tl.store(anchor + tl.load(row + 12) + at, v, mask=hit)
-        if kind == 1:
-            tl.store(_ptr(row, 13, tl.int32) + at, start.to(tl.int32) + local, mask=hit)
-        if kind == 2:
-            tl.store(_ptr(row, 13, tl.int16) + at, (((start % BLOCK).to(tl.int32) + local) & 0xFFFF).to(tl.int16),
-                     mask=hit)
+    if rounds <= ROUNDS:
+        marks = word
+        for r in range(0, rounds):
+            hit, local, marks = _next_mark(marks, TILE // 32)
+            _emit(row, anchor, start, local, tile_start + first + r, hit, kind, update, FAST, ALIGN, BLOCK)
+    else:
+        hit, local, at = _marked(word)
+        _emit(row, anchor, start, local, tile_start + at, hit, kind, update, FAST, ALIGN, BLOCK)
     if tl.load(row + 16) != 0:
         tl.store(_ptr(row, 16, tl.int32) + t * (TILE // 32) + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True),
                  mask=left > 0)
@@ -318,7 +343,7 @@ def _scan_kernel(table, counts, starts, flags, CHUNK: tl.constexpr, COLUMNS: tl.
 
 @triton.jit
 def _expand_kernel(table, firsts, boxes, starts, anchor, FAST: tl.constexpr, ALIGN: tl.constexpr, TILE: tl.constexpr,
-                   COLUMNS: tl.constexpr):
+                   COLUMNS: tl.constexpr, ROUNDS: tl.constexpr):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + 8)
@@ -328,11 +353,16 @@ def _expand_kernel(table, firsts, boxes, starts, anchor, FAST: tl.constexpr, ALI
     first += tl.load(starts + tl.load(row + 11) + t)
     k = tl.load(row + 9)
     values = anchor + tl.load(row + 2)
-    for r in range(0, rounds):
-        hit, local, marks = _next_mark(marks, TILE // 32)
-        hit = hit & (first + r < k)
-        v = tl.load(values + first + r, mask=hit)
-        tl.store(_at(row, 3, start, local, anchor, FAST, ALIGN), v, mask=hit)
+    if rounds <= ROUNDS:
+        for r in range(0, rounds):
+            hit, local, marks = _next_mark(marks, TILE // 32)
+            hit = hit & (first + r < k)
+            tl.store(_at(row, 3, start, local, anchor, FAST, ALIGN), tl.load(values + first + r, mask=hit), mask=hit)
+    else:
+        hit, local, at = _marked(marks)
+        at += tl.load(starts + tl.load(row + 11) + t)
+        hit = hit & (at < k)
+        tl.store(_at(row, 3, start, local, anchor, FAST, ALIGN), tl.load(values + at, mask=hit), mask=hit)
 
 
 @triton.jit
@@ -397,7 +427,7 @@ def compact(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, k
     baseline update, as its payload columns ask (values at element offset `SEND_VALUES` unless
     `SEND_INDEX_KIND` is -1)."""
     _compact_kernel[(total,)](table, firsts, boxes, words, starts, blocks, **_fast(*key, words.device), TILE=TILE,
-                              COLUMNS=SEND_COLUMNS, BLOCK=BLOCK)
+                              COLUMNS=SEND_COLUMNS, BLOCK=BLOCK, ROUNDS=TUNING["rounds"], num_warps=TUNING["warps"])
 
 
 def bitmap_counts(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, counts: torch.Tensor,
@@ -415,7 +445,7 @@ def expand(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, ke
            starts: torch.Tensor) -> None:
     """Write each validated bitmap row's values into its marked elements, in order."""
     _expand_kernel[(total,)](table, firsts, boxes, starts, **_fast(*key, starts.device), TILE=TILE,
-                             COLUMNS=RECV_COLUMNS)
+                             COLUMNS=RECV_COLUMNS, ROUNDS=TUNING["rounds"], num_warps=TUNING["warps"])
 
 
 def blocked_check(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, starts: torch.Tensor,
