@@ -318,7 +318,8 @@ class BucketChanges:
         cur, k = self.pairs[i][0], self.counts[i]
         if code == DENSE:
             out[: cur.element_size() * cur.numel()].view(cur.dtype).copy_(cur.reshape(-1))
-            self._add(box, update=not box.shared)
+            if not box.shared:  # no other box reads this baseline: a whole copy now
+                self.pairs[i][1].copy_(cur)
             return
         n, bits, offset = box.n, as_bits(cur).dtype, _kernels().element_offset
         if code == BITMAP:
@@ -347,14 +348,15 @@ class BucketChanges:
         if self._rows:
             _launch_by_key(kernels.compact, self._rows, self.device, self._words, self._starts, self._blocks)
         shared = {}
-        for i, box in enumerate(self._boxes):
-            if isinstance(box, _Fused) and box.shared and self.counts[i]:
-                shared.setdefault(box.key, []).append((kernels.tiles(box.n), box.row(update=True)))
-        if shared:
-            _launch_by_key(kernels.compact, shared, self.device, self._words, self._starts, self._blocks)
         for i, ((cur, base), box) in enumerate(zip(self.pairs, self._boxes)):
             if isinstance(box, Changes):
                 _advance(base, cur, self._codes[i], box, self._values[i])
+            elif isinstance(box, _Fused) and box.shared and self._codes[i] == DENSE:
+                base.copy_(cur)
+            elif isinstance(box, _Fused) and box.shared and self.counts[i]:
+                shared.setdefault(box.key, []).append((kernels.tiles(box.n), box.row(update=True)))
+        if shared:
+            _launch_by_key(kernels.compact, shared, self.device, self._words, self._starts, self._blocks)
 
 
 def _advance(base: torch.Tensor, cur: torch.Tensor, code: int, changes: Changes, values: torch.Tensor | None) -> None:
