@@ -12,7 +12,7 @@ last sync, travels as whichever is smallest:
 * `DENSE`: all n values (bn bytes).
 
 Blocks inside a message start 16-byte aligned. Pure arithmetic: the torch side
-is `rl_sync.engine.sparse_codec`.
+is `rl_sync.engine.sparse_codec`, its CUDA kernels `rl_sync.engine.sparse_triton`.
 """
 
 from __future__ import annotations

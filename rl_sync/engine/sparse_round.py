@@ -4,9 +4,12 @@ Per bucket, in two grouped exchanges: first every message's header (per
 segment: encoding code and changed count, int64), so each receiver knows the
 size of every payload before posting it; then the payloads. Senders diff each
 segment's box against the baseline (the values last synced), pick the
-smallest encoding (`rl_sync.sparse`), and advance the baseline. Receivers
-validate every segment of the bucket (one host sync) and only then write, in
-place, into live storage: bad input raises and writes nothing of the bucket.
+smallest encoding (`rl_sync.sparse`), and advance the baseline
+(`sparse_codec.BucketChanges`: on CUDA every box of the bucket in the same
+Triton launches, and the bucket's counts read back once). Receivers validate
+every segment of the bucket (`sparse_codec.BucketReceiver`, one host sync) and
+only then write, in place, into live storage: bad input raises and writes
+nothing of the bucket.
 
 Ordering contract: as for dense rounds (all ranks, buckets in order); within a
 bucket the header exchange precedes the payload exchange on every rank.
