@@ -1,10 +1,15 @@
-"""Torch side of sparse deltas: find changed elements, encode, validate, apply.
+"""Sparse deltas on tensors: find changed elements, encode, validate, apply.
 
 Changes are found bit-exactly (elements compared as integers of their width,
 so NaN payloads and -0.0 count). Indices are flat, row-major, local to the
 transfer's box. Decoding validates everything (ranges, order, bit counts,
 sizes) and only then writes, so malformed input never reaches live storage
 and never triggers a device-side assert.
+
+A sparse round uses the bucket-level `BucketChanges` (sender) and
+`BucketReceiver` (receiver): CUDA boxes go through the fused Triton kernels
+(`sparse_triton`), every box of a bucket in the same launches; the rest through
+the per-box torch functions below (`Changes`, `encode`, `decode`, `apply`).
 """
 
 from __future__ import annotations

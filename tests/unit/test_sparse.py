@@ -110,3 +110,37 @@ def test_payload_size_must_match_its_header():
 def test_headers_are_bounded_by_the_plan(code, k, n, message):
     with pytest.raises(ValueError, match=message):
         check_count(code, k, n, "segment")
+
+
+def test_a_bucket_diffs_overlapping_boxes_against_the_baseline_it_started_with():
+    """A box sent to two replicas and an overlapping box, through `BucketChanges` and
+    `BucketReceiver`: each payload equals the per-box codec's against the old baseline, the
+    baseline of what was sent ends equal to the source, and the receivers end with the source's values."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(64, 300, generator=gen).to(torch.bfloat16)
+    cur = torch.where(torch.rand(64, 300, generator=gen) < 0.05, base + 1, base)
+    baseline = base.clone()
+    rows = [(0, 32), (0, 32), (16, 48)]
+    codes = [BLOCKED, BITMAP, INDICES]
+    found = sparse_codec.BucketChanges([(cur[a:b], baseline[a:b]) for a, b in rows],
+                                       [(0, (a, 0), (b - a, 300)) for a, b in rows])
+    payloads = []
+    for i, ((a, b), code) in enumerate(zip(rows, codes)):
+        changes = sparse_codec.Changes(cur[a:b], base[a:b])
+        assert found.counts[i] == changes.count
+        payloads.append(torch.zeros(encoded_nbytes(code, cur[a:b].numel(), changes.count, 2),
+                                    dtype=torch.uint8))
+        found.encode(i, code, payloads[-1])
+        reference = torch.zeros_like(payloads[-1])
+        sparse_codec.encode(code, changes, reference)
+        assert torch.equal(payloads[-1], reference)
+    found.finish()
+    assert torch.equal(baseline[:48].view(torch.int16), cur[:48].view(torch.int16))
+    assert torch.equal(baseline[48:].view(torch.int16), base[48:].view(torch.int16))
+    live = base.clone()
+    received = sparse_codec.BucketReceiver(torch.device("cpu"), 3)
+    for slot, ((a, b), code, payload) in enumerate(zip(rows, codes, payloads)):
+        received.add(slot, code, found.counts[slot], cur[a:b].numel(), torch.bfloat16, payload, live[a:b])
+    assert received.bad() == []
+    received.write()
+    assert torch.equal(live[:48].view(torch.int16), cur[:48].view(torch.int16))
