@@ -1,6 +1,7 @@
 """The `rl-sync` command.
 
     rl-sync plan configs/plan_kimi_k2.yaml            plan a synthetic model, report cost and traffic
+    rl-sync plan CONFIG --links configs/links_h200_ib.yaml   ... and predict a round on those links
     rl-sync demo [configs/demo.yaml]                  FSDP2 trainers -> TP engines, bit-exact, M2N vs broadcast
     rl-sync bench [configs/bench.yaml] --chart b.png  M2N, sparse and broadcast rounds side by side
 
@@ -38,13 +39,16 @@ def _plan(args, overrides) -> int:
     from rich.progress import Progress
 
     from rl_sync.report import STEPS, PlanReportConfig, format_report, plan_report
+    from rl_sync.simulate import LinkModel
 
     if args.config is None:
         raise ValueError("plan needs a CONFIG, e.g. configs/plan_kimi_k2.yaml")
     cfg = load_config(args.config, PlanReportConfig, overrides)
+    links = load_config(args.links, LinkModel, ()) if args.links else None
     with Progress(transient=True) as progress:
         task = progress.add_task("planning", total=len(STEPS))
-        report = plan_report(cfg, lambda name: progress.update(task, description=name, completed=STEPS.index(name)))
+        report = plan_report(cfg, lambda name: progress.update(task, description=name, completed=STEPS.index(name)),
+                             links)
     print(format_report(Path(args.config).stem, report))
     return 0
 
@@ -78,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, run in (("plan", _plan), ("demo", _demo), ("bench", _bench)):
         sub = commands.add_parser(name, help=COMMANDS[name], description=COMMANDS[name])
         sub.add_argument("config", nargs="?", help=f"YAML file (e.g. configs/{'plan_dense_8b' if name == 'plan' else name}.yaml)")
+        if name == "plan":
+            sub.add_argument("--links", default=None, help="YAML link model (rl_sync.simulate.LinkModel): predict a round")
         if name != "plan":
             sub.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else local)")
         if name == "bench":

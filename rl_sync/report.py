@@ -4,7 +4,9 @@
 `format_report`: seconds and peak memory to plan, the size of the message
 every rank receives, how long the busiest rank takes to expand its slice, and
 the plan statistics (bytes per rank, transfer counts, busiest source against
-its lower bound, and what the broadcast baseline would move).
+its lower bound, and what the broadcast baseline would move). With `--links
+LINKS.yaml` (a `simulate.LinkModel`) it adds the predicted round seconds and
+the bottleneck.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from .plan import PlanStats, plan_model
 from .plan_info import PlanInfo
 from .schedule import build_schedule
+from .simulate import LinkModel, Prediction, predict
 from .synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
 from .wire import decode, encode
 
@@ -61,6 +64,8 @@ class PlanReport:
     slice_seconds: float
     slice_segments: int
     stats: PlanStats
+    prediction: Prediction | None = None
+    """The round under `plan_report`'s `links`, when given."""
 
     @property
     def total_seconds(self) -> float:
@@ -75,8 +80,10 @@ def _rss_bytes() -> int:
 STEPS = ("model specs", "plan + statistics", "schedule", "encode", "decode + rebuild on a rank", "expand its slice")
 
 
-def plan_report(cfg: PlanReportConfig, step: Callable[[str], None] = lambda name: None) -> PlanReport:
-    """Plan `cfg`'s model as the coordinator would, then expand the busiest rank.
+def plan_report(cfg: PlanReportConfig, step: Callable[[str], None] = lambda name: None,
+                links: LinkModel | None = None) -> PlanReport:
+    """Plan `cfg`'s model as the coordinator would, then expand the busiest rank, and predict
+    the round under `links` if given.
 
     `step(name)` is called as each of `STEPS` starts (for a progress display)."""
     step(STEPS[0])
@@ -118,6 +125,7 @@ def plan_report(cfg: PlanReportConfig, step: Callable[[str], None] = lambda name
         slice_seconds=sliced - decoded,
         slice_segments=sum(len(m.segments) for b in mine.buckets for m in b.sends + b.recvs),
         stats=stats,
+        prediction=predict(schedule, links, cfg.trainer.ranks) if links else None,
     )
 
 
@@ -148,5 +156,8 @@ def format_report(name: str, r: PlanReport) -> str:
         ("broadcast would", f"move {_gb(s.broadcast_bytes)} ({s.broadcast_bytes / max(1, s.total_bytes):.1f}x), "
                             f"{_gb(s.broadcast_recv_bytes)} into the busiest worker"),
     ]
+    if r.prediction:
+        rows.append(("predicted round", f"{r.prediction.seconds:.3f} s over {len(r.prediction.bucket_seconds)} buckets, "
+                                        f"direct (no relay among replicas); bottleneck {r.prediction.bottleneck}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

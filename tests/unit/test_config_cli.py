@@ -69,6 +69,15 @@ def test_plan_command_prints_the_report(capsys):
     assert "busiest source   4.02 GB = 1.000 x lower bound" in out
 
 
+def test_plan_command_predicts_a_round_on_given_links(capsys):
+    """8 trainers on one node send 4.02 GB each to 2 engines on other nodes: at 50 GB/s per NIC,
+    0.0803 s plus 10 us per message."""
+    assert main(["plan", str(CONFIGS / "plan_dense_8b.yaml"), "--links", str(CONFIGS / "links_h200_ib.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert ("predicted round  0.082 s over 16 buckets, direct (no relay among replicas); "
+            "bottleneck rank 0 NIC out (0.0815 s of 0.0815 s)") in out
+
+
 def test_plan_command_reports_bad_config(capsys, tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("model: {}\n")
