@@ -23,6 +23,7 @@ from typing import Literal
 
 from .layout import Layout, Mesh, Replicate, Shard
 from .plan import TensorSpec
+from .quant import FP8_DTYPE, SCALE_DTYPE, dest_scale_layout, grid_shape, scale_name, source_scale_layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +72,9 @@ class ModelShape:
     """lm_head shares embed_tokens."""
     dtype: str = "bfloat16"
     """Dtype name of every weight."""
+    fp8_block: tuple[int, ...] = ()
+    """Inference keeps the projection and expert weights in FP8 with fp32 scales over blocks of
+    this size (e.g. [128, 128]), as DeepSeek-V3 and Kimi-K2 serve them; () keeps `dtype`."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "vocab", "heads", "intermediate"):
@@ -224,13 +228,29 @@ def _layer(m: ModelShape, lay: _Layouts, i: int) -> Iterator[TensorSpec]:
         if m.shared_experts:
             dense += list(_mlp(f"{prefix}.mlp.shared_experts", h, m.shared_experts * m.expert_intermediate, lay))
     for name, shape, dst in dense:
-        yield TensorSpec(name, m.dtype, shape, fsdp, dst)
+        yield from _specs(m, name, shape, fsdp, dst)
     if m.experts and i >= m.first_dense_layers:
         for e in range(m.experts):
             src, e_prefix, inter = lay.expert_src(e), f"{prefix}.mlp.experts.{e}", m.expert_intermediate
             for name, shape, dst in _mlp(e_prefix, h, inter, lay):
                 dim = 1 if name.endswith("down_proj.weight") else 0
-                yield TensorSpec(name, m.dtype, shape, src, lay.expert_dst(e, dim))
+                yield from _specs(m, name, shape, src, lay.expert_dst(e, dim))
+
+
+_UNQUANTIZED = ("norm.weight", "layernorm.weight", "mlp.gate.weight", "bias")
+"""Norms, routers and biases stay in `dtype` on FP8 engines (as in DeepSeek-V3's checkpoint)."""
+
+
+def _specs(m: ModelShape, name: str, shape: tuple[int, ...], src: Layout, dst: Layout) -> Iterator[TensorSpec]:
+    """The tensor, or with `m.fp8_block` a projection's FP8 values and their scale grid."""
+    if not m.fp8_block or len(shape) != 2 or name.endswith(_UNQUANTIZED):
+        yield TensorSpec(name, m.dtype, shape, src, dst)
+        return
+    block = tuple(m.fp8_block)
+    what = f"tensor {name!r}"
+    yield TensorSpec(name, FP8_DTYPE, shape, src, dst, block)
+    yield TensorSpec(scale_name(name), SCALE_DTYPE, grid_shape(shape, block, what),
+                     source_scale_layout(src, shape, block, what), dest_scale_layout(dst, shape, block, what))
 
 
 def model_specs(model: ModelShape, trainer: TrainerParallel, inference: InferenceParallel) -> list[TensorSpec]:

@@ -159,3 +159,27 @@ def test_join_specs_names_disagreements():
         join_specs([], [SideSpec("u", "float32", (4,), other)])
     joined = join_specs([SideSpec("w", "float32", (4, 4), layout)], [SideSpec("w", "float32", [4, 4], other)])
     assert joined == [TensorSpec("w", "float32", (4, 4), layout, other)]
+
+
+def test_a_synthetic_fp8_engine_plans_fp8_projections_and_their_scales():
+    """`ModelShape.fp8_block`: every projection and expert weight travels as FP8 with its fp32
+    scale grid (TP-sharded like the values), norms, routers and embeddings as bf16; each worker
+    receives exactly those bytes."""
+    from rl_sync.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
+
+    model = ModelShape(layers=2, first_dense_layers=1, hidden=256, intermediate=512, vocab=1000, heads=4, kv_heads=2,
+                       head_dim=128, experts=4, expert_intermediate=256, fp8_block=(128, 128))
+    specs = model_specs(model, TrainerParallel(ranks=3), InferenceParallel(engines=1, tensor_parallel=2,
+                                                                           expert_parallel=True))
+    by_name = {s.name: s for s in specs}
+    q = by_name["model.layers.0.self_attn.q_proj.weight"]
+    assert (q.dtype, q.block) == ("float8_e4m3fn", (128, 128))
+    assert by_name["model.layers.0.self_attn.q_proj.weight::scale_inv"].shape == (4, 2)
+    assert by_name["model.layers.1.mlp.experts.3.down_proj.weight"].dtype == "float8_e4m3fn"
+    assert {by_name[n].dtype for n in ("model.embed_tokens.weight", "model.layers.1.mlp.gate.weight",
+                                       "model.layers.0.input_layernorm.weight")} == {"bfloat16"}
+    stats = plan_model(specs).stats
+    size = {"float8_e4m3fn": 1, "float32": 4, "bfloat16": 2}
+    for worker in (3, 4):  # trainers are ranks 0-2: a worker receives every byte it keeps
+        boxes = [(s.dst.local_box(s.shape, worker), size[s.dtype]) for s in specs]
+        assert stats.recv_bytes[worker] == sum(box.numel * item for box, item in boxes if box is not None)
