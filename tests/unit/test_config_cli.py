@@ -13,7 +13,7 @@ from rl_sync.report import PlanReportConfig
 CONFIGS = Path(__file__).parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["plan_dense_8b", "plan_qwen3_235b", "plan_kimi_k2"])
+@pytest.mark.parametrize("name", ["plan_dense_8b", "plan_qwen3_235b", "plan_kimi_k2", "plan_deepseek_v3"])
 def test_shipped_plan_configs_load(name):
     cfg = load_config(CONFIGS / f"{name}.yaml", PlanReportConfig)
     assert cfg.trainer.ranks > 0 and cfg.inference.engines > 0
@@ -112,3 +112,11 @@ def test_bench_chart_is_a_png(tmp_path):
     rounds = {m: [RoundStats(v, m, 0.1 * v, (rank("worker", 10**6 * v),)) for v in (1, 2)] for m in ("m2n", "sparse")}
     chart(rounds, str(tmp_path / "b.png"))
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", ["links_h200_ib", "links_gb200_nvl72", "links_cpu_loopback"])
+def test_shipped_link_models_load(name):
+    from rl_sync.simulate import LinkModel
+
+    links = load_config(CONFIGS / f"{name}.yaml", LinkModel)
+    assert links.gpus_per_node > 0 and links.nic_gbs > 0
