@@ -5,7 +5,9 @@ Needs root (network namespaces). Starts a two-node `NetnsCluster`, runs the
 (2 FSDP trainers on node 0, a TP2 engine on node 0, then on node 1, then on
 node 1 behind a `tc tbf` limit of 1 Gbit/s; 64 MiB of bf16; M2N, broadcast,
 sparse and auto after 1% of every tensor changed; medians of 3) and prints a
-table.
+table, with the M2N round `rl_sync.simulate` predicts for each link: one node,
+or two nodes of two ranks, under `configs/links_cpu_loopback.yaml`'s host rate
+(the veth is unshaped) and, for the limited link, a 1 Gbit/s NIC per node.
 
     sudo python benchmarks/multihost_bench.py
 """
@@ -20,7 +22,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from rl_sync.config import load_config  # noqa: E402
+from rl_sync.plan import TensorSpec, plan_model  # noqa: E402
+from rl_sync.schedule import build_schedule  # noqa: E402
+from rl_sync.simulate import LinkModel, predict  # noqa: E402
 from tests.multihost.netns import NetnsCluster  # noqa: E402
+from tests.multihost.scenarios import LINK_MODEL  # noqa: E402
+
+LINKS = {"loopback": dict(placement="one_node"), "veth": dict(placement="separate", gpus_per_node=2),
+         "1 Gbit/s": dict(placement="separate", gpus_per_node=2, node_nic_gbs=0.125)}
+"""How each scenario's link changes the CPU host's link model."""
+
+
+def predicted(link: str) -> str:
+    """The M2N round `rl_sync.simulate` predicts for the scenario's model on `link`."""
+    host = load_config(Path(__file__).resolve().parents[1] / "configs" / "links_cpu_loopback.yaml", LinkModel, ())
+    specs = [TensorSpec(r.name, "bfloat16", r.shape, r.src, r.dst.remapped([2, 3])) for r in LINK_MODEL]
+    links = LinkModel(**{**host.__dict__, **LINKS[link]})
+    return f"{predict(build_schedule(plan_model(specs), 16 << 20), links, trainer_ranks=2).seconds:.3f}"
 
 
 def main() -> int:
@@ -31,12 +50,13 @@ def main() -> int:
     with NetnsCluster(nodes=2) as cluster:
         result = cluster.run_driver(["tests.multihost.scenarios", "links"], timeout_s=1200)
     table = Table(title="64 MiB bf16, 2 FSDP trainers -> TP2 engine, medians of 3 (sparse/auto: 1% changed)")
-    for column in ("link", "mode", "ran", "seconds", "MB into the busiest worker", "transfers by encoding"):
+    for column in ("link", "mode", "ran", "seconds", "predicted", "MB into the busiest worker", "transfers by encoding"):
         table.add_column(column, justify="right")
     reasons = []
     for link, rows in result.items():
         for mode, row in rows.items():
-            table.add_row(link, mode, row["ran"], f"{row['seconds']:.3f}", f"{row['worker_bytes'] / 1e6:.2f}",
+            table.add_row(link, mode, row["ran"], f"{row['seconds']:.3f}", predicted(link) if mode == "m2n" else "",
+                          f"{row['worker_bytes'] / 1e6:.2f}",
                           ", ".join(f"{k} {v}" for k, v in row["encodings"].items()))
             if mode == "auto":
                 reasons.append(f"{link}: {row['reason']}")

@@ -19,7 +19,9 @@ The model (every figure in bytes per second, one direction):
   time in a bucket is its busiest link direction's bytes over that link's rate,
   plus `latency_us` per message it posts (one per peer and direction). A node's
   ranks may also share one `host_gbs` for every byte they receive (a CPU host
-  moving Gloo traffic through loopback is bound by it, not by per-rank links).
+  moving Gloo traffic through loopback is bound by it, not by per-rank links),
+  and one `node_nic_gbs` each way for every byte leaving or entering the node
+  (one NIC per node instead of one per GPU).
   A bucket takes its slowest rank or node; a round, the sum of its buckets.
 - The bottleneck is the (rank or node, link) that set the most bucket time.
 """
@@ -50,6 +52,8 @@ class LinkModel:
     """Microseconds per message a rank posts in a bucket."""
     host_gbs: float = 0.0
     """GB/s a whole node's ranks receive together (0: no such limit)."""
+    node_nic_gbs: float = 0.0
+    """GB/s each way through one NIC a node's ranks share (0: no such limit)."""
     placement: Literal["separate", "colocated", "one_node"] = "separate"
     """Workers on nodes after the trainers', on their trainer rank's node, or every rank on one."""
 
@@ -57,8 +61,9 @@ class LinkModel:
         if self.gpus_per_node <= 0 or self.nvlink_gbs <= 0 or self.nic_gbs <= 0:
             raise ValueError(f"LinkModel needs gpus_per_node, nvlink_gbs and nic_gbs > 0, got {self.gpus_per_node}, "
                              f"{self.nvlink_gbs} and {self.nic_gbs}")
-        if self.latency_us < 0 or self.host_gbs < 0:
-            raise ValueError(f"LinkModel needs latency_us and host_gbs >= 0, got {self.latency_us} and {self.host_gbs}")
+        if self.latency_us < 0 or self.host_gbs < 0 or self.node_nic_gbs < 0:
+            raise ValueError(f"LinkModel needs latency_us, host_gbs and node_nic_gbs >= 0, got {self.latency_us}, "
+                             f"{self.host_gbs} and {self.node_nic_gbs}")
         if self.placement not in ("separate", "colocated", "one_node"):
             raise ValueError(f"LinkModel.placement must be 'separate', 'colocated' or 'one_node', got {self.placement!r}")
 
@@ -120,10 +125,16 @@ def predict(schedule: Schedule, links: LinkModel, trainer_ranks: int) -> Predict
     link_time = load / rate
     rank_time = link_time.max(axis=2) + messages * links.latency_us * 1e-6
     candidates = [(rank_time, link_time.argmax(axis=2), "rank")]
+    nodes = int(node_of.max()) + 1
     if links.host_gbs:
-        host = np.zeros((buckets, int(node_of.max()) + 1))
+        host = np.zeros((buckets, nodes))
         np.add.at(host, (bucket, node_of[dst]), nbytes)
         candidates.append((host / (links.host_gbs * 1e9), np.full(host.shape, -1), "node"))
+    if links.node_nic_gbs:
+        nic = np.zeros((buckets, nodes, 2))
+        np.add.at(nic, (bucket[remote], node_of[src[remote]], 0), nbytes[remote])
+        np.add.at(nic, (bucket[remote], node_of[dst[remote]], 1), nbytes[remote])
+        candidates.append((nic.max(axis=2) / (links.node_nic_gbs * 1e9), nic.argmax(axis=2) + 2, "node"))
     return _combine(candidates)
 
 

@@ -55,6 +55,14 @@ def test_colocated_workers_split_their_traffic_between_nvlink_and_nic():
     assert p.bottleneck.startswith("rank 0 NIC out")
 
 
+def test_a_nic_shared_by_a_node_carries_all_its_ranks_traffic():
+    """Two 2-GPU nodes, trainers on node 0, workers on node 1, one NIC each: node 0 sends 256 bytes."""
+    links = LinkModel(gpus_per_node=2, nvlink_gbs=1.0, nic_gbs=1.0, node_nic_gbs=SLOW)
+    p = predict(_schedule(), links, trainer_ranks=2)
+    assert p.seconds == pytest.approx(256 / 100)
+    assert p.bottleneck == "node 0 NIC out (2.56 s of 2.56 s)"
+
+
 def test_buckets_add_up():
     schedule = _schedule(tensors=2, bucket_bytes=200)
     assert schedule.num_buckets == 2
