@@ -114,28 +114,34 @@ def predict(schedule: Schedule, links: LinkModel, trainer_ranks: int) -> Predict
         return Prediction(0.0, (0.0,) * buckets, "nothing crosses a link")
     node_of = links.nodes(np.arange(ranks), trainer_ranks)
     remote = node_of[src] != node_of[dst]
-    load = np.zeros((buckets, ranks, len(LINKS)))
+    load = np.zeros(buckets * ranks * len(LINKS))
     for ranks_of, direction in ((src, 0), (dst, 1)):
-        np.add.at(load, (bucket, ranks_of, direction + 2 * remote), nbytes)
+        load += _sum_at((bucket * ranks + ranks_of) * len(LINKS) + direction + 2 * remote, nbytes, load.size)
+    load = load.reshape(buckets, ranks, len(LINKS))
     rate = np.array([links.nvlink_gbs, links.nvlink_gbs, links.nic_gbs, links.nic_gbs]) * 1e9
-    pairs = np.unique(np.stack([bucket, src, dst]), axis=1)
-    messages = np.zeros((buckets, ranks))
-    np.add.at(messages, (pairs[0], pairs[1]), 1)
-    np.add.at(messages, (pairs[0], pairs[2]), 1)
+    pairs = np.unique((bucket * ranks + src) * ranks + dst)  # one message per peer, bucket and direction
+    messages = _sum_at(pairs // ranks, 1, buckets * ranks) + _sum_at(pairs // (ranks * ranks) * ranks + pairs % ranks, 1,
+                                                                    buckets * ranks)
+    messages = messages.reshape(buckets, ranks)
     link_time = load / rate
     rank_time = link_time.max(axis=2) + messages * links.latency_us * 1e-6
     candidates = [(rank_time, link_time.argmax(axis=2), "rank")]
     nodes = int(node_of.max()) + 1
     if links.host_gbs:
-        host = np.zeros((buckets, nodes))
-        np.add.at(host, (bucket, node_of[dst]), nbytes)
+        host = _sum_at(bucket * nodes + node_of[dst], nbytes, buckets * nodes).reshape(buckets, nodes)
         candidates.append((host / (links.host_gbs * 1e9), np.full(host.shape, -1), "node"))
     if links.node_nic_gbs:
-        nic = np.zeros((buckets, nodes, 2))
-        np.add.at(nic, (bucket[remote], node_of[src[remote]], 0), nbytes[remote])
-        np.add.at(nic, (bucket[remote], node_of[dst[remote]], 1), nbytes[remote])
+        out, into = ((_sum_at(bucket[remote] * nodes + node_of[side[remote]], nbytes[remote], buckets * nodes)
+                      .reshape(buckets, nodes)) for side in (src, dst))
+        nic = np.stack([out, into], axis=2)
         candidates.append((nic.max(axis=2) / (links.node_nic_gbs * 1e9), nic.argmax(axis=2) + 2, "node"))
     return _combine(candidates)
+
+
+def _sum_at(index: np.ndarray, weights, size: int) -> np.ndarray:
+    """`weights` summed by flat `index` into `size` slots (float)."""
+    weights = np.broadcast_to(np.asarray(weights, dtype=np.float64), index.shape)
+    return np.bincount(index, weights=weights, minlength=size).astype(np.float64)
 
 
 def _combine(candidates) -> Prediction:
