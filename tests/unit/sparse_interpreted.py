@@ -1,0 +1,75 @@
+"""Run by `test_sparse_interpreted.py` in a fresh process under `TRITON_INTERPRET=1`: the fused
+sparse codec's Triton kernels on CPU tensors against the torch codec. Prints "ok" or raises."""
+
+from __future__ import annotations
+
+import os
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from rl_sync.engine import sparse_codec  # noqa: E402
+from rl_sync.sparse import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes  # noqa: E402
+
+sparse_codec._on_kernel_device = lambda t: True  # the interpreter runs the kernels on CPU tensors
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _pair(shape, dtype, density, seed):
+    gen = torch.Generator().manual_seed(seed)
+    base = (torch.randn(shape, generator=gen) * 10).to(dtype)
+    cur = torch.where(torch.rand(shape, generator=gen) < density, (torch.randn(shape, generator=gen) * 10).to(dtype), base)
+    if dtype == torch.bfloat16:
+        cur.view(-1)[0], base.view(-1)[0] = -0.0, 0.0  # changed by its bits
+    return cur, base
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    holder = torch.zeros(t.shape[1] + 2, t.shape[0], dtype=t.dtype)
+    view = holder[1:-1].t()
+    view.copy_(t)
+    return view
+
+
+def main() -> None:
+    cases = [((3, 70_000), torch.bfloat16, 0.01, BLOCKED, False), ((300, 70), torch.bfloat16, 0.2, BITMAP, True),
+             ((5000,), torch.float32, 0.001, INDICES, False), ((40, 90), torch.uint8, 0.5, DENSE, True),
+             ((130_000,), torch.float64, 0.004, BLOCKED, False)]
+    pairs = [_pair(shape, dtype, density, seed) for seed, (shape, dtype, density, _, _) in enumerate(cases)]
+    sources = [(_strided(c), _strided(b)) if strided else (c.clone(), b.clone())
+               for (c, b), (*_, strided) in zip(pairs, cases)]
+    found = sparse_codec.BucketChanges(sources, [(i, (0,) * c.ndim, tuple(c.shape)) for i, (c, _) in enumerate(pairs)])
+    payloads = []
+    for i, ((cur, base), (_, _, _, code, _)) in enumerate(zip(pairs, cases)):
+        reference = sparse_codec.Changes(cur, base.clone())
+        assert found.counts[i] == reference.count, (i, found.counts[i], reference.count)
+        expected = torch.zeros(encoded_nbytes(code, cur.numel(), reference.count, cur.element_size()), dtype=torch.uint8)
+        sparse_codec.encode(code, reference, expected)
+        payloads.append((torch.zeros_like(expected), expected))
+        found.encode(i, code, payloads[-1][0])
+    found.finish()
+    for i, ((payload, expected), (cur, _), (_, baseline)) in enumerate(zip(payloads, pairs, sources)):
+        assert torch.equal(payload, expected), f"payload {i}"
+        assert torch.equal(_bits(baseline), _bits(cur)), f"baseline {i}"
+    received = sparse_codec.BucketReceiver(torch.device("cpu"), len(cases))
+    lives = [_strided(base) if strided else base.clone() for (_, base), (*_, strided) in zip(pairs, cases)]
+    for i, ((payload, _), (cur, _), (_, dtype, _, code, _)) in enumerate(zip(payloads, pairs, cases)):
+        received.add(i, code, found.counts[i], cur.numel(), dtype, payload, lives[i])
+    assert received.bad() == []
+    received.write()
+    assert all(torch.equal(_bits(live), _bits(cur)) for live, (cur, _) in zip(lives, pairs))
+    bad = payloads[0][0].clone()
+    bad[16 : 16 + 4].view(torch.int16)[:] = torch.tensor([7, 5], dtype=torch.int16)  # out of order
+    received = sparse_codec.BucketReceiver(torch.device("cpu"), 1)
+    live = pairs[0][1].clone()
+    received.add(0, BLOCKED, found.counts[0], pairs[0][0].numel(), torch.bfloat16, bad, live)
+    assert received.bad() == [0] and torch.equal(_bits(live), _bits(pairs[0][1]))
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
