@@ -114,7 +114,7 @@ def test_bench_chart_is_a_png(tmp_path):
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("name", ["links_h200_ib", "links_gb200_nvl72", "links_cpu_loopback"])
+@pytest.mark.parametrize("name", ["links_h200_ib", "links_gb200_nvl72", "links_cpu_loopback", "links_h200_x2"])
 def test_shipped_link_models_load(name):
     from rl_sync.simulate import LinkModel
 
