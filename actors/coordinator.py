@@ -129,7 +129,7 @@ class Coordinator:
                         for t in reports[T].tensors]
         colocated = any(r < T for r in self.worker_ranks)
         plan = plan_model(join_specs(sources, destinations), colocated=colocated)
-        self.schedule = build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes)
+        self.schedule = build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes, cfg.relay)
         self.names = set(plan.index)
         self.parts: dict[str, list[str]] = {}
         for name in plan.index:
@@ -145,7 +145,7 @@ class Coordinator:
         stats = plan.stats
         return {
             "tensors": len(plan), "buckets": self.schedule.num_buckets, "transport": info.transport,
-            "cuda_ipc": self.ipc, "world_size": world, "colocated": colocated,
+            "cuda_ipc": self.ipc, "world_size": world, "colocated": colocated, "relay": self.schedule.relay_choice,
             "plan_bytes": stats.total_bytes, "local_copy_bytes": stats.local_copy_bytes,
             "broadcast_bytes": stats.broadcast_bytes, **_modes(reports[T:]),
             "seconds": time.perf_counter() - start,

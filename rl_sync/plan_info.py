@@ -71,6 +71,8 @@ class PlanInfo:
     cuts: tuple[int, ...]
     blocks: tuple[tuple[int, int, int], ...]
     """(tensor, block rows, block cols) of each tensor the trainers quantize (`rl_sync.quant`)."""
+    relay: bool = False
+    """Replicated boxes relayed among engine replicas (`rl_sync.relay`)."""
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -106,6 +108,7 @@ class PlanInfo:
             coalesce_bytes=schedule.coalesce_bytes,
             cuts=schedule.cuts,
             blocks=tuple((i, *block) for i, block in sorted(schedule.plan.blocks.items())),
+            relay=schedule.relay is not None,
         )
 
     def to_schedule(self) -> Schedule:
@@ -117,7 +120,7 @@ class PlanInfo:
             for i, (name, d, s, src, dst) in enumerate(
                 zip(self.names, self.dtype_index, self.shape_index, self.src_index, self.dst_index))
         ]
-        return Schedule(ModelPlan(specs, self.colocated), self.bucket_bytes, self.coalesce_bytes, self.cuts)
+        return Schedule(ModelPlan(specs, self.colocated), self.bucket_bytes, self.coalesce_bytes, self.cuts, self.relay)
 
 
 class _Interner:

@@ -31,13 +31,15 @@ Typical use::
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Literal
 import numpy as np
 
 from .bands import Band, band_count, make_bands
 from .plan import ModelPlan
+from .relay import RelayKey, entry_specs, find_relay, relay_pays
 
 ALIGN = 16
 
@@ -60,6 +62,9 @@ class Message:
     peer: int
     nbytes: int
     segments: tuple[Segment, ...]
+    relay: RelayKey | None = None
+    """Set on a message of relayed boxes a worker receives or forwards (`rl_sync.relay`): a
+    forwarded message is read from the forwarding worker's destination storage."""
 
 
 @dataclass(frozen=True)
@@ -83,33 +88,48 @@ class RankSchedule:
 class Schedule:
     """Buckets over a `ModelPlan`; `rank_slice(rank)` gives one rank its part."""
 
-    def __init__(self, plan: ModelPlan, bucket_bytes: int, coalesce_bytes: int, cuts: tuple[int, ...] | None = None):
+    def __init__(self, plan: ModelPlan, bucket_bytes: int, coalesce_bytes: int, cuts: tuple[int, ...] | None = None,
+                 relay: bool = False):
         if bucket_bytes <= 0 or coalesce_bytes < 0:
             raise ValueError(
                 f"bucket_bytes must be > 0 and coalesce_bytes >= 0, got {bucket_bytes} and {coalesce_bytes}"
             )
         self.plan = plan
+        """The plan as the sides laid it out (what each rank holds)."""
+        self.relay = find_relay(plan) if relay else None
+        """Chains among engine replicas (`rl_sync.relay`), or None: every box sent directly."""
+        self.routed = plan if self.relay is None else ModelPlan(entry_specs(plan, self.relay), plan.colocated)
+        """The plan the trainers' transfers follow (relayed tensors into their entry replica)."""
         self.bucket_bytes = bucket_bytes
         self.coalesce_bytes = coalesce_bytes
-        keys = list(zip(plan.tensor_template.tolist(), plan.itemsizes.tolist()))
-        counts = {key: band_count(plan.templates[key[0]], key[1], bucket_bytes) for key in dict.fromkeys(keys)}
+        routed = self.routed
+        keys = list(zip(routed.tensor_template.tolist(), routed.itemsizes.tolist()))
+        counts = {key: band_count(routed.templates[key[0]], key[1], bucket_bytes) for key in dict.fromkeys(keys)}
         _check_pieces(sum(counts[key] for key in keys), bucket_bytes)
         cache: dict[tuple[int, int], tuple[Band, ...]] = {}
         for key in counts:
-            cache[key] = make_bands(plan.templates[key[0]], key[1], bucket_bytes)
+            cache[key] = make_bands(routed.templates[key[0]], key[1], bucket_bytes)
         self.bands = [cache[key] for key in keys]
-        self.order = _interleaved_order(plan)
+        self.order = _interleaved_order(routed)
         counts = np.array([len(b) for b in self.bands], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(counts[self.order])])
         self.num_pieces = int(starts[-1])
-        self.piece_start = np.empty(len(plan), dtype=np.int64)
+        self.piece_start = np.empty(len(routed), dtype=np.int64)
         self.piece_start[self.order] = starts[:-1]
         self.cuts = tuple(cuts) if cuts is not None else cut_buckets(self._loads(), self.num_pieces, bucket_bytes)
         self._check_cuts()
+        self.relay_choice = "relay on" if self.relay is not None else "direct"
+        """What `build_schedule` chose about relay, and why."""
+
+    @property
+    def relay_depth(self) -> int:
+        """Buckets a round takes beyond the direct ones: one per relay stage."""
+        return 0 if self.relay is None else self.relay.replicas - 1
 
     @property
     def num_buckets(self) -> int:
-        return len(self.cuts) - 1
+        """Bucket indices a round uses (direct ones, then the relay stages' tail)."""
+        return len(self.cuts) - 1 + (self.relay_depth if self.num_pieces else 0)
 
     @cached_property
     def pieces(self) -> list[tuple[int, int]]:
@@ -123,10 +143,10 @@ class Schedule:
     def _loads(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(piece, rank, bytes) of every rank's send + receive load in every piece."""
         pieces, ranks, loads = [], [], []
-        for template, tensors in self.plan.groups():
-            for size in np.unique(self.plan.itemsizes[tensors]).tolist():
-                group = tensors[self.plan.itemsizes[tensors] == size]
-                table = np.concatenate([self.plan.rank_table(group, "src"), self.plan.rank_table(group, "dst")], axis=1)
+        for template, tensors in self.routed.groups():
+            for size in np.unique(self.routed.itemsizes[tensors]).tolist():
+                group = tensors[self.routed.itemsizes[tensors] == size]
+                table = np.concatenate([self.routed.rank_table(group, "src"), self.routed.rank_table(group, "dst")], axis=1)
                 for b, band in enumerate(self.bands[int(group[0])]):
                     load = np.concatenate([band.send_numel, band.recv_numel]) * size
                     keep = load > 0
@@ -147,10 +167,20 @@ class Schedule:
 
     def rank_slice(self, rank: int, tensors: Collection[int] | None = None) -> RankSchedule:
         """This rank's buckets; `tensors` restricts a round to a subset (same on every rank)."""
-        chosen = range(len(self.plan)) if tensors is None else sorted(set(tensors))
+        direct = self._direct_slice(rank, tensors)
+        place = None if self.relay is None else self.relay.where.get(rank)
+        if place is None:
+            return direct
+        entry, k = place
+        chain = self.relay.chains[entry]
+        relayed = direct if entry == rank else self._direct_slice(entry, tensors)
+        return RankSchedule(rank, merge_buckets(direct.buckets, relayed_buckets(relayed.buckets, chain, k)))
+
+    def _direct_slice(self, rank: int, tensors: Collection[int] | None) -> RankSchedule:
+        chosen = range(len(self.routed)) if tensors is None else sorted(set(tensors))
         entries = []
         for tensor in chosen:
-            spec = self.plan.specs[tensor]
+            spec = self.routed.specs[tensor]
             src_pos, dst_pos = spec.src.mesh.index_of(rank), spec.dst.mesh.index_of(rank)
             if src_pos is not None or dst_pos is not None:
                 first = int(self.piece_start[tensor])
@@ -164,22 +194,24 @@ class Schedule:
         return RankSchedule(rank, tuple(b for b in buckets if b.sends or b.recvs or b.local))
 
     def _rank_bucket(self, index: int, pieces: list) -> RankBucket:
-        sends: dict[int, list] = {}
-        recvs: dict[int, list] = {}
+        sends: dict[tuple[int, bool], list] = {}
+        recvs: dict[tuple[int, bool], list] = {}
         local: list[Segment] = []
+        relayed = frozenset() if self.relay is None else self.relay.tensors
         for _, tensor, band_index, src_pos, dst_pos in pieces:
-            spec, size = self.plan.specs[tensor], int(self.plan.itemsizes[tensor])
+            spec, size = self.routed.specs[tensor], int(self.routed.itemsizes[tensor])
             band = self.bands[tensor][band_index]
             for side, pos, peers, out in (("src", src_pos, spec.dst.mesh, sends), ("dst", dst_pos, spec.src.mesh, recvs)):
                 if pos is not None:
                     for peer, offsets, sizes, numel in band.rows(side, pos):
-                        out.setdefault(peers.ranks[peer], []).append((tensor, offsets, sizes, numel * size))
+                        key = (peers.ranks[peer], tensor in relayed)
+                        out.setdefault(key, []).append((tensor, offsets, sizes, numel * size))
             if band_index == 0 and src_pos is not None and dst_pos is not None:
                 local.extend(self._local_segments(tensor, src_pos, dst_pos, size))
-        return RankBucket(index, self._messages(sends), self._messages(recvs), tuple(local))
+        return RankBucket(index, self._messages(sends), self._messages(recvs, index), tuple(local))
 
     def _local_segments(self, tensor: int, src_pos: int, dst_pos: int, size: int) -> list[Segment]:
-        t = self.plan.templates[self.plan.tensor_template[tensor]]
+        t = self.routed.templates[self.routed.tensor_template[tensor]]
         rows = np.nonzero((t.local_src == src_pos) & (t.local_dst == dst_pos))[0].tolist()
         return [
             Segment(tensor, tuple(t.local_offsets[j].tolist()), tuple(t.local_sizes[j].tolist()),
@@ -187,16 +219,45 @@ class Schedule:
             for j in rows
         ]
 
-    def _messages(self, by_peer: dict[int, list]) -> tuple[Message, ...]:
-        messages = []
-        for peer in sorted(by_peer):
+    def _messages(self, by_key: dict[tuple[int, bool], list], bucket: int | None = None) -> tuple[Message, ...]:
+        """Messages per (peer, relayed): relayed boxes never share a message with others, and
+        received ones (`bucket` given) are keyed for forwarding in reception order."""
+        messages: list[Message] = []
+        keyed = 0
+        for peer, relayed in sorted(by_key):
             small, large = [], []
-            for entry in by_peer[peer]:
+            for entry in by_key[(peer, relayed)]:
                 (small if entry[3] < self.coalesce_bytes else large).append(entry)
-            if small:
-                messages.append(_packed(peer, small))
-            messages.extend(_packed(peer, [entry]) for entry in large)
+            for message in ([_packed(peer, small)] if small else []) + [_packed(peer, [entry]) for entry in large]:
+                if relayed and bucket is not None:
+                    message, keyed = replace(message, relay=(bucket, keyed)), keyed + 1
+                messages.append(message)
         return tuple(messages)
+
+
+def relayed_buckets(entry_buckets: Sequence[RankBucket], chain: Sequence[int], k: int) -> list[RankBucket]:
+    """The forwarding of place `k` of `chain`: what the entry worker received in bucket j (its
+    keyed messages), received from `chain[k - 1]` in bucket j + k and sent to `chain[k + 1]`
+    in bucket j + k + 1 (see `rl_sync.relay`)."""
+    out = []
+    for bucket in entry_buckets:
+        keyed = [m for m in bucket.recvs if m.relay is not None]
+        if keyed and k > 0:
+            out.append(RankBucket(bucket.index + k, (), tuple(replace(m, peer=chain[k - 1]) for m in keyed), ()))
+        if keyed and k + 1 < len(chain):
+            out.append(RankBucket(bucket.index + k + 1, tuple(replace(m, peer=chain[k + 1]) for m in keyed), (), ()))
+    return out
+
+
+def merge_buckets(*lists: Sequence[RankBucket]) -> tuple[RankBucket, ...]:
+    """One bucket per index, holding every list's sends, receives and local copies of it (in the
+    order of the lists), by increasing index."""
+    merged: dict[int, RankBucket] = {}
+    for bucket in (b for buckets in lists for b in buckets):
+        have = merged.get(bucket.index)
+        merged[bucket.index] = bucket if have is None else RankBucket(
+            bucket.index, have.sends + bucket.sends, have.recvs + bucket.recvs, have.local + bucket.local)
+    return tuple(merged[i] for i in sorted(merged))
 
 
 def _interleaved_order(plan: ModelPlan) -> np.ndarray:
@@ -273,6 +334,25 @@ def _packed(peer: int, entries: list) -> Message:
     return Message(peer, cursor, tuple(segments))
 
 
-def build_schedule(plan: ModelPlan, bucket_bytes: int = 256 << 20, coalesce_bytes: int = 1 << 20) -> Schedule:
-    """Cut `plan` into buckets of at most `bucket_bytes` per rank (see module doc)."""
-    return Schedule(plan, bucket_bytes, coalesce_bytes)
+def build_schedule(plan: ModelPlan, bucket_bytes: int = 256 << 20, coalesce_bytes: int = 1 << 20,
+                   relay: Literal["off", "on", "auto"] = "off") -> Schedule:
+    """Cut `plan` into buckets of at most `bucket_bytes` per rank (see module doc); `relay`:
+    among engine replicas (`rl_sync.relay`) never, always (refused when nothing can), or when
+    `relay_pays` says it shortens the round. `Schedule.relay_choice` says what was chosen and why."""
+    if relay not in ("off", "on", "auto"):
+        raise ValueError(f"relay must be 'off', 'on' or 'auto', got {relay!r}")
+    direct = Schedule(plan, bucket_bytes, coalesce_bytes)
+    if relay == "off":
+        return direct
+    relayed = Schedule(plan, bucket_bytes, coalesce_bytes, relay=True)
+    if relayed.relay is None:
+        if relay == "on":
+            raise ValueError("relay='on' needs destination tensors replicated over two or more engine replicas "
+                             "(mesh dim 0 Replicate, one engine per index) and workers apart from the trainers; "
+                             "this plan has none")
+        direct.relay_choice = "direct: no tensor is replicated over engine replicas"
+        return direct
+    pays, why = relay_pays(plan, relayed.routed, relayed.relay, direct.num_buckets)
+    chosen = relayed if relay == "on" or pays else direct
+    chosen.relay_choice = why if relay == "auto" else "relay: asked for (relay='on'); " + why.split(": ", 1)[1]
+    return chosen

@@ -24,6 +24,11 @@ class SyncConfig:
     mode: Literal["m2n", "broadcast", "sparse", "auto"] = "m2n"
     """Default mode of `push`: resharded dense point-to-point, the broadcast baseline, changed
     elements only (`sparse`: indices or bitmap), or per transfer whichever is smallest (`auto`)."""
+    relay: Literal["off", "on", "auto"] = "off"
+    """Relay among engine replicas (`rl_sync.relay`): trainers send each replicated box to one
+    replica and workers forward it down a chain of the others, so each trainer sends about
+    1/replicas of its shards' copies. `on` always (refused without replicas), `auto` when the
+    byte model says it shortens the round (the summary's `relay` says why)."""
     sparse_baseline: Literal["device", "pinned_cpu"] = "device"
     """Where trainers keep the last synced values sparse rounds diff against (one copy of each
     local shard, allocated at the first sparse or auto push)."""
@@ -97,7 +102,8 @@ MAX_BUCKET_BYTES = 1 << 40
 """1 TiB: far above any device's memory; bounds the sizes the planner multiplies."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 CHOICES = {"transport": ("auto", "gloo", "nccl"), "colocate": ("auto", "ipc", "off"),
-            "mode": ("m2n", "broadcast", "sparse", "auto"), "sparse_baseline": ("device", "pinned_cpu"),
+            "mode": ("m2n", "broadcast", "sparse", "auto"), "relay": ("off", "on", "auto"),
+           "sparse_baseline": ("device", "pinned_cpu"),
            "integrity": ("keyed", "checksum", "off")}
 
 

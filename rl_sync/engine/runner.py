@@ -133,6 +133,8 @@ class BucketOps:
     local: Copies = field(default_factory=Copies)
     counters: Counters = field(default_factory=Counters)
     pending: Pending | None = None
+    forwards: bool = False
+    """Forwards relayed boxes (`rl_sync.relay`): the bucket before it must complete first."""
     label: str = ""
     """Names the bucket in a transport's errors (`describe_bucket`), set at its first run."""
 
@@ -147,18 +149,26 @@ def _staged(msg: Message, endpoint: Callable[[int, int], Endpoint], bucket: int,
     return not view.is_contiguous() or view.dtype != dtypes[seg.tensor]
 
 
+def _storage(side: str, msg: Message, io: BucketIO) -> Callable[[int, int], Endpoint]:
+    """Where a message's boxes live here: a send's in the sources, except a forwarded one
+    (`rl_sync.relay`), read where this worker received it; a receive's in the destinations."""
+    return io.source if side == "send" and msg.relay is None else io.dest
+
+
 def staging_need(bucket: RankBucket, io: BucketIO) -> int:
     """Bytes of staging `bucket` needs on this rank."""
-    staged = [m for m in bucket.sends if _staged(m, io.source, bucket.index, io.dtypes)]
-    staged += [m for m in bucket.recvs if _staged(m, io.dest, bucket.index, io.dtypes)]
+    staged = [m for side, messages in (("send", bucket.sends), ("recv", bucket.recvs)) for m in messages
+              if _staged(m, _storage(side, m, io), bucket.index, io.dtypes)]
     return sum(_aligned(m.nbytes) for m in staged)
 
 
 def compile_bucket(bucket: RankBucket, io: BucketIO, buf: torch.Tensor | None) -> BucketOps:
     """Resolve every view of `bucket`; staged messages take consecutive slices of `buf`."""
     ops, cursor = BucketOps(bucket), 0
-    for side, messages, endpoint in (("send", bucket.sends, io.source), ("recv", bucket.recvs, io.dest)):
+    for side, messages in (("send", bucket.sends), ("recv", bucket.recvs)):
         for msg in messages:
+            endpoint = _storage(side, msg, io)
+            ops.forwards |= side == "send" and msg.relay is not None
             if _staged(msg, endpoint, bucket.index, io.dtypes):
                 target = buf[cursor : cursor + msg.nbytes]
                 cursor += _aligned(msg.nbytes)
@@ -234,6 +244,9 @@ def run_program(program: Program, transport: Transport, deadline: float, *, name
         for ops in program.buckets:
             ops.label = ops.label or describe_bucket(ops.bucket, names)
             where = ops.label
+            if previous is not None and ops.forwards:
+                complete_bucket(previous, deadline)  # what this bucket forwards has landed
+                previous = None
             start_bucket(ops, transport)
             if previous is not None:
                 where = previous.label

@@ -216,9 +216,11 @@ class RankSession:
         if src and self.baselines is None:
             raise ValueError(f"rank {self.rank}: a {round_info.mode} round needs the baselines a dense round leaves; "
                              "the coordinator runs the first round dense")
-        io = SparseIO(src, self.baselines or {}, dst, self.dtypes, allow_dense=round_info.mode == "auto")
+        mine = self._slice(wanted)
+        forwards = frozenset(m.relay for b in mine.buckets for m in b.sends if m.relay is not None)
+        io = SparseIO(src, self.baselines or {}, dst, self.dtypes, allow_dense=round_info.mode == "auto", forwards=forwards)
         counters = SparseCounters()
-        for bucket in self._slice(wanted).buckets:
+        for bucket in mine.buckets:
             run_sparse_bucket(bucket, io, self.transport, deadline, counters, self.names)
         self.transport.finish(deadline)
         return counters

@@ -12,7 +12,9 @@ only then write, in place, into live storage: bad input raises and writes
 nothing of the bucket.
 
 Ordering contract: as for dense rounds (all ranks, buckets in order); within a
-bucket the header exchange precedes the payload exchange on every rank.
+bucket the header exchange precedes the payload exchange on every rank. A worker
+forwarding relayed boxes (`rl_sync.relay`) keeps the header and payload of each such
+message as it arrived and sends them unchanged in the bucket its schedule names.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..relay import RelayKey
 from ..schedule import Message, RankBucket
 from ..sparse import DENSE, NAMES, check_count, choose, encoded_nbytes
 from ..transport.base import Transport
@@ -47,6 +50,10 @@ class SparseIO:
     dests: Mapping[int, Endpoint]
     dtypes: Sequence[torch.dtype]
     allow_dense: bool
+    forwards: frozenset[RelayKey] = frozenset()
+    """Relayed messages this rank forwards later in the round (`rl_sync.relay`)."""
+    kept: dict[RelayKey, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """(header, payload) of each of them as it arrived, until it is forwarded."""
 
 
 def _wire(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -56,8 +63,8 @@ def _wire(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _find_changes(sends: Sequence[Message], io: SparseIO) -> sparse_codec.BucketChanges:
-    """The changes of every segment this rank sends in the bucket, in message order."""
-    segments = [seg for msg in sends for seg in msg.segments]
+    """The changes of every segment this rank sends from its sources in the bucket, in message order."""
+    segments = [seg for msg in sends if msg.relay is None for seg in msg.segments]
     pairs = [(_wire(io.sources[seg.tensor].view(seg.offsets, seg.sizes), io.dtypes[seg.tensor]),
               io.baselines[seg.tensor].view(seg.offsets, seg.sizes)) for seg in segments]
     return sparse_codec.BucketChanges(pairs, [(seg.tensor, tuple(seg.offsets), tuple(seg.sizes)) for seg in segments])
@@ -110,9 +117,11 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
     """Headers, then payloads, then validate-all-then-apply (see the module docstring)."""
     device = transport.device
     found = _find_changes(bucket.sends, io)
-    firsts = np.cumsum([0] + [len(m.segments) for m in bucket.sends]).tolist()
-    encoded = [_encode_message(m, found, first, io, counters, device) for m, first in zip(bucket.sends, firsts)]
+    own = [m for m in bucket.sends if m.relay is None]
+    firsts = np.cumsum([0] + [len(m.segments) for m in own]).tolist()
+    fresh = iter([_encode_message(m, found, first, io, counters, device) for m, first in zip(own, firsts)])
     found.finish()
+    encoded = [next(fresh) if m.relay is None else io.kept.pop(m.relay) for m in bucket.sends]
     headers_in = [torch.empty(2 * len(m.segments), dtype=torch.int64, device=device) for m in bucket.recvs]
     where = describe_bucket(bucket, names)
     _exchange(transport, [(m.peer, h.view(torch.uint8)) for m, (h, _) in zip(bucket.sends, encoded)],
@@ -121,6 +130,9 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
     payloads_in = [torch.empty(sum(b[3] for b in blocks), dtype=torch.uint8, device=device) for blocks in layouts]
     _exchange(transport, [(m.peer, p) for m, (_, p) in zip(bucket.sends, encoded)],
               [(m.peer, p) for m, p in zip(bucket.recvs, payloads_in)], deadline, where)
+    for msg, header, payload in zip(bucket.recvs, headers_in, payloads_in):
+        if msg.relay in io.forwards:
+            io.kept[msg.relay] = (header, payload)  # forwarded as it arrived, in a later bucket
     received, segments = sparse_codec.BucketReceiver(device, sum(len(m.segments) for m in bucket.recvs)), []
     for msg, blocks, payload in zip(bucket.recvs, layouts, payloads_in):
         for seg, (code, k, start, size) in zip(msg.segments, blocks):
