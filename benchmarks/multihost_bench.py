@@ -9,7 +9,12 @@ table, with the M2N round `rl_sync.simulate` predicts for each link: one node,
 or two nodes of two ranks, under `configs/links_cpu_loopback.yaml`'s host rate
 (the veth is unshaped) and, for the limited link, a 1 Gbit/s NIC per node.
 
-    sudo python benchmarks/multihost_bench.py
+Then the `relay` scenario: 2 FSDP trainers on node 0, four TP1 engine replicas on node
+1 behind 1 Gbit/s, M2N and sparse rounds sent directly and relayed among the replicas
+(`SyncConfig.relay`), with the simulator's prediction of each M2N round
+(`--relay-only` stops after it).
+
+    sudo python benchmarks/multihost_bench.py [--relay-only]
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from rl_sync.plan import TensorSpec, plan_model  # noqa: E402
 from rl_sync.schedule import build_schedule  # noqa: E402
 from rl_sync.simulate import LinkModel, predict  # noqa: E402
 from tests.multihost.netns import NetnsCluster  # noqa: E402
-from tests.multihost.scenarios import LINK_MODEL  # noqa: E402
+from tests.multihost.scenarios import LINK_MODEL, RELAY_MODEL  # noqa: E402
 
 LINKS = {"loopback": dict(placement="one_node"), "veth": dict(placement="separate", gpus_per_node=2),
          "1 Gbit/s": dict(placement="separate", gpus_per_node=2, node_nic_gbs=0.125)}
@@ -42,12 +47,41 @@ def predicted(link: str) -> str:
     return f"{predict(build_schedule(plan_model(specs), 16 << 20), links, trainer_ranks=2).seconds:.3f}"
 
 
+def predicted_relay(relay: str) -> str:
+    """The M2N round of the relay scenario (trainers on node 0, four replicas on node 1 behind
+    one 1 Gbit/s NIC) as `rl_sync.simulate` predicts it, sent directly or relayed."""
+    host = load_config(Path(__file__).resolve().parents[1] / "configs" / "links_cpu_loopback.yaml", LinkModel, ())
+    specs = [TensorSpec(r.name, "bfloat16", r.shape, r.src, r.dst.remapped([2, 3, 4, 5])) for r in RELAY_MODEL]
+    links = LinkModel(**{**host.__dict__, "placement": "separate", "gpus_per_node": 4, "node_nic_gbs": 0.125})
+    schedule = build_schedule(plan_model(specs), 8 << 20, 1 << 20, relay)
+    return f"{predict(schedule, links, trainer_ranks=2).seconds:.3f}"
+
+
+def relay_table(result: dict) -> Table:
+    table = Table(title="32 MiB bf16, 2 FSDP trainers on node 0 -> 4 TP1 replicas on node 1 behind 1 Gbit/s, "
+                        "medians of 3 (sparse: 1% changed)")
+    for column in ("relay", "mode", "ran", "seconds", "predicted", "MB from the busiest trainer",
+                   "MB from the busiest worker", "bit-exact"):
+        table.add_column(column, justify="right")
+    for relay, rows in result.items():
+        for mode in ("m2n", "sparse"):
+            row = rows[mode]
+            table.add_row(relay, mode, row["ran"], f"{row['seconds']:.3f}", predicted_relay(relay) if mode == "m2n" else "",
+                          f"{row['trainer_bytes'] / 1e6:.2f}", f"{row['worker_bytes'] / 1e6:.2f}", str(row["exact"]))
+    table.caption = "\n".join(f"relay={relay}: {rows['summary']}" for relay, rows in result.items())
+    return table
+
+
 def main() -> int:
     why_not = NetnsCluster.usable()
     if why_not:
         print(f"cannot run: {why_not}")
         return 1
     with NetnsCluster(nodes=2) as cluster:
+        relayed = cluster.run_driver(["tests.multihost.scenarios", "relay"], timeout_s=1200)
+        Console(width=160).print(relay_table(relayed))
+        if "--relay-only" in sys.argv:
+            return 0
         result = cluster.run_driver(["tests.multihost.scenarios", "links"], timeout_s=1200)
     table = Table(title="64 MiB bf16, 2 FSDP trainers -> TP2 engine, medians of 3 (sparse/auto: 1% changed)")
     for column in ("link", "mode", "ran", "seconds", "predicted", "MB into the busiest worker", "transfers by encoding"):

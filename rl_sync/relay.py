@@ -165,10 +165,13 @@ def relay_pays(plan: ModelPlan, relayed: ModelPlan, relay: Relay, buckets: int) 
     via, relayed_bytes = busiest(rank_loads(relayed, relay))
     tail = relayed_bytes * (1 + (relay.replicas - 1) / max(1, buckets))
     verdict = tail < RELAY_MARGIN * direct
-    why = (f"busiest link {_mb(direct)} (rank {rank}) sent directly, {_mb(relayed_bytes)} (rank {via}) relayed over "
+    why = (f"busiest link {_size(direct)} (rank {rank}) sent directly, {_size(relayed_bytes)} (rank {via}) relayed over "
            f"{relay.replicas} replicas plus a {relay.replicas - 1}-bucket tail")
     return verdict, ("relay: " if verdict else "direct: ") + why
 
 
-def _mb(nbytes: int) -> str:
-    return f"{nbytes / 1e6:.1f} MB"
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"

@@ -6,7 +6,7 @@ every rank receives, how long the busiest rank takes to expand its slice, and
 the plan statistics (bytes per rank, transfer counts, busiest source against
 its lower bound, and what the broadcast baseline would move). With `--links
 LINKS.yaml` (a `simulate.LinkModel`) it adds the predicted round seconds and
-the bottleneck.
+the bottleneck, sent directly and relayed among engine replicas (`rl_sync.relay`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from .plan import PlanStats, plan_model
 from .plan_info import PlanInfo
-from .schedule import build_schedule
+from .schedule import Schedule, build_schedule
 from .simulate import LinkModel, Prediction, predict
 from .synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
 from .wire import decode, encode
@@ -66,6 +66,10 @@ class PlanReport:
     stats: PlanStats
     prediction: Prediction | None = None
     """The round under `plan_report`'s `links`, when given."""
+    relay_prediction: Prediction | None = None
+    """The same round relayed among engine replicas (`rl_sync.relay`), when the plan can."""
+    replicas: int = 1
+    """Engine replicas the relay chains run through."""
 
     @property
     def total_seconds(self) -> float:
@@ -125,8 +129,17 @@ def plan_report(cfg: PlanReportConfig, step: Callable[[str], None] = lambda name
         slice_seconds=sliced - decoded,
         slice_segments=sum(len(m.segments) for b in mine.buckets for m in b.sends + b.recvs),
         stats=stats,
-        prediction=predict(schedule, links, cfg.trainer.ranks) if links else None,
+        **(_predictions(plan, cfg, links) if links else {}),
     )
+
+
+def _predictions(plan, cfg: PlanReportConfig, links: LinkModel) -> dict:
+    """The round under `links` sent directly, and relayed when the plan has engine replicas."""
+    out = {"prediction": predict(build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes), links, cfg.trainer.ranks)}
+    relayed = Schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes, relay=True)
+    if relayed.relay is not None:
+        out.update(relay_prediction=predict(relayed, links, cfg.trainer.ranks), replicas=relayed.relay.replicas)
+    return out
 
 
 def _gb(n: float) -> str:
@@ -158,6 +171,10 @@ def format_report(name: str, r: PlanReport) -> str:
     ]
     if r.prediction:
         rows.append(("predicted round", f"{r.prediction.seconds:.3f} s over {len(r.prediction.bucket_seconds)} buckets, "
-                                        f"direct (no relay among replicas); bottleneck {r.prediction.bottleneck}"))
+                                        f"direct; bottleneck {r.prediction.bottleneck}"))
+        relayed = r.relay_prediction
+        rows.append(("relayed round", "no tensor is replicated over engine replicas" if relayed is None else
+                      f"{relayed.seconds:.3f} s over {len(relayed.bucket_seconds)} buckets, relayed through "
+                      f"{r.replicas} replicas; bottleneck {relayed.bottleneck}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -147,16 +147,24 @@ class Schedule:
             for size in np.unique(self.routed.itemsizes[tensors]).tolist():
                 group = tensors[self.routed.itemsizes[tensors] == size]
                 table = np.concatenate([self.routed.rank_table(group, "src"), self.routed.rank_table(group, "dst")], axis=1)
+                forwarded = self._forward_factor(group)
                 for b, band in enumerate(self.bands[int(group[0])]):
                     load = np.concatenate([band.send_numel, band.recv_numel]) * size
                     keep = load > 0
+                    receives = (np.arange(len(load)) >= len(band.send_numel))[keep]
                     pieces.append(np.repeat(self.piece_start[group] + b, int(keep.sum())))
                     ranks.append(table[:, keep].ravel())
-                    loads.append(np.broadcast_to(load[keep], (len(group), int(keep.sum()))).ravel())
+                    loads.append((load[keep] * np.where(receives, forwarded, 1)).ravel())
         if not pieces:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
         return np.concatenate(pieces), np.concatenate(ranks), np.concatenate(loads)
+
+    def _forward_factor(self, tensors: np.ndarray) -> np.ndarray:
+        """(len(tensors), 1): 2 for relayed tensors, whose receivers forward as much again in the
+        next bucket (so a bucket holds about `bucket_bytes` per rank in steady state), else 1."""
+        relayed = [] if self.relay is None else sorted(self.relay.tensors)
+        return np.where(np.isin(tensors, relayed), 2, 1)[:, None]
 
     def _check_cuts(self) -> None:
         cuts = self.cuts

@@ -89,8 +89,13 @@ class Prediction:
 
 
 def transfer_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(bucket, source rank, destination rank, bytes) of every transfer in the schedule."""
-    plan, out = schedule.plan, ([], [], [], [])
+    """(bucket, source rank, destination rank, bytes) of every transfer in the schedule, the
+    relay's forwards included (`rl_sync.relay`: what entry rank e receives in bucket j crosses
+    from chain[k - 1] to chain[k] in bucket j + k)."""
+    plan, out, relayed = schedule.routed, ([], [], [], []), []
+    tensors_relayed = np.zeros(len(plan), dtype=bool)
+    if schedule.relay is not None:
+        tensors_relayed[sorted(schedule.relay.tensors)] = True
     for template, tensors in plan.groups():
         src_table, dst_table = plan.rank_table(tensors, "src"), plan.rank_table(tensors, "dst")
         for b, band in enumerate(schedule.bands[int(tensors[0])]):
@@ -99,9 +104,24 @@ def transfer_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarr
                                          dst_table[:, band.dst].ravel(),
                                          np.outer(plan.itemsizes[tensors], band.numel).ravel())):
                 part.append(value)
+            relayed.append(np.repeat(tensors_relayed[tensors], len(band.src)))
     if not out[0]:
         return tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
-    return tuple(np.concatenate(part).astype(np.int64) for part in out)
+    table = tuple(np.concatenate(part).astype(np.int64) for part in out)
+    return table if schedule.relay is None else _with_forwards(table, np.concatenate(relayed), schedule.relay)
+
+
+def _with_forwards(table, relayed: np.ndarray, relay) -> tuple[np.ndarray, ...]:
+    bucket, _, dst, nbytes = (part[relayed] for part in table)
+    size = int(max(max(relay.where), dst.max(initial=0))) + 1
+    chains = np.full((relay.replicas, size), -1, dtype=np.int64)
+    for entry, chain in relay.chains.items():
+        chains[:, entry] = chain
+    parts = [[part] for part in table]
+    for k in range(1, relay.replicas):
+        for part, value in zip(parts, (bucket + k, chains[k - 1][dst], chains[k][dst], nbytes)):
+            part.append(value)
+    return tuple(np.concatenate(part) for part in parts)
 
 
 def predict(schedule: Schedule, links: LinkModel, trainer_ranks: int) -> Prediction:

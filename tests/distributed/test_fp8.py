@@ -85,8 +85,10 @@ def _raise_one_amax(actor) -> None:
             local[0, 0] = 4.0
 
 
-@pytest.mark.parametrize("family, par", [("llama", Parallel(tp=2)), ("qwen3_moe", Parallel(tp=2, ep=True))])
+@pytest.mark.parametrize("family, par", [("llama", Parallel(tp=2)), ("qwen3_moe", Parallel(engines=2, tp=2, ep=True))])
 def test_fsdp2_bf16_trainers_into_the_fp8_engine(ray_session, family, par):
+    """qwen3_moe: two engine replicas, relayed (`SyncConfig.relay`): FP8 values and scales are
+    forwarded by the first replica's workers, dense and sparse."""
     extra = {"llama": {}, "qwen3_moe": dict(head_dim=4, num_experts=4, num_experts_per_tok=2,
                                             moe_intermediate_size=16)}[family]
     config = transformers.AutoConfig.for_model(family, **SMALL, **extra).to_dict()
@@ -96,8 +98,10 @@ def test_fsdp2_bf16_trainers_into_the_fp8_engine(ray_session, family, par):
     tokens = torch.randint(0, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
     modes = []
     try:
-        sync = WeightSync.create(trainers, workers, loopback_config())
+        sync = WeightSync.create(trainers, workers, loopback_config(relay="on" if par.engines > 1 else "off"))
         kept, stats = _sync_and_check(sync, trainers, workers, "sparse", modes)  # dense: the first round
+        if par.engines > 1:
+            assert [r.sent_bytes > 0 for r in stats.ranks if r.role == "worker"] == [True] * par.tp + [False] * par.tp
         bf16 = [sum(v.numel() * 2 for n, (_, v) in b.items() if not is_scale_name(n))
                 for b in ray.get([w.call.remote(_bound) for w in workers])]
         received = [next(r.received_bytes for r in stats.ranks if r.rank == 3 + j) for j in range(par.size)]

@@ -253,7 +253,53 @@ def links(args) -> dict:
     return out
 
 
-SCENARIOS = {"links": links, "two_node": two_node, "replicas": replicas, "link_down": link_down, "nodes_stopped": nodes_stopped}
+RELAY_MODEL = [Recipe(f"layers.{i}.w", torch.bfloat16, (1024, 4096), FSDP2,
+                      Layout(Mesh((4, 1)), (Replicate(), Shard(1)))) for i in range(4)]
+"""32 MiB of bf16 in four tensors, FSDP2 -> four TP1 engine replicas."""
+
+
+def relay(args) -> dict:
+    """Trainers on node 0, four TP1 replicas on node 1 behind a 1 Gbit/s limit: M2N and sparse
+    rounds (1% changed) sent directly (four copies cross the link) and relayed (one copy
+    crosses, the replicas forward it inside node 1); medians of 3, every round checked."""
+    trainers, workers = place(RELAY_MODEL, 0, [1], 4)
+    _shape(args, 1, "1gbit")
+    out, version = {}, 0
+    try:
+        for choice in ("off", "on"):
+            sync = WeightSync.create(trainers, workers, config(relay=choice, bucket_bytes=8 << 20, round_timeout_s=120.0))
+            rows = {}
+            for mode in ("m2n", "sparse"):
+                rounds, exacts = [], []
+                for seed in range(3):
+                    version += 1
+                    if mode == "m2n":
+                        step(trainers, RELAY_MODEL, version)
+                    else:
+                        ray.get([t.call.remote(perturb, 0.01, seed) for t in trainers])
+                    rounds.append(sync.push(version=version, mode=mode))
+                    exacts.append(_hold_the_trainers_values(trainers, workers))
+                mid = sorted(rounds, key=lambda r: r.seconds)[1]
+                rows[mode] = {"seconds": mid.seconds, "ran": mid.mode, "exact": all(exacts),
+                              "trainer_bytes": max(r.sent_bytes for r in mid.ranks if r.role == "trainer"),
+                              "worker_bytes": max(r.sent_bytes for r in mid.ranks if r.role == "worker")}
+            rows["summary"] = sync.summary["relay"]
+            sync.close()
+            out[choice] = rows
+    finally:
+        _shape(args, 1, None)
+    return out
+
+
+def _hold_the_trainers_values(trainers, workers) -> bool:
+    """Every worker (a whole replica) holds exactly the trainers' row shards, joined."""
+    shards = ray.get([t.call.remote(lambda self: {n: s.local.clone() for n, s in self.held.items()}) for t in trainers])
+    whole = {name: as_bytes(torch.cat([s[name] for s in shards])) for name in shards[0]}
+    return all(torch.equal(got[name], value) for got in ray.get([w.call.remote(read_all) for w in workers])
+               for name, value in whole.items())
+
+
+SCENARIOS = {"links": links, "relay": relay, "two_node": two_node, "replicas": replicas, "link_down": link_down, "nodes_stopped": nodes_stopped}
 
 
 def main() -> None:

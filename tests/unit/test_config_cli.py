@@ -74,8 +74,9 @@ def test_plan_command_predicts_a_round_on_given_links(capsys):
     0.0803 s plus 10 us per message."""
     assert main(["plan", str(CONFIGS / "plan_dense_8b.yaml"), "--links", str(CONFIGS / "links_h200_ib.yaml")]) == 0
     out = capsys.readouterr().out
-    assert ("predicted round  0.082 s over 16 buckets, direct (no relay among replicas); "
+    assert ("predicted round  0.082 s over 16 buckets, direct; "
             "bottleneck rank 0 NIC out (0.0815 s of 0.0815 s)") in out
+    assert "relayed round    0.084 s over 35 buckets, relayed through 2 replicas; bottleneck rank 8 NIC in" in out
 
 
 def test_plan_command_reports_bad_config(capsys, tmp_path):

@@ -76,3 +76,39 @@ def test_bad_links_are_refused_with_their_values():
         LinkModel(gpus_per_node=8, nvlink_gbs=450, nic_gbs=0)
     with pytest.raises(ValueError, match=r"placement must be 'separate', 'colocated' or 'one_node', got 'mixed'"):
         LinkModel(gpus_per_node=8, nvlink_gbs=450, nic_gbs=50, placement="mixed")
+
+
+def _replicas(replicas: int, tensors: int, bucket_bytes: int, relay: str):
+    """Two trainers hold halves of `tensors` (8, 4) fp32 tensors (128 bytes each); `replicas`
+    TP1 engines (ranks 2, 3, ...) each keep every tensor."""
+    src = Layout(Mesh((2,)), (Shard(0),))
+    dst = Layout(Mesh((replicas, 1), start_rank=2), (Replicate(), Replicate()))
+    specs = [TensorSpec(f"w{i}", "float32", (8, 4), src, dst) for i in range(tensors)]
+    return build_schedule(plan_model(specs), bucket_bytes, 0, relay)
+
+
+def test_relay_trades_the_trainers_copies_for_a_pipeline_tail():
+    """Four replicas, eight tensors, every rank on its own 100 B/s NIC. Directly each trainer
+    sends 4 x 64 bytes per tensor: 8 x 2.56 s. Relayed, a bucket holds one tensor (the entry
+    worker's 128 bytes count twice: it forwards as much), the entry worker receives 128 bytes
+    while forwarding the previous tensor's 128: 1.28 s per bucket over 8 + 3 buckets."""
+    links = LinkModel(gpus_per_node=1, nvlink_gbs=1.0, nic_gbs=SLOW)
+    direct = predict(_replicas(4, 8, 256, "off"), links, trainer_ranks=2)
+    assert direct.seconds == pytest.approx(8 * 2.56)
+    relayed = _replicas(4, 8, 256, "on")
+    assert relayed.num_buckets == 8 + 3
+    p = predict(relayed, links, trainer_ranks=2)
+    assert p.bucket_seconds == pytest.approx((1.28,) * 11)
+    assert p.bottleneck == "rank 2 NIC out (10.2 s of 14.1 s)"  # buckets 1 to 8: it forwards
+
+
+def test_auto_relays_when_the_byte_model_says_it_pays():
+    four = _replicas(4, 8, 256, "auto")
+    assert four.relay is not None
+    assert four.relay_choice == ("relay: busiest link 2.0 kB (rank 0) sent directly, 1.0 kB (rank 2) relayed over 4 "
+                                 "replicas plus a 3-bucket tail")
+    two = _replicas(2, 8, 256, "auto")
+    assert two.relay is None and two.relay_choice.startswith("direct: busiest link")
+    with pytest.raises(ValueError, match=r"^relay='on' needs destination tensors replicated over two or more engine"):
+        build_schedule(plan_model([TensorSpec("w", "float32", (8, 4), Layout(Mesh((2,)), (Shard(0),)),
+                                              Layout(Mesh((1, 2), start_rank=2), (Replicate(), Shard(0))))]), 256, 0, "on")
