@@ -17,6 +17,8 @@ is `rl_sync.engine.sparse_codec`, its CUDA kernels `rl_sync.engine.sparse_triton
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 INDICES, BITMAP, DENSE, BLOCKED = 0, 1, 2, 3
 NAMES = {INDICES: "indices", BITMAP: "bitmap", DENSE: "dense", BLOCKED: "blocked"}
 BLOCK = 1 << 16
@@ -28,17 +30,38 @@ def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+@dataclass(frozen=True)
+class PayloadLayout:
+    """Where each part of one encoded transfer starts in its payload (bytes; each part 16-byte
+    aligned): the bitmap or the int32 block counts at 0, `index` the int32 indices or uint16
+    in-block offsets, `values` the changed (or, dense, all) values; `nbytes` in all."""
+
+    head: int
+    """Bytes of the part at 0 (bitmap or block counts; 0 when there is none)."""
+    index: int
+    values: int
+    nbytes: int
+
+
+def payload_layout(code: int, n: int, k: int, itemsize: int) -> PayloadLayout:
+    """The layout of a transfer of `n` elements of `itemsize` bytes, `k` changed, as `code`."""
+    if code == INDICES:
+        return PayloadLayout(0, 0, _up(4 * k), _up(4 * k) + _up(itemsize * k))
+    if code == BITMAP:
+        head = -(-n // 8)
+        return PayloadLayout(head, _up(head), _up(head), _up(head) + _up(itemsize * k))
+    if code == BLOCKED:
+        head = 4 * -(-n // BLOCK)
+        values = _up(head) + _up(2 * k)
+        return PayloadLayout(head, _up(head), values, values + _up(itemsize * k))
+    if code == DENSE:
+        return PayloadLayout(0, 0, 0, _up(itemsize * n))
+    raise ValueError(f"unknown sparse encoding code {code!r}; expected 0 (indices), 1 (bitmap), 2 (dense) or 3 (blocked)")
+
+
 def encoded_nbytes(code: int, n: int, k: int, itemsize: int) -> int:
     """Bytes of one encoded transfer (its parts each 16-byte aligned)."""
-    if code == INDICES:
-        return _up(4 * k) + _up(itemsize * k) if k else 0
-    if code == BITMAP:
-        return _up(-(-n // 8)) + _up(itemsize * k)
-    if code == BLOCKED:
-        return _up(4 * -(-n // BLOCK)) + _up(2 * k) + _up(itemsize * k)
-    if code == DENSE:
-        return _up(itemsize * n)
-    raise ValueError(f"unknown sparse encoding code {code!r}; expected 0 (indices), 1 (bitmap), 2 (dense) or 3 (blocked)")
+    return payload_layout(code, n, k, itemsize).nbytes
 
 
 def choose(n: int, k: int, itemsize: int, allow_dense: bool) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from ..sparse import BITMAP, BLOCK, BLOCKED, DENSE, INDICES, encoded_nbytes
+from ..sparse import BITMAP, BLOCK, BLOCKED, DENSE, INDICES, PayloadLayout, payload_layout
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -117,10 +117,6 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((packed[:, None] >> shifts) & 1).reshape(-1)[: ((n + 7) // 8) * 8]
 
 
-def _up(n: int) -> int:
-    return -(-n // 16) * 16
-
-
 def encode(code: int, changes: Changes, out: torch.Tensor) -> torch.Tensor | None:
     """Write the box `changes` was found in, encoded as `code`, into byte buffer `out`;
     returns the changed values (None for dense)."""
@@ -132,56 +128,57 @@ def encode(code: int, changes: Changes, out: torch.Tensor) -> torch.Tensor | Non
         return None
     index = changes.index
     values = flat.index_select(0, index)
+    at = payload_layout(code, flat.numel(), k, size)
     if code == BITMAP:
-        nbits = _up(-(-flat.numel() // 8))
-        out[: -(-flat.numel() // 8)].copy_(pack_bits(changes.mask))
-        out[nbits : nbits + size * k].view(cur.dtype).copy_(values)
+        out[: at.head].copy_(pack_bits(changes.mask))
     elif code == INDICES:
         out[: 4 * k].view(torch.int32).copy_(index)
-        out[_up(4 * k) : _up(4 * k) + size * k].view(cur.dtype).copy_(values)
     else:
-        blocks = -(-flat.numel() // BLOCK)
-        counts, offsets = _up(4 * blocks), _up(4 * blocks) + _up(2 * k)
-        out[: 4 * blocks].view(torch.int32).copy_(torch.bincount(index >> 16, minlength=blocks))
-        out[counts : counts + 2 * k].view(torch.int16).copy_((index & 0xFFFF).to(torch.int32).to(torch.int16))
-        out[offsets : offsets + size * k].view(cur.dtype).copy_(values)
+        out[: at.head].view(torch.int32).copy_(torch.bincount(index >> 16, minlength=at.head // 4))
+        out[at.index : at.index + 2 * k].view(torch.int16).copy_((index & 0xFFFF).to(torch.int32).to(torch.int16))
+    out[at.values : at.values + size * k].view(cur.dtype).copy_(values)
     return values
 
 
 def decode(code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(positions, values, ok) of one transfer; `ok` is a 0-dim bool tensor (no host sync here).
     Dense transfers return no positions: `apply` copies them whole."""
-    size = dtype.itemsize
-    if block.numel() != encoded_nbytes(code, n, k, size):
-        raise ValueError(f"payload of {block.numel()} bytes, header implies {encoded_nbytes(code, n, k, size)}")
+    at = _checked_layout(code, k, n, dtype, block)
     if code == DENSE:
-        return torch.empty(0, dtype=torch.long, device=block.device), block[: size * n].view(dtype), \
+        return torch.empty(0, dtype=torch.long, device=block.device), block[: dtype.itemsize * n].view(dtype), \
             torch.ones((), dtype=torch.bool, device=block.device)
+    values = block[at.values : at.values + dtype.itemsize * k].view(dtype)
     if code == INDICES:
         index = block[: 4 * k].view(torch.int32).long()
-        values = block[_up(4 * k) : _up(4 * k) + size * k].view(dtype)
         ok = ((index >= 0) & (index < n)).all() & (index[1:] > index[:-1]).all()
         return index, values, ok
     if code == BLOCKED:
-        return _decode_blocked(k, n, dtype, size, block)
-    nbits = -(-n // 8)
-    bits = unpack_bits(block[:nbits], n)
+        index, ok = _decode_blocked(k, n, at, block)
+        return index, values, ok
+    bits = unpack_bits(block[: at.head], n)
     index = torch.nonzero(bits[:n]).reshape(-1)
     ok = (bits[n:] == 0).all() & (index.numel() == k)
-    values = block[_up(nbits) : _up(nbits) + size * k].view(dtype)
     return index, values, ok
 
 
-def _decode_blocked(k: int, n: int, dtype: torch.dtype, size: int, block: torch.Tensor):
-    blocks = -(-n // BLOCK)
-    start_off, start_val = _up(4 * blocks), _up(4 * blocks) + _up(2 * k)
-    counts = block[: 4 * blocks].view(torch.int32).long()
-    offsets = block[start_off : start_off + 2 * k].view(torch.int16).long() & 0xFFFF
+def _checked_layout(code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor) -> PayloadLayout:
+    """The payload's layout, once its size is what the header implies."""
+    at = payload_layout(code, n, k, dtype.itemsize)
+    if block.numel() != at.nbytes:
+        raise ValueError(f"payload of {block.numel()} bytes, header implies {at.nbytes}")
+    return at
+
+
+def _decode_blocked(k: int, n: int, at: PayloadLayout, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, ok) of a blocked payload."""
+    blocks = at.head // 4
+    counts = block[: at.head].view(torch.int32).long()
+    offsets = block[at.index : at.index + 2 * k].view(torch.int16).long() & 0xFFFF
     ends = torch.cumsum(counts.clamp(min=0), 0)
     owner = torch.searchsorted(ends, torch.arange(k, device=block.device), right=True).clamp(max=blocks - 1)
     index = owner * BLOCK + offsets
     ok = (counts >= 0).all() & (counts.sum() == k) & (index < n).all() & (index[1:] > index[:-1]).all()
-    return index, block[start_val : start_val + size * k].view(dtype), ok
+    return index, ok
 
 
 def apply(code: int, view: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
@@ -326,19 +323,14 @@ class BucketChanges:
             if not box.shared:  # no other box reads this baseline: a whole copy now
                 self.pairs[i][1].copy_(cur)
             return
-        n, bits, offset = box.n, as_bits(cur).dtype, _kernels().element_offset
+        at, bits, offset = payload_layout(code, box.n, k, cur.element_size()), as_bits(cur).dtype, _kernels().element_offset
+        row = dict(values=offset(out[at.values :].view(bits)), kind=_kernels().INDEX_KIND[code])
         if code == BITMAP:
-            head = -(-n // 8)
-            row = dict(values=offset(out[_up(head) :].view(bits)), kind=0, bitmap=out.data_ptr())
-        elif code == INDICES:
-            head = 0
-            row = dict(values=offset(out[_up(4 * k) :].view(bits)), index=out.data_ptr(), kind=1)
+            row.update(bitmap=out.data_ptr())
         else:
-            head = 4 * -(-n // BLOCK)
-            row = dict(values=offset(out[_up(head) + _up(2 * k) :].view(bits)), index=out[_up(head) :].data_ptr(),
-                       kind=2, blocks=out.data_ptr())
+            row.update(index=out[at.index :].data_ptr(), **({"blocks": out.data_ptr()} if code == BLOCKED else {}))
         if not k:
-            out[:head].zero_()
+            out[: at.head].zero_()
             return
         self._payloads.append(out)
         self._add(box, update=not box.shared, **row)
@@ -393,8 +385,7 @@ class BucketReceiver:
 
     def add(self, slot: int, code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor,
             view: torch.Tensor) -> None:
-        if block.numel() != encoded_nbytes(code, n, k, dtype.itemsize):
-            raise ValueError(f"payload of {block.numel()} bytes, header implies {encoded_nbytes(code, n, k, dtype.itemsize)}")
+        at = _checked_layout(code, k, n, dtype, block)
         dest = None
         if code in (BITMAP, BLOCKED) and n and _on_kernel_device(view) and block.device == view.device \
                 and view.dtype == dtype and dtype.itemsize <= 8:
@@ -406,13 +397,12 @@ class BucketReceiver:
             return
         kernels = _kernels()
         bits = as_bits(view).dtype
+        values = kernels.element_offset(block[at.values :].view(bits))
         if code == BITMAP:
-            head, m = _up(-(-n // 8)), kernels.tiles(n)
-            payload = [block.data_ptr(), 0, kernels.element_offset(block[head:].view(bits))]
+            m, payload = kernels.tiles(n), [block.data_ptr(), 0, values]
             counts, limit = 0, kernels.TILE
         else:
-            head, m = _up(4 * -(-n // BLOCK)), -(-n // BLOCK)
-            payload = [0, block[head:].data_ptr(), kernels.element_offset(block[head + _up(2 * k) :].view(bits))]
+            m, payload = -(-n // BLOCK), [0, block[at.index :].data_ptr(), values]
             counts, limit = block.data_ptr(), BLOCK
         row = [*payload, *dest.columns(), n, k, slot, self._entries, m, counts, limit]
         self._kept += [block, view]

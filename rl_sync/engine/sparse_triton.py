@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..sparse import BLOCK
+from ..sparse import BITMAP, BLOCK, BLOCKED, INDICES
 
 TILE = 4096
 """Elements per program in the tile kernels (a power of two dividing `sparse.BLOCK`)."""
@@ -48,16 +48,23 @@ ROUNDS = 4
 """compact / expand: tiles whose busiest word has at most this many marks visit the marks one
 round per mark; busier tiles handle every element at once (best of 0, 2, 4, 8 and 32 on an
 H200 at 1%, 10% and 30% density, with 4 warps a program rather than 8)."""
-NONE, INT32_INDEX, UINT16_OFFSET = 0, 1, 2
-"""What `compact` writes beside the values."""
+NONE, INT32_INDEX, UINT16_OFFSET = (tl.constexpr(kind) for kind in range(3))
+"""What `compact` writes beside the values (a `SEND_INDEX_KIND`; -1: no values either)."""
+INDEX_KIND = {BITMAP: NONE.value, INDICES: INT32_INDEX.value, BLOCKED: UINT16_OFFSET.value}
+"""The index kind of each wire encoding."""
 
-(SEND_CUR, SEND_C_COLS, SEND_C_RS, SEND_C_CS, SEND_C_CONTIG, SEND_BASE, SEND_B_COLS, SEND_B_RS, SEND_B_CS,
- SEND_B_CONTIG, SEND_N, SEND_SLOT, SEND_VALUES, SEND_INDEX, SEND_INDEX_KIND, SEND_UPDATE, SEND_BITMAP_OUT,
- SEND_BLOCKS_OUT) = range(18)
+BOX_COLS, BOX_ROW_STRIDE, BOX_COL_STRIDE, BOX_CONTIGUOUS = (tl.constexpr(c) for c in range(1, 5))
+"""A box's columns after its start (`Strided2D.columns`)."""
+(SEND_CUR, SEND_BASE, SEND_N, SEND_SLOT, SEND_VALUES, SEND_INDEX, SEND_INDEX_KIND, SEND_UPDATE, SEND_BITMAP_OUT,
+ SEND_BLOCKS_OUT) = (tl.constexpr(c) for c in (0, 5, *range(10, 18)))
 SEND_COLUMNS = 18
-(RECV_WORDS, RECV_OFFSETS, RECV_VALUES, RECV_DEST, RECV_D_COLS, RECV_D_RS, RECV_D_CS, RECV_D_CONTIG, RECV_N,
- RECV_K, RECV_FLAG, RECV_FIRST, RECV_M, RECV_COUNTS, RECV_LIMIT) = range(15)
+"""A sender row: source box (5 columns), baseline box (5), n, tile slot, values (element offset),
+index pointer, index kind, update the baseline, wire bitmap and block counts pointers (0: none)."""
+(RECV_WORDS, RECV_OFFSETS, RECV_VALUES, RECV_DEST, RECV_N, RECV_K, RECV_FLAG, RECV_FIRST, RECV_M, RECV_COUNTS,
+ RECV_LIMIT) = (tl.constexpr(c) for c in (0, 1, 2, 3, *range(8, 15)))
 RECV_COLUMNS = 15
+"""A receiver row: bitmap words and in-block offsets pointers, values (element offset), live box (5
+columns), n, k, flag slot, first count slot, counts, block counts pointer (0: tile counts), limit."""
 HARDWARE_POPC = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 BITS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 BITS_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -172,11 +179,11 @@ def _at(row, first, start, local, anchor, FAST: tl.constexpr, ALIGN: tl.constexp
     if FAST:
         return anchor + tl.multiple_of(box, ALIGN) + start + local
     i = start + local.to(tl.int64)
-    if tl.load(row + first + 4) != 0:
+    if tl.load(row + first + BOX_CONTIGUOUS) != 0:
         offsets = i
     else:
-        cols = tl.load(row + first + 1)
-        offsets = (i // cols) * tl.load(row + first + 2) + (i % cols) * tl.load(row + first + 3)
+        cols = tl.load(row + first + BOX_COLS)
+        offsets = (i // cols) * tl.load(row + first + BOX_ROW_STRIDE) + (i % cols) * tl.load(row + first + BOX_COL_STRIDE)
     return anchor + box + offsets
 
 
@@ -248,14 +255,14 @@ def _diff_kernel(table, firsts, boxes, words, counts, anchor, FAST: tl.constexpr
                  TILE: tl.constexpr, COLUMNS: tl.constexpr):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
-    n = tl.load(row + 10)
+    n = tl.load(row + SEND_N)
     start, local, _ = _tile(t, n, TILE)
     inside = local < tl.minimum(n - start, TILE).to(tl.int32)
-    a = tl.load(_at(row, 0, start, local, anchor, FAST, ALIGN), mask=inside, other=0)
-    b = tl.load(_at(row, 5, start, local, anchor, FAST, ALIGN), mask=inside, other=0)
+    a = tl.load(_at(row, SEND_CUR, start, local, anchor, FAST, ALIGN), mask=inside, other=0)
+    b = tl.load(_at(row, SEND_BASE, start, local, anchor, FAST, ALIGN), mask=inside, other=0)
     differ = (a != b) & inside
     word = tl.sum(differ.to(tl.uint32) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)
-    slot = tl.load(row + 11) + t
+    slot = tl.load(row + SEND_SLOT) + t
     tl.store(words + slot * (TILE // 32) + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True))
     tl.store(counts + slot, tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0))
 
@@ -265,15 +272,15 @@ def _emit(row, anchor, start, local, at, hit, kind, update, FAST: tl.constexpr, 
           BLOCK: tl.constexpr):
     """Compact's writes for the marks `hit` at tile offsets `local`: value (and index) at `at`,
     and the baseline when `update`."""
-    v = tl.load(_at(row, 0, start, local, anchor, FAST, ALIGN), mask=hit)
+    v = tl.load(_at(row, SEND_CUR, start, local, anchor, FAST, ALIGN), mask=hit)
     if update:
-        tl.store(_at(row, 5, start, local, anchor, FAST, ALIGN), v, mask=hit)
-    if kind >= 0:
-        tl.store(anchor + tl.load(row + 12) + at, v, mask=hit)
-    if kind == 1:
-        tl.store(_ptr(row, 13, tl.int32) + at, start.to(tl.int32) + local, mask=hit)
-    if kind == 2:
-        tl.store(_ptr(row, 13, tl.int16) + at, (((start % BLOCK).to(tl.int32) + local) & 0xFFFF).to(tl.int16), mask=hit)
+        tl.store(_at(row, SEND_BASE, start, local, anchor, FAST, ALIGN), v, mask=hit)
+    if kind >= NONE:
+        tl.store(anchor + tl.load(row + SEND_VALUES) + at, v, mask=hit)
+    if kind == INT32_INDEX:
+        tl.store(_ptr(row, SEND_INDEX, tl.int32) + at, start.to(tl.int32) + local, mask=hit)
+    if kind == UINT16_OFFSET:
+        tl.store(_ptr(row, SEND_INDEX, tl.int16) + at, (((start % BLOCK).to(tl.int32) + local) & 0xFFFF).to(tl.int16), mask=hit)
 
 
 @triton.jit
@@ -281,14 +288,14 @@ def _compact_kernel(table, firsts, boxes, words, starts, blocks, anchor, FAST: t
                     TILE: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr, ROUNDS: tl.constexpr):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
-    n = tl.load(row + 10)
-    slot = tl.load(row + 11)
+    n = tl.load(row + SEND_N)
+    slot = tl.load(row + SEND_SLOT)
     start, _, left = _tile(t, n, TILE)
     word = _words(words + slot * (TILE // 32), t, left, TILE)
     _, first, rounds = _runs(word)
     tile_start = tl.load(starts + slot + t) - tl.load(starts + slot)
-    kind = tl.load(row + 14)
-    update = tl.load(row + 15) != 0
+    kind = tl.load(row + SEND_INDEX_KIND)
+    update = tl.load(row + SEND_UPDATE) != 0
     if rounds <= ROUNDS:
         marks = word
         for r in range(0, rounds):
@@ -297,25 +304,25 @@ def _compact_kernel(table, firsts, boxes, words, starts, blocks, anchor, FAST: t
     else:
         hit, local, at = _marked(word)
         _emit(row, anchor, start, local, tile_start + at, hit, kind, update, FAST, ALIGN, BLOCK)
-    if tl.load(row + 16) != 0:
-        tl.store(_ptr(row, 16, tl.int32) + t * (TILE // 32) + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True),
+    if tl.load(row + SEND_BITMAP_OUT) != 0:
+        tl.store(_ptr(row, SEND_BITMAP_OUT, tl.int32) + t * (TILE // 32) + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True),
                  mask=left > 0)
-    if (tl.load(row + 17) != 0) & (t % (BLOCK // TILE) == 0):
-        tl.store(_ptr(row, 17, tl.int32) + t // (BLOCK // TILE), tl.load(blocks + (slot + t) // (BLOCK // TILE)))
+    if (tl.load(row + SEND_BLOCKS_OUT) != 0) & (t % (BLOCK // TILE) == 0):
+        tl.store(_ptr(row, SEND_BLOCKS_OUT, tl.int32) + t // (BLOCK // TILE), tl.load(blocks + (slot + t) // (BLOCK // TILE)))
 
 
 @triton.jit
 def _bitmap_counts_kernel(table, firsts, boxes, counts, flags, TILE: tl.constexpr, COLUMNS: tl.constexpr):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
-    n = tl.load(row + 8)
+    n = tl.load(row + RECV_N)
     _, _, left = _tile(t, n, TILE)
-    words = _ptr(row, 0, tl.int32)
-    tl.store(counts + tl.load(row + 11) + t, tl.sum(_popc(_words(words, t, left, TILE)).to(tl.int32), axis=0))
+    words = _ptr(row, RECV_WORDS, tl.int32)
+    tl.store(counts + tl.load(row + RECV_FIRST) + t, tl.sum(_popc(_words(words, t, left, TILE)).to(tl.int32), axis=0))
     raw = tl.load(words + t * (TILE // 32) + tl.arange(0, TILE // 32), mask=left > 0, other=0).to(tl.uint32, bitcast=True)
     wire_bits = left + ((n + 7) // 8 * 8 - n)
     stray = raw & ~_low_bits(left) & _low_bits(wire_bits)
-    tl.atomic_max(flags + tl.load(row + 10), tl.max((stray != 0).to(tl.int32), axis=0))
+    tl.atomic_max(flags + tl.load(row + RECV_FLAG), tl.max((stray != 0).to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -323,11 +330,11 @@ def _scan_kernel(table, counts, starts, flags, CHUNK: tl.constexpr, COLUMNS: tl.
     """One program per box: its `starts` = exclusive prefix sums of its counts (each clamped to
     the box's limit); flags the box when a count is out of range or they do not sum to `k`."""
     row = table + tl.program_id(0).to(tl.int64) * COLUMNS
-    m = tl.load(row + 12)
-    first = tl.load(row + 11)
-    limit = tl.load(row + 14).to(tl.int32)
-    if tl.load(row + 13) != 0:
-        source = _ptr(row, 13, tl.int32)
+    m = tl.load(row + RECV_M)
+    first = tl.load(row + RECV_FIRST)
+    limit = tl.load(row + RECV_LIMIT).to(tl.int32)
+    if tl.load(row + RECV_COUNTS) != 0:
+        source = _ptr(row, RECV_COUNTS, tl.int32)
     else:
         source = counts + first
     carry = tl.zeros([], dtype=tl.int64)
@@ -339,7 +346,7 @@ def _scan_kernel(table, counts, starts, flags, CHUNK: tl.constexpr, COLUMNS: tl.
         x = tl.minimum(tl.maximum(x, 0), limit).to(tl.int64)
         tl.store(starts + first + r, carry + tl.cumsum(x, axis=0) - x, mask=r < m)
         carry += tl.sum(x, axis=0)
-    tl.atomic_max(flags + tl.load(row + 10), wrong | (carry != tl.load(row + 9)).to(tl.int32))
+    tl.atomic_max(flags + tl.load(row + RECV_FLAG), wrong | (carry != tl.load(row + RECV_K)).to(tl.int32))
 
 
 @triton.jit
@@ -347,34 +354,34 @@ def _expand_kernel(table, firsts, boxes, starts, anchor, FAST: tl.constexpr, ALI
                    COLUMNS: tl.constexpr, ROUNDS: tl.constexpr):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
-    n = tl.load(row + 8)
+    n = tl.load(row + RECV_N)
     start, _, left = _tile(t, n, TILE)
-    marks = _words(_ptr(row, 0, tl.int32), t, left, TILE)
+    marks = _words(_ptr(row, RECV_WORDS, tl.int32), t, left, TILE)
     _, first, rounds = _runs(marks)
-    first += tl.load(starts + tl.load(row + 11) + t)
-    k = tl.load(row + 9)
-    values = anchor + tl.load(row + 2)
+    first += tl.load(starts + tl.load(row + RECV_FIRST) + t)
+    k = tl.load(row + RECV_K)
+    values = anchor + tl.load(row + RECV_VALUES)
     if rounds <= ROUNDS:
         for r in range(0, rounds):
             hit, local, marks = _next_mark(marks, TILE // 32)
             hit = hit & (first + r < k)
-            tl.store(_at(row, 3, start, local, anchor, FAST, ALIGN), tl.load(values + first + r, mask=hit), mask=hit)
+            tl.store(_at(row, RECV_DEST, start, local, anchor, FAST, ALIGN), tl.load(values + first + r, mask=hit), mask=hit)
     else:
         hit, local, at = _marked(marks)
-        at += tl.load(starts + tl.load(row + 11) + t)
+        at += tl.load(starts + tl.load(row + RECV_FIRST) + t)
         hit = hit & (at < k)
-        tl.store(_at(row, 3, start, local, anchor, FAST, ALIGN), tl.load(values + at, mask=hit), mask=hit)
+        tl.store(_at(row, RECV_DEST, start, local, anchor, FAST, ALIGN), tl.load(values + at, mask=hit), mask=hit)
 
 
 @triton.jit
 def _block_entries(row, b, starts, j, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Entries `j .. j + CHUNK` of wire block `b` of a box: (payload positions, mask, in-block
     offsets, the offsets one entry earlier or -1)."""
-    count = tl.minimum(tl.maximum(tl.load(_ptr(row, 13, tl.int32) + b), 0), BLOCK)
+    count = tl.minimum(tl.maximum(tl.load(_ptr(row, RECV_COUNTS, tl.int32) + b), 0), BLOCK)
     r = j + tl.arange(0, CHUNK)
-    at = tl.load(starts + tl.load(row + 11) + b) + r
-    ok = (r < count) & (at < tl.load(row + 9))
-    offsets = _ptr(row, 1, tl.int16)
+    at = tl.load(starts + tl.load(row + RECV_FIRST) + b) + r
+    ok = (r < count) & (at < tl.load(row + RECV_K))
+    offsets = _ptr(row, RECV_OFFSETS, tl.int16)
     off = tl.load(offsets + at, mask=ok, other=0).to(tl.int32) & 0xFFFF
     before = tl.load(offsets + at - 1, mask=ok & (r > 0), other=-1).to(tl.int32)
     return at, ok, off, tl.where(r > 0, before & 0xFFFF, -1)
@@ -382,7 +389,7 @@ def _block_entries(row, b, starts, j, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _block_count(row, b, BLOCK: tl.constexpr):
-    return tl.minimum(tl.maximum(tl.load(_ptr(row, 13, tl.int32) + b), 0), BLOCK)
+    return tl.minimum(tl.maximum(tl.load(_ptr(row, RECV_COUNTS, tl.int32) + b), 0), BLOCK)
 
 
 @triton.jit
@@ -390,12 +397,12 @@ def _blocked_check_kernel(table, firsts, boxes, starts, flags, CHUNK: tl.constex
                           COLUMNS: tl.constexpr):
     box, b = _box(firsts, boxes)
     row = table + box * COLUMNS
-    n = tl.load(row + 8)
+    n = tl.load(row + RECV_N)
     wrong = tl.zeros([], dtype=tl.int32)
     for j in range(0, _block_count(row, b, BLOCK), CHUNK):
         _, ok, off, before = _block_entries(row, b, starts, j, CHUNK, BLOCK)
         wrong = wrong | tl.max((ok & ((off <= before) | (b * BLOCK + off >= n))).to(tl.int32), axis=0)
-    tl.atomic_max(flags + tl.load(row + 10), wrong)
+    tl.atomic_max(flags + tl.load(row + RECV_FLAG), wrong)
 
 
 @triton.jit
@@ -405,8 +412,8 @@ def _blocked_apply_kernel(table, firsts, boxes, starts, anchor, FAST: tl.constex
     row = table + box * COLUMNS
     for j in range(0, _block_count(row, b, BLOCK), CHUNK):
         at, ok, off, _ = _block_entries(row, b, starts, j, CHUNK, BLOCK)
-        v = tl.load(anchor + tl.load(row + 2) + at, mask=ok)
-        tl.store(_at(row, 3, b * BLOCK, off, anchor, False, ALIGN), v, mask=ok)
+        v = tl.load(anchor + tl.load(row + RECV_VALUES) + at, mask=ok)
+        tl.store(_at(row, RECV_DEST, b * BLOCK, off, anchor, False, ALIGN), v, mask=ok)
 
 
 def _fast(width: int, fast: bool, device: torch.device) -> dict:
