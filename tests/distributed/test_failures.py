@@ -154,7 +154,7 @@ def test_a_rank_failing_before_its_round_starts_aborts_at_once(ray_session):
 def test_a_stalled_peer_fails_the_round_within_the_timeout(ray_session):
     with Group(W, 2, 2, round_timeout_s=3.0) as g:
         sync = g.connect()
-        stall = g.workers[1].call.remote(lambda self: time.sleep(20))
+        stall = g.workers[1].call.remote(lambda self: time.sleep(12))  # past the 8 s the coordinator waits
         time.sleep(1.0)  # the idle worker starts the stall before the coordinator's round reaches it
         start = time.monotonic()
         with pytest.raises(SyncError) as info:

@@ -200,6 +200,7 @@ def test_ranks_that_disagree_fail_init_naming_the_tensor_and_rank(qwen2_tp2, tp2
         tp2.set(1, disagree=False)
 
 
+@pytest.mark.slow  # 75 s: CI's 25 minutes (rank deaths are covered on rl-sync's workers in the default run)
 def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_up(references, tp2, tmp_path):
     """Kills the module's shared TP2 engine: the last test here to use it."""
     config = hf_config("qwen2")
@@ -242,7 +243,7 @@ def test_engine_service_driven_through_vllms_weight_transfer_calls(references, t
     try:
         sync = WeightSync.create(trainers, [service], loopback_config(bucket_bytes=1 << 18, double_buffer=True))
         assert sync.summary["fallbacks"] == [] and sync.summary["world_size"] == 4
-        for step in range(1, 4):
+        for step in range(1, 3):  # each round lands in the shadows, then is committed
             ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
             stats = sync.push()
             received = [r.received_bytes for r in stats.ranks if r.role == "worker"]
