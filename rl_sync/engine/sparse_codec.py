@@ -174,11 +174,16 @@ def _decode_blocked(k: int, n: int, at: PayloadLayout, block: torch.Tensor) -> t
     blocks = at.head // 4
     counts = block[: at.head].view(torch.int32).long()
     offsets = block[at.index : at.index + 2 * k].view(torch.int16).long() & 0xFFFF
-    ends = torch.cumsum(counts.clamp(min=0), 0)
-    owner = torch.searchsorted(ends, torch.arange(k, device=block.device), right=True).clamp(max=blocks - 1)
+    counted = (counts >= 0).all() & (counts.sum() == k)
+    if block.device.type == "cpu":  # reading the counts costs nothing here: expand them instead of searching
+        if not bool(counted):
+            return torch.zeros(k, dtype=torch.long), counted
+        owner = torch.repeat_interleave(torch.arange(blocks), counts)
+    else:
+        ends = torch.cumsum(counts.clamp(min=0), 0)
+        owner = torch.searchsorted(ends, torch.arange(k, device=block.device), right=True).clamp(max=blocks - 1)
     index = owner * BLOCK + offsets
-    ok = (counts >= 0).all() & (counts.sum() == k) & (index < n).all() & (index[1:] > index[:-1]).all()
-    return index, ok
+    return index, counted & (index < n).all() & (index[1:] > index[:-1]).all()
 
 
 def apply(code: int, view: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
@@ -265,7 +270,7 @@ class BucketChanges:
 
     Usage: `found = BucketChanges(pairs, boxes)`; `found.counts[i]` (changed elements of box i);
     `found.encode(i, code, out)` for each box; then `found.finish()` once: the encodings are
-    complete, and each baseline equals what was sent.
+    complete, and each baseline equals what was sent (or `complete()`, send, then `advance()`).
 
     CUDA boxes (`_fused_pair`) take the Triton path, every box of the bucket in the same
     launches: one diff pass (bitmap words and tile counts), the bucket's counts back to the host
@@ -341,9 +346,19 @@ class BucketChanges:
 
     def finish(self) -> None:
         """Complete every encoding and make every box's baseline what was sent."""
-        kernels = _kernels()
+        self.complete()
+        self.advance()
+
+    def complete(self) -> None:
+        """Complete every encoding (on CUDA, with the baselines of boxes no other box overlaps)."""
         if self._rows:
+            kernels = _kernels()
             _launch_by_key(kernels.compact, self._rows, self.device, self._words, self._starts, self._blocks)
+            self._rows = {}
+
+    def advance(self) -> None:
+        """After `complete`: every other box's baseline becomes what was sent (a round runs it once
+        the payloads are on their way, off the receivers' critical path)."""
         shared = {}
         for i, ((cur, base), box) in enumerate(zip(self.pairs, self._boxes)):
             if isinstance(box, Changes):
@@ -351,9 +366,9 @@ class BucketChanges:
             elif isinstance(box, _Fused) and box.shared and self._codes[i] == DENSE:
                 base.copy_(cur)
             elif isinstance(box, _Fused) and box.shared and self.counts[i]:
-                shared.setdefault(box.key, []).append((kernels.tiles(box.n), box.row(update=True)))
+                shared.setdefault(box.key, []).append((_kernels().tiles(box.n), box.row(update=True)))
         if shared:
-            _launch_by_key(kernels.compact, shared, self.device, self._words, self._starts, self._blocks)
+            _launch_by_key(_kernels().compact, shared, self.device, self._words, self._starts, self._blocks)
 
 
 def _advance(base: torch.Tensor, cur: torch.Tensor, code: int, changes: Changes, values: torch.Tensor | None) -> None:

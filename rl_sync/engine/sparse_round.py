@@ -6,7 +6,8 @@ size of every payload before posting it; then the payloads. Senders diff each
 segment's box against the baseline (the values last synced), pick the
 smallest encoding (`rl_sync.sparse`), and advance the baseline
 (`sparse_codec.BucketChanges`: on CUDA every box of the bucket in the same
-Triton launches, and the bucket's counts read back once). Receivers validate
+Triton launches, and the bucket's counts read back once; the baselines of
+boxes the kernels did not update advance once the payloads are sent). Receivers validate
 every segment of the bucket (`sparse_codec.BucketReceiver`, one host sync) and
 only then write, in place, into live storage: bad input raises and writes
 nothing of the bucket.
@@ -120,7 +121,7 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
     own = [m for m in bucket.sends if m.relay is None]
     firsts = np.cumsum([0] + [len(m.segments) for m in own]).tolist()
     fresh = iter([_encode_message(m, found, first, io, counters, device) for m, first in zip(own, firsts)])
-    found.finish()
+    found.complete()
     encoded = [next(fresh) if m.relay is None else io.kept.pop(m.relay) for m in bucket.sends]
     headers_in = [torch.empty(2 * len(m.segments), dtype=torch.int64, device=device) for m in bucket.recvs]
     where = describe_bucket(bucket, names)
@@ -130,6 +131,7 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
     payloads_in = [torch.empty(sum(b[3] for b in blocks), dtype=torch.uint8, device=device) for blocks in layouts]
     _exchange(transport, [(m.peer, p) for m, (_, p) in zip(bucket.sends, encoded)],
               [(m.peer, p) for m, p in zip(bucket.recvs, payloads_in)], deadline, where)
+    found.advance()  # the baselines, while the receivers decode
     for msg, header, payload in zip(bucket.recvs, headers_in, payloads_in):
         if msg.relay in io.forwards:
             io.kept[msg.relay] = (header, payload)  # forwarded as it arrived, in a later bucket
