@@ -1,13 +1,22 @@
 """rl-sync core: layouts, the reshard planner and schedule, wire codecs, the engine
-and transports. Imports without Ray; `actors` is the Ray layer."""
+and transports. Imports without Ray; `actors` is the Ray layer.
 
+What a user needs from the core is importable from here: layouts (`Layout`,
+`Mesh`, `Shard`, `Replicate`), what trainers and workers hand over (`Sharded`,
+`Destination`), binding a checkpoint into an engine's fused layout (`Binder`,
+`Rule`, `ModelConfig`, `Parallel`), and the group's settings (`SyncConfig`).
+The planner's own entry points (`plan_model`, `build_schedule`, `TensorSpec`)
+are for tools built on it."""
+
+from .bind import Binder, Rule
 from .layout import Box, Layout, Mesh, Replicate, Shard
-from .plan import SideSpec, TensorSpec, join_specs, plan_model, plan_reshard
+from .models import ModelConfig, Parallel
+from .plan import TensorSpec, plan_model, plan_reshard
 from .schedule import build_schedule
 from .storage import Destination, Sharded
 from .sync_config import SyncConfig
 
 __all__ = [
-    "Box", "Destination", "Layout", "Mesh", "Replicate", "Shard", "Sharded", "SideSpec", "SyncConfig", "TensorSpec",
-    "build_schedule", "join_specs", "plan_model", "plan_reshard",
+    "Binder", "Box", "Destination", "Layout", "Mesh", "ModelConfig", "Parallel", "Replicate", "Rule", "Shard", "Sharded",
+    "SyncConfig", "TensorSpec", "build_schedule", "plan_model", "plan_reshard",
 ]

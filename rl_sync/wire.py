@@ -10,7 +10,7 @@ that names the field path. Any malformed input, random bytes included, raises
 
 Typical use::
 
-    blob = encode(PlanInfo.from_plan(schedule))
+    blob = encode(PlanInfo.from_schedule(schedule))
     schedule = decode(PlanInfo, blob).to_schedule()
 """
 

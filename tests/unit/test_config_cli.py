@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,8 @@ from rl_sync.report import PlanReportConfig
 CONFIGS = Path(__file__).parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["plan_dense_8b", "plan_qwen3_235b", "plan_kimi_k2", "plan_deepseek_v3"])
+@pytest.mark.parametrize("name", ["plan_dense_8b", "plan_qwen3_235b", "plan_kimi_k2", "plan_deepseek_v3",
+                                  "plan_llama_70b_fleet"])
 def test_shipped_plan_configs_load(name):
     cfg = load_config(CONFIGS / f"{name}.yaml", PlanReportConfig)
     assert cfg.trainer.ranks > 0 and cfg.inference.engines > 0
@@ -77,6 +80,16 @@ def test_plan_command_predicts_a_round_on_given_links(capsys):
     assert ("predicted round  0.082 s over 16 buckets, direct; "
             "bottleneck rank 0 NIC out (0.0815 s of 0.0815 s)") in out
     assert "relayed round    0.084 s over 35 buckets, relayed through 2 replicas; bottleneck rank 8 NIC in" in out
+
+
+def test_plan_command_runs_without_importing_ray():
+    """`rl-sync plan` needs no cluster: a fresh interpreter plans and never imports Ray."""
+    code = ("import sys; from actors.cli import main; code = main(['plan', sys.argv[1]]); "
+            "print('ray imported' if 'ray' in sys.modules else 'no ray'); sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", code, str(CONFIGS / "plan_dense_8b.yaml")], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("no ray")
 
 
 def test_plan_command_reports_bad_config(capsys, tmp_path):
