@@ -25,6 +25,7 @@ from ..schedule import RankSchedule
 from ..rendezvous import derive
 from ..transport.base import Transport
 from ..transport.digest import Digester, DigestTransport
+from ..transport.registry import transport_class
 from .broadcast import ROOT, BroadcastStaging, gather_schedule, run_broadcast
 from .endpoint import Endpoint
 from .quantize import QuantStage
@@ -41,22 +42,10 @@ def make_transport(info: InitInfo, bind_host: str, device: torch.device) -> Tran
 
 
 def _join(info: InitInfo, bind_host: str, device: torch.device) -> Transport:
-    """Join the group `info` describes with the transport it names."""
-    broadcast_ranks = sorted({ROOT, *info.worker_ranks})
-    if info.transport == "local" or info.world_size == 1:
-        from ..transport.local import LocalTransport
-
-        return LocalTransport(device)
-    if info.transport == "nccl":
-        from ..transport.nccl import NcclTransport
-
-        return NcclTransport(info.rank, info.world_size, info.nccl_id, device,
-                             broadcast_ranks=broadcast_ranks, broadcast_id=info.nccl_broadcast_id)
-    from ..transport.gloo import GlooTransport
-
-    return GlooTransport(info.rank, info.world_size, info.store_host, info.store_port, info.secret,
-                         bind_host=bind_host, prefix=info.prefix, timeout_s=info.timeout_s,
-                         broadcast_ranks=broadcast_ranks)
+    """Join the group `info` describes with the transport it names (one rank: `local`)."""
+    name = "local" if info.world_size == 1 else info.transport
+    return transport_class(name).join(info, bind_host=bind_host, device=device,
+                                      broadcast_ranks=sorted({ROOT, *info.worker_ranks}))
 
 
 def checked(transport: Transport, info: InitInfo) -> Transport:

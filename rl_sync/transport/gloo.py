@@ -89,6 +89,11 @@ class GlooTransport(Transport):
             self.bcast = _group(store, f"{prefix}/bcast/", index, len(self.bcast_ranks), bind_host, timeout_s)
         self._closed = False
 
+    @classmethod
+    def join(cls, info, *, bind_host: str, device: torch.device, broadcast_ranks: Sequence[int]) -> GlooTransport:
+        return cls(info.rank, info.world_size, info.store_host, info.store_port, info.secret, bind_host=bind_host,
+                   prefix=info.prefix, timeout_s=info.timeout_s, broadcast_ranks=broadcast_ranks)
+
     def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
         check_ops(sends, self.world_size, self.rank, "send")
         check_ops(recvs, self.world_size, self.rank, "receive")

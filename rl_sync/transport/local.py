@@ -7,6 +7,8 @@ one code path for one rank and for many.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .base import Ops, Pending, Transport
@@ -17,6 +19,10 @@ class LocalTransport(Transport):
 
     def __init__(self, device: torch.device):
         self.rank, self.world_size, self.device = 0, 1, torch.device(device)
+
+    @classmethod
+    def join(cls, info, *, bind_host: str, device: torch.device, broadcast_ranks: Sequence[int]) -> LocalTransport:
+        return cls(device)
 
     def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
         raise ValueError("a one-rank group has no peers to send to or receive from")

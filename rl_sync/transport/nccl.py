@@ -92,6 +92,11 @@ class NcclTransport(Transport):
         self._last: torch.cuda.Event | None = None
         self._closed = False
 
+    @classmethod
+    def join(cls, info, *, bind_host: str, device: torch.device, broadcast_ranks: Sequence[int]) -> NcclTransport:
+        return cls(info.rank, info.world_size, info.nccl_id, device, broadcast_ranks=broadcast_ranks,
+                   broadcast_id=info.nccl_broadcast_id)
+
     def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
         nccl = _nccl()
         check_ops(sends, self.world_size, self.rank, "send")
