@@ -102,8 +102,9 @@ def _admit(layout: Layout, where: dict[int, tuple[int, int]], replicas: int | No
     if table is None or (replicas is not None and table.shape[0] != replicas):
         return False
     claims = _claims(table)
-    if any(where.get(rank, claim) != claim for rank, claim in claims.items()):
-        return False
+    holders = {claim: rank for rank, claim in where.items()}
+    if any(where.get(rank, claim) != claim or holders.get(claim, rank) != rank for rank, claim in claims.items()):
+        return False  # a rank in another place, or a place held by another rank: not the same chains
     where.update(claims)
     return True
 

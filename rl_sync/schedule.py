@@ -103,12 +103,13 @@ class Schedule:
         self.bucket_bytes = bucket_bytes
         self.coalesce_bytes = coalesce_bytes
         routed = self.routed
-        keys = list(zip(routed.tensor_template.tolist(), routed.itemsizes.tolist()))
-        counts = {key: band_count(routed.templates[key[0]], key[1], bucket_bytes) for key in dict.fromkeys(keys)}
+        forwarded = self._forward_factor(np.arange(len(routed)))[:, 0].tolist()
+        keys = list(zip(routed.tensor_template.tolist(), routed.itemsizes.tolist(), forwarded))
+        counts = {key: band_count(routed.templates[key[0]], key[1] * key[2], bucket_bytes) for key in dict.fromkeys(keys)}
         _check_pieces(sum(counts[key] for key in keys), bucket_bytes)
-        cache: dict[tuple[int, int], tuple[Band, ...]] = {}
-        for key in counts:
-            cache[key] = make_bands(routed.templates[key[0]], key[1], bucket_bytes)
+        cache: dict[tuple[int, int, int], tuple[Band, ...]] = {}
+        for key in counts:  # a relayed tensor's bands counted twice: its receivers forward as much again
+            cache[key] = make_bands(routed.templates[key[0]], key[1] * key[2], bucket_bytes)
         self.bands = [cache[key] for key in keys]
         self.order = _interleaved_order(routed)
         counts = np.array([len(b) for b in self.bands], dtype=np.int64)

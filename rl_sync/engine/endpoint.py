@@ -31,7 +31,10 @@ def as_bytes(view: torch.Tensor) -> torch.Tensor | None:
     """A flat uint8 alias of a contiguous view, or `None` when it is strided."""
     if not view.is_contiguous():
         return None
-    return view.reshape(-1).view(torch.uint8)
+    flat = view.reshape(-1)
+    if flat.numel() == 1:  # contiguous whatever its stride: make it 1 so the bytes can be viewed
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
 
 
 def region(buf: torch.Tensor, seg: Segment, dtype: torch.dtype) -> torch.Tensor:

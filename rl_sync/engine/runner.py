@@ -243,10 +243,11 @@ def run_program(program: Program, transport: Transport, deadline: float, *, name
     try:
         for ops in program.buckets:
             ops.label = ops.label or describe_bucket(ops.bucket, names)
-            where = ops.label
             if previous is not None and ops.forwards:
+                where = previous.label
                 complete_bucket(previous, deadline)  # what this bucket forwards has landed
                 previous = None
+            where = ops.label
             start_bucket(ops, transport)
             if previous is not None:
                 where = previous.label

@@ -169,3 +169,45 @@ def test_trainers_send_one_copy_and_each_worker_forwards_what_it_received(replic
     for k in range(replicas):
         for r in (4 + 2 * k, 5 + 2 * k):
             assert relayed["sent"][r] == (per_worker if k < replicas - 1 else 0)
+
+
+def test_a_place_in_a_chain_belongs_to_one_rank():
+    """b shares a's replica-0 rank but puts another rank in replica 1: one chain cannot hold both."""
+    src = Layout(Mesh((2,)), (Shard(0),))
+    a = Layout(Mesh((2, 1), ranks=[2, 4]), (Replicate(), Shard(0)))
+    b = Layout(Mesh((2, 1), ranks=[2, 5]), (Replicate(), Shard(0)))
+    for first, second in ((a, b), (b, a)):
+        specs = [TensorSpec("e0", "float32", (8, 4), src, first), TensorSpec("e1", "float32", (8, 4), src, second)]
+        schedule = Schedule(plan_model(specs), 64, 0, relay=True)
+        assert len(schedule.relay.chains) == 1 and schedule.relay.replicas == 2 and schedule.relay.tensors == {0}
+        run(schedule)
+
+
+def test_relayed_buckets_hold_no_more_per_rank_than_direct_ones():
+    """Relayed bands are cut for twice their receive (they are forwarded as much again), so a
+    forwarding worker's bucket (receiving one band, forwarding the previous) holds no more than
+    a direct bucket does on its busiest rank."""
+    src = Layout(Mesh((2,)), (Shard(0),))
+    dst = engines(Layout(Mesh((2,)), (Shard(0),)), 4, list(range(2, 10)))
+    plan = plan_model([TensorSpec(f"w{i}", "float32", (1024, 256), src, dst) for i in range(4)])
+
+    def worst(schedule):
+        return max(sum(m.nbytes for m in b.sends + b.recvs) for r in range(10) for b in schedule.rank_slice(r).buckets)
+
+    relayed = Schedule(plan, 64 << 10, 0, relay=True)
+    assert worst(relayed) <= worst(Schedule(plan, 64 << 10, 0))
+    run(relayed)
+
+
+def test_subset_rounds_relay_exactly_their_tensors():
+    src = Layout(Mesh((2,)), (Shard(0),))
+    dst = engines(Layout(Mesh((2,)), (Shard(1),)), 3, list(range(2, 8)))
+    plan = plan_model([TensorSpec(f"w{i}", "bfloat16", (16, 8), src, dst) for i in range(5)])
+    schedule = Schedule(plan, 256, 64, relay=True)
+    subset = {1, 3}
+    slices = {r: schedule.rank_slice(r, subset) for r in range(8)}
+    assert {s.tensor for mine in slices.values() for b in mine.buckets for m in b.sends + b.recvs
+            for s in m.segments} == subset
+    sends = sorted(repr((b.index, r, m.peer, m.segments)) for r, mine in slices.items() for b in mine.buckets for m in b.sends)
+    recvs = sorted(repr((b.index, m.peer, r, m.segments)) for r, mine in slices.items() for b in mine.buckets for m in b.recvs)
+    assert sends == recvs
