@@ -33,3 +33,18 @@ def test_overlapping_views_are_refused_naming_both(views, pair):
         check_disjoint(views, rank=3)
     assert str(raised.value) == (f"worker rank 3: destinations {pair[0]!r} and {pair[1]!r} share memory (their views "
                                  "overlap); each element may have one writer")
+
+
+def test_a_one_element_box_of_any_stride_is_sent_from_its_storage():
+    """A single element is contiguous whatever its stride (a column of column-major storage):
+    its bytes are viewed in place, not refused."""
+    import torch
+
+    from rl_sync.engine.endpoint import as_bytes
+
+    storage = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    element = storage[:, 1][2:3]
+    assert element.stride() == (4,)
+    raw = as_bytes(element)
+    assert raw.data_ptr() == element.data_ptr() and torch.equal(raw.view(torch.float32), torch.tensor([9.0]))
+    assert as_bytes(storage[:, 1]) is None
