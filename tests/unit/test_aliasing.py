@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rl_sync.engine.aliasing import check_disjoint
+from rl_sync.engine.endpoint import as_bytes
 
 BASE = torch.zeros(6, 4, 8)
 
@@ -38,10 +39,6 @@ def test_overlapping_views_are_refused_naming_both(views, pair):
 def test_a_one_element_box_of_any_stride_is_sent_from_its_storage():
     """A single element is contiguous whatever its stride (a column of column-major storage):
     its bytes are viewed in place, not refused."""
-    import torch
-
-    from rl_sync.engine.endpoint import as_bytes
-
     storage = torch.arange(16, dtype=torch.float32).reshape(4, 4)
     element = storage[:, 1][2:3]
     assert element.stride() == (4,)
