@@ -259,6 +259,7 @@ def test_engine_service_driven_through_vllms_weight_transfer_calls(references, t
         POOL.give_back(Trainer, trainers)
 
 
+@pytest.mark.slow  # 95-105 s (a `vllm serve` process and a TP1 reference engine): CI's 25 minutes
 def test_vllm_serve_synced_over_http(references, tmp_path):
     """`vllm serve` with rl-sync as its backend, driven over HTTP (vLLM's weight-transfer
     routes, generation paused around each round); read back through its generate route."""
