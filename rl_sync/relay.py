@@ -158,17 +158,16 @@ worker's wait for each bucket, per-message latency) must not eat the gain."""
 
 
 def relay_pays(plan: ModelPlan, relayed: ModelPlan, relay: Relay, buckets: int) -> tuple[bool, str]:
-    """Whether relaying shortens the round, and why, by the byte model: every rank's link has
+    """Whether relaying shortens the round, and the figures it compared, by the byte model: every rank's link has
     one rate each way (full duplex), so a round takes as long as its busiest link's bytes; the
     relay adds `relay.replicas - 1` buckets to the `buckets` of the round. `rl-sync plan
     --links` predicts both with real link rates instead."""
     rank, direct = busiest(rank_loads(plan, None))
     via, relayed_bytes = busiest(rank_loads(relayed, relay))
     tail = relayed_bytes * (1 + (relay.replicas - 1) / max(1, buckets))
-    verdict = tail < RELAY_MARGIN * direct
     why = (f"busiest link {_size(direct)} (rank {rank}) sent directly, {_size(relayed_bytes)} (rank {via}) relayed over "
            f"{relay.replicas} replicas plus a {relay.replicas - 1}-bucket tail")
-    return verdict, ("relay: " if verdict else "direct: ") + why
+    return tail < RELAY_MARGIN * direct, why
 
 
 def _size(nbytes: int) -> str:

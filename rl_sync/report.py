@@ -129,13 +129,14 @@ def plan_report(cfg: PlanReportConfig, step: Callable[[str], None] = lambda name
         slice_seconds=sliced - decoded,
         slice_segments=sum(len(m.segments) for b in mine.buckets for m in b.sends + b.recvs),
         stats=stats,
-        **(_predictions(plan, cfg, links) if links else {}),
+        **(_predictions(schedule, cfg, links) if links else {}),
     )
 
 
-def _predictions(plan, cfg: PlanReportConfig, links: LinkModel) -> dict:
-    """The round under `links` sent directly, and relayed when the plan has engine replicas."""
-    out = {"prediction": predict(build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes), links, cfg.trainer.ranks)}
+def _predictions(schedule: Schedule, cfg: PlanReportConfig, links: LinkModel) -> dict:
+    """The round under `links` sent directly (`schedule`), and relayed when the plan has engine replicas."""
+    plan = schedule.plan
+    out = {"prediction": predict(schedule, links, cfg.trainer.ranks)}
     relayed = Schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes, relay=True)
     if relayed.relay is not None:
         out.update(relay_prediction=predict(relayed, links, cfg.trainer.ranks), replicas=relayed.relay.replicas)

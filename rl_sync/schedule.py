@@ -102,6 +102,10 @@ class Schedule:
         """The plan the trainers' transfers follow (relayed tensors into their entry replica)."""
         self.bucket_bytes = bucket_bytes
         self.coalesce_bytes = coalesce_bytes
+        self.relayed = np.zeros(len(plan), dtype=bool)
+        """Per tensor: whether it is relayed."""
+        if self.relay is not None:
+            self.relayed[sorted(self.relay.tensors)] = True
         routed = self.routed
         forwarded = self._forward_factor(np.arange(len(routed)))[:, 0].tolist()
         keys = list(zip(routed.tensor_template.tolist(), routed.itemsizes.tolist(), forwarded))
@@ -164,8 +168,7 @@ class Schedule:
     def _forward_factor(self, tensors: np.ndarray) -> np.ndarray:
         """(len(tensors), 1): 2 for relayed tensors, whose receivers forward as much again in the
         next bucket (so a bucket holds about `bucket_bytes` per rank in steady state), else 1."""
-        relayed = [] if self.relay is None else sorted(self.relay.tensors)
-        return np.where(np.isin(tensors, relayed), 2, 1)[:, None]
+        return np.where(self.relayed[tensors], 2, 1)[:, None]
 
     def _check_cuts(self) -> None:
         cuts = self.cuts
@@ -206,14 +209,13 @@ class Schedule:
         sends: dict[tuple[int, bool], list] = {}
         recvs: dict[tuple[int, bool], list] = {}
         local: list[Segment] = []
-        relayed = frozenset() if self.relay is None else self.relay.tensors
         for _, tensor, band_index, src_pos, dst_pos in pieces:
             spec, size = self.routed.specs[tensor], int(self.routed.itemsizes[tensor])
             band = self.bands[tensor][band_index]
             for side, pos, peers, out in (("src", src_pos, spec.dst.mesh, sends), ("dst", dst_pos, spec.src.mesh, recvs)):
                 if pos is not None:
                     for peer, offsets, sizes, numel in band.rows(side, pos):
-                        key = (peers.ranks[peer], tensor in relayed)
+                        key = (peers.ranks[peer], bool(self.relayed[tensor]))
                         out.setdefault(key, []).append((tensor, offsets, sizes, numel * size))
             if band_index == 0 and src_pos is not None and dst_pos is not None:
                 local.extend(self._local_segments(tensor, src_pos, dst_pos, size))
@@ -350,18 +352,23 @@ def build_schedule(plan: ModelPlan, bucket_bytes: int = 256 << 20, coalesce_byte
     `relay_pays` says it shortens the round. `Schedule.relay_choice` says what was chosen and why."""
     if relay not in ("off", "on", "auto"):
         raise ValueError(f"relay must be 'off', 'on' or 'auto', got {relay!r}")
-    direct = Schedule(plan, bucket_bytes, coalesce_bytes)
     if relay == "off":
-        return direct
+        return Schedule(plan, bucket_bytes, coalesce_bytes)
     relayed = Schedule(plan, bucket_bytes, coalesce_bytes, relay=True)
     if relayed.relay is None:
         if relay == "on":
             raise ValueError("relay='on' needs destination tensors replicated over two or more engine replicas "
                              "(mesh dim 0 Replicate, one engine per index) and workers apart from the trainers; "
                              "this plan has none")
-        direct.relay_choice = "direct: no tensor is replicated over engine replicas"
-        return direct
+        return _chosen(Schedule(plan, bucket_bytes, coalesce_bytes), "direct: no tensor is replicated over engine replicas")
+    if relay == "on":  # the byte model's figures for the summary only: no direct schedule to weigh against
+        _, why = relay_pays(plan, relayed.routed, relayed.relay, len(relayed.cuts) - 1)
+        return _chosen(relayed, "relay: asked for (relay='on'); " + why)
+    direct = Schedule(plan, bucket_bytes, coalesce_bytes)
     pays, why = relay_pays(plan, relayed.routed, relayed.relay, direct.num_buckets)
-    chosen = relayed if relay == "on" or pays else direct
-    chosen.relay_choice = why if relay == "auto" else "relay: asked for (relay='on'); " + why.split(": ", 1)[1]
-    return chosen
+    return _chosen(relayed, "relay: " + why) if pays else _chosen(direct, "direct: " + why)
+
+
+def _chosen(schedule: Schedule, why: str) -> Schedule:
+    schedule.relay_choice = why
+    return schedule

@@ -93,9 +93,6 @@ def transfer_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarr
     relay's forwards included (`rl_sync.relay`: what entry rank e receives in bucket j crosses
     from chain[k - 1] to chain[k] in bucket j + k)."""
     plan, out, relayed = schedule.routed, ([], [], [], []), []
-    tensors_relayed = np.zeros(len(plan), dtype=bool)
-    if schedule.relay is not None:
-        tensors_relayed[sorted(schedule.relay.tensors)] = True
     for template, tensors in plan.groups():
         src_table, dst_table = plan.rank_table(tensors, "src"), plan.rank_table(tensors, "dst")
         for b, band in enumerate(schedule.bands[int(tensors[0])]):
@@ -104,7 +101,7 @@ def transfer_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarr
                                          dst_table[:, band.dst].ravel(),
                                          np.outer(plan.itemsizes[tensors], band.numel).ravel())):
                 part.append(value)
-            relayed.append(np.repeat(tensors_relayed[tensors], len(band.src)))
+            relayed.append(np.repeat(schedule.relayed[tensors], len(band.src)))
     if not out[0]:
         return tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
     table = tuple(np.concatenate(part).astype(np.int64) for part in out)

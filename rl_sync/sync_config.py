@@ -102,9 +102,8 @@ MAX_BUCKET_BYTES = 1 << 40
 """1 TiB: far above any device's memory; bounds the sizes the planner multiplies."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 CHOICES = {"transport": ("auto", "gloo", "nccl"), "colocate": ("auto", "ipc", "off"),
-            "mode": ("m2n", "broadcast", "sparse", "auto"), "relay": ("off", "on", "auto"),
-           "sparse_baseline": ("device", "pinned_cpu"),
-           "integrity": ("keyed", "checksum", "off")}
+           "mode": ("m2n", "broadcast", "sparse", "auto"), "relay": ("off", "on", "auto"),
+           "sparse_baseline": ("device", "pinned_cpu"), "integrity": ("keyed", "checksum", "off")}
 
 
 def _integer(field: str, value, low: int, high: int) -> None:

@@ -328,8 +328,8 @@ class BucketChanges:
             if not box.shared:  # no other box reads this baseline: a whole copy now
                 self.pairs[i][1].copy_(cur)
             return
-        at, bits, offset = payload_layout(code, box.n, k, cur.element_size()), as_bits(cur).dtype, _kernels().element_offset
-        row = dict(values=offset(out[at.values :].view(bits)), kind=_kernels().INDEX_KIND[code])
+        at, kernels = payload_layout(code, box.n, k, cur.element_size()), _kernels()
+        row = dict(values=kernels.element_offset(out[at.values :].view(as_bits(cur).dtype)), kind=kernels.INDEX_KIND[code])
         if code == BITMAP:
             row.update(bitmap=out.data_ptr())
         else:
