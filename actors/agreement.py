@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rl_sync.messages import SideReport, TensorReport
-from rl_sync.parts import check_parts, parse_part, part_name, part_shape
-from rl_sync.plan import SideSpec
+from rl_sync.wire.messages import SideReport, TensorReport
+from rl_sync.planning.parts import check_parts, parse_part, part_name, part_shape
+from rl_sync.planning.plan import SideSpec
 
 
 def _describe(t: TensorReport) -> str:
@@ -69,7 +69,7 @@ def colocated_mates(trainers: Sequence[SideReport], workers: Sequence[SideReport
 
 
 def split_sources(sources: Sequence[SideSpec], worker_names: Sequence[str]) -> list[SideSpec]:
-    """Sources with every tensor the workers bind in parts (`rl_sync.parts`) replaced by those
+    """Sources with every tensor the workers bind in parts (`rl_sync.planning.parts`) replaced by those
     parts, each with the trainers' layout of the whole; refused when the parts do not tile
     the tensor or cut a dim the trainers shard."""
     parts: dict[str, list[tuple[int, int, int]]] = {}

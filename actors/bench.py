@@ -1,7 +1,7 @@
 """`rl-sync bench`: M2N, sparse and broadcast rounds side by side on a synthetic model.
 
 Trainer actors hold random FSDP (`Shard(0)`) shards of a synthetic model
-(`rl_sync.synthetic`), engine workers zeroed TP shards; each mode runs
+(`rl_sync.models.synthetic`), engine workers zeroed TP shards; each mode runs
 `repeat` rounds (the sparse one after changing `density` of every tensor) and
 the table shows bytes and seconds per round. `--chart out.png` draws them.
 """
@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from rl_sync.stats import RoundStats
-from rl_sync.sync_config import SyncConfig
-from rl_sync.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
+from rl_sync.wire.stats import RoundStats
+from rl_sync.config.sync import SyncConfig
+from rl_sync.models.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
 
 from .placement import SyncPlacement
 from .ready import InferenceWorker, TrainerActor

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rl_sync.config import apply_overrides, from_dict, load_config
+from rl_sync.config.load import apply_overrides, from_dict, load_config
 
 COMMANDS = {
     "plan": "plan a synthetic model (no Ray, no communication); print planning time, memory, message size, "
@@ -38,8 +38,8 @@ def _config(cls, path: str | None, overrides: Sequence[str]):
 def _plan(args, overrides) -> int:
     from rich.progress import Progress
 
-    from rl_sync.report import STEPS, PlanReportConfig, format_report, plan_report
-    from rl_sync.simulate import LinkModel
+    from rl_sync.planning.report import STEPS, PlanReportConfig, format_report, plan_report
+    from rl_sync.planning.simulate import LinkModel
 
     if args.config is None:
         raise ValueError("plan needs a CONFIG, e.g. configs/plan_kimi_k2.yaml")
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=COMMANDS[name], description=COMMANDS[name])
         sub.add_argument("config", nargs="?", help=f"YAML file (e.g. configs/{'plan_dense_8b' if name == 'plan' else name}.yaml)")
         if name == "plan":
-            sub.add_argument("--links", default=None, help="YAML link model (rl_sync.simulate.LinkModel): predict a round")
+            sub.add_argument("--links", default=None, help="YAML link model (rl_sync.planning.simulate.LinkModel): predict a round")
         if name != "plan":
             sub.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else local)")
         if name == "bench":

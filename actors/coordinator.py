@@ -24,22 +24,22 @@ from dataclasses import replace
 
 import ray
 
-from rl_sync.messages import InitInfo, RankStats, RoundInfo, SideReport
-from rl_sync.parts import parse_part, sharded_dims
-from rl_sync.patches import check_patch, route_patch
-from rl_sync.plan import SideSpec, join_specs, plan_model
-from rl_sync.auto import AutoPolicy, RoundCost
-from rl_sync.quant import scale_name, scaled_name
-from rl_sync.plan_info import PlanInfo
-from rl_sync.push_args import repeated_names
+from rl_sync.wire.messages import InitInfo, RankStats, RoundInfo, SideReport
+from rl_sync.planning.parts import parse_part, sharded_dims
+from rl_sync.sparse.patches import check_patch, route_patch
+from rl_sync.planning.plan import SideSpec, join_specs, plan_model
+from rl_sync.sparse.auto import AutoPolicy, RoundCost
+from rl_sync.planning.quant import scale_name, scaled_name
+from rl_sync.wire.plan_info import PlanInfo
+from rl_sync.config.push_args import repeated_names
 from rl_sync.rank.address import interface_address
 from rl_sync.rank.claim import GroupTag
 from rl_sync.rendezvous import StoreServer, new_secret
-from rl_sync.schedule import build_schedule
-from rl_sync.stats import RoundStats
-from rl_sync.sync_config import SyncConfig
+from rl_sync.planning.schedule import build_schedule
+from rl_sync.wire.stats import RoundStats
+from rl_sync.config.sync import SyncConfig
 from rl_sync.vllm.service import Rendezvous
-from rl_sync.wire import decode, encode
+from rl_sync.wire.codec import decode, encode
 
 from .agreement import check_agreement, colocated_mates, merge_sources, split_sources
 from .calls import Budget, SyncError
@@ -441,7 +441,7 @@ class Coordinator:
         return bool(moved)
 
     def push_patches(self, patches: list, version: int | None, budget_s: float | None = None) -> int:
-        """Apply flat-index patches (`rl_sync.patches`) on every worker that keeps part of them,
+        """Apply flat-index patches (`rl_sync.sparse.patches`) on every worker that keeps part of them,
         within `budget_s` seconds.
 
         Every patch is checked against the plan (name, dtype, index range, no repeats) before

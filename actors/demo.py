@@ -22,7 +22,7 @@ from rich.table import Table
 
 from rl_sync.bind.rules import Rule
 from rl_sync.models.config import Parallel
-from rl_sync.sync_config import SyncConfig
+from rl_sync.config.sync import SyncConfig
 
 from .cluster import free_init_url
 from .models import EngineWorker, HFTrainer, hf_config

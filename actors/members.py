@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import ray
 
 from rl_sync.vllm.service import CloseRequest, DescribeRequest, Rendezvous, RoundRequest
-from rl_sync.wire import encode
+from rl_sync.wire.codec import encode
 
 from .calls import SyncError, failure_reason
 

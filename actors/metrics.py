@@ -13,7 +13,7 @@ import logging
 
 from ray.util import metrics
 
-from rl_sync.stats import RoundStats
+from rl_sync.wire.stats import RoundStats
 
 log = logging.getLogger("rl_sync")
 

@@ -19,7 +19,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rl_sync.layout import Mesh
+from rl_sync.planning.layout import Mesh
 
 
 @dataclass

@@ -34,7 +34,7 @@ import ray
 from rl_sync.rank.claim import Claim, GroupTag
 from rl_sync.vllm.driver import HttpControl, LlmControl, ServiceDriver
 from rl_sync.vllm.service import CloseRequest, ConnectRequest, Rendezvous, RoundRequest
-from rl_sync.wire import decode
+from rl_sync.wire.codec import decode
 
 from .participant import coordinator_alive
 

@@ -1,4 +1,4 @@
-"""Trainer and worker builders for synthetic models (`rl_sync.synthetic`).
+"""Trainer and worker builders for synthetic models (`rl_sync.models.synthetic`).
 
 Benchmarks, the notebook and the planner's figures use them to stand up real
 actors holding every tensor of, say, a dense 8B model without loading weights:
@@ -17,9 +17,9 @@ import torch
 
 from rl_sync.bind.rules import QUANTIZED
 from rl_sync.engine.sources import Destination, Sharded
-from rl_sync.layout import Layout
-from rl_sync.plan import TensorSpec
-from rl_sync.quant import dest_scale_layout, grid_shape, scale_name
+from rl_sync.planning.layout import Layout
+from rl_sync.planning.plan import TensorSpec
+from rl_sync.planning.quant import dest_scale_layout, grid_shape, scale_name
 
 
 def trainer_build(specs: Sequence[TensorSpec], device: str = "cpu", seed: int = 0) -> Callable:

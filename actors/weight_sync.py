@@ -20,9 +20,9 @@ import ray
 from ray.actor import ActorHandle
 from rich.console import Console
 
-from rl_sync.push_args import check_push_args, check_version
-from rl_sync.stats import RoundStats
-from rl_sync.sync_config import SyncConfig, check_seconds
+from rl_sync.config.push_args import check_push_args, check_version
+from rl_sync.wire.stats import RoundStats
+from rl_sync.config.sync import SyncConfig, check_seconds
 
 from .calls import SyncError
 from .coordinator import Coordinator

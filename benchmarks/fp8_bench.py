@@ -26,10 +26,10 @@ from gpu_common import LLAMA_8B, median_round, pair, show, start_ray
 from rl_sync.bind.rules import QUANTIZED  # noqa: E402
 from rl_sync.engine.endpoint import Endpoint  # noqa: E402
 from rl_sync.engine.quantize import QuantStage  # noqa: E402
-from rl_sync.layout import Layout, Mesh  # noqa: E402
-from rl_sync.plan import SideSpec, join_specs, plan_model  # noqa: E402
-from rl_sync.quant import dest_scale_layout, grid_shape, scale_name  # noqa: E402
-from rl_sync.synthetic import InferenceParallel, TrainerParallel, model_specs  # noqa: E402
+from rl_sync.planning.layout import Layout, Mesh  # noqa: E402
+from rl_sync.planning.plan import SideSpec, join_specs, plan_model  # noqa: E402
+from rl_sync.planning.quant import dest_scale_layout, grid_shape, scale_name  # noqa: E402
+from rl_sync.models.synthetic import InferenceParallel, TrainerParallel, model_specs  # noqa: E402
 from rl_sync.transport.local import LocalTransport  # noqa: E402
 
 BLOCK = (128, 128)
@@ -77,7 +77,7 @@ def pushes(repeat: int, same_gpu: bool) -> dict:
     import ray
 
     from actors import WeightSync
-    from rl_sync.sync_config import SyncConfig
+    from rl_sync.config.sync import SyncConfig
 
     out = {}
     for label, block in (("bf16", None), ("fp8", BLOCK)):
@@ -102,7 +102,7 @@ def e2e(rounds: int) -> dict:
     from actors.cluster import free_init_url
     from actors.models import EngineWorker, HFTrainer
     from rl_sync.models.config import Parallel
-    from rl_sync.sync_config import SyncConfig
+    from rl_sync.config.sync import SyncConfig
 
     model = yaml.safe_load(Path(__file__).resolve().parents[1].joinpath("configs", "demo.yaml").read_text())["model"]
     par, out = Parallel(engines=2, tp=2), {}

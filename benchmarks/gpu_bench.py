@@ -26,7 +26,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 from gpu_common import median_round, pair, show, specs_8b, specs_small, start_ray
 
 from actors import WeightSync  # noqa: E402
-from rl_sync.sync_config import SyncConfig  # noqa: E402
+from rl_sync.config.sync import SyncConfig  # noqa: E402
 
 
 def copy_floor(nbytes: int, repeat: int) -> float:

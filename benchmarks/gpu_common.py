@@ -18,9 +18,9 @@ sys.path.insert(0, str(ROOT))
 
 from actors import InferenceWorker, TrainerActor  # noqa: E402
 from actors.synthetic import trainer_build, worker_build  # noqa: E402
-from rl_sync.layout import Layout, Mesh, Replicate  # noqa: E402
-from rl_sync.plan import TensorSpec  # noqa: E402
-from rl_sync.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs  # noqa: E402
+from rl_sync.planning.layout import Layout, Mesh, Replicate  # noqa: E402
+from rl_sync.planning.plan import TensorSpec  # noqa: E402
+from rl_sync.models.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs  # noqa: E402
 
 LLAMA_8B = ModelShape(layers=32, hidden=4096, intermediate=14336, vocab=128256, heads=32, kv_heads=8, head_dim=128)
 

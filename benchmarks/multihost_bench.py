@@ -5,7 +5,7 @@ Needs root (network namespaces). Starts a two-node `NetnsCluster`, runs the
 (2 FSDP trainers on node 0, a TP2 engine on node 0, then on node 1, then on
 node 1 behind a `tc tbf` limit of 1 Gbit/s; 64 MiB of bf16; M2N, broadcast,
 sparse and auto after 1% of every tensor changed; medians of 3) and prints a
-table, with the M2N round `rl_sync.simulate` predicts for each link: one node,
+table, with the M2N round `rl_sync.planning.simulate` predicts for each link: one node,
 or two nodes of two ranks, under `configs/links_cpu_loopback.yaml`'s host rate
 (the veth is unshaped) and, for the limited link, a 1 Gbit/s NIC per node.
 
@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from rl_sync.config import load_config  # noqa: E402
-from rl_sync.plan import TensorSpec, plan_model  # noqa: E402
-from rl_sync.schedule import build_schedule  # noqa: E402
-from rl_sync.simulate import LinkModel, predict  # noqa: E402
+from rl_sync.config.load import load_config  # noqa: E402
+from rl_sync.planning.plan import TensorSpec, plan_model  # noqa: E402
+from rl_sync.planning.schedule import build_schedule  # noqa: E402
+from rl_sync.planning.simulate import LinkModel, predict  # noqa: E402
 from tests.multihost.netns import NetnsCluster  # noqa: E402
 from tests.multihost.scenarios import LINK_MODEL, RELAY_MODEL  # noqa: E402
 
@@ -40,7 +40,7 @@ LINKS = {"loopback": dict(placement="one_node"), "veth": dict(placement="separat
 
 
 def predicted(link: str) -> str:
-    """The M2N round `rl_sync.simulate` predicts for the scenario's model on `link`."""
+    """The M2N round `rl_sync.planning.simulate` predicts for the scenario's model on `link`."""
     host = load_config(Path(__file__).resolve().parents[1] / "configs" / "links_cpu_loopback.yaml", LinkModel, ())
     specs = [TensorSpec(r.name, "bfloat16", r.shape, r.src, r.dst.remapped([2, 3])) for r in LINK_MODEL]
     links = LinkModel(**{**host.__dict__, **LINKS[link]})
@@ -49,7 +49,7 @@ def predicted(link: str) -> str:
 
 def predicted_relay(relay: str) -> str:
     """The M2N round of the relay scenario (trainers on node 0, four replicas on node 1 behind
-    one 1 Gbit/s NIC) as `rl_sync.simulate` predicts it, sent directly or relayed."""
+    one 1 Gbit/s NIC) as `rl_sync.planning.simulate` predicts it, sent directly or relayed."""
     host = load_config(Path(__file__).resolve().parents[1] / "configs" / "links_cpu_loopback.yaml", LinkModel, ())
     specs = [TensorSpec(r.name, "bfloat16", r.shape, r.src, r.dst.remapped([2, 3, 4, 5])) for r in RELAY_MODEL]
     links = LinkModel(**{**host.__dict__, "placement": "separate", "gpus_per_node": 4, "node_nic_gbs": 0.125})

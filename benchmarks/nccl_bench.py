@@ -23,7 +23,7 @@ from gpu_common import median_round, pair, show, specs_8b, start_ray
 
 from actors import WeightSync  # noqa: E402
 from rl_sync.engine.runner import deadline_in  # noqa: E402
-from rl_sync.sync_config import SyncConfig  # noqa: E402
+from rl_sync.config.sync import SyncConfig  # noqa: E402
 
 
 def _open(actor, rank: int, uid, nbytes: int) -> None:

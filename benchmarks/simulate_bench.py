@@ -1,7 +1,7 @@
 """The link-model simulator against measured rounds: CPU, Gloo over loopback, Ray actors.
 
 For each configuration, `repeat` M2N rounds run on a synthetic model (`rl-sync bench`'s
-actors) and their median is set beside `rl_sync.simulate.predict` for the same schedule under
+actors) and their median is set beside `rl_sync.planning.simulate.predict` for the same schedule under
 `--links` (default `configs/links_cpu_loopback.yaml`), with the relative error.
 
     python benchmarks/simulate_bench.py [--links LINKS.yaml] [--repeat 5]
@@ -18,11 +18,11 @@ from rich.table import Table
 
 from actors.bench import BenchConfig, run
 from actors.cluster import connect
-from rl_sync.config import load_config
-from rl_sync.plan import plan_model
-from rl_sync.schedule import build_schedule
-from rl_sync.simulate import LinkModel, predict
-from rl_sync.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
+from rl_sync.config.load import load_config
+from rl_sync.planning.plan import plan_model
+from rl_sync.planning.schedule import build_schedule
+from rl_sync.planning.simulate import LinkModel, predict
+from rl_sync.models.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
 
 SMALL = ModelShape(layers=4, hidden=512, intermediate=1536, vocab=32000, heads=8, kv_heads=8, head_dim=64)
 LARGE = ModelShape(layers=8, hidden=768, intermediate=2048, vocab=32000, heads=12, kv_heads=12, head_dim=64)

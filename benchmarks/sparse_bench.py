@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rl_sync.engine import sparse_codec
-from rl_sync.sparse import BITMAP, BLOCKED, DENSE, INDICES, NAMES, choose, encoded_nbytes
+from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, NAMES, choose, encoded_nbytes
 
 DENSITIES = (0.001, 0.01, 0.1, 0.3, 0.5, 1.0)
 
@@ -107,8 +107,8 @@ def e2e_table(repeat: int) -> Table:
 
     from actors import InferenceWorker, TrainerActor, WeightSync
     from actors.synthetic import trainer_build, worker_build
-    from rl_sync.sync_config import SyncConfig
-    from rl_sync.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
+    from rl_sync.config.sync import SyncConfig
+    from rl_sync.models.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
 
     shape = ModelShape(layers=4, hidden=512, intermediate=1536, vocab=32000, heads=8, kv_heads=8, head_dim=64)
     specs = model_specs(shape, TrainerParallel(ranks=2), InferenceParallel(engines=1, tensor_parallel=2))

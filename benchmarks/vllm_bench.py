@@ -42,7 +42,7 @@ from actors.cluster import free_init_url  # noqa: E402
 from actors.models import HFTrainer  # noqa: E402
 from actors.vllm import VllmEngine  # noqa: E402
 from rl_sync.rendezvous import StoreServer, new_secret  # noqa: E402
-from rl_sync.sync_config import SyncConfig  # noqa: E402
+from rl_sync.config.sync import SyncConfig  # noqa: E402
 from rl_sync.transport.gloo import GlooTransport  # noqa: E402
 from rl_sync.vllm.checkpoint import write_checkpoint  # noqa: E402
 

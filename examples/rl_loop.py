@@ -32,9 +32,9 @@ from actors.cluster import free_init_url
 from actors.demo import DemoModel
 from actors.models import EngineWorker, HFTrainer, hf_config
 from actors.placement import SyncPlacement
-from rl_sync.config import load_config
+from rl_sync.config.load import load_config
 from rl_sync.models.config import Parallel
-from rl_sync.sync_config import SyncConfig
+from rl_sync.config.sync import SyncConfig
 
 if __name__ != "__main__":  # imported (a test, a notebook): actors receive these functions by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -37,7 +37,7 @@ from actors.demo import DemoModel  # noqa: E402
 from actors.models import hf_config  # noqa: E402
 from actors.placement import SyncPlacement  # noqa: E402
 from actors.vllm import VllmEngine  # noqa: E402
-from rl_sync.sync_config import SyncConfig  # noqa: E402
+from rl_sync.config.sync import SyncConfig  # noqa: E402
 from rl_sync.vllm.checkpoint import write_checkpoint  # noqa: E402
 
 if __name__ != "__main__":  # imported (a test): actors receive these functions by value

@@ -9,12 +9,12 @@ The planner's own entry points (`plan_model`, `build_schedule`, `TensorSpec`)
 are for tools built on it."""
 
 from .bind import Binder, Rule
-from .layout import Box, Layout, Mesh, Replicate, Shard
+from .planning.layout import Box, Layout, Mesh, Replicate, Shard
 from .models import ModelConfig, Parallel
-from .plan import TensorSpec, plan_model, plan_reshard
-from .schedule import build_schedule
+from .planning.plan import TensorSpec, plan_model, plan_reshard
+from .planning.schedule import build_schedule
 from .storage import Destination, Sharded
-from .sync_config import SyncConfig
+from .config.sync import SyncConfig
 
 __all__ = [
     "Binder", "Box", "Destination", "Layout", "Mesh", "ModelConfig", "Parallel", "Replicate", "Rule", "Shard", "Sharded",

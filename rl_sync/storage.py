@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import Layout
+from .planning.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Destination:
     fallback: bool = False
     """Delivered whole and handed to the worker's load hook instead of written in place."""
     block: tuple[int, ...] = ()
-    """Kept block-quantized (`rl_sync.quant`): `view` holds float8_e4m3fn values, and the
+    """Kept block-quantized (`rl_sync.planning.quant`): `view` holds float8_e4m3fn values, and the
     destination named `scale_name(name)` the fp32 scale of each block of this size."""
 
 

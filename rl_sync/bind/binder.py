@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import Box, Layout, Mesh, Replicate, Shard
+from ..planning.layout import Box, Layout, Mesh, Replicate, Shard
 from ..models.config import ModelConfig, Parallel
-from ..quant import LIVE_SCALE_SUFFIX, dest_scale_layout, grid_shape, scale_name
+from ..planning.quant import LIVE_SCALE_SUFFIX, dest_scale_layout, grid_shape, scale_name
 from ..storage import Destination
 from .rules import BUILTIN, FUSED, QUANTIZED, Rule
 

@@ -25,7 +25,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from ..layout import Box, Layout, Mesh, Replicate, Shard
+from ..planning.layout import Box, Layout, Mesh, Replicate, Shard
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import Box, Layout, Mesh
-from ..plan import ModelPlan, TensorSpec
-from ..schedule import ALIGN, Schedule
+from ..planning.layout import Box, Layout, Mesh
+from ..planning.plan import ModelPlan, TensorSpec
+from ..planning.schedule import ALIGN, Schedule
 from ..transport.base import Transport
 from .endpoint import Endpoint
 from .runner import BucketIO, Counters, compile_bucket, complete_bucket, staging_need, start_bucket

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schedule import Segment
+from ..planning.schedule import Segment
 
 
 @dataclass(frozen=True)

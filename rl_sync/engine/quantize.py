@@ -1,13 +1,13 @@
 """Quantize on the sending side: a trainer rank's FP8 values and block scales for each round.
 
-For every tensor the plan sends as block-quantized FP8 (`rl_sync.quant`), the rank
+For every tensor the plan sends as block-quantized FP8 (`rl_sync.planning.quant`), the rank
 keeps an FP8 copy of its shard and the scales of the blocks its shard touches, and
 hands the round those in place of the bf16 shard: the FP8 copy as the tensor's
 source, the scales of the blocks it owns as the scale tensor's source. Each round:
 
 1. the fp32 amax of every block the shard touches (partial where the shard cuts a block);
 2. the partial amaxes of cut blocks go to the other ranks holding parts of them, in one
-   grouped launch (`rl_sync.quant.amax_exchange`), and each rank takes the maximum;
+   grouped launch (`rl_sync.planning.quant.amax_exchange`), and each rank takes the maximum;
 3. scale = max(amax, 1e-4) / 448 and q = (x * (1 / scale)) cast to float8_e4m3fn: for the
    whole tensor, bit for bit, what vLLM's `per_block_cast_to_fp8` gives on a CPU. (On CUDA
    vLLM divides by 448 as a multiply by float32 1/448, one ulp off in some blocks; rl-sync
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import Box
-from ..plan import ModelPlan
-from ..quant import AMAX_FLOOR, FP8_MAX, amax_exchange, grid_shape, scale_name, touched_blocks
+from ..planning.layout import Box
+from ..planning.plan import ModelPlan
+from ..planning.quant import AMAX_FLOOR, FP8_MAX, amax_exchange, grid_shape, scale_name, touched_blocks
 from ..transport.base import Transport
 from .endpoint import Endpoint
 

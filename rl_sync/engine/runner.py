@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..schedule import ALIGN, Message, RankBucket
+from ..planning.schedule import ALIGN, Message, RankBucket
 from ..transport.base import Pending, Transport
 from .batched_copy import BatchedCopy
 from .endpoint import Endpoint, as_bytes, region
@@ -134,7 +134,7 @@ class BucketOps:
     counters: Counters = field(default_factory=Counters)
     pending: Pending | None = None
     forwards: bool = False
-    """Forwards relayed boxes (`rl_sync.relay`): the bucket before it must complete first."""
+    """Forwards relayed boxes (`rl_sync.planning.relay`): the bucket before it must complete first."""
     label: str = ""
     """Names the bucket in a transport's errors (`describe_bucket`), set at its first run."""
 
@@ -151,7 +151,7 @@ def _staged(msg: Message, endpoint: Callable[[int, int], Endpoint], bucket: int,
 
 def _storage(side: str, msg: Message, io: BucketIO) -> Callable[[int, int], Endpoint]:
     """Where a message's boxes live here: a send's in the sources, except a forwarded one
-    (`rl_sync.relay`), read where this worker received it; a receive's in the destinations."""
+    (`rl_sync.planning.relay`), read where this worker received it; a receive's in the destinations."""
     return io.source if side == "send" and msg.relay is None else io.dest
 
 

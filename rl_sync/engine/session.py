@@ -17,11 +17,11 @@ from collections.abc import Mapping
 
 import torch
 
-from ..messages import InitInfo, RankStats, RoundInfo
-from ..parts import parse_part
-from ..plan_info import PlanInfo
-from ..quant import is_scale_name, scale_name, scaled_name
-from ..schedule import RankSchedule
+from ..wire.messages import InitInfo, RankStats, RoundInfo
+from ..planning.parts import parse_part
+from ..wire.plan_info import PlanInfo
+from ..planning.quant import is_scale_name, scale_name, scaled_name
+from ..planning.schedule import RankSchedule
 from ..rendezvous import derive
 from ..transport.base import Transport
 from ..transport.digest import Digester, DigestTransport
@@ -58,7 +58,7 @@ def checked(transport: Transport, info: InitInfo) -> Transport:
 
 
 def part_endpoint(endpoints: Mapping[str, Endpoint], name: str) -> Endpoint | None:
-    """A source endpoint for part `name` (`rl_sync.parts`): a view of the whole tensor's shard,
+    """A source endpoint for part `name` (`rl_sync.planning.parts`): a view of the whole tensor's shard,
     which holds the cut dim whole (the coordinator checked), in the part's coordinates."""
     found = parse_part(name)
     whole = None if found is None else endpoints.get(found[0])

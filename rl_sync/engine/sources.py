@@ -14,10 +14,10 @@ from collections.abc import Mapping
 
 import torch
 
-from ..dtypes import dtype_name
-from ..layout import Layout, Mesh
-from ..messages import TensorReport
-from ..plan_info import LayoutInfo
+from ..wire.dtypes import dtype_name
+from ..planning.layout import Layout, Mesh
+from ..wire.messages import TensorReport
+from ..wire.plan_info import LayoutInfo
 from ..storage import Destination, Sharded
 from .aliasing import check_disjoint
 from .endpoint import Endpoint

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from ..sparse import BITMAP, BLOCK, BLOCKED, DENSE, INDICES, PayloadLayout, payload_layout
+from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, DENSE, INDICES, PayloadLayout, payload_layout
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -4,7 +4,7 @@ Per bucket, in two grouped exchanges: first every message's header (per
 segment: encoding code and changed count, int64), so each receiver knows the
 size of every payload before posting it; then the payloads. Senders diff each
 segment's box against the baseline (the values last synced), pick the
-smallest encoding (`rl_sync.sparse`), and advance the baseline
+smallest encoding (`rl_sync.sparse.encodings`), and advance the baseline
 (`sparse_codec.BucketChanges`: on CUDA every box of the bucket in the same
 Triton launches, and the bucket's counts read back once; the baselines of
 boxes the kernels did not update advance once the payloads are sent). Receivers validate
@@ -14,7 +14,7 @@ nothing of the bucket.
 
 Ordering contract: as for dense rounds (all ranks, buckets in order); within a
 bucket the header exchange precedes the payload exchange on every rank. A worker
-forwarding relayed boxes (`rl_sync.relay`) keeps the header and payload of each such
+forwarding relayed boxes (`rl_sync.planning.relay`) keeps the header and payload of each such
 message as it arrived and sends them unchanged in the bucket its schedule names.
 """
 
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..relay import RelayKey
-from ..schedule import Message, RankBucket
-from ..sparse import DENSE, NAMES, check_count, choose, encoded_nbytes
+from ..planning.relay import RelayKey
+from ..planning.schedule import Message, RankBucket
+from ..sparse.encodings import DENSE, NAMES, check_count, choose, encoded_nbytes
 from ..transport.base import Transport
 from . import sparse_codec
 from .endpoint import Endpoint
@@ -52,7 +52,7 @@ class SparseIO:
     dtypes: Sequence[torch.dtype]
     allow_dense: bool
     forwards: frozenset[RelayKey] = frozenset()
-    """Relayed messages this rank forwards later in the round (`rl_sync.relay`)."""
+    """Relayed messages this rank forwards later in the round (`rl_sync.planning.relay`)."""
     kept: dict[RelayKey, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """(header, payload) of each of them as it arrived, until it is forwarded."""
 

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..sparse import BITMAP, BLOCK, BLOCKED, INDICES
+from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, INDICES
 
 TILE = 4096
 """Elements per program in the tile kernels (a power of two dividing `sparse.BLOCK`)."""

@@ -31,7 +31,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     fp8_block: tuple[int, int] | None = None
     """Linear and expert weights kept as block-quantized FP8 with one fp32 scale per block of
-    this size (`rl_sync.quant`; a Hugging Face `quantization_config` of `quant_method: fp8`
+    this size (`rl_sync.planning.quant`; a Hugging Face `quantization_config` of `quant_method: fp8`
     with `weight_block_size`); `None`: every weight in the model's dtype."""
 
     @classmethod

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..quant import LIVE_SCALE_SUFFIX, grid_shape
+from ..planning.quant import LIVE_SCALE_SUFFIX, grid_shape
 from .config import ModelConfig, Parallel
 
 

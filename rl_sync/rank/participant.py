@@ -21,11 +21,11 @@ from types import MappingProxyType
 import torch
 
 from ..engine.session import RankSession
-from ..messages import InitInfo, RankStats, RoundInfo, SideReport
-from ..plan_info import PlanInfo
+from ..wire.messages import InitInfo, RankStats, RoundInfo, SideReport
+from ..wire.plan_info import PlanInfo
 from ..transport.cuda_ipc import IpcExport, MappedDestinations, device_uuid
 from ..transport.nccl import new_unique_id
-from ..wire import decode, encode
+from ..wire.codec import decode, encode
 from .address import interface_address
 from .claim import Claim, GroupTag
 

@@ -5,7 +5,7 @@ rank), a vLLM rank that is itself a Ray actor (external launcher), and a vLLM
 engine run as a service, whose ranks live in vLLM's worker processes and are
 reached through vLLM's weight-transfer calls (`rl_sync.vllm.backend`, driven
 by `actors.members.ServiceMember`). Arguments and results are plain data or
-bytes of `rl_sync.wire` messages, so any of them may cross a process.
+bytes of `rl_sync.wire.codec` messages, so any of them may cross a process.
 
 Order (the coordinator's contract, the same on every rank of a group):
 `_rl_sync_ping` (before a repair), `_rl_sync_describe` for each side the rank

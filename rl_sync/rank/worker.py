@@ -29,11 +29,11 @@ import torch
 from ..engine import sparse_codec
 from ..engine.endpoint import Endpoint
 from ..engine.sources import worker_entries
-from ..messages import RankStats, RoundInfo
-from ..sparse import INDICES
+from ..wire.messages import RankStats, RoundInfo
+from ..sparse.encodings import INDICES
 from ..storage import geometry, owner
 from ..transport.cuda_ipc import WorkerExport
-from ..wire import encode
+from ..wire.codec import encode
 from .participant import Participant
 
 

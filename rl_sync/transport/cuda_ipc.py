@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 
-from ..dtypes import dtype_name
+from ..wire.dtypes import dtype_name
 from .cuda_memory import Backing, IpcUnavailable, backings, buffer_id, export_fd, extent_bytes, map_fds
 from .fd_passing import FdOffer, receive_fds
 

@@ -36,7 +36,7 @@ CHUNK_BYTES = 64 << 20
 """Payload compressed per torch step (bounds the fallback's temporaries to a few times this)."""
 REDUCED_BYTES = 4096
 MAX_LEVELS = 8
-"""Enough for 2**48 bytes (`rl_sync.plan`'s element bound) at 1/64 per level."""
+"""Enough for 2**48 bytes (`rl_sync.planning.plan`'s element bound) at 1/64 per level."""
 _MASK32 = 0xFFFFFFFF
 
 

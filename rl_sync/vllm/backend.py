@@ -27,7 +27,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from ..engine.sources import Destination
 from ..rank import WorkerRank
-from ..wire import decode
+from ..wire.codec import decode
 from .rank import VllmDestinations, engine_rank
 from .service import (ERROR, CloseRequest, ConnectRequest, DescribeRequest, Rendezvous, RoundRequest, reply_key,
                       store_client, unpack)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import Layout, Mesh, Replicate
+from ..planning.layout import Layout, Mesh, Replicate
 from ..storage import Destination
 from .entries import Entry, local_report, plan_entries
 from .modes import Mode, param_mode

@@ -26,7 +26,7 @@ import urllib.request
 from dataclasses import replace
 from typing import Protocol
 
-from ..wire import encode
+from ..wire.codec import encode
 from .service import ERROR, CloseRequest, ConnectRequest, DescribeRequest, Rendezvous, RoundRequest, pack, reply_key, store_client
 
 

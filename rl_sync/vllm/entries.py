@@ -9,7 +9,7 @@ report, `plan_entries` (pure, the same on every rank) decides:
 * a name every rank keeps as one box becomes one entry with the layout that
   gives those boxes;
 * a name kept in pieces is cut into parts along a dim the trainers do not
-  shard (`rl_sync.parts`) where that leaves one box per rank and part;
+  shard (`rl_sync.planning.parts`) where that leaves one box per rank and part;
 * anything else falls back (vLLM's loader takes the whole tensor).
 
 A name no rank's loader writes is an error: the engine's model lacks it.
@@ -26,8 +26,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..bind.infer import Merged, Piece, find_cuts, infer_layout, merge_pieces
-from ..layout import Box, Layout
-from ..parts import part_name, part_shape
+from ..planning.layout import Box, Layout
+from ..planning.parts import part_name, part_shape
 from .probe import Probe
 
 

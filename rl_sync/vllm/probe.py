@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..bind.infer import Geometry, Piece
-from ..layout import Box
+from ..planning.layout import Box
 
 _COPY = torch.ops.aten.copy_.default
 _FILLS = (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)

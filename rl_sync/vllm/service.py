@@ -23,7 +23,7 @@ from typing import Literal
 
 from ..rendezvous import MemberStore
 from ..rendezvous.auth import check_secret
-from ..sync_config import check_port, check_seconds
+from ..config.sync import check_port, check_seconds
 
 Op = Literal["describe", "connect", "run", "commit", "close"]
 ERROR = b"\x00rl-sync-error\x00"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from rl_sync.sync_config import SyncConfig
+from rl_sync.config.sync import SyncConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import zlib
 import torch
 
 from rl_sync.engine.sources import Destination, Sharded
-from rl_sync.layout import Layout
+from rl_sync.planning.layout import Layout
 
 POISON = {torch.bool: True}
 

@@ -9,7 +9,7 @@ import ray
 import torch
 
 from actors import HybridActor, SyncError, WeightSync
-from rl_sync.layout import Layout, Mesh, Shard
+from rl_sync.planning.layout import Layout, Mesh, Shard
 
 from .conftest import loopback_config
 from .harness import POOL, Group, Trainer, Worker

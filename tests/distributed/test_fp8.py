@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers")
 from actors import WeightSync  # noqa: E402
 from actors.cluster import free_init_url  # noqa: E402
 from rl_sync.models.config import Parallel  # noqa: E402
-from rl_sync.patches import SparseWeightPatch  # noqa: E402
-from rl_sync.quant import is_scale_name, scale_name, scaled_name  # noqa: E402
+from rl_sync.sparse.patches import SparseWeightPatch  # noqa: E402
+from rl_sync.planning.quant import is_scale_name, scale_name, scaled_name  # noqa: E402
 
 from ..unit.test_quant import bits, reference  # noqa: E402
 from .conftest import loopback_config  # noqa: E402

@@ -8,7 +8,7 @@ import pytest
 import ray
 import torch
 
-from rl_sync.layout import Layout, Mesh, Replicate, Shard
+from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
 
 from .harness import Group
 from .recipes import Recipe

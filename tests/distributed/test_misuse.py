@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors import SyncError, WeightSync
-from rl_sync.patches import SparseWeightPatch
+from rl_sync.sparse.patches import SparseWeightPatch
 
 from .harness import Group
 from .recipes import as_bytes, expected, full_value, read_all

@@ -11,7 +11,7 @@ import ray
 import torch
 
 from actors import SyncError, TrainerActor, WeightSync
-from rl_sync.layout import Layout, Mesh, Replicate, Shard
+from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
 
 from .conftest import loopback_config
 from .harness import Group

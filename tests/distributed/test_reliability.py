@@ -10,8 +10,8 @@ import ray
 import torch
 
 from actors import InferenceWorker, SyncError, TrainerActor, WeightSync
-from rl_sync.layout import Layout, Mesh, Shard
-from rl_sync.patches import SparseWeightPatch
+from rl_sync.planning.layout import Layout, Mesh, Shard
+from rl_sync.sparse.patches import SparseWeightPatch
 
 from .conftest import loopback_config
 from .recipes import Recipe, expected, read_all, set_version, trainer_build, worker_build

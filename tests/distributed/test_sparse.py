@@ -10,7 +10,7 @@ import torch
 
 from actors import WeightSync
 from rl_sync.engine.sources import Destination, Sharded
-from rl_sync.layout import Layout, Mesh, Replicate, Shard
+from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
 
 from .conftest import loopback_config
 from .harness import POOL, Trainer, Worker
@@ -102,7 +102,7 @@ def test_twenty_adamw_rounds_stay_bit_exact(ray_session, mode):
 
 
 def test_flat_index_patches_land_in_fused_tensor_parallel_slots(ray_session):
-    from rl_sync.patches import SparseWeightPatch
+    from rl_sync.sparse.patches import SparseWeightPatch
 
     trainers = POOL.take(Trainer, [(i, 2, build_trainer) for i in range(2)])
     workers = POOL.take(Worker, [(j, 2, build_worker) for j in range(2)])

@@ -48,7 +48,7 @@ class ProbeRank(VllmRankActor):
     def rl_sync_destinations(self, checkpoint):
         from dataclasses import replace
 
-        from rl_sync.layout import Layout, Mesh
+        from rl_sync.planning.layout import Layout, Mesh
 
         out = dict(super().rl_sync_destinations(checkpoint))
         if self.disagree and self.tp_rank == 1:

@@ -93,7 +93,7 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
 def _bind_and_write(directory: str, state: dict[str, torch.Tensor], rank: int) -> tuple[dict, list[str]]:
     from vllm.config import set_current_vllm_config
 
-    from rl_sync.parts import parse_part
+    from rl_sync.planning.parts import parse_part
     from rl_sync.vllm.binding import VllmBinding
     from rl_sync.vllm.rank import engine_rank
 

@@ -7,7 +7,7 @@ import zlib
 import torch
 
 from rl_sync.engine.sources import Destination, Sharded
-from rl_sync.layout import Layout, Mesh, Replicate, Shard
+from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
 
 HIDDEN, Q, KV, INTER = 256, 256, 64, 512
 SHAPES = {

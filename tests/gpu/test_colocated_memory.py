@@ -83,7 +83,7 @@ def _still_mapped(actor, mappings: list[tuple[int, int]]) -> list[int]:
 @pytest.mark.parametrize("side", ["worker", "trainer", "both"])
 def test_expandable_segments_on_either_side_dense_and_sparse_bit_exact(gpu_ray, side):
     from actors import WeightSync
-    from rl_sync.sync_config import SyncConfig
+    from rl_sync.config.sync import SyncConfig
 
     ray = gpu_ray
     pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True, trainer_env=EXPANDABLE if side != "worker" else None,
@@ -103,7 +103,7 @@ def test_expandable_segments_on_either_side_dense_and_sparse_bit_exact(gpu_ray, 
 
 def test_vmm_memory_beside_the_caching_allocator_and_released_and_reallocated_between_rounds(gpu_ray):
     from actors import WeightSync
-    from rl_sync.sync_config import SyncConfig
+    from rl_sync.config.sync import SyncConfig
 
     ray = gpu_ray
     pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True, worker_build=vmm_worker(shareable=True))
@@ -149,7 +149,7 @@ WHY = {
 @pytest.mark.parametrize("memory", list(WHY))
 def test_memory_no_other_process_can_map_fails_init_saying_why(gpu_ray, memory):
     from actors import SyncError, WeightSync
-    from rl_sync.sync_config import SyncConfig
+    from rl_sync.config.sync import SyncConfig
 
     ray = gpu_ray
     pool = memory == "cudaMallocAsync"
@@ -170,7 +170,7 @@ def test_fifty_groups_formed_and_closed_leave_no_descriptor_or_mapping_behind(gp
     """Each repair closes the group's ranks and forms it again (export, descriptors, mapping),
     under one coordinator; the last cycle closes the group."""
     from actors import WeightSync
-    from rl_sync.sync_config import SyncConfig
+    from rl_sync.config.sync import SyncConfig
 
     ray = gpu_ray
     pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True, worker_build=vmm_worker(shareable=True))

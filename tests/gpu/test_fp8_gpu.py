@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rl_sync.engine.sources import Destination
-from rl_sync.layout import Layout, Mesh, Replicate
-from rl_sync.quant import dest_scale_layout, grid_shape, scale_name
+from rl_sync.planning.layout import Layout, Mesh, Replicate
+from rl_sync.planning.quant import dest_scale_layout, grid_shape, scale_name
 
 from ..unit.test_quant import LAYOUTS, _random, bits, push, reference
 from . import builders
@@ -68,7 +68,7 @@ def test_colocated_fp8_push_is_bit_exact(gpu_ray, count, block, replicated):
     if torch.cuda.device_count() < count:
         pytest.skip(f"needs {count} GPUs")
     from actors import WeightSync
-    from rl_sync.sync_config import SyncConfig
+    from rl_sync.config.sync import SyncConfig
 
     pg, trainers, workers = pairs(gpu_ray, 0.5, count, same_gpu=True, worker_build=fp8_workers(block, replicated))
     try:

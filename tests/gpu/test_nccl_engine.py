@@ -7,9 +7,9 @@ import torch
 
 from rl_sync.engine.endpoint import Endpoint
 from rl_sync.engine.runner import BucketIO, RankBucket, compile_bucket, complete_bucket, deadline_in, staging_need, start_bucket
-from rl_sync.layout import Layout, Mesh, Shard
-from rl_sync.plan import TensorSpec, plan_model
-from rl_sync.schedule import Message, build_schedule
+from rl_sync.planning.layout import Layout, Mesh, Shard
+from rl_sync.planning.plan import TensorSpec, plan_model
+from rl_sync.planning.schedule import Message, build_schedule
 
 
 def _as_self(messages: tuple[Message, ...]) -> tuple[Message, ...]:

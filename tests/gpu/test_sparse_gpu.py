@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rl_sync.engine import sparse_codec
-from rl_sync.sparse import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes
+from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes
 
 
 @pytest.mark.parametrize("code", [INDICES, BLOCKED, BITMAP, DENSE])

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl_sync.engine import sparse_codec
-from rl_sync.sparse import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes
+from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes
 
 CODES = [INDICES, BLOCKED, BITMAP, DENSE]
 DTYPES = [torch.bfloat16, torch.float32, torch.uint8, torch.float64]

@@ -13,7 +13,7 @@ def test_colocated_cuda_ipc_bit_exact_with_fused_slots(gpu_ray, count):
     if torch.cuda.device_count() < count:
         pytest.skip(f"needs {count} GPUs")
     from actors import WeightSync
-    from rl_sync.sync_config import SyncConfig
+    from rl_sync.config.sync import SyncConfig
 
     ray = gpu_ray
     pg, trainers, workers = pairs(ray, 0.5, count, same_gpu=True)
@@ -33,7 +33,7 @@ def test_m2n_over_nccl_between_gpus_bit_exact(gpu_ray):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     from actors import WeightSync
-    from rl_sync.sync_config import SyncConfig
+    from rl_sync.config.sync import SyncConfig
 
     from tests.distributed.stranger import listening_ports, run_stranger
 
@@ -60,7 +60,7 @@ def test_m2n_over_nccl_between_gpus_bit_exact(gpu_ray):
 @pytest.mark.parametrize("baseline", ["device", "pinned_cpu"])
 def test_sparse_rounds_through_cuda_ipc_with_either_baseline(gpu_ray, baseline):
     from actors import WeightSync
-    from rl_sync.sync_config import SyncConfig
+    from rl_sync.config.sync import SyncConfig
 
     ray = gpu_ray
     pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True)

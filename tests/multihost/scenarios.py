@@ -20,8 +20,8 @@ import torch
 
 from actors import InferenceWorker, SyncError, TrainerActor, WeightSync
 from actors.bench import perturb
-from rl_sync.layout import Layout, Mesh, Replicate, Shard
-from rl_sync.sync_config import SyncConfig
+from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
+from rl_sync.config.sync import SyncConfig
 from tests.distributed.recipes import (
     Recipe,
     as_bytes,

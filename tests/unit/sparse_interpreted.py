@@ -10,7 +10,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 
 from rl_sync.engine import sparse_codec  # noqa: E402
-from rl_sync.sparse import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes  # noqa: E402
+from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes  # noqa: E402
 
 sparse_codec._on_kernel_device = lambda t: True  # the interpreter runs the kernels on CPU tensors
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from rl_sync.layout import Layout, Mesh, Replicate, Shard
+from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
 
 SIZES = st.sampled_from([0, 1, 2, 3, 5, 7, 8, 11, 13, 16])
 

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from rl_sync.push_args import check_push_args
-from rl_sync.sync_config import SyncConfig
+from rl_sync.config.push_args import check_push_args
+from rl_sync.config.sync import SyncConfig
 
 
 @pytest.mark.parametrize("field, value, error, message", [

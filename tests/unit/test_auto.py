@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rl_sync.auto import MIN_DECIDING_S, PROBE_EVERY, WARMUP, AutoPolicy, RoundCost
+from rl_sync.sparse.auto import MIN_DECIDING_S, PROBE_EVERY, WARMUP, AutoPolicy, RoundCost
 
 GB = 10**9
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from actors.cli import main
-from rl_sync.config import load_config, parse_overrides
-from rl_sync.report import PlanReportConfig
+from rl_sync.config.load import load_config, parse_overrides
+from rl_sync.planning.report import PlanReportConfig
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 
@@ -48,7 +48,7 @@ def test_overrides_in_both_forms():
 
 
 def test_off_on_yes_no_stay_strings_and_only_true_false_are_booleans(tmp_path):
-    from rl_sync.sync_config import SyncConfig
+    from rl_sync.config.sync import SyncConfig
 
     path = tmp_path / "sync.yaml"
     path.write_text("integrity: off\ncolocate: off\ndouble_buffer: true\nname: yes\n")
@@ -115,8 +115,8 @@ def test_demo_config_takes_user_binding_rules(tmp_path):
 
 def test_bench_chart_is_a_png(tmp_path):
     from actors.bench import chart
-    from rl_sync.messages import RankStats
-    from rl_sync.stats import RoundStats
+    from rl_sync.wire.messages import RankStats
+    from rl_sync.wire.stats import RoundStats
 
     def rank(role, received):
         return RankStats(rank=0, role=role, version=1, mode="m2n", seconds=0.1, sent_bytes=0, received_bytes=received,
@@ -130,7 +130,7 @@ def test_bench_chart_is_a_png(tmp_path):
 
 @pytest.mark.parametrize("name", ["links_h200_ib", "links_gb200_nvl72", "links_cpu_loopback", "links_h200_x2"])
 def test_shipped_link_models_load(name):
-    from rl_sync.simulate import LinkModel
+    from rl_sync.planning.simulate import LinkModel
 
     links = load_config(CONFIGS / f"{name}.yaml", LinkModel)
     assert links.gpus_per_node > 0 and links.nic_gbs > 0

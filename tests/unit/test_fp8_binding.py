@@ -12,7 +12,7 @@ import torch
 from rl_sync.bind.binder import Binder
 from rl_sync.models.config import ModelConfig, Parallel, _fp8_block
 from rl_sync.models.tp_model import TPModel
-from rl_sync.quant import scale_name
+from rl_sync.planning.quant import scale_name
 
 LLAMA = ModelConfig(family="llama", vocab=128, hidden=256, layers=1, heads=8, kv_heads=2, head_dim=32, intermediate=512,
                     fp8_block=(32, 64))

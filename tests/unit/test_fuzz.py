@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl_sync.engine import sparse_codec
-from rl_sync.layout import Layout, Mesh, Shard
-from rl_sync.messages import InitInfo, RankStats, RoundInfo, SideReport, TensorReport
-from rl_sync.plan import TensorSpec, plan_model
-from rl_sync.plan_info import LayoutInfo, PlanInfo
-from rl_sync.schedule import build_schedule
-from rl_sync.sparse import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes
+from rl_sync.planning.layout import Layout, Mesh, Shard
+from rl_sync.wire.messages import InitInfo, RankStats, RoundInfo, SideReport, TensorReport
+from rl_sync.planning.plan import TensorSpec, plan_model
+from rl_sync.wire.plan_info import LayoutInfo, PlanInfo
+from rl_sync.planning.schedule import build_schedule
+from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes
 from rl_sync.transport.cuda_ipc import IpcExport, IpcRegion, IpcTensor
-from rl_sync.wire import decode, encode
+from rl_sync.wire.codec import decode, encode
 
 LAYOUT = LayoutInfo.of(Layout(Mesh((2,)), (Shard(0),)))
 SAMPLES = [

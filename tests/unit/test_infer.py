@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from rl_sync.bind.infer import Geometry, Piece, find_cuts, infer_layout, merge_pieces
 from rl_sync.engine.endpoint import Endpoint
 from rl_sync.engine.session import part_endpoint
-from rl_sync.layout import Box, Layout, Mesh, Replicate, Shard
-from rl_sync.parts import check_parts, parse_part, part_name
+from rl_sync.planning.layout import Box, Layout, Mesh, Replicate, Shard
+from rl_sync.planning.parts import check_parts, parse_part, part_name
 
 from .strategies import shapes
 

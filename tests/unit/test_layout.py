@@ -14,7 +14,7 @@ from torch.distributed.tensor import Shard as TorchShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 
-from rl_sync.layout import Box, Layout, Mesh, Replicate, Shard
+from rl_sync.planning.layout import Box, Layout, Mesh, Replicate, Shard
 
 from .strategies import layouts, shapes
 

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl_sync import plan as plan_module
-from rl_sync import template
-from rl_sync.layout import Box, Layout, Mesh, Replicate, Shard
-from rl_sync.plan import SideSpec, TensorSpec, join_specs, plan_model, plan_reshard
+from rl_sync.planning import plan as plan_module
+from rl_sync.planning import template
+from rl_sync.planning.layout import Box, Layout, Mesh, Replicate, Shard
+from rl_sync.planning.plan import SideSpec, TensorSpec, join_specs, plan_model, plan_reshard
 
 from .strategies import layouts, shapes
 
@@ -165,7 +165,7 @@ def test_a_synthetic_fp8_engine_plans_fp8_projections_and_their_scales():
     """`ModelShape.fp8_block`: every projection and expert weight travels as FP8 with its fp32
     scale grid (TP-sharded like the values), norms, routers and embeddings as bf16; each worker
     receives exactly those bytes."""
-    from rl_sync.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
+    from rl_sync.models.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
 
     model = ModelShape(layers=2, first_dense_layers=1, hidden=256, intermediate=512, vocab=1000, heads=4, kv_heads=2,
                        head_dim=128, experts=4, expert_intermediate=256, fp8_block=(128, 128))

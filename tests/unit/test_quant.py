@@ -15,9 +15,9 @@ import torch
 
 from rl_sync.engine.endpoint import Endpoint
 from rl_sync.engine.quantize import QuantStage
-from rl_sync.layout import Box, Layout, Mesh, Replicate, Shard
-from rl_sync.plan import SideSpec, join_specs, plan_model
-from rl_sync.quant import amax_exchange, dest_scale_layout, grid_shape, scale_name
+from rl_sync.planning.layout import Box, Layout, Mesh, Replicate, Shard
+from rl_sync.planning.plan import SideSpec, join_specs, plan_model
+from rl_sync.planning.quant import amax_exchange, dest_scale_layout, grid_shape, scale_name
 from rl_sync.transport.base import Pending, Transport
 
 

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl_sync.layout import Layout, Mesh, Replicate, Shard
-from rl_sync.plan import TensorSpec, plan_model
-from rl_sync.plan_info import PlanInfo
-from rl_sync.schedule import Schedule
-from rl_sync.wire import decode, encode
+from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
+from rl_sync.planning.plan import TensorSpec, plan_model
+from rl_sync.wire.plan_info import PlanInfo
+from rl_sync.planning.schedule import Schedule
+from rl_sync.wire.codec import decode, encode
 
 from .strategies import layouts, shapes
 

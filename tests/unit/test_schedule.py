@@ -6,9 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl_sync.layout import Layout, Mesh, Replicate, Shard
-from rl_sync.plan import TensorSpec, plan_model
-from rl_sync.schedule import ALIGN, build_schedule, cut_buckets
+from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
+from rl_sync.planning.plan import TensorSpec, plan_model
+from rl_sync.planning.schedule import ALIGN, build_schedule, cut_buckets
 
 from .strategies import layouts, shapes
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from rl_sync.layout import Layout, Mesh, Replicate, Shard
-from rl_sync.plan import TensorSpec, plan_model
-from rl_sync.schedule import build_schedule
-from rl_sync.simulate import LinkModel, predict
+from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
+from rl_sync.planning.plan import TensorSpec, plan_model
+from rl_sync.planning.schedule import build_schedule
+from rl_sync.planning.simulate import LinkModel, predict
 
 SLOW = 1e-7
 """100 bytes per second, in GB/s: seconds read as bytes / 100."""

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl_sync.engine import sparse_codec
-from rl_sync.sparse import BITMAP, BLOCKED, DENSE, INDICES, check_count, choose, encoded_nbytes
+from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, check_count, choose, encoded_nbytes
 
 
 def _round_trip(code: int, cur: torch.Tensor, base: torch.Tensor, live: torch.Tensor) -> torch.Tensor:

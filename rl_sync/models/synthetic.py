@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from .layout import Layout, Mesh, Replicate, Shard
-from .plan import TensorSpec
-from .quant import FP8_DTYPE, SCALE_DTYPE, dest_scale_layout, grid_shape, scale_name, source_scale_layout
+from ..planning.layout import Layout, Mesh, Replicate, Shard
+from ..planning.plan import TensorSpec
+from ..planning.quant import FP8_DTYPE, SCALE_DTYPE, dest_scale_layout, grid_shape, scale_name, source_scale_layout
 
 
 @dataclass(frozen=True, kw_only=True)

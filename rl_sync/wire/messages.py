@@ -1,4 +1,4 @@
-"""Wire types between the coordinator and the ranks (encoded with `rl_sync.wire`).
+"""Wire types between the coordinator and the ranks (encoded with `rl_sync.wire.codec`).
 
 Init: each rank reports its tensors (`SideReport`), the coordinator answers
 with `InitInfo` plus the shared plan message (`PlanInfo`). Per round:
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .plan_info import LayoutInfo
-from .rendezvous.auth import check_secret
-from .sync_config import check_port, check_seconds
-from .transport.digest import Integrity
+from ..rendezvous.auth import check_secret
+from ..config.sync import check_port, check_seconds
+from ..transport.digest import Integrity
 
 Mode = Literal["m2n", "broadcast", "sparse", "auto"]
 TransportName = Literal["gloo", "nccl", "local"]
@@ -29,7 +29,7 @@ class TensorReport:
     shape: tuple[int, ...]
     layout: LayoutInfo
     block: tuple[int, ...] = ()
-    """A destination keeping it block-quantized: the block size (`rl_sync.quant`)."""
+    """A destination keeping it block-quantized: the block size (`rl_sync.planning.quant`)."""
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ class Message:
     nbytes: int
     segments: tuple[Segment, ...]
     relay: RelayKey | None = None
-    """Set on a message of relayed boxes a worker receives or forwards (`rl_sync.relay`): a
+    """Set on a message of relayed boxes a worker receives or forwards (`rl_sync.planning.relay`): a
     forwarded message is read from the forwarding worker's destination storage."""
 
 
@@ -97,7 +97,7 @@ class Schedule:
         self.plan = plan
         """The plan as the sides laid it out (what each rank holds)."""
         self.relay = find_relay(plan) if relay else None
-        """Chains among engine replicas (`rl_sync.relay`), or None: every box sent directly."""
+        """Chains among engine replicas (`rl_sync.planning.relay`), or None: every box sent directly."""
         self.routed = plan if self.relay is None else ModelPlan(entry_specs(plan, self.relay), plan.colocated)
         """The plan the trainers' transfers follow (relayed tensors into their entry replica)."""
         self.bucket_bytes = bucket_bytes
@@ -249,7 +249,7 @@ class Schedule:
 def relayed_buckets(entry_buckets: Sequence[RankBucket], chain: Sequence[int], k: int) -> list[RankBucket]:
     """The forwarding of place `k` of `chain`: what the entry worker received in bucket j (its
     keyed messages), received from `chain[k - 1]` in bucket j + k and sent to `chain[k + 1]`
-    in bucket j + k + 1 (see `rl_sync.relay`)."""
+    in bucket j + k + 1 (see `rl_sync.planning.relay`)."""
     out = []
     for bucket in entry_buckets:
         keyed = [m for m in bucket.recvs if m.relay is not None]
@@ -348,7 +348,7 @@ def _packed(peer: int, entries: list) -> Message:
 def build_schedule(plan: ModelPlan, bucket_bytes: int = 256 << 20, coalesce_bytes: int = 1 << 20,
                    relay: Literal["off", "on", "auto"] = "off") -> Schedule:
     """Cut `plan` into buckets of at most `bucket_bytes` per rank (see module doc); `relay`:
-    among engine replicas (`rl_sync.relay`) never, always (refused when nothing can), or when
+    among engine replicas (`rl_sync.planning.relay`) never, always (refused when nothing can), or when
     `relay_pays` says it shortens the round. `Schedule.relay_choice` says what was chosen and why."""
     if relay not in ("off", "on", "auto"):
         raise ValueError(f"relay must be 'off', 'on' or 'auto', got {relay!r}")

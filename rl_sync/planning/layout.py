@@ -33,7 +33,7 @@ class Shard:
     `grid=n` (with `block=b`): this dim indexes the `b`-element blocks of a dim of
     `n` elements that `Shard(dim)` splits, and position i holds the blocks whose
     first element its `torch.chunk` piece holds: the scales of a block-quantized
-    tensor laid out like its data (`rl_sync.quant`)."""
+    tensor laid out like its data (`rl_sync.planning.quant`)."""
 
     dim: int
     block: int = 0

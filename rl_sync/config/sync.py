@@ -25,7 +25,7 @@ class SyncConfig:
     """Default mode of `push`: resharded dense point-to-point, the broadcast baseline, changed
     elements only (`sparse`: indices or bitmap), or per transfer whichever is smallest (`auto`)."""
     relay: Literal["off", "on", "auto"] = "off"
-    """Relay among engine replicas (`rl_sync.relay`): trainers send each replicated box to one
+    """Relay among engine replicas (`rl_sync.planning.relay`): trainers send each replicated box to one
     replica and workers forward it down a chain of the others, so each trainer sends about
     1/replicas of its shards' copies. `on` always (refused without replicas), `auto` when the
     byte model says it shortens the round (the summary's `relay` says why)."""

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import Layout, Mesh, Replicate, Shard
-from .plan import ModelPlan, TensorSpec
-from .schedule import Schedule
+from ..planning.layout import Layout, Mesh, Replicate, Shard
+from ..planning.plan import ModelPlan, TensorSpec
+from ..planning.schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,9 @@ class PlanInfo:
     coalesce_bytes: int
     cuts: tuple[int, ...]
     blocks: tuple[tuple[int, int, int], ...]
-    """(tensor, block rows, block cols) of each tensor the trainers quantize (`rl_sync.quant`)."""
+    """(tensor, block rows, block cols) of each tensor the trainers quantize (`rl_sync.planning.quant`)."""
     relay: bool = False
-    """Replicated boxes relayed among engine replicas (`rl_sync.relay`)."""
+    """Replicated boxes relayed among engine replicas (`rl_sync.planning.relay`)."""
 
     def __post_init__(self) -> None:
         n = len(self.names)

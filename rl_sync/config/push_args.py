@@ -15,7 +15,7 @@ import operator
 from collections import Counter
 from collections.abc import Sequence
 
-from .sync_config import CHOICES
+from .sync import CHOICES
 
 MAX_VERSION = (1 << 63) - 1
 

@@ -6,7 +6,7 @@ every rank receives, how long the busiest rank takes to expand its slice, and
 the plan statistics (bytes per rank, transfer counts, busiest source against
 its lower bound, and what the broadcast baseline would move). With `--links
 LINKS.yaml` (a `simulate.LinkModel`) it adds the predicted round seconds and
-the bottleneck, sent directly and relayed among engine replicas (`rl_sync.relay`).
+the bottleneck, sent directly and relayed among engine replicas (`rl_sync.planning.relay`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .plan import PlanStats, plan_model
-from .plan_info import PlanInfo
+from ..wire.plan_info import PlanInfo
 from .schedule import Schedule, build_schedule
 from .simulate import LinkModel, Prediction, predict
-from .synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
-from .wire import decode, encode
+from ..models.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
+from ..wire.codec import decode, encode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +67,7 @@ class PlanReport:
     prediction: Prediction | None = None
     """The round under `plan_report`'s `links`, when given."""
     relay_prediction: Prediction | None = None
-    """The same round relayed among engine replicas (`rl_sync.relay`), when the plan can."""
+    """The same round relayed among engine replicas (`rl_sync.planning.relay`), when the plan can."""
     replicas: int = 1
     """Engine replicas the relay chains run through."""
 

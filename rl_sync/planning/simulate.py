@@ -90,7 +90,7 @@ class Prediction:
 
 def transfer_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(bucket, source rank, destination rank, bytes) of every transfer in the schedule, the
-    relay's forwards included (`rl_sync.relay`: what entry rank e receives in bucket j crosses
+    relay's forwards included (`rl_sync.planning.relay`: what entry rank e receives in bucket j crosses
     from chain[k - 1] to chain[k] in bucket j + k)."""
     plan, out, relayed = schedule.routed, ([], [], [], []), []
     for template, tensors in plan.groups():

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import Box
+from ..planning.layout import Box
 
 
 @dataclass(frozen=True)

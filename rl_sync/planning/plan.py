@@ -27,7 +27,7 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from .dtypes import CASTABLE, check_cast, itemsize
+from ..wire.dtypes import CASTABLE, check_cast, itemsize
 from .layout import Box, Layout
 from .parts import parse_part
 from .quant import FP8_DTYPE, SCALE_DTYPE, check_block, dest_scale_layout, grid_shape, scale_name, source_scale_layout
@@ -60,7 +60,7 @@ def _shape_as_tuple(spec) -> None:
 @dataclass(frozen=True)
 class SideSpec:
     """What one side reports for a tensor: name, dtype name, global shape, layout, and (a
-    destination keeping it block-quantized, `rl_sync.quant`) the quantization block."""
+    destination keeping it block-quantized, `rl_sync.planning.quant`) the quantization block."""
 
     name: str
     dtype: str
@@ -75,7 +75,7 @@ class SideSpec:
 @dataclass(frozen=True)
 class TensorSpec:
     """A tensor to plan: its name, dtype name (the wire's), global shape and both layouts;
-    `block`: the trainers quantize it to FP8 in blocks of this size (`rl_sync.quant`)."""
+    `block`: the trainers quantize it to FP8 in blocks of this size (`rl_sync.planning.quant`)."""
 
     name: str
     dtype: str
@@ -169,9 +169,9 @@ def join_specs(sources: Sequence[SideSpec], destinations: Sequence[SideSpec]) ->
     """Pair what trainers and workers reported, in source order.
 
     The wire carries the destination's dtype: a floating-point source of another
-    width is cast on the sending side (`rl_sync.dtypes.check_cast`), and a destination
+    width is cast on the sending side (`rl_sync.wire.dtypes.check_cast`), and a destination
     that keeps a tensor block-quantized gets it as FP8 plus its scale grid, planned as a
-    second tensor (`rl_sync.quant`). Raises `ValueError` for duplicate names, a name on
+    second tensor (`rl_sync.planning.quant`). Raises `ValueError` for duplicate names, a name on
     one side only, a shape on which the sides disagree, or a dtype pair that is neither.
     """
     dst_by_name: dict[str, SideSpec] = {}

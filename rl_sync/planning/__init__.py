@@ -1,0 +1,8 @@
+"""Planning: pure, deterministic code from layouts to an ordered schedule, and its predictions.
+
+`layout` (meshes, placements, boxes) -> `template` and `parts` (one tensor's transfers) ->
+`plan` (every tensor's transfers) -> `bands`, `relay` and `schedule` (buckets in launch
+order); `quant` adds FP8 scale tensors, `simulate` predicts a round's seconds and `report`
+prints the planner report behind `rl-sync plan`. Nothing here imports torch.distributed,
+CuPy or Ray, and nothing allocates device memory.
+"""
