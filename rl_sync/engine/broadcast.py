@@ -63,7 +63,7 @@ class _Region:
 def _regions(schedule: Schedule, bucket: int, wanted: Collection[int] | None) -> tuple[dict[int, _Region], int]:
     """Byte layout of one broadcast bucket: each tensor's rows `[lo, hi)` packed in turn."""
     rows: dict[int, list[int]] = {}
-    for tensor, band in schedule.bucket_pieces(bucket):
+    for tensor, band in schedule.bucket_slabs(bucket):
         if wanted is None or tensor in wanted:
             b = schedule.bands[tensor][band]
             span = rows.setdefault(tensor, [b.lo, b.hi])

@@ -17,7 +17,7 @@ import numpy as np
 from .layout import chunk_bounds
 from .template import Template, sum_by
 
-Row = tuple[int, tuple[int, ...], tuple[int, ...], int]
+SideTransfer = tuple[int, tuple[int, ...], tuple[int, ...], int]
 """(peer position, global offsets, sizes, numel) of one transfer seen from one side."""
 
 
@@ -34,11 +34,11 @@ class Band:
     numel: np.ndarray
     send_numel: np.ndarray
     recv_numel: np.ndarray
-    _rows: dict[tuple[str, int], list[Row]] = field(default_factory=dict)
+    _transfers: dict[tuple[str, int], list[SideTransfer]] = field(default_factory=dict)
 
-    def rows(self, side: str, pos: int) -> list[Row]:
+    def transfers(self, side: str, pos: int) -> list[SideTransfer]:
         """Transfers where position `pos` is the `side` ("src" or "dst"), in template order."""
-        cached = self._rows.get((side, pos))
+        cached = self._transfers.get((side, pos))
         if cached is None:
             mine, peers = (self.src, self.dst) if side == "src" else (self.dst, self.src)
             picked = np.nonzero(mine == pos)[0]
@@ -51,7 +51,7 @@ class Band:
                     self.numel[picked].tolist(),
                 )
             ]
-            self._rows[(side, pos)] = cached
+            self._transfers[(side, pos)] = cached
         return cached
 
 

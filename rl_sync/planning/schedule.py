@@ -2,9 +2,10 @@
 
 A tensor whose transfers would put more than `bucket_bytes` on one rank is
 cut into row bands (global dim 0), so every bucket stays near its bound. The
-sequence of (tensor, band) pieces, in plan order, is then cut greedily into
+sequence of slabs (one row band of one tensor: the unit the cut works in), in
+plan order, is then cut greedily into
 buckets so that no rank sends plus receives more than `bucket_bytes` in one
-bucket (a single piece larger than that gets a bucket of its own). The cut is
+bucket (a single slab larger than that gets a bucket of its own). The cut is
 the same on every rank because it is computed once, from the plan, by the
 coordinator (or by anyone: it is a pure function).
 
@@ -110,7 +111,7 @@ class Schedule:
         forwarded = self._forward_factor(np.arange(len(routed)))[:, 0].tolist()
         keys = list(zip(routed.tensor_template.tolist(), routed.itemsizes.tolist(), forwarded))
         counts = {key: band_count(routed.templates[key[0]], key[1] * key[2], bucket_bytes) for key in dict.fromkeys(keys)}
-        _check_pieces(sum(counts[key] for key in keys), bucket_bytes)
+        _check_slabs(sum(counts[key] for key in keys), bucket_bytes)
         cache: dict[tuple[int, int, int], tuple[Band, ...]] = {}
         for key in counts:  # a relayed tensor's bands counted twice: its receivers forward as much again
             cache[key] = make_bands(routed.templates[key[0]], key[1] * key[2], bucket_bytes)
@@ -118,10 +119,10 @@ class Schedule:
         self.order = _interleaved_order(routed)
         counts = np.array([len(b) for b in self.bands], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(counts[self.order])])
-        self.num_pieces = int(starts[-1])
-        self.piece_start = np.empty(len(routed), dtype=np.int64)
-        self.piece_start[self.order] = starts[:-1]
-        self.cuts = tuple(cuts) if cuts is not None else cut_buckets(self._loads(), self.num_pieces, bucket_bytes)
+        self.num_slabs = int(starts[-1])
+        self.slab_start = np.empty(len(routed), dtype=np.int64)
+        self.slab_start[self.order] = starts[:-1]
+        self.cuts = tuple(cuts) if cuts is not None else cut_buckets(self._loads(), self.num_slabs, bucket_bytes)
         self._check_cuts()
         self.relay_choice = "relay on" if self.relay is not None else "direct"
         """What `build_schedule` chose about relay, and why."""
@@ -134,20 +135,20 @@ class Schedule:
     @property
     def num_buckets(self) -> int:
         """Bucket indices a round uses (direct ones, then the relay stages' tail)."""
-        return len(self.cuts) - 1 + (self.relay_depth if self.num_pieces else 0)
+        return len(self.cuts) - 1 + (self.relay_depth if self.num_slabs else 0)
 
     @cached_property
-    def pieces(self) -> list[tuple[int, int]]:
-        """(tensor, band) of every piece, in schedule order."""
+    def slabs(self) -> list[tuple[int, int]]:
+        """(tensor, band) of every slab, in schedule order."""
         return [(t, b) for t in self.order.tolist() for b in range(len(self.bands[t]))]
 
-    def bucket_pieces(self, bucket: int) -> list[tuple[int, int]]:
-        """(tensor, band) of every piece in `bucket`, in schedule order."""
-        return self.pieces[self.cuts[bucket] : self.cuts[bucket + 1]]
+    def bucket_slabs(self, bucket: int) -> list[tuple[int, int]]:
+        """(tensor, band) of every slab in `bucket`, in schedule order."""
+        return self.slabs[self.cuts[bucket] : self.cuts[bucket + 1]]
 
     def _loads(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(piece, rank, bytes) of every rank's send + receive load in every piece."""
-        pieces, ranks, loads = [], [], []
+        """(slab, rank, bytes) of every rank's send + receive load in every slab."""
+        slabs, ranks, loads = [], [], []
         for template, tensors in self.routed.groups():
             for size in np.unique(self.routed.itemsizes[tensors]).tolist():
                 group = tensors[self.routed.itemsizes[tensors] == size]
@@ -157,13 +158,13 @@ class Schedule:
                     load = np.concatenate([band.send_numel, band.recv_numel]) * size
                     keep = load > 0
                     receives = (np.arange(len(load)) >= len(band.send_numel))[keep]
-                    pieces.append(np.repeat(self.piece_start[group] + b, int(keep.sum())))
+                    slabs.append(np.repeat(self.slab_start[group] + b, int(keep.sum())))
                     ranks.append(table[:, keep].ravel())
                     loads.append((load[keep] * np.where(receives, forwarded, 1)).ravel())
-        if not pieces:
+        if not slabs:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
-        return np.concatenate(pieces), np.concatenate(ranks), np.concatenate(loads)
+        return np.concatenate(slabs), np.concatenate(ranks), np.concatenate(loads)
 
     def _forward_factor(self, tensors: np.ndarray) -> np.ndarray:
         """(len(tensors), 1): 2 for relayed tensors, whose receivers forward as much again in the
@@ -172,9 +173,9 @@ class Schedule:
 
     def _check_cuts(self) -> None:
         cuts = self.cuts
-        if not cuts or cuts[0] != 0 or cuts[-1] != self.num_pieces or any(b <= a for a, b in zip(cuts, cuts[1:])):
+        if not cuts or cuts[0] != 0 or cuts[-1] != self.num_slabs or any(b <= a for a, b in zip(cuts, cuts[1:])):
             raise ValueError(
-                f"bucket cuts must rise strictly from 0 to the piece count {self.num_pieces}, got {cuts[:8]}..."
+                f"bucket cuts must rise strictly from 0 to the slab count {self.num_slabs}, got {cuts[:8]}..."
             )
 
     def rank_slice(self, rank: int, tensors: Collection[int] | None = None) -> RankSchedule:
@@ -195,26 +196,26 @@ class Schedule:
             spec = self.routed.specs[tensor]
             src_pos, dst_pos = spec.src.mesh.index_of(rank), spec.dst.mesh.index_of(rank)
             if src_pos is not None or dst_pos is not None:
-                first = int(self.piece_start[tensor])
+                first = int(self.slab_start[tensor])
                 entries.extend((first + b, tensor, b, src_pos, dst_pos) for b in range(len(self.bands[tensor])))
         entries.sort()
         bucket_of = np.searchsorted(self.cuts, [e[0] for e in entries], side="right") - 1
         by_bucket: dict[int, list] = {}
         for bucket, entry in zip(bucket_of.tolist(), entries):
             by_bucket.setdefault(bucket, []).append(entry)
-        buckets = (self._rank_bucket(index, pieces) for index, pieces in sorted(by_bucket.items()))
+        buckets = (self._rank_bucket(index, slabs) for index, slabs in sorted(by_bucket.items()))
         return RankSchedule(rank, tuple(b for b in buckets if b.sends or b.recvs or b.local))
 
-    def _rank_bucket(self, index: int, pieces: list) -> RankBucket:
+    def _rank_bucket(self, index: int, slabs: list) -> RankBucket:
         sends: dict[tuple[int, bool], list] = {}
         recvs: dict[tuple[int, bool], list] = {}
         local: list[Segment] = []
-        for _, tensor, band_index, src_pos, dst_pos in pieces:
+        for _, tensor, band_index, src_pos, dst_pos in slabs:
             spec, size = self.routed.specs[tensor], int(self.routed.itemsizes[tensor])
             band = self.bands[tensor][band_index]
             for side, pos, peers, out in (("src", src_pos, spec.dst.mesh, sends), ("dst", dst_pos, spec.src.mesh, recvs)):
                 if pos is not None:
-                    for peer, offsets, sizes, numel in band.rows(side, pos):
+                    for peer, offsets, sizes, numel in band.transfers(side, pos):
                         key = (peers.ranks[peer], bool(self.relayed[tensor]))
                         out.setdefault(key, []).append((tensor, offsets, sizes, numel * size))
             if band_index == 0 and src_pos is not None and dst_pos is not None:
@@ -288,22 +289,31 @@ def _interleaved_order(plan: ModelPlan) -> np.ndarray:
     return np.lexsort((group, turn))
 
 
-def cut_buckets(loads: tuple[np.ndarray, np.ndarray, np.ndarray], num_pieces: int, bucket_bytes: int) -> tuple[int, ...]:
-    """Greedy cuts over pieces: a bucket ends before the piece that would put any
-    rank over `bucket_bytes` (a piece over the bound alone gets its own bucket).
+def cut_buckets(loads: tuple[np.ndarray, np.ndarray, np.ndarray], num_slabs: int, bucket_bytes: int) -> tuple[int, ...]:
+    """Greedy cuts over slabs: a bucket ends before the slab that would put any
+    rank over `bucket_bytes` (a slab over the bound alone gets its own bucket).
 
-    `loads` is (piece, rank, bytes) entries. Vectorised over ranks: each bucket
-    costs a few array operations, not a pass over its pieces.
+    `loads` is (slab, rank, bytes) entries. Vectorised over ranks: each bucket
+    costs a few array operations, not a pass over its slabs.
+
+    How: the entries are summed per (rank, slab) and sorted rank-major, so each
+    rank's loads form one segment in slab order. `climb` is the running total of
+    load inside each rank's segment, lifted by `rank * big` so that the whole
+    array rises monotonically across segments and one `searchsorted` answers all
+    ranks at once. For a bucket starting at slab `start`, `base` is each rank's
+    climb just before its first slab >= `start`; the first entry whose climb
+    exceeds `base + bucket_bytes` is where that rank overflows; the bucket ends
+    at the earliest such slab over all ranks (or at the end).
     """
-    piece, rank, load = loads
-    if not len(piece):
-        return (0, num_pieces) if num_pieces else (0,)
-    keys = rank * num_pieces + piece
+    slab, rank, load = loads
+    if not len(slab):
+        return (0, num_slabs) if num_slabs else (0,)
+    keys = rank * num_slabs + slab
     order = np.argsort(keys, kind="stable")
     keys, load = keys[order], load[order]
     first = np.flatnonzero(np.diff(keys, prepend=-1))
     keys, load = keys[first], np.add.reduceat(load, first)
-    rank, piece = keys // num_pieces, keys % num_pieces
+    rank, slab = keys // num_slabs, keys % num_slabs
     seg_start = np.flatnonzero(np.diff(rank, prepend=-1))
     ranks = rank[seg_start]
     seg_end = np.append(seg_start[1:], len(keys))
@@ -312,28 +322,28 @@ def cut_buckets(loads: tuple[np.ndarray, np.ndarray, np.ndarray], num_pieces: in
     within = total - np.repeat(total[seg_start] - load[seg_start], seg_end - seg_start)
     climb = within + rank * big
     cuts, start = [0], 0
-    while start < num_pieces:
-        pos = np.searchsorted(keys, ranks * num_pieces + start)
+    while start < num_slabs:
+        pos = np.searchsorted(keys, ranks * num_slabs + start)
         base = np.where(pos > seg_start, climb[np.maximum(pos - 1, 0)], ranks * big)
         over = np.searchsorted(climb, base + bucket_bytes, side="right")
-        # a first piece over the bound stays; the rank's next piece then ends the bucket
-        over = np.where((over < seg_end) & (piece[np.minimum(over, len(piece) - 1)] == start), over + 1, over)
-        ends = np.where(over < seg_end, piece[np.minimum(over, len(piece) - 1)], num_pieces)
-        start = max(int(ends.min()), start + 1)  # every bucket takes a piece: at most num_pieces turns
+        # a first slab over the bound stays; the rank's next slab then ends the bucket
+        over = np.where((over < seg_end) & (slab[np.minimum(over, len(slab) - 1)] == start), over + 1, over)
+        ends = np.where(over < seg_end, slab[np.minimum(over, len(slab) - 1)], num_slabs)
+        start = max(int(ends.min()), start + 1)  # every bucket takes a slab: at most num_slabs turns
         cuts.append(start)
     return tuple(cuts)
 
 
-MAX_PIECES = 1 << 19
-"""Bound on (tensor, row band) pieces, hence on buckets and on the work of cutting them (about
+MAX_SLABS = 1 << 19
+"""Bound on (tensor, row band) slabs, hence on buckets and on the work of cutting them (about
 0.1 ms each on a 2-core machine): 524,288. A Kimi-K2-sized plan (256 to 128 ranks) has 69,917
 with 256 MiB buckets and 484,733 with 16 MiB ones."""
 
 
-def _check_pieces(pieces: int, bucket_bytes: int) -> None:
-    if pieces > MAX_PIECES:
-        raise ValueError(f"bucket_bytes={bucket_bytes} cuts this plan into {pieces} (tensor, row band) pieces, more "
-                         f"than the {MAX_PIECES} a schedule may hold; raise bucket_bytes")
+def _check_slabs(slabs: int, bucket_bytes: int) -> None:
+    if slabs > MAX_SLABS:
+        raise ValueError(f"bucket_bytes={bucket_bytes} cuts this plan into {slabs} (tensor, row band) slabs, more "
+                         f"than the {MAX_SLABS} a schedule may hold; raise bucket_bytes")
 
 
 def _packed(peer: int, entries: list) -> Message:

@@ -96,7 +96,7 @@ def transfer_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarr
     for template, tensors in plan.groups():
         src_table, dst_table = plan.rank_table(tensors, "src"), plan.rank_table(tensors, "dst")
         for b, band in enumerate(schedule.bands[int(tensors[0])]):
-            buckets = np.searchsorted(schedule.cuts, schedule.piece_start[tensors] + b, side="right") - 1
+            buckets = np.searchsorted(schedule.cuts, schedule.slab_start[tensors] + b, side="right") - 1
             for part, value in zip(out, (np.repeat(buckets, len(band.src)), src_table[:, band.src].ravel(),
                                          dst_table[:, band.dst].ravel(),
                                          np.outer(plan.itemsizes[tensors], band.numel).ravel())):

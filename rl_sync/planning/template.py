@@ -134,6 +134,7 @@ def _assign(piece: Box, holders: list[int], turn: int) -> list[tuple[int, Box]]:
 
 
 def _pieces(grid: _SourceGrid, region: Box) -> list[tuple[Box, list[int], int]]:
+    """(piece, holder positions, cell ordinal) of every cell `region` overlaps."""
     out = []
     for offsets in grid.overlapping(region):
         piece = region.intersect(grid.cells[offsets])
@@ -161,7 +162,22 @@ class _Needed:
 
 @lru_cache(maxsize=4096)
 def build_template(key: TemplateKey) -> Template:
-    """Compute (once per key) every transfer of a tensor with this key."""
+    """Compute (once per key) every transfer of a tensor with this key.
+
+    The source layout's boxes form a grid of cells (`_SourceGrid`): each distinct box is a
+    cell, held by every source position whose box it is (several when a mesh axis
+    replicates). For each destination position, in mesh order:
+
+    1. If the destination rank also holds a source box (colocated), the overlap is a local
+       copy, and only `box.minus(held)` (at most 2 * ndim boxes) is needed from peers.
+    2. The needed regions are intersected with the cells they overlap (one bisect per dim
+       per region). A piece of a cell with one holder is a fixed transfer; destinations with
+       the same (box, held) pair reuse these columns (`needed_of`).
+    3. A piece of a replicated cell is assigned by `_assign` from the cell's turn, which then
+       advances, so successive destinations asking for one cell rotate over its holders.
+
+    Transfers are kept as columns (src, dst, offsets, sizes), concatenated per destination.
+    """
     src_layout = Layout(Mesh(key.src_shape), key.src_placements)
     dst_layout = Layout(Mesh(key.dst_shape), key.dst_placements)
     grid, ndim = _SourceGrid(key.shape, src_layout), len(key.shape)

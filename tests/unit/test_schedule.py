@@ -101,23 +101,23 @@ def test_a_round_on_a_subset_moves_only_those_tensors():
     assert {s.tensor for b in mine.buckets for m in b.sends for s in m.segments} == {1, 3}
 
 
-def _naive_cuts(loads, num_pieces, bound):
-    piece, rank, load = loads
-    per_piece = {}
-    for p, r, b in zip(piece.tolist(), rank.tolist(), load.tolist()):
-        per_piece.setdefault(p, {}).setdefault(r, 0)
-        per_piece[p][r] += b
+def _naive_cuts(loads, num_slabs, bound):
+    slab, rank, load = loads
+    per_slab = {}
+    for p, r, b in zip(slab.tolist(), rank.tolist(), load.tolist()):
+        per_slab.setdefault(p, {}).setdefault(r, 0)
+        per_slab[p][r] += b
     cuts, acc, used = [0], {}, False
-    for p in range(num_pieces):
-        add = per_piece.get(p, {})
+    for p in range(num_slabs):
+        add = per_slab.get(p, {})
         if used and any(acc.get(r, 0) + b > bound for r, b in add.items()):
             cuts.append(p)
             acc = {}
         for r, b in add.items():
             acc[r] = acc.get(r, 0) + b
         used = True
-    if num_pieces > cuts[-1]:
-        cuts.append(num_pieces)
+    if num_slabs > cuts[-1]:
+        cuts.append(num_slabs)
     return tuple(cuts)
 
 
@@ -128,9 +128,9 @@ def _naive_cuts(loads, num_pieces, bound):
     bound=st.integers(1, 120),
 )
 def test_vectorised_cuts_equal_the_sequential_greedy(entries, extra, bound):
-    num_pieces = (max((e[0] for e in entries), default=-1) + 1) + extra
+    num_slabs = (max((e[0] for e in entries), default=-1) + 1) + extra
     loads = tuple(np.array([e[i] for e in entries], dtype=np.int64) for i in range(3))
-    assert cut_buckets(loads, num_pieces, bound) == _naive_cuts(loads, num_pieces, bound)
+    assert cut_buckets(loads, num_slabs, bound) == _naive_cuts(loads, num_slabs, bound)
 
 
 def test_colocated_schedules_local_copies():

@@ -138,7 +138,7 @@ def test_plan_info_refuses_inconsistent_tables():
     with pytest.raises(ValueError, match=r"PlanInfo.src_index holds an index outside \[0, 2\)"):
         decode(PlanInfo, _envelope(body, type_name="PlanInfo"))
     body["src_index"], body["cuts"] = [0], [0, 7]
-    with pytest.raises(ValueError, match=r"bucket cuts must rise strictly from 0 to the piece count 1"):
+    with pytest.raises(ValueError, match=r"bucket cuts must rise strictly from 0 to the slab count 1"):
         decode(PlanInfo, _envelope(body, type_name="PlanInfo")).to_schedule()
 
 
@@ -190,10 +190,10 @@ def test_huge_shapes_and_ranks_are_refused_when_the_plan_is_rebuilt(mutate, mess
         decode(PlanInfo, _envelope(body, type_name="PlanInfo")).to_schedule()
 
 
-def test_a_schedule_of_too_many_pieces_is_refused_at_once():
+def test_a_schedule_of_too_many_slabs_is_refused_at_once():
     fsdp = Layout(Mesh((2,)), (Shard(0),))
     plan = plan_model([TensorSpec("w", "bfloat16", (1 << 24, 1), fsdp, Layout(Mesh((2,), start_rank=2), (Shard(0),)))])
-    with pytest.raises(ValueError, match=r"^bucket_bytes=1 cuts this plan into 16777216 \(tensor, row band\) pieces, "
+    with pytest.raises(ValueError, match=r"^bucket_bytes=1 cuts this plan into 16777216 \(tensor, row band\) slabs, "
                                          r"more than the 524288 a schedule may hold; raise bucket_bytes$"):
         build_schedule(plan, bucket_bytes=1)
     assert build_schedule(plan, bucket_bytes=1 << 20).num_buckets == 16  # 16 MiB per rank in 1 MiB bands
