@@ -19,7 +19,8 @@ from rich.table import Table
 
 from rl_sync.wire.stats import RoundStats
 from rl_sync.config.sync import SyncConfig
-from rl_sync.models.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
+from rl_sync.models.config import ModelConfig, Parallel
+from rl_sync.models.synthetic import TrainerParallel, model_specs
 
 from .placement import SyncPlacement
 from .ready import InferenceWorker, TrainerActor
@@ -27,18 +28,19 @@ from .synthetic import trainer_build, worker_build
 from .weight_sync import WeightSync
 
 
-def _default_shape() -> ModelShape:
-    return ModelShape(layers=8, hidden=768, intermediate=2048, vocab=32000, heads=12, kv_heads=12, head_dim=64)
+def _default_shape() -> ModelConfig:
+    return ModelConfig(family="llama", layers=8, hidden=768, intermediate=2048, vocab=32000, heads=12, kv_heads=12,
+                       head_dim=64)
 
 
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
     """What `rl-sync bench` runs."""
 
-    model: ModelShape = field(default_factory=_default_shape)
+    model: ModelConfig = field(default_factory=_default_shape)
     """Synthetic model shapes (default: ~106M bf16 parameters)."""
     trainer: TrainerParallel = field(default_factory=lambda: TrainerParallel(ranks=4))
-    inference: InferenceParallel = field(default_factory=lambda: InferenceParallel(engines=2, tensor_parallel=2))
+    inference: Parallel = field(default_factory=lambda: Parallel(engines=2, tp=2))
     modes: tuple[str, ...] = ("m2n", "sparse", "broadcast")
     """Modes to run, in order."""
     repeat: int = 5
@@ -62,8 +64,10 @@ def perturb(actor, density: float, seed: int) -> None:
 def run(cfg: BenchConfig, console: Console | None = None) -> dict[str, list[RoundStats]]:
     """Run every mode `repeat` times on the connected Ray cluster; rounds by mode."""
     console = console or Console()
+    if cfg.inference.pp != 1:
+        raise ValueError(f"rl-sync bench places engines x tp workers; inference.pp must be 1, got {cfg.inference.pp}")
     specs = model_specs(cfg.model, cfg.trainer, cfg.inference)
-    t, e, tp = cfg.trainer.ranks, cfg.inference.engines, cfg.inference.tensor_parallel
+    t, e, tp = cfg.trainer.ranks, cfg.inference.engines, cfg.inference.tp
     placement = SyncPlacement.create(t, e, tp, cpus=cfg.cpus_per_actor)
     Trainer, Worker = ray.remote(TrainerActor), ray.remote(InferenceWorker)
     trainers = [Trainer.options(**placement.trainer(i)).remote(i, t, trainer_build(specs)) for i in range(t)]

@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 
-from gpu_common import LLAMA_8B, median_round, pair, show, start_ray
+from gpu_common import LLAMA_8B, median_round, pair, show, specs_8b, start_ray
 
-from rl_sync.bind.rules import QUANTIZED  # noqa: E402
 from rl_sync.engine.endpoint import Endpoint  # noqa: E402
 from rl_sync.engine.quantize import QuantStage  # noqa: E402
 from rl_sync.planning.layout import Layout, Mesh  # noqa: E402
 from rl_sync.planning.plan import SideSpec, join_specs, plan_model  # noqa: E402
 from rl_sync.planning.quant import dest_scale_layout, grid_shape, scale_name  # noqa: E402
-from rl_sync.models.synthetic import InferenceParallel, TrainerParallel, model_specs  # noqa: E402
+from rl_sync.models.config import Parallel  # noqa: E402
+from rl_sync.models.synthetic import TrainerParallel, model_specs  # noqa: E402
 from rl_sync.transport.local import LocalTransport  # noqa: E402
 
 BLOCK = (128, 128)
@@ -52,9 +52,8 @@ def _timed(fn, device: torch.device, repeat: int) -> float:
 
 
 def quantize(device: torch.device, layers: int, repeat: int) -> dict:
-    shape = dataclasses.replace(LLAMA_8B, layers=layers)
-    specs = [s for s in model_specs(shape, TrainerParallel(ranks=1), InferenceParallel(engines=1, tensor_parallel=1))
-             if s.name.endswith(QUANTIZED)]
+    shape = dataclasses.replace(LLAMA_8B, layers=layers, fp8_block=BLOCK)
+    specs = [s for s in model_specs(shape, TrainerParallel(ranks=1), Parallel()) if s.block]
     src, dst = Layout.replicated(Mesh((1,))), Layout.replicated(Mesh((1,), start_rank=1))
     dests = [d for s in specs for d in (SideSpec(s.name, "float8_e4m3fn", s.shape, dst, BLOCK),
                                         SideSpec(scale_name(s.name), "float32", grid_shape(s.shape, BLOCK),
@@ -73,7 +72,6 @@ def quantize(device: torch.device, layers: int, repeat: int) -> dict:
 
 
 def pushes(repeat: int, same_gpu: bool) -> dict:
-    specs = model_specs(LLAMA_8B, TrainerParallel(ranks=1), InferenceParallel(engines=1, tensor_parallel=1))
     import ray
 
     from actors import WeightSync
@@ -81,10 +79,10 @@ def pushes(repeat: int, same_gpu: bool) -> dict:
 
     out = {}
     for label, block in (("bf16", None), ("fp8", BLOCK)):
-        pg, trainer, worker = pair(specs, same_gpu=same_gpu, fp8_block=block)
+        pg, trainer, worker = pair(specs_8b(block), same_gpu=same_gpu)
         sync = WeightSync.create([trainer], [worker], SyncConfig(rendezvous_host="127.0.0.1", bind_host="127.0.0.1",
                                                                   bucket_bytes=1 << 30, round_timeout_s=600))
-        assert sync.summary["cuda_ipc"] == same_gpu, "expected CUDA IPC exactly when the GPU is shared"
+        assert sync.summary.cuda_ipc == same_gpu, "expected CUDA IPC exactly when the GPU is shared"
         sync.push()
         out[label] = median_round(sync, repeat)
         sync.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -16,13 +17,15 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actors import InferenceWorker, TrainerActor  # noqa: E402
+from actors.ready import InferenceWorker, TrainerActor  # noqa: E402
 from actors.synthetic import trainer_build, worker_build  # noqa: E402
 from rl_sync.planning.layout import Layout, Mesh, Replicate  # noqa: E402
 from rl_sync.planning.plan import TensorSpec  # noqa: E402
-from rl_sync.models.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs  # noqa: E402
+from rl_sync.models.config import ModelConfig, Parallel  # noqa: E402
+from rl_sync.models.synthetic import TrainerParallel, model_specs  # noqa: E402
 
-LLAMA_8B = ModelShape(layers=32, hidden=4096, intermediate=14336, vocab=128256, heads=32, kv_heads=8, head_dim=128)
+LLAMA_8B = ModelConfig(family="llama", layers=32, hidden=4096, intermediate=14336, vocab=128256, heads=32, kv_heads=8,
+                       head_dim=128)
 
 
 def start_ray() -> None:
@@ -30,9 +33,11 @@ def start_ray() -> None:
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}})
 
 
-def specs_8b() -> list[TensorSpec]:
-    """Llama-3-8B shapes (291 tensors, 16.06 GB bf16), one trainer to one worker, unsharded."""
-    return model_specs(LLAMA_8B, TrainerParallel(ranks=1), InferenceParallel(engines=1, tensor_parallel=1))
+def specs_8b(fp8_block: tuple[int, int] | None = None) -> list[TensorSpec]:
+    """Llama-3-8B shapes (291 tensors, 16.06 GB bf16), one trainer to one worker, unsharded; with
+    `fp8_block`, an engine keeping the projections block-quantized FP8."""
+    model = dataclasses.replace(LLAMA_8B, fp8_block=fp8_block)
+    return model_specs(model, TrainerParallel(ranks=1), Parallel())
 
 
 def specs_small(total_bytes: int, count: int) -> list[TensorSpec]:
@@ -43,11 +48,11 @@ def specs_small(total_bytes: int, count: int) -> list[TensorSpec]:
     return [TensorSpec(f"small.{i}.weight", "bfloat16", (rows, cols), src, dst) for i in range(count)]
 
 
-def pair(specs, same_gpu: bool, env: dict | None = None, fp8_block: tuple[int, int] | None = None):
+def pair(specs, same_gpu: bool, env: dict | None = None):
     """One trainer and one worker actor holding `specs` on CUDA: sharing one GPU (one
     placement-group bundle, 0.5 GPU each) or on two GPUs (one bundle each); `env`: environment
-    variables of both (e.g. `PYTORCH_CUDA_ALLOC_CONF`); `fp8_block`: the worker keeps projections
-    block-quantized FP8."""
+    variables of both (e.g. `PYTORCH_CUDA_ALLOC_CONF`). FP8 specs (`spec.block`) give a worker
+    keeping those tensors block-quantized."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -61,7 +66,7 @@ def pair(specs, same_gpu: bool, env: dict | None = None, fp8_block: tuple[int, i
 
     Trainer, Worker = ray.remote(TrainerActor), ray.remote(InferenceWorker)
     trainer = Trainer.options(**opts(0)).remote(0, 1, trainer_build(specs, "cuda"))
-    worker = Worker.options(**opts(0 if same_gpu else 1)).remote(0, 1, worker_build(specs, 1, "cuda", fp8_block))
+    worker = Worker.options(**opts(0 if same_gpu else 1)).remote(0, 1, worker_build(specs, 1, "cuda"))
     ray.get([trainer.call.remote(lambda self: torch.cuda.synchronize()), worker.call.remote(lambda self: torch.cuda.synchronize())])
     return pg, trainer, worker
 

@@ -22,10 +22,13 @@ from rl_sync.config.load import load_config
 from rl_sync.planning.plan import plan_model
 from rl_sync.planning.schedule import build_schedule
 from rl_sync.planning.simulate import LinkModel, predict
-from rl_sync.models.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
+from rl_sync.models.config import ModelConfig, Parallel
+from rl_sync.models.synthetic import TrainerParallel, model_specs
 
-SMALL = ModelShape(layers=4, hidden=512, intermediate=1536, vocab=32000, heads=8, kv_heads=8, head_dim=64)
-LARGE = ModelShape(layers=8, hidden=768, intermediate=2048, vocab=32000, heads=12, kv_heads=12, head_dim=64)
+SMALL = ModelConfig(family="llama", layers=4, hidden=512, intermediate=1536, vocab=32000, heads=8, kv_heads=8,
+                    head_dim=64)
+LARGE = ModelConfig(family="llama", layers=8, hidden=768, intermediate=2048, vocab=32000, heads=12, kv_heads=12,
+                    head_dim=64)
 CONFIGS = [  # (name, model, trainers, engines, tp)
     ("46M, 2 -> 1 x TP2", SMALL, 2, 1, 2),
     ("46M, 2 -> 2 x TP1", SMALL, 2, 2, 1),
@@ -48,7 +51,7 @@ def main() -> None:
     connect(None)
     for name, model, t, e, tp in CONFIGS:
         cfg = BenchConfig(model=model, trainer=TrainerParallel(ranks=t),
-                          inference=InferenceParallel(engines=e, tensor_parallel=tp), modes=("m2n",),
+                          inference=Parallel(engines=e, tp=tp), modes=("m2n",),
                           repeat=args.repeat)
         specs = model_specs(cfg.model, cfg.trainer, cfg.inference)
         prediction = predict(build_schedule(plan_model(specs), cfg.sync.bucket_bytes), links, t)

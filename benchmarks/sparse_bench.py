@@ -105,13 +105,16 @@ def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int =
 def e2e_table(repeat: int) -> Table:
     import ray
 
-    from actors import InferenceWorker, TrainerActor, WeightSync
+    from actors import WeightSync
+    from actors.ready import InferenceWorker, TrainerActor
     from actors.synthetic import trainer_build, worker_build
     from rl_sync.config.sync import SyncConfig
-    from rl_sync.models.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
+    from rl_sync.models.config import ModelConfig, Parallel
+    from rl_sync.models.synthetic import TrainerParallel, model_specs
 
-    shape = ModelShape(layers=4, hidden=512, intermediate=1536, vocab=32000, heads=8, kv_heads=8, head_dim=64)
-    specs = model_specs(shape, TrainerParallel(ranks=2), InferenceParallel(engines=1, tensor_parallel=2))
+    shape = ModelConfig(family="llama", layers=4, hidden=512, intermediate=1536, vocab=32000, heads=8, kv_heads=8,
+                        head_dim=64)
+    specs = model_specs(shape, TrainerParallel(ranks=2), Parallel(tp=2))
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
     Trainer, Worker = ray.remote(num_cpus=0.25)(TrainerActor), ray.remote(num_cpus=0.25)(InferenceWorker)
     trainers = [Trainer.remote(i, 2, trainer_build(specs)) for i in range(2)]

@@ -12,10 +12,14 @@ Names no rule binds, or that bind to a different dtype, are fallbacks: they
 are delivered whole to every worker and handed to a `load_weights`-style hook;
 without a hook they fail init, listed.
 
+The same layouts, without live storage, are the destinations of synthetic
+models (`Binder.destination`, `rl_sync.models.synthetic`).
+
 Typical use::
 
     binding = Binder(cfg, Parallel(engines=2, tp=4)).bind(checkpoint, model.params, rank)
     binding.destinations["model.layers.0.self_attn.k_proj.weight"].view   # a slot of qkv_proj
+    Binder(cfg, par).destination("model.layers.0.self_attn.k_proj.weight", (1024, 4096))   # its Layout
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from ..planning.layout import Box, Layout, Mesh, Replicate, Shard
 from ..models.config import ModelConfig, Parallel
 from ..planning.quant import LIVE_SCALE_SUFFIX, dest_scale_layout, grid_shape, scale_name
 from ..storage import Destination
-from .rules import BUILTIN, FUSED, QUANTIZED, Rule
+from .rules import BUILTIN, FUSED, MLA_PLAIN_Q_RULES, QUANTIZED, Rule
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,10 @@ class Binder:
 
     def __init__(self, cfg: ModelConfig, par: Parallel, rules: Sequence[Rule] = ()):
         self.cfg, self.par = cfg, par
-        self.rules = tuple(rules) + BUILTIN[cfg.family]
+        plain_q = MLA_PLAIN_Q_RULES if cfg.attention == "mla" and not cfg.q_lora_rank else ()
+        self.rules = tuple(rules) + plain_q + BUILTIN[cfg.family]
         self._compiled = [(re.compile(r.pattern), r) for r in self.rules]
+        self._layouts: dict[tuple, Layout | None] = {}
         if cfg.experts and par.ep and cfg.experts % par.tp:
             raise ValueError(f"expert parallelism needs experts ({cfg.experts}) divisible by tp ({par.tp})")
 
@@ -92,9 +98,37 @@ class Binder:
             nested = [row[0] for row in nested]
         return Mesh.from_ranks(nested)
 
+    def destination(self, name: str, shape: tuple[int, ...]) -> Layout:
+        """The destination layout of checkpoint tensor `name` over the worker side's ranks
+        `[0, par.size)`; `ValueError` when no rule binds it in place (a synthetic model must
+        never fall back)."""
+        found = self.match(name)
+        layout = None if found is None else self.layout(found[0], found[1], tuple(shape))
+        if layout is None:
+            why = "no rule matches it" if found is None else f"its rule {found[0].pattern!r} falls back"
+            raise ValueError(f"{self.cfg.family} checkpoint tensor {name!r} (shape {tuple(shape)}) has no destination "
+                             f"layout: {why}")
+        return layout
+
+    def quantized(self, rule: Rule, groups: dict[str, str]) -> bool:
+        """Whether a block-quantized FP8 model keeps what `rule` binds as FP8: the linear and
+        expert weights (`QUANTIZED` targets); `TPModel` and vLLM quantize the same set."""
+        return self.cfg.fp8_block is not None and _fmt(rule.target, groups).endswith(QUANTIZED)
+
     def layout(self, rule: Rule, groups: dict[str, str], shape: tuple[int, ...]) -> Layout | None:
-        """The destination layout of one checkpoint tensor, or None when it must fall back."""
-        stages, par, cfg = self._stages(rule, groups), self.par, self.cfg
+        """The destination layout of one checkpoint tensor, or None when it must fall back
+        (one `Layout` object per distinct layout)."""
+        stages = self._stages(rule, groups)
+        owner = None
+        if rule.expert is not None and self.par.ep:
+            owner = int(_fmt(rule.expert, groups)) // (self.cfg.experts // self.par.tp)
+        key = (rule.split, rule.tp_dim, tuple(stages), owner)
+        if key not in self._layouts:
+            self._layouts[key] = self._layout(rule, stages, owner)
+        return self._layouts[key]
+
+    def _layout(self, rule: Rule, stages: list[int], owner: int | None) -> Layout | None:
+        par, cfg = self.par, self.cfg
         lead = (Replicate(),) * (2 if len(stages) > 1 else 1)
         split = rule.split
         if split == "replicated":
@@ -114,9 +148,7 @@ class Binder:
             if par.ep:
                 return Layout(self._mesh(stages), lead + (Shard(0),))
             return None if rule.tp_dim is None else Layout(self._mesh(stages), lead + (Shard(rule.tp_dim),))
-        expert = int(_fmt(rule.expert, groups))
-        if par.ep:
-            owner = expert // (cfg.experts // par.tp)
+        if owner is not None:
             return Layout(self._mesh(stages, tp_ranks=[owner]), lead + (Replicate(),))
         return Layout(self._mesh(stages), lead + (Shard(0 if split == "expert_column" else 1),))
 
@@ -168,9 +200,9 @@ class Binder:
         return out
 
     def _quantized(self, e: _Entry) -> bool:
-        """Whether the model keeps this checkpoint tensor as block-quantized FP8: a quantized
-        model's linear and expert weights (`TPModel` and vLLM quantize the same set)."""
-        return self.cfg.fp8_block is not None and e.target.endswith(QUANTIZED) and e.dtype.is_floating_point
+        """Whether this rank keeps this checkpoint tensor as block-quantized FP8 (`quantized`, for a
+        floating-point checkpoint tensor)."""
+        return self.quantized(e.rule, e.groups) and e.dtype.is_floating_point
 
     def _scales(self, e: _Entry, params: Mapping[str, torch.Tensor], slot_offset: int, rank: int) -> Destination:
         """The destination of a quantized tensor's block scales: its blocks of the live scale

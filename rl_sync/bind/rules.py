@@ -21,6 +21,12 @@ ranks (`split`):
 Users add rules with `Binder(rules=...)` (or the `rules:` list of a demo
 config, `configs/demo.yaml`); user rules come before the built-in tables, and
 earlier rules win.
+
+The built-in tables are also where synthetic models (`rl_sync.models.synthetic`:
+the planner report, benchmarks, the notebook) get their destination layouts,
+so they are written to equal what vLLM's loader resolves, parameter by
+parameter (`tests/unit/test_synthetic_layouts.py`,
+`tests/distributed/test_vllm_binding.py`).
 """
 
 from __future__ import annotations
@@ -35,12 +41,13 @@ FUSED: dict[str, tuple[str, ...]] = {
     "qkv_proj.bias": ("q", "k", "v"),
     "gate_up_proj.weight": ("gate", "up"),
     "w13_weight": ("gate", "up"),
+    "fused_qkv_a_proj.weight": ("q_a", "kv_a"),
 }
 """Fused live parameters (by name suffix) and the order of their slots along the fused dim."""
 
-QUANTIZED: tuple[str, ...] = ("proj.weight", "w13_weight", "w2_weight")
-"""Live parameters (by name suffix) a block-quantized FP8 model keeps in FP8: the attention,
-MLP and expert projections; embeddings, the head, norms and routers stay unquantized."""
+QUANTIZED: tuple[str, ...] = ("proj.weight", "kv_a_proj_with_mqa.weight", "w13_weight", "w2_weight")
+"""Live parameters (by name suffix) a block-quantized FP8 model keeps in FP8: the attention
+(MLA's too), MLP and expert projections; embeddings, the head, norms and routers stay unquantized."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,40 @@ MOE_RULES: tuple[Rule, ...] = (
 )
 """Qwen3-MoE and Mixtral: routers, stacked (transformers 5) and per-expert (checkpoint files) experts."""
 
+MLA_RULES: tuple[Rule, ...] = (
+    Rule(L + r"\.self_attn\.q_a_proj\.weight", "model.layers.{layer}.self_attn.fused_qkv_a_proj.weight", "replicated",
+         slot="q_a"),
+    Rule(L + r"\.self_attn\.kv_a_proj_with_mqa\.weight", "model.layers.{layer}.self_attn.fused_qkv_a_proj.weight",
+         "replicated", slot="kv_a"),
+    Rule(L + r"\.self_attn\.(?P<n>q_a_layernorm|kv_a_layernorm)\.weight", "model.layers.{layer}.self_attn.{n}.weight",
+         "replicated"),
+    Rule(L + r"\.self_attn\.(?P<n>q_b_proj|q_proj|kv_b_proj)\.weight", "model.layers.{layer}.self_attn.{n}.weight",
+         "column"),
+    Rule(L + r"\.mlp\.gate\.e_score_correction_bias", "model.layers.{layer}.mlp.gate.e_score_correction_bias",
+         "replicated"),
+)
+"""DeepSeek-V3 / Kimi-K2 multi-head latent attention, as vLLM holds it: `q_a_proj` and
+`kv_a_proj_with_mqa` fused into a replicated `fused_qkv_a_proj`, the up-projections column
+parallel (`o_proj` is the dense row rule), and the router's score-correction bias (fp32)."""
+
+MLA_PLAIN_Q_RULES: tuple[Rule, ...] = (
+    Rule(L + r"\.self_attn\.kv_a_proj_with_mqa\.weight", "model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight",
+         "replicated"),
+)
+"""MLA without query compression (`q_lora_rank` 0): vLLM keeps `kv_a_proj_with_mqa` unfused
+(`Binder` puts these before `MLA_RULES`)."""
+
+SHARED_RULES: tuple[Rule, ...] = (
+    Rule(L + r"\.mlp\.shared_experts\.(?P<s>gate|up)_proj\.weight",
+         "model.layers.{layer}.mlp.shared_experts.gate_up_proj.weight", "column", slot="{s}"),
+    Rule(L + r"\.mlp\.shared_experts\.down_proj\.weight", "model.layers.{layer}.mlp.shared_experts.down_proj.weight",
+         "row"),
+)
+"""DeepSeek-V3 shared experts: one TP-sharded MLP (vLLM replicates them only under
+sequence-parallel MoE, data-parallel attention, which these rules do not model)."""
+
 BUILTIN: dict[str, tuple[Rule, ...]] = {
     "llama": DENSE_RULES, "qwen2": DENSE_RULES, "qwen3": DENSE_RULES,
     "qwen3_moe": MOE_RULES + DENSE_RULES, "mixtral": MOE_RULES + DENSE_RULES,
+    "deepseek_v3": MLA_RULES + SHARED_RULES + MOE_RULES + DENSE_RULES,
 }

@@ -1,89 +1,44 @@
 """Synthetic models: realistic checkpoint tensors and layouts, without weights.
 
-Used by the planner report (`rl-sync plan`), benchmarks and tests to describe
-models from a dense 8B to a Kimi-K2-shaped 1T MoE by their shapes alone, with
-Hugging Face checkpoint names, trainer layouts (FSDP `Shard(0)`, HSDP, expert
-parallel groups) and inference layouts (engines x tensor parallel: column and
-row parallel linears, vocab-parallel embeddings, replicated norms, GQA KV heads
-replicated when TP exceeds them, experts split over an engine's ranks).
+Used by the planner report (`rl-sync plan`), benchmarks, the notebook and tests
+to describe models from a dense 8B to a Kimi-K2-shaped 1T MoE by their shapes
+alone: Hugging Face checkpoint names and shapes (`checkpoint_tensors`), trainer
+layouts (FSDP `Shard(0)`, HSDP, expert parallel groups: `TrainerParallel`) and
+inference layouts from the binder's rules (`Binder.destination`), the code a
+worker binds with at runtime, so a synthetic model is laid out exactly as an
+engine would hold it (vocab-parallel embeddings padded as vLLM pads them, GQA
+KV heads replicated when TP exceeds them, MLA, shared and routed experts).
 
 Typical use::
 
-    specs = model_specs(ModelShape(...), TrainerParallel(ranks=8),
-                        InferenceParallel(engines=2, tensor_parallel=4))
+    specs = model_specs(ModelConfig(family="llama", ...), TrainerParallel(ranks=8),
+                        Parallel(engines=2, tp=4))
     plan = plan_model(specs)
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import NamedTuple
 
+from ..bind.binder import Binder
 from ..planning.layout import Layout, Mesh, Replicate, Shard
 from ..planning.plan import TensorSpec
 from ..planning.quant import FP8_DTYPE, SCALE_DTYPE, dest_scale_layout, grid_shape, scale_name, source_scale_layout
+from .config import ModelConfig, Parallel
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelShape:
-    """Architecture hyper-parameters (Hugging Face config names where they exist)."""
+class CheckpointTensor(NamedTuple):
+    """One tensor of a Hugging Face checkpoint: name, shape, dtype name, the routed expert it
+    belongs to (None for the rest), and whether the model holds it as a buffer (FSDP shards
+    parameters only: every trainer rank holds a buffer whole)."""
 
-    layers: int
-    """Decoder layers."""
-    hidden: int
-    """Hidden size."""
-    vocab: int
-    """Vocabulary size."""
-    heads: int
-    """Attention (query) heads."""
-    kv_heads: int
-    """Key/value heads (GQA); ignored for MLA."""
-    head_dim: int
-    """Per-head dim of q/k/v (GQA)."""
-    intermediate: int
-    """FFN size of dense layers."""
-    attention: Literal["gqa", "mla"] = "gqa"
-    """GQA (Llama/Qwen) or multi-head latent attention (DeepSeek-V3/Kimi-K2)."""
-    q_lora_rank: int = 0
-    """MLA query compression rank."""
-    kv_lora_rank: int = 0
-    """MLA key/value compression rank."""
-    qk_nope_head_dim: int = 0
-    """MLA per-head non-rotary q/k dim."""
-    qk_rope_head_dim: int = 0
-    """MLA per-head rotary q/k dim."""
-    v_head_dim: int = 0
-    """MLA per-head value dim."""
-    experts: int = 0
-    """Routed experts per MoE layer (0: dense model)."""
-    shared_experts: int = 0
-    """Shared experts per MoE layer (one fused MLP of this many expert widths)."""
-    expert_intermediate: int = 0
-    """FFN size of one expert."""
-    first_dense_layers: int = 0
-    """Leading layers with a dense FFN in an MoE model."""
-    qkv_bias: bool = False
-    """Biases on q/k/v projections (Qwen2)."""
-    qk_norm: bool = False
-    """Per-head RMS norms on q and k (Qwen3)."""
-    tie_embeddings: bool = False
-    """lm_head shares embed_tokens."""
-    dtype: str = "bfloat16"
-    """Dtype name of every weight."""
-    fp8_block: tuple[int, ...] = ()
-    """Inference keeps the projection and expert weights in FP8 with fp32 scales over blocks of
-    this size (e.g. [128, 128]), as DeepSeek-V3 and Kimi-K2 serve them; () keeps `dtype`."""
-
-    def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "vocab", "heads", "intermediate"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelShape.{name} must be > 0, got {getattr(self, name)}")
-        if self.attention not in ("gqa", "mla"):
-            raise ValueError(f"ModelShape.attention must be 'gqa' or 'mla', got {self.attention!r}")
-        if self.experts and self.expert_intermediate <= 0:
-            raise ValueError("ModelShape.expert_intermediate must be > 0 when experts > 0")
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    expert: int | None = None
+    buffer: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,62 +62,29 @@ class TrainerParallel:
             )
 
 
-@dataclass(frozen=True, kw_only=True)
-class InferenceParallel:
-    """Inference ranks after the trainers: `engines` replicas of `tensor_parallel` ranks."""
+class _Sources:
+    """Trainer layouts: FSDP (or HSDP) over every trainer rank, routed experts inside their group,
+    buffers whole on every rank."""
 
-    engines: int
-    """Engine replicas."""
-    tensor_parallel: int
-    """Ranks per engine."""
-    expert_parallel: bool = False
-    """Split experts over an engine's ranks (whole experts) instead of TP-sharding each."""
-
-    def __post_init__(self) -> None:
-        if self.engines <= 0 or self.tensor_parallel <= 0:
-            raise ValueError("InferenceParallel.engines and tensor_parallel must be > 0")
-
-
-class _Layouts:
-    """Trainer and inference layouts for each kind of tensor."""
-
-    def __init__(self, model: ModelShape, trainer: TrainerParallel, infer: InferenceParallel):
-        self.model, self.trainer, self.infer = model, trainer, infer
-        engines = Mesh((infer.engines, infer.tensor_parallel), start_rank=trainer.ranks)
+    def __init__(self, model: ModelConfig, trainer: TrainerParallel):
+        self.model, self.trainer = model, trainer
         r = trainer.replicate
         self.fsdp = Layout(Mesh((r, trainer.ranks // r)), (Replicate(), Shard(0)))
-        self._column = Layout(engines, (Replicate(), Shard(0)))
-        self._row = Layout(engines, (Replicate(), Shard(1)))
-        self._replicated = Layout.replicated(engines)
+        self.whole = Layout.replicated(self.fsdp.mesh)
+        self._groups: dict[int, Layout] = {}
 
-    def column(self) -> Layout:
-        return self._column
+    def of(self, tensor: CheckpointTensor) -> Layout:
+        if tensor.buffer:
+            return self.whole
+        expert = tensor.expert
+        if expert is None:
+            return self.fsdp
+        group = expert * self.trainer.expert_parallel // self.model.experts
+        if group not in self._groups:
+            self._groups[group] = self._group(group)
+        return self._groups[group]
 
-    def row(self) -> Layout:
-        return self._row
-
-    def replicated(self) -> Layout:
-        return self._replicated
-
-    @functools.lru_cache(maxsize=None)
-    def kv_column(self, kv_heads: int) -> Layout:
-        """KV projections: shard heads; when TP > heads, replicate each head over TP / heads ranks."""
-        tp = self.infer.tensor_parallel
-        if tp <= kv_heads:
-            return self.column()
-        if tp % kv_heads:
-            raise ValueError(f"tensor_parallel {tp} must divide or be a multiple of kv_heads {kv_heads}")
-        ranks = [[[e * tp + h * (tp // kv_heads) + j + self.trainer.ranks for j in range(tp // kv_heads)]
-                  for h in range(kv_heads)] for e in range(self.infer.engines)]
-        return Layout(Mesh.from_ranks(ranks), (Replicate(), Shard(0), Replicate()))
-
-    @functools.lru_cache(maxsize=None)
-    def expert_src(self, expert: int) -> Layout:
-        """Trainer layout of `expert` (one object per expert group)."""
-        return self._group_src(expert * self.trainer.expert_parallel // self.model.experts)
-
-    @functools.lru_cache(maxsize=None)
-    def _group_src(self, group: int) -> Layout:
+    def _group(self, group: int) -> Layout:
         t = self.trainer
         size = t.ranks // t.expert_parallel
         if t.replicate > 1:
@@ -171,96 +93,104 @@ class _Layouts:
             return Layout(Mesh.from_ranks(ranks), (Replicate(), Shard(0)))
         return Layout(Mesh((size,), start_rank=group * size), (Shard(0),))
 
-    def expert_dst(self, expert: int, dim: int) -> Layout:
-        if not self.infer.expert_parallel:
-            return self.column() if dim == 0 else self.row()
-        return self._owner_dst(expert * self.infer.tensor_parallel // self.model.experts)
 
-    @functools.lru_cache(maxsize=None)
-    def _owner_dst(self, owner: int) -> Layout:
-        tp = self.infer.tensor_parallel
-        ranks = [self.trainer.ranks + e * tp + owner for e in range(self.infer.engines)]
-        return Layout(Mesh.from_ranks(ranks), (Replicate(),))
-
-
-def _attention(m: ModelShape, lay: _Layouts, prefix: str) -> Iterator[tuple[str, tuple[int, ...], Layout]]:
+def _attention(m: ModelConfig, prefix: str) -> Iterator[tuple[str, tuple[int, ...]]]:
     h = m.hidden
     if m.attention == "mla":
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        yield f"{prefix}.q_a_proj.weight", (m.q_lora_rank, h), lay.replicated()
-        yield f"{prefix}.q_a_layernorm.weight", (m.q_lora_rank,), lay.replicated()
-        yield f"{prefix}.q_b_proj.weight", (m.heads * qk, m.q_lora_rank), lay.column()
-        yield f"{prefix}.kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, h), lay.replicated()
-        yield f"{prefix}.kv_a_layernorm.weight", (m.kv_lora_rank,), lay.replicated()
-        yield f"{prefix}.kv_b_proj.weight", (m.heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), lay.column()
-        yield f"{prefix}.o_proj.weight", (h, m.heads * m.v_head_dim), lay.row()
+        q = m.heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        if m.q_lora_rank:
+            yield f"{prefix}.q_a_proj.weight", (m.q_lora_rank, h)
+            yield f"{prefix}.q_a_layernorm.weight", (m.q_lora_rank,)
+            yield f"{prefix}.q_b_proj.weight", (q, m.q_lora_rank)
+        else:
+            yield f"{prefix}.q_proj.weight", (q, h)
+        yield f"{prefix}.kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, h)
+        yield f"{prefix}.kv_a_layernorm.weight", (m.kv_lora_rank,)
+        yield f"{prefix}.kv_b_proj.weight", (m.heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        yield f"{prefix}.o_proj.weight", (h, m.heads * m.v_head_dim)
         return
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    yield f"{prefix}.q_proj.weight", (q, h), lay.column()
-    yield f"{prefix}.k_proj.weight", (kv, h), lay.kv_column(m.kv_heads)
-    yield f"{prefix}.v_proj.weight", (kv, h), lay.kv_column(m.kv_heads)
+    yield f"{prefix}.q_proj.weight", (q, h)
+    yield f"{prefix}.k_proj.weight", (kv, h)
+    yield f"{prefix}.v_proj.weight", (kv, h)
     if m.qkv_bias:
-        yield f"{prefix}.q_proj.bias", (q,), lay.column()
-        yield f"{prefix}.k_proj.bias", (kv,), lay.kv_column(m.kv_heads)
-        yield f"{prefix}.v_proj.bias", (kv,), lay.kv_column(m.kv_heads)
+        yield f"{prefix}.q_proj.bias", (q,)
+        yield f"{prefix}.k_proj.bias", (kv,)
+        yield f"{prefix}.v_proj.bias", (kv,)
     if m.qk_norm:
-        yield f"{prefix}.q_norm.weight", (m.head_dim,), lay.replicated()
-        yield f"{prefix}.k_norm.weight", (m.head_dim,), lay.replicated()
-    yield f"{prefix}.o_proj.weight", (h, q), lay.row()
+        yield f"{prefix}.q_norm.weight", (m.head_dim,)
+        yield f"{prefix}.k_norm.weight", (m.head_dim,)
+    yield f"{prefix}.o_proj.weight", (h, q)
 
 
-def _mlp(prefix: str, hidden: int, inter: int, lay: _Layouts) -> Iterator[tuple[str, tuple[int, ...], Layout]]:
-    yield f"{prefix}.gate_proj.weight", (inter, hidden), lay.column()
-    yield f"{prefix}.up_proj.weight", (inter, hidden), lay.column()
-    yield f"{prefix}.down_proj.weight", (hidden, inter), lay.row()
+def _mlp(prefix: str, hidden: int, inter: int,
+         names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> Iterator[tuple[str, tuple[int, ...]]]:
+    gate, up, down = names
+    yield f"{prefix}.{gate}.weight", (inter, hidden)
+    yield f"{prefix}.{up}.weight", (inter, hidden)
+    yield f"{prefix}.{down}.weight", (hidden, inter)
 
 
-def _layer(m: ModelShape, lay: _Layouts, i: int) -> Iterator[TensorSpec]:
+def _layer(m: ModelConfig, i: int) -> Iterator[CheckpointTensor]:
     prefix, h = f"model.layers.{i}", m.hidden
-    fsdp = lay.fsdp
-    dense = [(f"{prefix}.input_layernorm.weight", (h,), lay.replicated())]
-    dense += list(_attention(m, lay, f"{prefix}.self_attn"))
-    dense += [(f"{prefix}.post_attention_layernorm.weight", (h,), lay.replicated())]
-    if not m.experts or i < m.first_dense_layers:
-        dense += list(_mlp(f"{prefix}.mlp", h, m.intermediate, lay))
-    else:
-        dense += [(f"{prefix}.mlp.gate.weight", (m.experts, h), lay.replicated())]
-        if m.shared_experts:
-            dense += list(_mlp(f"{prefix}.mlp.shared_experts", h, m.shared_experts * m.expert_intermediate, lay))
-    for name, shape, dst in dense:
-        yield from _specs(m, name, shape, fsdp, dst)
-    if m.experts and i >= m.first_dense_layers:
-        for e in range(m.experts):
-            src, e_prefix, inter = lay.expert_src(e), f"{prefix}.mlp.experts.{e}", m.expert_intermediate
-            for name, shape, dst in _mlp(e_prefix, h, inter, lay):
-                dim = 1 if name.endswith("down_proj.weight") else 0
-                yield from _specs(m, name, shape, src, lay.expert_dst(e, dim))
-
-
-_UNQUANTIZED = ("norm.weight", "layernorm.weight", "mlp.gate.weight", "bias")
-"""Norms, routers and biases stay in `dtype` on FP8 engines (as in DeepSeek-V3's checkpoint)."""
-
-
-def _specs(m: ModelShape, name: str, shape: tuple[int, ...], src: Layout, dst: Layout) -> Iterator[TensorSpec]:
-    """The tensor, or with `m.fp8_block` a projection's FP8 values and their scale grid."""
-    if not m.fp8_block or len(shape) != 2 or name.endswith(_UNQUANTIZED):
-        yield TensorSpec(name, m.dtype, shape, src, dst)
+    dense = [(f"{prefix}.input_layernorm.weight", (h,))]
+    dense += list(_attention(m, f"{prefix}.self_attn"))
+    dense += [(f"{prefix}.post_attention_layernorm.weight", (h,))]
+    moe = m.experts and i >= m.first_dense_layers
+    if not moe:
+        dense += list(_mlp(f"{prefix}.mlp", h, m.intermediate))
+    yield from (CheckpointTensor(name, shape, m.dtype) for name, shape in dense)
+    if not moe:
         return
-    block = tuple(m.fp8_block)
-    what = f"tensor {name!r}"
-    yield TensorSpec(name, FP8_DTYPE, shape, src, dst, block)
-    yield TensorSpec(scale_name(name), SCALE_DTYPE, grid_shape(shape, block, what),
-                     source_scale_layout(src, shape, block, what), dest_scale_layout(dst, shape, block, what))
+    block = f"{prefix}.block_sparse_moe" if m.family == "mixtral" else f"{prefix}.mlp"
+    yield CheckpointTensor(f"{block}.gate.weight", (m.experts, h), m.dtype)
+    if m.family == "deepseek_v3":
+        yield CheckpointTensor(f"{block}.gate.e_score_correction_bias", (m.experts,), "float32", buffer=True)
+    if m.shared_experts:
+        yield from (CheckpointTensor(name, shape, m.dtype)
+                    for name, shape in _mlp(f"{block}.shared_experts", h, m.shared_experts * m.moe_intermediate))
+    names = ("w1", "w3", "w2") if m.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    for e in range(m.experts):
+        yield from (CheckpointTensor(name, shape, m.dtype, e)
+                    for name, shape in _mlp(f"{block}.experts.{e}", h, m.moe_intermediate, names))
 
 
-def model_specs(model: ModelShape, trainer: TrainerParallel, inference: InferenceParallel) -> list[TensorSpec]:
-    """Every checkpoint tensor of `model` with its trainer and inference layout."""
-    lay = _Layouts(model, trainer, inference)
-    vocab_parallel = lay.column()
-    specs = [TensorSpec("model.embed_tokens.weight", model.dtype, (model.vocab, model.hidden), lay.fsdp, vocab_parallel)]
+def checkpoint_tensors(model: ModelConfig) -> Iterator[CheckpointTensor]:
+    """Every tensor of `model`'s Hugging Face checkpoint, in checkpoint order: Mixtral's
+    `block_sparse_moe` names, Qwen2's q/k/v biases, Qwen3's q/k norms, DeepSeek-V3's MLA, shared
+    experts and fp32 router score-correction bias, per-expert routed expert weights."""
+    yield CheckpointTensor("model.embed_tokens.weight", (model.vocab, model.hidden), model.dtype)
     for i in range(model.layers):
-        specs.extend(_layer(model, lay, i))
-    specs.append(TensorSpec("model.norm.weight", model.dtype, (model.hidden,), lay.fsdp, lay.replicated()))
+        yield from _layer(model, i)
+    yield CheckpointTensor("model.norm.weight", (model.hidden,), model.dtype)
     if not model.tie_embeddings:
-        specs.append(TensorSpec("lm_head.weight", model.dtype, (model.vocab, model.hidden), lay.fsdp, vocab_parallel))
+        yield CheckpointTensor("lm_head.weight", (model.vocab, model.hidden), model.dtype)
+
+
+def _specs(t: CheckpointTensor, src: Layout, dst: Layout, block: tuple[int, int] | None) -> Iterator[TensorSpec]:
+    """The tensor, or with `block` its FP8 values and their scale grid."""
+    if block is None:
+        yield TensorSpec(t.name, t.dtype, t.shape, src, dst)
+        return
+    what = f"tensor {t.name!r}"
+    yield TensorSpec(t.name, FP8_DTYPE, t.shape, src, dst, block)
+    yield TensorSpec(scale_name(t.name), SCALE_DTYPE, grid_shape(t.shape, block, what),
+                     source_scale_layout(src, t.shape, block, what), dest_scale_layout(dst, t.shape, block, what))
+
+
+def model_specs(model: ModelConfig, trainer: TrainerParallel, inference: Parallel) -> list[TensorSpec]:
+    """Every checkpoint tensor of `model` with its trainer layout and the inference layout the
+    binder gives it (worker side ranks placed after the trainers'); with `model.fp8_block`, the
+    tensors the binder keeps quantized travel as FP8 plus scales. `ValueError` for a tensor no
+    built-in rule binds in place."""
+    binder, sources = Binder(model, inference), _Sources(model, trainer)
+    side = range(trainer.ranks, trainer.ranks + inference.size)
+    placed: dict[Layout, Layout] = {}
+    specs = []
+    for t in checkpoint_tensors(model):
+        layout = binder.destination(t.name, t.shape)
+        if layout not in placed:
+            placed[layout] = layout.remapped(side)
+        fp8 = model.fp8_block is not None and binder.quantized(*binder.match(t.name))
+        specs.extend(_specs(t, sources.of(t), placed[layout], model.fp8_block if fp8 else None))
     return specs

@@ -3,13 +3,14 @@
 Parameters are laid out as an inference engine holds them: fused `qkv_proj`
 (this rank's q heads, then its k and v heads; KV heads replicated when TP
 exceeds them), fused `gate_up_proj`, row-parallel `o_proj` / `down_proj`,
-vocab-parallel `embed_tokens` / `lm_head` padded to a multiple of `vocab_pad *
-tp` rows, stacked MoE experts (`w13_weight` gate|up, `w2_weight`) split whole
-over TP ranks (expert parallel) or TP-sharded, and only this pipeline stage's
-layers. With `cfg.fp8_block` the projections and experts are block-quantized
-FP8 as vLLM holds them (`weight` in float8_e4m3fn plus `weight_scale_inv`, one
-fp32 scale per block; fused slots stacked in both) and are dequantized on the
-fly. `forward` runs this rank's stage with the TP group's all-reduces and
+vocab-parallel `embed_tokens` / `lm_head` padded as vLLM pads them
+(`Parallel.padded_vocab`), stacked MoE experts (`w13_weight` gate|up,
+`w2_weight`) split whole over TP ranks (expert parallel) or TP-sharded after
+`first_dense_layers` dense ones, and only this pipeline stage's layers (GQA
+families only: MLA and shared experts are refused). With `cfg.fp8_block` the
+projections and experts are block-quantized FP8 as vLLM holds them (`weight`
+in float8_e4m3fn plus `weight_scale_inv`, one fp32 scale per block; fused slots
+stacked in both) and are dequantized on the fly. `forward` runs this rank's stage with the TP group's all-reduces and
 all-gathers; the numerics follow Hugging Face's modeling code so a synced model
 reproduces the trainer's logits.
 
@@ -34,6 +35,9 @@ class TPModel:
 
     def __init__(self, cfg: ModelConfig, par: Parallel, rank: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
+        if cfg.attention != "gqa" or cfg.shared_experts:
+            raise ValueError(f"TPModel has no forward for {cfg.family} (MLA attention, shared experts); bind such a "
+                             "model into vLLM (actors.vllm.VllmEngine) instead")
         if cfg.heads % par.tp or (cfg.kv_heads % par.tp and par.tp % cfg.kv_heads):
             raise ValueError(f"tp {par.tp} must divide heads {cfg.heads} and divide or be a multiple of kv_heads {cfg.kv_heads}")
         self.cfg, self.par, self.rank = cfg, par, rank
@@ -101,7 +105,7 @@ class TPModel:
             self._add(f"{p}.self_attn.q_norm.weight", d)
             self._add(f"{p}.self_attn.k_norm.weight", d)
         self._add_weight(f"{p}.self_attn.o_proj.weight", h, self.q_local * d)
-        if not cfg.experts:
+        if not self._moe_layer(i):
             inter = cfg.intermediate // par.tp
             self._add_weight(f"{p}.mlp.gate_up_proj.weight", 2 * inter, h)
             self._add_weight(f"{p}.mlp.down_proj.weight", h, inter)
@@ -111,6 +115,9 @@ class TPModel:
         experts = cfg.experts // par.tp if par.ep else cfg.experts
         self._add_weight(f"{p}.mlp.experts.w13_weight", experts, 2 * inter, h)
         self._add_weight(f"{p}.mlp.experts.w2_weight", experts, h, inter)
+
+    def _moe_layer(self, i: int) -> bool:
+        return bool(self.cfg.experts) and i >= self.cfg.first_dense_layers
 
     def forward(self, inputs: torch.Tensor, group=None) -> torch.Tensor:
         """This stage: token ids (stage 0) or hidden states in; hidden states or, on the
@@ -141,7 +148,7 @@ class TPModel:
         p = f"model.layers.{i}"
         x = x + self._attention(p, _rms(x, self.params[f"{p}.input_layernorm.weight"], self.cfg.rms_eps), group)
         h = _rms(x, self.params[f"{p}.post_attention_layernorm.weight"], self.cfg.rms_eps)
-        return x + (self._moe(p, h, group) if self.cfg.experts else self._mlp(p, h, group))
+        return x + (self._moe(p, h, group) if self._moe_layer(i) else self._mlp(p, h, group))
 
     def _attention(self, p: str, x: torch.Tensor, group) -> torch.Tensor:
         cfg, d = self.cfg, self.cfg.head_dim

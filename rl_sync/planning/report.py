@@ -21,7 +21,8 @@ from .plan import PlanStats, plan_model
 from ..wire.plan_info import PlanInfo
 from .schedule import Schedule, build_schedule
 from .simulate import LinkModel, Prediction, predict
-from ..models.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
+from ..models.config import ModelConfig, Parallel
+from ..models.synthetic import TrainerParallel, model_specs
 from ..wire.codec import decode, encode
 
 
@@ -29,12 +30,12 @@ from ..wire.codec import decode, encode
 class PlanReportConfig:
     """A synthetic model and its two parallel layouts."""
 
-    model: ModelShape
-    """Architecture shapes."""
+    model: ModelConfig
+    """Architecture shapes (its `family` picks the binding rules that lay the engines out)."""
     trainer: TrainerParallel
     """Trainer ranks and their sharding."""
-    inference: InferenceParallel
-    """Engines and tensor parallelism."""
+    inference: Parallel
+    """Engines, pipeline stages, tensor and expert parallelism."""
     bucket_bytes: int = 256 << 20
     """Per-rank bytes (sent + received) in one bucket."""
     coalesce_bytes: int = 1 << 20

@@ -7,8 +7,12 @@ tensor), runs the post-round processing, and must then hold, in every
 parameter, buffer and derived tensor (MLA's `W_UV` / `W_UK_T`), exactly what
 a fresh model loading the same checkpoint from disk through vLLM's loader
 holds. Covers Llama, Qwen2 and Qwen3, tied embeddings, KV heads replicated past TP, transformers-5
-fused MoE experts cut into parts, and DeepSeek-V3 (MLA, shared experts,
-per-expert checkpoint names)."""
+fused MoE experts cut into parts, Mixtral, DeepSeek-V3 (MLA, shared experts,
+per-expert checkpoint names), and Qwen3-MoE and DeepSeek-V3 under expert
+parallelism. Each rank also checks that the binder's rules (`rl_sync.bind`,
+the layouts synthetic models get) give every checkpoint name the boxes vLLM's
+loader keeps; a vocabulary of 1030 (padded to 64 x 17) tells vLLM's padding
+rule apart from one padding to 64 x TP."""
 
 from __future__ import annotations
 
@@ -27,16 +31,21 @@ MODELS = {
                                                      tie_word_embeddings=True), "params"),
     "qwen2-kv1": ("Qwen2ForCausalLM", "qwen2", dict(intermediate_size=128, num_key_value_heads=1,
                                                     tie_word_embeddings=False), "params"),
-    "llama-kv2": ("LlamaForCausalLM", "llama", dict(intermediate_size=128, num_key_value_heads=2,
+    "llama-kv2": ("LlamaForCausalLM", "llama", dict(intermediate_size=128, num_key_value_heads=2, vocab_size=1030,
                                                     tie_word_embeddings=False), "params"),
     "qwen3-moe": ("Qwen3MoeForCausalLM", "qwen3_moe", dict(intermediate_size=128, moe_intermediate_size=32, num_experts=4,
                                                            num_experts_per_tok=2, num_key_value_heads=2, head_dim=16,
                                                            tie_word_embeddings=False), "params"),
+    "mixtral": ("MixtralForCausalLM", "mixtral", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                                      num_key_value_heads=2, tie_word_embeddings=False), "saved"),
     "deepseek-v3": ("DeepseekV3ForCausalLM", "deepseek_v3", dict(
         intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
         n_group=1, topk_group=1, topk_method="noaux_tc", first_k_dense_replace=1, num_key_value_heads=4, q_lora_rank=32,
         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, tie_word_embeddings=False), "saved"),
 }
+EXPERT_PARALLEL = {"qwen3-moe-ep": "qwen3-moe", "deepseek-v3-ep": "deepseek-v3"}
+"""The same checkpoints into an engine with `enable_expert_parallel`: whole experts per rank."""
+RUNS = [*MODELS, *EXPERT_PARALLEL]
 
 
 def _checkpoint(directory: str, name: str) -> dict[str, torch.Tensor]:
@@ -45,8 +54,8 @@ def _checkpoint(directory: str, name: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    architecture, family, extra, names = MODELS[name]
-    config = AutoConfig.for_model(family, **SMALL, **extra)
+    architecture, family, extra, names = MODELS[EXPERT_PARALLEL.get(name, name)]
+    config = AutoConfig.for_model(family, **{**SMALL, **extra})
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -64,20 +73,20 @@ def _checkpoint(directory: str, name: str) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in state.items()}
 
 
-def _config(directory: str, load_format: str):
+def _config(directory: str, load_format: str, ep: bool = False):
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(model=directory, skip_tokenizer_init=True, tensor_parallel_size=2, enforce_eager=True,
                       load_format=load_format, dtype="bfloat16", max_model_len=256,
-                      distributed_executor_backend="mp").create_engine_config()
+                      distributed_executor_backend="mp", enable_expert_parallel=ep).create_engine_config()
 
 
-def _build(directory: str, load_format: str):
+def _build(directory: str, load_format: str, ep: bool = False):
     """A model of the TP2 group this process is a rank of: random (`dummy`) or from disk (`auto`)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model
 
-    config = _config(directory, load_format)
+    config = _config(directory, load_format, ep)
     with set_current_vllm_config(config):
         return config, get_model(vllm_config=config)
 
@@ -90,17 +99,58 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _bind_and_write(directory: str, state: dict[str, torch.Tensor], rank: int) -> tuple[dict, list[str]]:
+def _binder_disagrees(directory: str, checkpoint: dict, destinations: dict, ep: bool) -> list[str]:
+    """Checkpoint names whose boxes on the two ranks differ between vLLM's resolution
+    (`destinations`, parts put back at their offsets) and the binder's rules for the same config
+    at TP2 (`ep`: expert parallel). The binder falls back only on transformers 5's stacked gate|up experts without
+    expert parallelism, which vLLM cuts into parts: those must be parts."""
+    from transformers import AutoConfig
+
+    from rl_sync.bind.binder import Binder
+    from rl_sync.models.config import ModelConfig, Parallel
+    from rl_sync.planning.parts import parse_part
+
+    seen: dict[str, dict[int, set]] = {}
+    for name, dest in destinations.items():
+        part = parse_part(name)
+        for rank in range(2):
+            box = dest.layout.local_box(dest.shape, rank)
+            if dest.fallback or box is None or box.numel == 0:
+                continue
+            if part is not None:
+                offsets = list(box.offsets)
+                offsets[part[1]] += part[2]
+                box = type(box)(tuple(offsets), box.sizes)
+            seen.setdefault(name if part is None else part[0], {}).setdefault(rank, set()).add(box)
+    binder = Binder(ModelConfig.from_hf(AutoConfig.from_pretrained(directory)), Parallel(tp=2, ep=ep))
+    differ = []
+    for name, (_, shape) in checkpoint.items():
+        found = binder.match(name)
+        layout = None if found is None else binder.layout(found[0], found[1], shape)
+        if layout is None:
+            if not (name.endswith(".mlp.experts.gate_up_proj") and any(parse_part(n) for n in destinations
+                                                                         if n.startswith(name + "@"))):
+                differ.append(f"{name}: the binder falls back")
+            continue
+        ours = {r: {b} for r in range(2) if (b := layout.local_box(shape, r)) is not None and b.numel}
+        if ours != seen.get(name, {}):
+            differ.append(f"{name}: binder {ours}, vLLM {seen.get(name)}")
+    return differ
+
+
+def _bind_and_write(directory: str, state: dict[str, torch.Tensor], rank: int,
+                    ep: bool) -> tuple[dict, list[str], list[str]]:
     from vllm.config import set_current_vllm_config
 
     from rl_sync.planning.parts import parse_part
     from rl_sync.vllm.binding import VllmBinding
     from rl_sync.vllm.rank import engine_rank
 
-    config, model = _build(directory, "dummy")
+    config, model = _build(directory, "dummy", ep)
     checkpoint = {n: (t.dtype, tuple(t.shape)) for n, t in state.items()}
     with set_current_vllm_config(config):
         binding = VllmBinding.build(model, config.model_config, checkpoint, engine_rank(), sharded={})
+        disagree = _binder_disagrees(directory, checkpoint, binding.destinations, ep)
         for name, dest in binding.destinations.items():
             if dest.fallback or dest.view is None:
                 continue
@@ -111,32 +161,34 @@ def _bind_and_write(directory: str, state: dict[str, torch.Tensor], rank: int) -
         if binding.fallbacks:
             binding.processor.load_fallbacks([(n, state[n].to(torch.bfloat16)) for n in binding.fallbacks])
         binding.processor.after_update(None)
-    return _snapshot(model), list(binding.fallbacks)
+    return _snapshot(model), list(binding.fallbacks), disagree
 
 
 def _rank(rank: int, port: int, root: str, queue) -> None:
     try:
-        os.environ.update(OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
+        # VLLM_DIST_IDENT names the CPU shared-memory group; vLLM's CPU worker sets it from the init port
+        os.environ.update(OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING", VLLM_DIST_IDENT=str(port))
         from vllm.config import set_current_vllm_config
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
         from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
         _set_torch_accelerator_to_noop()  # what vLLM's CPU model runner does before it loads a model
 
-        states = {name: _checkpoint(os.path.join(root, name), name) for name in MODELS}
+        states = {name: _checkpoint(os.path.join(root, name), name) for name in RUNS}
         # a MoE config, so vLLM also forms the expert group the MoE models need
         with set_current_vllm_config(_config(os.path.join(root, "qwen3-moe"), "dummy")):
             init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
                                          distributed_init_method=f"tcp://127.0.0.1:{port}")
             initialize_model_parallel(2, 1)
         for name, state in states.items():
-            got, fallbacks = _bind_and_write(os.path.join(root, name), state, rank)
-            _, fresh = _build(os.path.join(root, name), "auto")
+            ep = name in EXPERT_PARALLEL
+            got, fallbacks, disagree = _bind_and_write(os.path.join(root, name), state, rank, ep)
+            _, fresh = _build(os.path.join(root, name), "auto", ep)
             want = _snapshot(fresh)
             differ = sorted(k for k in want if k not in got or not torch.equal(got[k], want[k]))
-            queue.put((rank, name, differ, fallbacks, len(want)))
+            queue.put((rank, name, differ, fallbacks, len(want), disagree))
     except Exception:
-        queue.put((rank, "error", traceback.format_exc()[-3000:], [], 0))
+        queue.put((rank, "error", traceback.format_exc()[-3000:], [], 0, []))
 
 
 def _free_port() -> int:
@@ -154,7 +206,7 @@ def test_every_parameter_equals_what_vllms_loader_loads(tmp_path):
         proc.start()
     results = []
     try:
-        while len(results) < 2 * len(MODELS) and not any(r[1] == "error" for r in results):
+        while len(results) < 2 * len(RUNS) and not any(r[1] == "error" for r in results):
             results.append(queue.get(timeout=420))
     finally:
         for proc in procs:
@@ -163,6 +215,7 @@ def test_every_parameter_equals_what_vllms_loader_loads(tmp_path):
                 proc.kill()
     errors = [r[2] for r in results if r[1] == "error"]
     assert not errors, errors[0]
-    for rank, name, differ, fallbacks, checked in results:
+    for rank, name, differ, fallbacks, checked, disagree in results:
         assert fallbacks == [], f"rank {rank}, {name}: fell back {fallbacks}"
         assert checked > 0 and differ == [], f"rank {rank}, {name}: {len(differ)} of {checked} differ: {differ[:6]}"
+        assert disagree == [], f"rank {rank}, {name}: the binder's rules and vLLM disagree on {disagree[:4]}"

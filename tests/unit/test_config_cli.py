@@ -30,6 +30,12 @@ def test_unknown_keys_name_the_key_and_the_file(tmp_path):
     path.write_text((CONFIGS / "plan_dense_8b.yaml").read_text().replace("layers: 32", "layers: 32\n  layerz: 2"))
     with pytest.raises(ValueError, match=r"unknown key\(s\) model.layerz"):
         load_config(path, PlanReportConfig)
+    path.write_text((CONFIGS / "plan_dense_8b.yaml").read_text().replace("  tp: 4", "  tensor_parallel: 4"))
+    with pytest.raises(ValueError, match=r"unknown key\(s\) inference.tensor_parallel \(not fields of PlanReport"):
+        load_config(path, PlanReportConfig)
+    path.write_text((CONFIGS / "plan_dense_8b.yaml").read_text().replace("family: llama", "family: gpt2"))
+    with pytest.raises(ValueError, match=r'wrong value type for field "model.family" - should be "Literal"'):
+        load_config(path, PlanReportConfig)
 
 
 def test_ill_typed_values_are_refused(tmp_path):
@@ -96,7 +102,7 @@ def test_plan_command_reports_bad_config(capsys, tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("model: {}\n")
     assert main(["plan", str(path)]) == 2
-    assert 'missing value for field "model.layers"' in capsys.readouterr().err
+    assert 'missing value for field "model.family"' in capsys.readouterr().err
 
 
 def test_demo_config_takes_user_binding_rules(tmp_path):

@@ -162,15 +162,15 @@ def test_join_specs_names_disagreements():
 
 
 def test_a_synthetic_fp8_engine_plans_fp8_projections_and_their_scales():
-    """`ModelShape.fp8_block`: every projection and expert weight travels as FP8 with its fp32
+    """`ModelConfig.fp8_block`: every projection and expert weight travels as FP8 with its fp32
     scale grid (TP-sharded like the values), norms, routers and embeddings as bf16; each worker
     receives exactly those bytes."""
-    from rl_sync.models.synthetic import InferenceParallel, ModelShape, TrainerParallel, model_specs
+    from rl_sync.models.config import ModelConfig, Parallel
+    from rl_sync.models.synthetic import TrainerParallel, model_specs
 
-    model = ModelShape(layers=2, first_dense_layers=1, hidden=256, intermediate=512, vocab=1000, heads=4, kv_heads=2,
-                       head_dim=128, experts=4, expert_intermediate=256, fp8_block=(128, 128))
-    specs = model_specs(model, TrainerParallel(ranks=3), InferenceParallel(engines=1, tensor_parallel=2,
-                                                                           expert_parallel=True))
+    model = ModelConfig(family="qwen3_moe", layers=2, first_dense_layers=1, hidden=256, intermediate=512, vocab=1000,
+                        heads=4, kv_heads=2, head_dim=128, experts=4, moe_intermediate=256, fp8_block=(128, 128))
+    specs = model_specs(model, TrainerParallel(ranks=3), Parallel(tp=2, ep=True))
     by_name = {s.name: s for s in specs}
     q = by_name["model.layers.0.self_attn.q_proj.weight"]
     assert (q.dtype, q.block) == ("float8_e4m3fn", (128, 128))
