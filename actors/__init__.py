@@ -1,5 +1,7 @@
-"""Ray layer: coordinator actor, trainer/worker mixins and ready actors,
-placement groups, and the driver-side `WeightSync` handle.
+"""Ray layer: coordinator actor, trainer/worker mixins and the hooks they
+need, placement groups, vLLM engines as workers, and the driver-side
+`WeightSync` handle. The ready actors of tests and benchmarks live in
+`actors.ready`, outside the public names.
 
 Names are imported on first use (PEP 562), so `rl-sync plan`, which needs no
 cluster, runs without importing Ray."""
@@ -11,18 +13,18 @@ from typing import TYPE_CHECKING, Any
 
 _WHERE = {
     "SyncError": ".calls", "SyncTrainerMixin": ".trainer_mixin", "SyncWorkerMixin": ".worker_mixin",
-    "SyncPlacement": ".placement", "HybridActor": ".ready", "InferenceWorker": ".ready", "TrainerActor": ".ready",
-    "WeightSync": ".weight_sync",
+    "SyncPlacement": ".placement", "VllmEngine": ".vllm", "VllmService": ".service", "WeightSync": ".weight_sync",
 }
 
-__all__ = ["HybridActor", "InferenceWorker", "SyncError", "SyncPlacement", "SyncTrainerMixin", "SyncWorkerMixin",
-           "TrainerActor", "WeightSync"]
+__all__ = ["SyncError", "SyncPlacement", "SyncTrainerMixin", "SyncWorkerMixin", "VllmEngine", "VllmService",
+           "WeightSync"]
 
 if TYPE_CHECKING:
     from .calls import SyncError
     from .placement import SyncPlacement
-    from .ready import HybridActor, InferenceWorker, TrainerActor
+    from .service import VllmService
     from .trainer_mixin import SyncTrainerMixin
+    from .vllm import VllmEngine
     from .weight_sync import WeightSync
     from .worker_mixin import SyncWorkerMixin
 

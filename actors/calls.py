@@ -1,26 +1,58 @@
-"""The error a sync group raises, and how a remote failure is put in words."""
+"""The error a sync group raises, and how a remote failure is put in words.
+
+A rank's error reaches the driver through two Ray calls (rank to coordinator,
+coordinator to driver). Each hop keeps the error's type where it is the
+caller's (`ValueError`, `TypeError`) and chains the remote traceback as the
+`__cause__` of what it raises (`RemoteTraceback`), so the driver's traceback
+shows the coordinator's and, inside it, each failing rank's::
+
+    try:
+        sync.push()
+    except ValueError as exc:
+        print(exc)              # one line per failing rank
+        print(exc.__cause__)    # the remote tracebacks
+"""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+_COLOURS = re.compile(r"\x1b?\[\d+(?:;\d+)*m")
+"""The terminal colour codes Ray puts around a task's name in its error text (with or without
+their escape character, which some of Ray's paths drop)."""
 
 
 class SyncError(RuntimeError):
     """A sync init or round failed; the message names who failed and where."""
 
 
+class RemoteTraceback(Exception):
+    """The traceback text of an error raised in another process (a rank, the coordinator),
+    chained as the `__cause__` of the error raised here so that both print."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def remote_text(exc: BaseException) -> str:
+    """What a remote call's failure says in full, as Ray renders it (for a task that raised:
+    the task's name, then its traceback), without terminal colour codes."""
+    return _COLOURS.sub("", str(exc)).strip()
+
+
 def failure_reason(exc: BaseException) -> str:
     """What a remote call's failure says, on one line: the remote exception's type and message
-    (its first and last lines where the traceback is long)."""
-    cause = getattr(exc, "cause", None)
+    (its first and last lines where the text is long)."""
+    cause = getattr(exc, "cause", None)  # a task that raised: the exception itself
     if cause is not None:
         return f"{type(cause).__name__}: {cause}"
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    lines = [line.strip() for line in remote_text(exc).splitlines() if line.strip()]
     if not lines:
         return type(exc).__name__
-    summary = lines[0].split(", \x1b")[0].split(" [36m")[0]
+    summary = lines[0].split(", ray::")[0]  # an actor whose constructor raised: Ray names that task next
     return f"{type(exc).__name__}: {summary}" + (f" ... {lines[-1]}" if len(lines) > 1 else "")
 
 

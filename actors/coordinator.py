@@ -1,11 +1,13 @@
 """The Coordinator actor: plans once, forms the group, orders every round.
 
 Init: gather what every trainer and worker reports, check the workers agree,
-plan and schedule, host the rendezvous store (or relay NCCL ids), and connect
-every rank. When every worker shares its GPU with a trainer (fractional GPUs
-in one placement-group bundle), the workers instead export their live memory
-through CUDA IPC and only the trainers form a group: each writes its mate's
-destinations itself (`rl_sync.transport.cuda_ipc`).
+plan and schedule, choose the transport and build its rendezvous message
+(host the Gloo store, or relay NCCL ids), and connect every rank. When every
+worker shares its GPU with a trainer (fractional GPUs in one placement-group
+bundle), the workers instead export their live memory through CUDA IPC and
+only the trainers form a group: each joins `cuda_ipc` with its mate's export
+and writes its mate's destinations itself (`rl_sync.transport.cuda_ipc`); the
+workers, outside the group, open and close each round around the trainers'.
 
 Round: start the ranks together, wait for all within the round timeout, and
 record the version only when every rank finished. Each driver call gives the
@@ -24,22 +26,28 @@ from dataclasses import replace
 
 import ray
 
-from rl_sync.wire.messages import InitInfo, RankStats, RoundInfo, SideReport
+from rl_sync.wire.messages import InitInfo, RankStats, RoundInfo, SideReport, WriteMode
 from rl_sync.planning.parts import parse_part, sharded_dims
 from rl_sync.sparse.patches import check_patch, route_patch
 from rl_sync.planning.plan import SideSpec, join_specs, plan_model
 from rl_sync.sparse.auto import AutoPolicy, RoundCost
+from rl_sync.sparse.refresh import RefreshPolicy
 from rl_sync.planning.quant import scale_name, scaled_name
 from rl_sync.wire.plan_info import PlanInfo
-from rl_sync.config.push_args import repeated_names
+from rl_sync.config.push_args import check_mode, repeated_names
 from rl_sync.rank.address import interface_address
 from rl_sync.rank.claim import GroupTag
+from rl_sync.rank.side import DescribeOptions
 from rl_sync.rendezvous import StoreServer, new_secret
 from rl_sync.planning.schedule import build_schedule
-from rl_sync.wire.stats import RoundStats
-from rl_sync.config.sync import SyncConfig
+from rl_sync.wire.stats import RoundStats, SyncSummary
+from rl_sync.config.sync import Mode, SyncConfig
 from rl_sync.vllm.service import Rendezvous
 from rl_sync.wire.codec import decode, encode
+from rl_sync.transport.cuda_ipc import IpcExport, IpcRendezvous
+from rl_sync.transport.gloo import GlooRendezvous
+from rl_sync.transport.local import LocalRendezvous
+from rl_sync.transport.nccl import NcclRendezvous
 
 from .agreement import check_agreement, colocated_mates, merge_sources, split_sources
 from .calls import Budget, SyncError
@@ -56,16 +64,22 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _modes(workers: list[SideReport]) -> dict:
-    """The summary's view of how workers write: fallbacks, each name's mode (`reload` where any
-    worker processes it), and the bytes each worker-side rank keeps."""
-    modes: dict[str, str] = {}
+def _colocated(info: InitInfo, export: bytes) -> InitInfo:
+    """`info` for a trainer whose worker shares its GPU: `cuda_ipc`, with the worker's export,
+    over the transport the trainers' group uses."""
+    return replace(info, transport="cuda_ipc",
+                   rendezvous=encode(IpcRendezvous(decode(IpcExport, export), info.transport, info.rendezvous)))
+
+
+def _write_modes(workers: list[SideReport]) -> dict[str, WriteMode]:
+    """Each name's write mode across the workers: `reload` (or `fallback`) where any worker says
+    so, `direct` where all do."""
+    modes: dict[str, WriteMode] = {}
     for report in workers:
         for name, mode in report.modes.items():
             if modes.get(name) in (None, "direct"):
                 modes[name] = mode
-    return {"fallbacks": sorted(n for n, m in modes.items() if m == "fallback"), "modes": modes,
-            "kept_bytes": [r.kept_bytes for r in workers]}
+    return modes
 
 
 class Coordinator:
@@ -77,11 +91,8 @@ class Coordinator:
         self._assign_ranks()
         self.metrics = RoundMetrics(config.name)
         self.repairs = 0
-        self.needs_full_round = True
-        """Until a full round succeeded, workers hold unrelated weights (or loader buffers not
-        yet filled): the first round after init or a repair carries every tensor."""
-        self.sparse_used = self.sparse_ready = False
-        self.since_dense = 0
+        self.refresh = RefreshPolicy(config.dense_refresh_every)
+        """Which rounds run dense and carry every tensor, whatever was asked."""
         self.auto = AutoPolicy()
         """What `auto` rounds have learned of this group's costs (kept across repairs)."""
         self.version = 0
@@ -100,24 +111,25 @@ class Coordinator:
         self.worker_ranks, self.ranks, self.firsts = group.worker_ranks, group.ranks, group.worker_firsts()
         self.ipc = False
 
-    def setup(self, budget_s: float | None = None) -> dict:
+    def setup(self, budget_s: float | None = None) -> SyncSummary:
         """Describe, plan, rendezvous and connect, within `budget_s` seconds; returns a summary
         of the plan."""
         with self.budget.within(budget_s, "init"):
             return self._setup()
 
-    def _setup(self) -> dict:
+    def _setup(self) -> SyncSummary:
         start, cfg = time.perf_counter(), self.config
         T, N = len(self.trainers), len(self.worker_ranks)
         self._secret = new_secret()
         self.reply = self._reply_store()
-        blobs = gather(self.trainers, lambda m: m.describe("trainer", self.trainers.index(m), T, {"group": self.tag},
-                                                           None),
+        asked = DescribeOptions(group=self.tag)
+        blobs = gather(self.trainers, lambda m: m.describe("trainer", self.trainers.index(m), T, asked, None),
                        self.budget.left(cfg.init_timeout_s), "init (describe trainers)")
         trainer_reports = [decode(SideReport, b) for b in blobs]
         sources = merge_sources(trainer_reports)
-        options = {"checkpoint": {s.name: (s.dtype, list(s.shape)) for s in sources}, "double_buffer": cfg.double_buffer,
-                   "sharded": {s.name: sorted(sharded_dims(s.layout)) for s in sources}, "group": self.tag}
+        options = DescribeOptions(group=self.tag, checkpoint={s.name: (s.dtype, tuple(s.shape)) for s in sources},
+                                  sharded={s.name: tuple(sorted(sharded_dims(s.layout))) for s in sources},
+                                  double_buffer=cfg.double_buffer)
         blobs = gather(self.workers, lambda m: m.describe("worker", self.firsts[self.workers.index(m)], N, options,
                                                           self.reply), self.budget.left(cfg.init_timeout_s),
                        "init (bind workers)")
@@ -142,14 +154,17 @@ class Coordinator:
                                                     for r in range(T, world)]
         info = self._init_info(devices)
         self._connect(info, devices, [r.device for r in reports[T:]])
-        stats = plan.stats
-        return {
-            "tensors": len(plan), "buckets": self.schedule.num_buckets, "transport": info.transport,
-            "cuda_ipc": self.ipc, "world_size": world, "colocated": colocated, "relay": self.schedule.relay_choice,
-            "plan_bytes": stats.total_bytes, "local_copy_bytes": stats.local_copy_bytes,
-            "broadcast_bytes": stats.broadcast_bytes, **_modes(reports[T:]),
-            "seconds": time.perf_counter() - start,
-        }
+        return self._summary(info, colocated, reports[T:], time.perf_counter() - start)
+
+    def _summary(self, info: InitInfo, colocated: bool, workers: list[SideReport], seconds: float) -> SyncSummary:
+        plan, modes = self.schedule.plan, _write_modes(workers)
+        fallbacks = tuple(sorted(n for n, m in modes.items() if m == "fallback"))
+        return SyncSummary(
+            tensors=len(plan), buckets=self.schedule.num_buckets, transport=info.transport, cuda_ipc=self.ipc,
+            world_size=sum(m.size for m in self.ranks), colocated=colocated, relay=self.schedule.relay_choice,
+            plan_bytes=plan.stats.total_bytes, local_copy_bytes=plan.stats.local_copy_bytes,
+            broadcast_bytes=plan.stats.broadcast_bytes, fallbacks=fallbacks, modes=modes,
+            kept_bytes=tuple(r.kept_bytes for r in workers), seconds=seconds)
 
     def _choose_colocation(self, trainers: list[SideReport], workers: list[SideReport]) -> None:
         mode = self.config.colocate
@@ -165,17 +180,14 @@ class Coordinator:
         cfg = self.config
         plan_ref = ray.put(encode(PlanInfo.from_schedule(self.schedule), compress=True))
         world = sum(m.size for m in self.ranks)
-        ipc: list = [None] * world
-        if self.ipc:
-            exports = self._ipc_exports(worker_devices)
-            for rank, export in zip(self.worker_ranks, exports):
-                ipc[rank] = export
-        inits = [encode(replace(info, rank=i)) for i in range(world)]
+        exports = dict(zip(self.worker_ranks, self._ipc_exports(worker_devices))) if self.ipc else {}
+        inits = [encode(_colocated(replace(info, rank=i), exports[i]) if i in exports else replace(info, rank=i))
+                 for i in range(world)]
         firsts = self._rank_firsts()
 
         def connect(member):
             lo, hi = firsts[id(member)], firsts[id(member)] + member.size
-            return member.connect(inits[lo:hi], plan_ref, cfg.bind_host, devices[lo:hi], ipc[lo:hi], self.reply)
+            return member.connect(inits[lo:hi], plan_ref, cfg.bind_host, devices[lo:hi], self.reply)
 
         gather(self.ranks, connect, self.budget.left(cfg.init_timeout_s), "init (connect)")
 
@@ -237,30 +249,36 @@ class Coordinator:
     def _init_info(self, devices: list[str]) -> InitInfo:
         cfg, T = self.config, len(self.trainers)
         world = sum(m.size for m in self.ranks)
-        on_cuda = all(d.startswith("cuda") for d in devices)
-        wants_nccl = cfg.transport == "nccl" or (cfg.transport == "auto" and on_cuda)
-        ids = self._nccl_ids() if wants_nccl and world > 1 else None
-        if cfg.transport == "nccl" and world > 1 and ids is None:
-            raise SyncError("transport 'nccl' was asked for, but trainer 0 cannot create an NCCL id (is CuPy installed?)")
-        transport = "local" if world == 1 else "nccl" if ids is not None else "gloo"
-        host, port = "", 0
-        if transport == "gloo":
-            host, port = (self.reply.host, self.reply.port) if self.reply is not None else self._open_store()
-        ids = ids or ((), ())
+        transport, rendezvous = self._rendezvous(world, all(d.startswith("cuda") for d in devices))
         return InitInfo(rank=0, world_size=world, num_trainers=T, worker_ranks=self.worker_ranks,
-                        transport=transport, store_host=host, store_port=port,
-                        prefix=f"rl-sync-{uuid.uuid4().hex[:12]}", nccl_id=ids[0], nccl_broadcast_id=ids[1],
+                        transport=transport, rendezvous=encode(rendezvous), prefix=f"rl-sync-{uuid.uuid4().hex[:12]}",
                         timeout_s=cfg.round_timeout_s, baseline_device=cfg.sparse_baseline,
                         integrity=cfg.integrity, interface=cfg.interface or "", secret=self._secret)
 
-    def _nccl_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    def _rendezvous(self, world: int, on_cuda: bool) -> tuple[str, LocalRendezvous | NcclRendezvous | GlooRendezvous]:
+        """The group's transport and its rendezvous message: `local` for one rank; NCCL when asked
+        for, or on CUDA where trainer 0 can create NCCL ids; Gloo, on the coordinator's store,
+        otherwise."""
+        cfg = self.config
+        if world == 1:
+            return "local", LocalRendezvous()
+        wants_nccl = cfg.transport == "nccl" or (cfg.transport == "auto" and on_cuda)
+        nccl = self._nccl_rendezvous() if wants_nccl else None
+        if nccl is not None:
+            return "nccl", nccl
+        if cfg.transport == "nccl":
+            raise SyncError("transport 'nccl' was asked for, but trainer 0 cannot create an NCCL id (is CuPy installed?)")
+        host, port = (self.reply.host, self.reply.port) if self.reply is not None else self._open_store()
+        return "gloo", GlooRendezvous(host, port)
+
+    def _nccl_rendezvous(self) -> NcclRendezvous | None:
         """Two fresh NCCL ids from trainer 0 (p2p group, broadcast group), or None without NCCL."""
         try:
             ids = ray.get(self.trainers[0].handle._rl_sync_nccl_ids.remote(),
                           timeout=self.budget.left(self.config.init_timeout_s))
         except ray.exceptions.RayError:
             return None
-        return tuple(ids[0]), tuple(ids[1])
+        return NcclRendezvous(tuple(ids[0]), tuple(ids[1]))
 
     def _plan_names(self, names: list[str] | None) -> list[str] | None:
         """Checkpoint names as the plan holds them: a tensor bound in parts is its parts, a
@@ -270,7 +288,7 @@ class Coordinator:
         return list(dict.fromkeys(p for n in names for p in self.parts.get(n) or self.quantized.get(scaled_name(n))
                                   or [n]))
 
-    def _check_push(self, version: int | None, names: list[str] | None, mode: str | None) -> tuple[int, str]:
+    def _check_push(self, version: int | None, names: list[str] | None, mode: str | None) -> tuple[int, Mode]:
         """The round's version and requested mode, or `ValueError`; changes nothing."""
         version = self.version + 1 if version is None else version
         if version <= self.version:
@@ -279,37 +297,23 @@ class Coordinator:
         if unknown:
             raise ValueError(f"push: tensors {unknown[:5]} were not declared at init; the round may carry only "
                              f"names the trainers declared ({len(self.names)} of them)")
-        mode = mode or self.config.mode
-        if mode not in ("m2n", "broadcast", "sparse", "auto"):
-            raise ValueError(f"push: mode must be 'm2n', 'broadcast', 'sparse' or 'auto', got {mode!r}")
-        return version, mode
+        return version, check_mode(mode) or self.config.mode
 
-    def _round_mode(self, mode: str) -> tuple[str, str]:
-        """The mode the round runs, and why when it is not `mode`: sparse and auto rounds are
-        dense until every worker holds a full copy, and every `dense_refresh_every`-th one."""
-        if mode in ("sparse", "auto"):
-            self.sparse_used = True
-            every = self.config.dense_refresh_every
-            if not self.sparse_ready:
-                return "m2n", f"{mode}: a dense round first fills the baselines sparse rounds diff against"
-            if every and self.since_dense + 1 >= every:
-                return "m2n", f"{mode}: the dense refresh due every {every} rounds"
-        return mode, ""
-
-    def repair(self, budget_s: float | None = None) -> dict:
+    def repair(self, budget_s: float | None = None) -> SyncSummary:
         """Re-form the group after a failure, within `budget_s` seconds: abort what is left of it,
         describe every actor again (each binds anew: storage may have moved), re-plan, reconnect;
         the next round is a full dense one."""
         with self.budget.within(budget_s, "repair"):
             return self._repair()
 
-    def _repair(self) -> dict:
+    def _repair(self) -> SyncSummary:
         self.broken = self.broken or "a repair that did not finish"  # until it does: the next push repairs
         self._close_ranks(abort=True)
         self._assign_ranks()
         self._check_alive()
         summary = self._setup()
-        self.broken, self.needs_full_round, self.sparse_ready = None, True, False
+        self.broken = None
+        self.refresh.regrouped()
         self.repairs += 1
         return summary
 
@@ -329,7 +333,7 @@ class Coordinator:
                 raise SyncError(f"{error}\nReplace a dead worker first with replace_worker(index, new_actor) (a "
                                 "vLLM engine rank cannot rejoin its engine's tensor-parallel group: launch the "
                                 "engine again and replace every one of its ranks); a dead trainer must be "
-                                "restarted with its state.")
+                                "restarted with its state.") from error.__cause__
             members = restarting
             time.sleep(0.5)  # Ray is restarting them: they answer once they are back
 
@@ -362,29 +366,27 @@ class Coordinator:
             self._repair()
         names = self._plan_names(names)
         version, mode = self._check_push(version, names, mode)
-        mode, reason = self._round_mode(mode)
+        mode, reason = self.refresh.round_mode(mode)
         start = time.perf_counter()
         if self.ipc and self._ipc_begin(f"round {version} (CUDA IPC)"):
-            self.needs_full_round = True  # a worker's memory moved: it holds what its engine put there
-        if self.needs_full_round:
-            names, mode = None, "m2n" if mode in ("sparse", "auto") else mode
-            reason = "the first round after init or a repair carries every tensor, dense"
+            self.refresh.memory_moved()
+        full = self.refresh.full_round(mode)
+        if full is not None:
+            names, (mode, reason) = None, full
         names = None if names is None else tuple(names)
         dense_bytes = self._dense_bytes(names)
         if mode == "auto":
             choice = self.auto.choose(dense_bytes)
             mode, reason = ("auto" if choice.engine == "sparse" else "m2n"), f"auto: {choice.reason}"
         try:
-            blob = encode(RoundInfo(version, mode, names, self.budget.left(self.config.round_timeout_s), self.sparse_used))
+            timeout = self.budget.left(self.config.round_timeout_s)
+            blob = encode(RoundInfo(version, mode, names, timeout, self.refresh.baselines))
             results = self._run_round(blob, version, names, f"round {version} ({mode})")
         except SyncError:
             self.broken = f"round {version}"
             raise
-        first, self.version, self.needs_full_round = self.needs_full_round, version, False
-        if mode in ("sparse", "auto"):
-            self.since_dense += 1
-        elif self.sparse_used and names is None:
-            self.sparse_ready, self.since_dense = True, 0
+        self.version = version
+        first = self.refresh.finished(mode, every_tensor=names is None)
         stats = RoundStats(version, mode, time.perf_counter() - start, tuple(results), reason)
         if not first:  # the first round after init or a repair pays one-time costs (compiling, mapping)
             self._learn(stats, dense_bytes)
@@ -454,7 +456,7 @@ class Coordinator:
 
     def _push_patches(self, patches: list, version: int | None) -> int:
         self._check_patches(patches)
-        if self.needs_full_round or self.broken is not None:
+        if self.refresh.needs_full_round or self.broken is not None:
             raise ValueError("push_patches: the workers do not hold a full copy of the weights yet (no full round "
                              "since the group formed or was repaired), so patches would land on unrelated values; "
                              "push() first")
@@ -470,7 +472,7 @@ class Coordinator:
                 box = spec.dst.local_box(spec.shape, rank)
                 if box is not None:
                     per_worker[j][name] = route_patch(index, values, spec.shape, box)
-        self.sparse_ready = False
+        self.refresh.patched()
         try:
             gather(self.workers, lambda m: m.apply_patches(version, self._slice(per_worker, m)),
                    self.budget.left(self.config.round_timeout_s), f"patches {version}")

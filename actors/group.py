@@ -17,15 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from ray.actor import ActorHandle
 
+from .hooks import check_hooks
 from .members import ActorMember, ServiceMember
 from .service import VllmService
 
 
-def _refuse_repeats(handles: Sequence, side: str) -> None:
-    """Every entry is an actor handle (or, for workers, a `VllmService`), each actor once."""
+def _check_entries(handles: Sequence, side: Literal["trainer", "worker"]) -> None:
+    """Every entry is an actor handle (or, for workers, a `VllmService`), each actor once, and
+    each actor has the side's mixin and hooks (`actors.hooks`)."""
     seen: dict = {}
     for i, handle in enumerate(handles):
         if isinstance(handle, VllmService) and side == "worker":
@@ -35,6 +38,7 @@ def _refuse_repeats(handles: Sequence, side: str) -> None:
             raise TypeError(f"{side} {i} must be {kinds}, got {type(handle).__name__} {handle!r:.60}")
         if handle in seen:
             raise ValueError(f"{side}s {seen[handle]} and {i} are the same actor; pass each {side} once")
+        check_hooks(handle, side, f"{side} {i}")
         seen[handle] = i
 
 
@@ -55,12 +59,13 @@ class Membership:
     @classmethod
     def of(cls, trainers: Sequence, workers: Sequence) -> Membership:
         """Ranks for `trainers` and `workers`; refuses an empty side, entries that are not actors
-        (or, for workers, `VllmService`s), and an actor passed twice on one side."""
+        (or, for workers, `VllmService`s), an actor passed twice on one side, and one lacking its
+        side's mixin or hooks (`actors.hooks`)."""
         if not trainers or not workers:
             raise ValueError(f"a sync group needs at least one trainer and one worker, got {len(trainers)} trainers "
                              f"and {len(workers)} workers")
-        _refuse_repeats(trainers, "trainer")
-        _refuse_repeats(workers, "worker")
+        _check_entries(trainers, "trainer")
+        _check_entries(workers, "worker")
         trainer_members = [ActorMember(h, f"trainer {i} (rank {i})") for i, h in enumerate(trainers)]
         trainer_rank = {h: i for i, h in enumerate(trainers)}
         worker_members, worker_ranks, running = [], [], list(trainer_members)

@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 
 import ray
 
+from rl_sync.rank.side import DescribeOptions
 from rl_sync.vllm.service import CloseRequest, DescribeRequest, Rendezvous, RoundRequest
 from rl_sync.wire.codec import encode
 
-from .calls import SyncError, failure_reason
+from .calls import RemoteTraceback, SyncError, failure_reason, remote_text
 
 
 class ActorMember:
@@ -39,12 +40,12 @@ class ActorMember:
     def ping(self):
         return self.handle._rl_sync_ping.remote()
 
-    def describe(self, side: str, first: int, side_size: int, options: dict, reply: Rendezvous | None):
+    def describe(self, side: str, first: int, side_size: int, options: DescribeOptions, reply: Rendezvous | None):
         return self.handle._rl_sync_describe.remote(side, first, side_size, options)
 
     def connect(self, inits: Sequence[bytes], plan, bind_host: str | None, devices: Sequence[str],
-                ipc: Sequence[bytes | None], reply: Rendezvous | None):
-        return self.handle._rl_sync_connect.remote(inits[0], plan, bind_host, devices[0], ipc[0])
+                reply: Rendezvous | None):
+        return self.handle._rl_sync_connect.remote(inits[0], plan, bind_host, devices[0])
 
     def run(self, blob: bytes, version: int, reply: Rendezvous | None):
         return self.handle._rl_sync_run.remote(blob)
@@ -88,17 +89,16 @@ class ServiceMember:
     def ping(self):
         return self.handle._rl_sync_service_ping.remote()
 
-    def describe(self, side: str, first: int, side_size: int, options: dict, reply: Rendezvous | None):
+    def describe(self, side: str, first: int, side_size: int, options: DescribeOptions, reply: Rendezvous | None):
         if side != "worker":
             raise ValueError(f"{self.label}: a vLLM engine service can only be a worker, not a {side}")
-        checkpoint = {n: (d, tuple(s)) for n, (d, s) in options["checkpoint"].items()}
-        sharded = {n: tuple(d) for n, d in options.get("sharded", {}).items()}
-        self.double_buffer = bool(options.get("double_buffer"))
-        request = DescribeRequest(first, side_size, checkpoint, sharded, self.double_buffer, reply)
-        return self.handle._rl_sync_service_describe.remote(encode(request), options.get("group"))
+        self.double_buffer = options.double_buffer
+        request = DescribeRequest(first, side_size, dict(options.checkpoint), dict(options.sharded), self.double_buffer,
+                                  reply)
+        return self.handle._rl_sync_service_describe.remote(encode(request), options.group)
 
     def connect(self, inits: Sequence[bytes], plan, bind_host: str | None, devices: Sequence[str],
-                ipc: Sequence[bytes | None], reply: Rendezvous | None):
+                reply: Rendezvous | None):
         return self.handle._rl_sync_service_connect.remote(tuple(inits), plan, bind_host, encode(reply))
 
     def run(self, blob: bytes, version: int, reply: Rendezvous | None):
@@ -163,11 +163,15 @@ def collect(members: Sequence, call: Callable, timeout_s: float) -> tuple[list, 
 def failed(what: str, failures: list[tuple], members: int, timeout_s: float) -> Exception:
     """The error for `failures` from `collect`: `ValueError` / `TypeError` when every failing
     member refused its input that way (bad input stays a caller's error, whichever rank found
-    it), `SyncError` otherwise; the message names each member and why."""
+    it), `SyncError` otherwise; the message names each member and why, and the members' own
+    tracebacks are its `__cause__` (`RemoteTraceback`)."""
     lines = [f"{m.label}: " + (failure_reason(e) if e is not None else f"no answer within {timeout_s:.0f} s")
              for m, e in failures]
     message = f"{what} failed on {len(failures)} of {members} members:\n  " + "\n  ".join(lines)
-    return _error_like([getattr(e, "cause", None) for _, e in failures], len(failures))(message)
+    error = _error_like([getattr(e, "cause", None) for _, e in failures], len(failures))(message)
+    remote = [f"{m.label}: {remote_text(e)}" for m, e in failures if e is not None]
+    error.__cause__ = RemoteTraceback("\n\n".join(remote)) if remote else None
+    return error
 
 
 def _error_like(causes: list, failures: int) -> type[Exception]:

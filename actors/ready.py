@@ -1,8 +1,13 @@
-"""Ready trainer and worker actor classes, for examples, tests and quick starts.
+"""Ready trainer and worker actor classes: test and benchmark fixtures.
+
+They are not among the public `actors` names, since `call(fn)` runs any
+function the driver sends inside the actor: import them from here
+(`from actors.ready import TrainerActor`), in tests, benchmarks and the demo
+notebook, not in a training job.
 
 Each holds whatever its `build(rank, size)` callable returns (tensors for a
 trainer, `Destination`s for a worker) and runs arbitrary functions on itself
-with `call`, so a test or example can step an optimizer or read weights
+with `call`, so a test or benchmark can step an optimizer or read weights
 without defining a class::
 
     Trainer = ray.remote(TrainerActor)

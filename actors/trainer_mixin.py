@@ -1,7 +1,8 @@
 """`SyncTrainerMixin`: a user's trainer actor takes part in weight sync.
 
 Define `rl_sync_sources()` returning `{checkpoint name: DTensor | Sharded | Tensor}`
-(see `rl_sync.rank.trainer` for how it is called and cached).
+(`actors.hooks.TrainerHooks`; see `rl_sync.rank.trainer` for how it is called
+and cached).
 """
 
 from __future__ import annotations

@@ -47,9 +47,9 @@ class VllmWorkerMixin(SyncWorkerMixin):
     _rl_sync_vllm: VllmDestinations | None = None
 
     def rl_sync_destinations(self, checkpoint):
-        rank, size, options = self._rl_sync_sides["worker"]
+        side = self._rl_sync_sides["worker"]
         self._rl_sync_vllm = VllmDestinations.of_llm(self.rl_sync_llm())
-        return self._rl_sync_vllm.bind(checkpoint, rank, size, options.get("sharded"))
+        return self._rl_sync_vllm.bind(checkpoint, side.rank, side.size, side.options.sharded)
 
     def rl_sync_load_fallbacks(self, pairs) -> None:
         self._rl_sync_vllm.load_fallbacks(pairs)

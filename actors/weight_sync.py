@@ -21,12 +21,13 @@ from ray.actor import ActorHandle
 from rich.console import Console
 
 from rl_sync.config.push_args import check_push_args, check_version
-from rl_sync.wire.stats import RoundStats
+from rl_sync.wire.stats import RoundStats, SyncSummary
 from rl_sync.config.sync import SyncConfig, check_seconds
 
-from .calls import SyncError
+from .calls import RemoteTraceback, SyncError, remote_text
 from .coordinator import Coordinator
 from .group import Membership
+from .hooks import check_hooks
 from .service import VllmService
 
 log = logging.getLogger("rl_sync")
@@ -39,17 +40,19 @@ scheduling, the coordinator's own planning time)."""
 
 def _unwrap(ref, budget_s: float, unknown: str = ""):
     """The coordinator's answer to a call bounded by `budget_s`; `unknown` says what is in doubt
-    should it not answer even `SLACK_S` later (a coordinator wedged outside its bounded waits)."""
+    should it not answer even `SLACK_S` later (a coordinator wedged outside its bounded waits).
+    A caller's mistake stays a `ValueError` / `TypeError`, any other failure is a `SyncError`;
+    either way the coordinator's traceback (and in it the failing ranks') is its `__cause__`."""
     try:
         return ray.get(ref, timeout=budget_s + SLACK_S)
     except ray.exceptions.GetTimeoutError:
         raise SyncError(f"the coordinator did not answer within {budget_s + SLACK_S:.0f} s (the call's budget of "
                         f"{budget_s:.0f} s plus {SLACK_S:.0f} s){unknown}") from None
     except ray.exceptions.RayTaskError as exc:
-        cause = exc.cause
+        cause, remote = exc.cause, RemoteTraceback(remote_text(exc))
         if isinstance(cause, (ValueError, TypeError, SyncError)):
-            raise type(cause)(str(cause)) from None
-        raise SyncError(str(cause)) from None
+            raise cause from remote
+        raise SyncError(str(cause)) from remote
 
 
 def _in_doubt(version: int | None) -> str:
@@ -75,9 +78,10 @@ def _discard(coordinator, config: SyncConfig) -> None:
 
 
 class WeightSync:
-    """Handle to a Coordinator actor that owns one sync group."""
+    """Handle to a Coordinator actor that owns one sync group; `summary` (`SyncSummary`) says
+    what forming it decided."""
 
-    def __init__(self, coordinator, config: SyncConfig, summary: dict):
+    def __init__(self, coordinator, config: SyncConfig, summary: SyncSummary):
         self.coordinator, self.config, self.summary = coordinator, config, summary
         self.closed = False
 
@@ -137,7 +141,7 @@ class WeightSync:
         """The version each worker's live weights fully hold (None: torn, in flight, never synced, dead)."""
         return _unwrap(self._open().versions.remote(), self.config.init_timeout_s)
 
-    def repair(self, *, timeout_s: float | None = None) -> dict:
+    def repair(self, *, timeout_s: float | None = None) -> SyncSummary:
         """Re-form the group now (push does this by itself after a failure with `auto_repair`),
         within `timeout_s` (default `SyncConfig.init_budget_s`)."""
         budget = _budget(timeout_s, self.config.init_budget_s, "repair")
@@ -151,6 +155,8 @@ class WeightSync:
         if not isinstance(handle, (ActorHandle, VllmService)):
             raise TypeError(f"replace_worker: the new worker must be a Ray actor handle or a VllmService, got "
                             f"{type(handle).__name__} {handle!r:.60}")
+        if isinstance(handle, ActorHandle):
+            check_hooks(handle, "worker", f"replace_worker: worker {index}")
         _unwrap(self._open().replace_worker.remote(index, handle), self.config.init_timeout_s)
 
     def close(self) -> None:

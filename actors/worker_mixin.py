@@ -1,7 +1,7 @@
 """`SyncWorkerMixin`: a user's inference-worker actor takes part in weight sync.
 
-Define `rl_sync_destinations(checkpoint)` (and, as needed,
-`rl_sync_load_fallbacks(pairs)` and `rl_sync_weights_updated(names)`); see
+Define `rl_sync_destinations(checkpoint)` (`actors.hooks.WorkerHooks`) and, as
+needed, the optional hooks of `actors.hooks.EngineHooks`; see
 `rl_sync.rank.worker` for what they receive, versions and double buffering.
 """
 

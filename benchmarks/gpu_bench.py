@@ -70,7 +70,7 @@ def bench(specs, repeat: int, allocator: str) -> dict:
     pg, trainer, worker = pair(specs, same_gpu=True, env=ALLOCATORS[allocator])
     sync = WeightSync.create([trainer], [worker], SyncConfig(rendezvous_host="127.0.0.1", bind_host="127.0.0.1",
                                                               bucket_bytes=1 << 30, round_timeout_s=600))
-    assert sync.summary["cuda_ipc"], "expected colocated CUDA IPC"
+    assert sync.summary.cuda_ipc, "expected colocated CUDA IPC"
     sync.push()
     result = median_round(sync, repeat)
     naive_round(trainer, worker)

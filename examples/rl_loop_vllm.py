@@ -31,12 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rl_loop import LearnerGroup, rewards, run  # noqa: E402  (the learners and the reward are the same)
 
-from actors import WeightSync  # noqa: E402
+from actors import VllmEngine, WeightSync  # noqa: E402
 from actors.cluster import free_init_url  # noqa: E402
 from actors.demo import DemoModel  # noqa: E402
 from actors.models import hf_config  # noqa: E402
 from actors.placement import SyncPlacement  # noqa: E402
-from actors.vllm import VllmEngine  # noqa: E402
 from rl_sync.config.sync import SyncConfig  # noqa: E402
 from rl_sync.vllm.checkpoint import write_checkpoint  # noqa: E402
 

@@ -15,7 +15,7 @@ import operator
 from collections import Counter
 from collections.abc import Sequence
 
-from .sync import CHOICES
+from .sync import CHOICES, Mode
 
 MAX_VERSION = (1 << 63) - 1
 
@@ -55,11 +55,11 @@ def repeated_names(names) -> list[str]:
     return sorted(n for n, count in Counter(names).items() if count > 1)
 
 
-def check_mode(mode) -> str | None:
+def check_mode(mode) -> Mode | None:
     if mode is not None and mode not in CHOICES["mode"]:
         raise ValueError(f"push: mode must be one of {', '.join(map(repr, CHOICES['mode']))} or None, got {mode!r}")
     return mode
 
 
-def check_push_args(version, names, mode) -> tuple[int | None, list[str] | None, str | None]:
+def check_push_args(version, names, mode) -> tuple[int | None, list[str] | None, Mode | None]:
     return check_version(version), check_names(names), check_mode(mode)

@@ -7,7 +7,15 @@ code: `SyncConfig(transport="gloo", bucket_bytes=64 << 20)`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
+
+Transport = Literal["auto", "gloo", "nccl"]
+Colocate = Literal["auto", "ipc", "off"]
+Mode = Literal["m2n", "broadcast", "sparse", "auto"]
+"""How a round moves weights (`SyncConfig.mode`); the one list of round modes."""
+Relay = Literal["off", "on", "auto"]
+BaselineDevice = Literal["device", "pinned_cpu"]
+Integrity = Literal["keyed", "checksum", "off"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,20 +24,20 @@ class SyncConfig:
 
     name: str = "default"
     """Names this sync group in logs and Ray metrics."""
-    transport: Literal["auto", "gloo", "nccl"] = "auto"
+    transport: Transport = "auto"
     """`auto`: NCCL when the tensors are on CUDA and CuPy imports, Gloo otherwise."""
-    colocate: Literal["auto", "ipc", "off"] = "auto"
+    colocate: Colocate = "auto"
     """`auto`: when every worker shares its GPU with a trainer, trainers write straight into the
     workers' memory through CUDA IPC (`ipc` insists on it, `off` never does)."""
-    mode: Literal["m2n", "broadcast", "sparse", "auto"] = "m2n"
+    mode: Mode = "m2n"
     """Default mode of `push`: resharded dense point-to-point, the broadcast baseline, changed
     elements only (`sparse`: indices or bitmap), or per transfer whichever is smallest (`auto`)."""
-    relay: Literal["off", "on", "auto"] = "off"
+    relay: Relay = "off"
     """Relay among engine replicas (`rl_sync.planning.relay`): trainers send each replicated box to one
     replica and workers forward it down a chain of the others, so each trainer sends about
     1/replicas of its shards' copies. `on` always (refused without replicas), `auto` when the
     byte model says it shortens the round (the summary's `relay` says why)."""
-    sparse_baseline: Literal["device", "pinned_cpu"] = "device"
+    sparse_baseline: BaselineDevice = "device"
     """Where trainers keep the last synced values sparse rounds diff against (one copy of each
     local shard, allocated at the first sparse or auto push)."""
     dense_refresh_every: int = 0
@@ -62,7 +70,8 @@ class SyncConfig:
     integrity: str = "keyed"
     """Digest on every transfer, checked before a round counts: `keyed` (HMAC under the group's
     secret: catches tampering and corruption), `checksum` (corruption only), `off`. See the
-    README's security section for what each costs."""
+    README's security section for what each costs. One of `Integrity`; typed `str` so a YAML value
+    outside it is refused by `__post_init__`, which names the choices."""
 
     @property
     def init_budget_s(self) -> float:
@@ -101,9 +110,14 @@ class SyncConfig:
 MAX_BUCKET_BYTES = 1 << 40
 """1 TiB: far above any device's memory; bounds the sizes the planner multiplies."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-CHOICES = {"transport": ("auto", "gloo", "nccl"), "colocate": ("auto", "ipc", "off"),
-           "mode": ("m2n", "broadcast", "sparse", "auto"), "relay": ("off", "on", "auto"),
-           "sparse_baseline": ("device", "pinned_cpu"), "integrity": ("keyed", "checksum", "off")}
+CHOICES = {"transport": get_args(Transport), "colocate": get_args(Colocate), "mode": get_args(Mode),
+           "relay": get_args(Relay), "sparse_baseline": get_args(BaselineDevice), "integrity": get_args(Integrity)}
+"""The allowed values of each choice field, read off the `Literal` types above."""
+
+
+def either(choices: tuple[str, ...]) -> str:
+    """`'a', 'b' or 'c'`: a `Literal`'s choices (`typing.get_args`) as an error message names them."""
+    return " or ".join(filter(None, [", ".join(map(repr, choices[:-1])), repr(choices[-1])]))
 
 
 def _integer(field: str, value, low: int, high: int) -> None:

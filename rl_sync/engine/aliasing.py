@@ -22,8 +22,9 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 def _box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(offsets, sizes) of `t` in the row-major array of its strides, or None when it is not one."""
-    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-    rest, offsets = t.storage_offset(), [0] * t.dim()
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: -strides[d])
+    rest, offsets = int(t.storage_offset()), [0] * t.dim()
     for i, d in enumerate(order):
         stride = t.stride(d)
         if stride <= 0:

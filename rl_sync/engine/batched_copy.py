@@ -39,7 +39,8 @@ def _kernel():
         triton, tl = _triton()
 
         @triton.jit
-        def copy_blocks(src_tab, dst_tab, words_tab, block_region, block_start, BLOCK: tl.constexpr):
+        def copy_blocks(src_tab, dst_tab, words_tab, block_region, block_start,
+                        BLOCK: tl.constexpr):  # type: ignore[name-defined]  # Triton's marker, not a type
             pid = tl.program_id(0)
             region = tl.load(block_region + pid)
             start = tl.load(block_start + pid)

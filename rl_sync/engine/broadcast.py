@@ -116,7 +116,7 @@ def run_broadcast(
             complete_bucket(ops, deadline)
             transport.complete(deadline)
             counters.add(ops.counters)
-        if rank == ROOT or is_worker:
+        if buf is not None:  # the root and the workers
             transport.broadcast(buf[:nbytes], ROOT, deadline)
             counters.buckets += index not in mine
         if is_worker:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -112,8 +112,9 @@ class _Quantized:
     block: tuple[int, int]
     touched: Box
     owned: Box
-    values: torch.Tensor | None = None
-    amax: torch.Tensor | None = None
+    values: torch.Tensor = field(init=False)
+    """The FP8 copy of the shard (made by `QuantStage.endpoints`, as is `amax`)."""
+    amax: torch.Tensor = field(init=False)
     """The amax of each block this rank touches, then its scale: a view of the round's grid."""
     start: int = 0
     """Where `amax` starts in the round's grid buffer."""
@@ -155,12 +156,14 @@ class QuantStage:
             box = spec.src.local_box(spec.shape, rank)
             if box is not None and not box.is_empty():
                 owned = scale.src.local_box(grid_shape(spec.shape, block), rank)
+                assert owned is not None  # the scales' source layout has the values' mesh
                 self.items.append(_Quantized(i, spec.name, box, block, touched_blocks(box, block), owned))
         self._sources: Mapping | None = None
         self._endpoints: dict[str, Endpoint] = {}
-        self._grid: torch.Tensor | None = None
-        """Every tensor's amax grid, then its scales, in one buffer (`_Quantized.amax` are views)."""
-        self._launches: dict[tuple | None, list] = {}
+        self._grid: torch.Tensor
+        """Every tensor's amax grid, then its scales, in one buffer (`_Quantized.amax` are views;
+        made by `endpoints`)."""
+        self._launches: dict[tuple[int, ...] | None, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
         self._room: torch.Tensor | None = None
 
     def endpoints(self, sources: Mapping[str, Endpoint]) -> Mapping[str, Endpoint]:
@@ -223,7 +226,8 @@ class QuantStage:
             for item in items.values():
                 item.amax.copy_(scales_from(item.amax))
 
-    def _graphs(self, sources: Mapping[str, Endpoint], wanted: Collection[int] | None) -> tuple | None:
+    def _graphs(self, sources: Mapping[str, Endpoint],
+                wanted: Collection[int] | None) -> tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None:
         """CUDA graphs of the two device steps (block maxima; scales and FP8 values), captured
         once per tensor subset while the shards stay the same (the full round's when the
         endpoints are made): one launch each per round, however many tensors (per-tensor

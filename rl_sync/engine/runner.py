@@ -101,24 +101,25 @@ class Copies:
         else:
             self.small.append((dst_bytes, src_bytes))
 
-    def _prepare(self) -> None:
-        """Decided once: Triton's one-launch copy on CUDA, else `_foreach_copy_` over words."""
+    def _prepare(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Decided once: Triton's one-launch copy on CUDA, else `_foreach_copy_` over words;
+        returns the `_foreach_copy_` lists."""
         dsts, srcs = [d for d, _ in self.small], [s for _, s in self.small]
         self._batched = BatchedCopy.build(dsts, srcs)
         words = [_widest(d, s) for d, s in self.small] + self.strided
         self._fallback = ([d for d, _ in words], [s for _, s in words])
         if self._batched is not None:
             self._fallback = ([d for d, _ in self.strided], [s for _, s in self.strided])
+        return self._fallback
 
     def run(self) -> None:
         for dst, src in self.big:
             dst.copy_(src)
-        if self._fallback is None:
-            self._prepare()
+        fallback = self._fallback if self._fallback is not None else self._prepare()
         if self._batched is not None:
             self._batched.run()
-        if self._fallback[0]:
-            torch._foreach_copy_(*self._fallback)
+        if fallback[0]:
+            torch._foreach_copy_(*fallback)
 
 
 @dataclass
@@ -162,7 +163,7 @@ def staging_need(bucket: RankBucket, io: BucketIO) -> int:
     return sum(_aligned(m.nbytes) for m in staged)
 
 
-def compile_bucket(bucket: RankBucket, io: BucketIO, buf: torch.Tensor | None) -> BucketOps:
+def compile_bucket(bucket: RankBucket, io: BucketIO, buf: torch.Tensor) -> BucketOps:
     """Resolve every view of `bucket`; staged messages take consecutive slices of `buf`."""
     ops, cursor = BucketOps(bucket), 0
     for side, messages in (("send", bucket.sends), ("recv", bucket.recvs)):
@@ -182,7 +183,9 @@ def compile_bucket(bucket: RankBucket, io: BucketIO, buf: torch.Tensor | None) -
                         ops.unpack.add(box, packed)
             else:
                 seg = msg.segments[0]
-                target = as_bytes(endpoint(bucket.index, seg.tensor).view(seg.offsets, seg.sizes))
+                direct = as_bytes(endpoint(bucket.index, seg.tensor).view(seg.offsets, seg.sizes))
+                assert direct is not None  # not staged: one contiguous box
+                target = direct
                 ops.counters.zero_copy_bytes += msg.nbytes
             (ops.sends if side == "send" else ops.recvs).append((msg.peer, target))  # noqa: B018
     for seg in bucket.local:

@@ -6,6 +6,10 @@ Typical use (what the Ray mixins do)::
     stats = session.run(round_info, sources={...}, dests={...})   # every round
     session.close()
 
+The transport is the one `init_info` names, joined from its rendezvous message
+(`rl_sync.transport.registry`); one that reaches this rank's destinations itself
+(`cuda_ipc`: a colocated worker's mapped memory) supplies them in place of `dests`.
+
 Ordering contract: every rank of the group runs the same rounds in the same
 order; within a round, buckets go in schedule order (`runner.run_buckets`).
 """
@@ -25,7 +29,7 @@ from ..planning.schedule import RankSchedule
 from ..rendezvous import derive
 from ..transport.base import Transport
 from ..transport.digest import Digester, DigestTransport
-from ..transport.registry import transport_class
+from ..transport.registry import join
 from .broadcast import ROOT, BroadcastStaging, gather_schedule, run_broadcast
 from .endpoint import Endpoint
 from .quantize import QuantStage
@@ -36,22 +40,16 @@ MAX_PROGRAMS = 4
 """Compiled rounds (and expanded rank slices) kept per session: the full round plus recent subsets."""
 
 
-def make_transport(info: InitInfo, bind_host: str, device: torch.device) -> Transport:
-    """Join the group `info` describes, with the transport and the digest it names."""
-    return checked(_join(info, bind_host, device), info)
-
-
-def _join(info: InitInfo, bind_host: str, device: torch.device) -> Transport:
-    """Join the group `info` describes with the transport it names (one rank: `local`)."""
-    name = "local" if info.world_size == 1 else info.transport
-    return transport_class(name).join(info, bind_host=bind_host, device=device,
-                                      broadcast_ranks=sorted({ROOT, *info.worker_ranks}))
+def join_group(info: InitInfo, bind_host: str, device: torch.device) -> Transport:
+    """Join the group `info` describes with the transport it names, from its rendezvous message."""
+    return join(info.transport, info.rendezvous, info, bind_host=bind_host, device=device,
+                broadcast_ranks=sorted({ROOT, *info.worker_ranks}))
 
 
 def checked(transport: Transport, info: InitInfo) -> Transport:
-    """`transport` with the digest `info.integrity` asks for on every transfer (none within one
-    process: nothing travels)."""
-    if info.integrity == "off" or info.world_size == 1 or info.transport == "local":
+    """`transport` with the digest `info.integrity` asks for on every transfer (none in a
+    one-rank group: nothing travels)."""
+    if info.integrity == "off" or info.world_size == 1:
         return transport
     key = derive(info.secret, b"digest", info.prefix.encode())
     return DigestTransport(transport, Digester(info.integrity, key, label=info.prefix.encode()))
@@ -89,10 +87,24 @@ class RankSession:
         self.broadcast_staging = BroadcastStaging(self.device)
         self.quant = QuantStage(self.plan, self.plan.blocks, self.rank) if sends and self.plan.blocks else None
         """Trainers quantize block-quantized tensors before every round (`engine.quantize`)."""
-        self.transport = make_transport(info, bind_host, device)
+        self.joined = join_group(info, bind_host, device)
+        """The transport as joined; `transport` is it with the digest `info.integrity` asks for."""
+        self.transport = checked(self.joined, info)
+        self._reached: tuple[Mapping[str, torch.Tensor], dict[str, Endpoint]] = ({}, {})
+        """The transport's own destinations (`Transport.destinations`) and the endpoints over them."""
 
-    def destination_endpoints(self, views: Mapping[str, torch.Tensor]) -> dict[str, Endpoint]:
-        """Endpoints for live views of this rank's destination boxes (e.g. CUDA-IPC mapped memory)."""
+    def _destinations(self, dests: Mapping[str, Endpoint]) -> Mapping[str, Endpoint]:
+        """`dests`, unless the transport reaches this rank's destinations itself: then endpoints
+        over those, built once per mapping so the compiled round replays."""
+        views = self.transport.destinations()
+        if not views:
+            return dests
+        if views is not self._reached[0]:
+            self._reached = (views, self._endpoints_over(views))
+        return self._reached[1]
+
+    def _endpoints_over(self, views: Mapping[str, torch.Tensor]) -> dict[str, Endpoint]:
+        """Endpoints for live views of this rank's destination boxes."""
         out = {}
         for name, view in views.items():
             spec = self.plan.specs[self.plan.index[name]]
@@ -120,14 +132,17 @@ class RankSession:
         return out
 
     def run(self, round_info: RoundInfo, sources: Mapping[str, Endpoint], dests: Mapping[str, Endpoint]) -> RankStats:
-        """Run one round; raises `BucketError` naming the round, bucket and tensors on failure.
+        """Run one round between the transport's `begin_round` and `end_round`; raises
+        `BucketError` naming the round, bucket and tensors on failure.
 
         Any failure aborts this rank's transport first, so its peers fail fast
         instead of waiting out their timeout."""
         start = time.perf_counter()
         context = f"round {round_info.version} ({round_info.mode})"
         try:
-            counters = self._run(round_info, sources, dests, context)
+            self.transport.begin_round()
+            counters = self._run(round_info, sources, self._destinations(dests), context)
+            self.transport.end_round()
         except Exception as exc:
             self.transport.abort()
             if isinstance(exc, BucketError):

@@ -11,6 +11,7 @@ side's own ranks `[0, n)`; the coordinator places workers after trainers.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple, Protocol, TypeGuard, cast
 
 import torch
 
@@ -22,7 +23,15 @@ from ..storage import Destination, Sharded
 from .aliasing import check_disjoint
 from .endpoint import Endpoint
 
-__all__ = ["Destination", "Sharded", "trainer_entries", "worker_entries"]
+__all__ = ["Destination", "Entries", "Sharded", "trainer_entries", "worker_entries"]
+
+
+class Entries(NamedTuple):
+    """One side's tensors on one rank: what it reports, and where it sends from or writes into."""
+
+    reports: list[TensorReport]
+    endpoints: dict[str, Endpoint]
+    """By checkpoint name; a tensor of which the rank holds nothing has none."""
 
 
 def _entry(name: str, local: torch.Tensor | None, dtype: torch.dtype, layout: Layout, shape: tuple[int, ...],
@@ -42,11 +51,24 @@ def _entry(name: str, local: torch.Tensor | None, dtype: torch.dtype, layout: La
     return report, Endpoint(local, box.offsets)
 
 
+class _DTensorLike(Protocol):
+    """What is read of a `DTensor`, recognised by its `_spec` (as `Layout.from_dtensor` reads it)."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def to_local(self) -> torch.Tensor: ...
+
+
+def _is_dtensor(value: object) -> TypeGuard[_DTensorLike]:
+    return hasattr(value, "_spec")
+
+
 def local_tensor(value: object, name: str = "", rank: int = 0) -> torch.Tensor:
     """The local shard of a trainer's `DTensor`, `Sharded` or plain tensor."""
     if isinstance(value, Sharded):
         return value.local
-    if hasattr(value, "_spec"):
+    if _is_dtensor(value):
         return value.to_local()
     if isinstance(value, torch.Tensor):
         return value
@@ -57,24 +79,25 @@ def local_tensor(value: object, name: str = "", rank: int = 0) -> torch.Tensor:
 def _layout(value: object, num_trainers: int) -> Layout:
     if isinstance(value, Sharded):
         return value.layout
-    return Layout.from_dtensor(value) if hasattr(value, "_spec") else Layout.replicated(Mesh((num_trainers,)))
+    return Layout.from_dtensor(value) if _is_dtensor(value) else Layout.replicated(Mesh((num_trainers,)))
 
 
-def trainer_entries(tensors: Mapping[str, object], rank: int, num_trainers: int):
-    """(reports, endpoints by name) for a trainer's tensors at side rank `rank`."""
+def trainer_entries(tensors: Mapping[str, object], rank: int, num_trainers: int) -> Entries:
+    """The entries of a trainer's tensors at side rank `rank`."""
     reports, endpoints = [], {}
     for name, value in tensors.items():
         local = local_tensor(value, name, rank)
-        layout, shape = _layout(value, num_trainers), tuple(value.shape)
+        layout = _layout(value, num_trainers)
+        shape = tuple(cast("Sharded | _DTensorLike | torch.Tensor", value).shape)  # local_tensor took it
         report, endpoint = _entry(name, local.detach(), local.dtype, layout, shape, rank, "trainer")
         reports.append(report)
         if endpoint is not None:
             endpoints[name] = endpoint
-    return reports, endpoints
+    return Entries(reports, endpoints)
 
 
-def worker_entries(destinations: Mapping[str, Destination], rank: int):
-    """(reports, endpoints by name) for a worker's destinations at side rank `rank`."""
+def worker_entries(destinations: Mapping[str, Destination], rank: int) -> Entries:
+    """The entries of a worker's destinations at side rank `rank`."""
     reports, endpoints = [], {}
     for name, dest in destinations.items():
         if not isinstance(dest, Destination):
@@ -86,4 +109,4 @@ def worker_entries(destinations: Mapping[str, Destination], rank: int):
         if endpoint is not None:
             endpoints[name] = endpoint
     check_disjoint({name: e.tensor for name, e in endpoints.items()}, rank)
-    return reports, endpoints
+    return Entries(reports, endpoints)

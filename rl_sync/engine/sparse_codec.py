@@ -15,11 +15,15 @@ the per-box torch functions below (`Changes`, `encode`, `decode`, `apply`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, DENSE, INDICES, PayloadLayout, payload_layout
+
+if TYPE_CHECKING:
+    from .sparse_triton import Strided2D
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -53,11 +57,11 @@ class Changes:
         self.cur, self.base = cur, base.to(cur.device, non_blocking=True)
         self._index: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
-        words = _words(self.cur), _words(self.base)
-        if words[0] is not None and words[1] is not None:
-            differ = words[0] != words[1]
+        cur_words, base_words = _words(self.cur), _words(self.base)
+        if cur_words is not None and base_words is not None:
+            differ = cur_words != base_words
             if int(differ.sum()) * SPARSE_WORDS <= differ.numel():
-                self._index = _inside(torch.nonzero(differ).reshape(-1), words, cur)
+                self._index = _inside(torch.nonzero(differ).reshape(-1), (cur_words, base_words), cur)
         if self._index is None:
             self._mask = changed(self.cur, self.base)
             self.count = int(self._mask.sum())  # the one host sync of a sparse encode on a GPU
@@ -67,6 +71,7 @@ class Changes:
     @property
     def index(self) -> torch.Tensor:
         if self._index is None:
+            assert self._mask is not None  # __init__ sets one of the two
             self._index = torch.nonzero(self._mask).reshape(-1)
         return self._index
 
@@ -220,7 +225,7 @@ def _on_kernel_device(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-def _fused_pair(cur: torch.Tensor, base: torch.Tensor):
+def _fused_pair(cur: torch.Tensor, base: torch.Tensor) -> tuple[Strided2D, Strided2D] | None:
     """(cur, base) as the Triton kernels' `Strided2D`s when both can take the fused path: the
     same CUDA device, the same dtype of at most 8 bytes, dims that merge into two."""
     if not _on_kernel_device(cur) or base.device != cur.device or cur.dtype != base.dtype or cur.element_size() > 8:
@@ -291,18 +296,21 @@ class BucketChanges:
         self._payloads: list[torch.Tensor] = []  # the tables hold their addresses: kept until `finish`
         self.counts = self._find(fused)
 
-    def _find(self, fused) -> list[int]:
+    def _find(self, fused: list[tuple[Strided2D, Strided2D] | None]) -> list[int]:
         on = [i for i, f in enumerate(fused) if f and self.pairs[i][0].numel()]
-        counts = {i: 0 for i, f in enumerate(fused) if f} | {i: b.count for i, b in enumerate(self._boxes) if b}
+        counts = {i: 0 for i, f in enumerate(fused) if f}
+        counts |= {i: b.count for i, b in enumerate(self._boxes) if isinstance(b, Changes)}
         if not on:
             return [counts[i] for i in range(len(self.pairs))]
         kernels = _kernels()
         self.device = device = self.pairs[on[0]][0].device
         per_block = BLOCK // kernels.TILE
         slot = np.cumsum([0] + [-(-self.pairs[i][0].numel() // BLOCK) * per_block for i in on])
-        rows: dict[int, list[tuple[int, list[int]]]] = {}
+        rows: dict[tuple[int, bool], list[tuple[int, list[int]]]] = {}
         for i, t0 in zip(on, slot[:-1].tolist()):
-            box = self._boxes[i] = _Fused(*fused[i], self.pairs[i][0].numel(), t0, self._shared[i])
+            pair = fused[i]
+            assert pair is not None  # `on` holds fused boxes only
+            box = self._boxes[i] = _Fused(*pair, self.pairs[i][0].numel(), t0, self._shared[i])
             rows.setdefault(box.key, []).append((kernels.tiles(box.n), box.row()))
         firsts = kernels.upload(slot[:-1] // per_block, device)
         self._tiles = torch.zeros(int(slot[-1]), dtype=torch.int32, device=device)
@@ -359,7 +367,7 @@ class BucketChanges:
     def advance(self) -> None:
         """After `complete`: every other box's baseline becomes what was sent (a round runs it once
         the payloads are on their way, off the receivers' critical path)."""
-        shared = {}
+        shared: dict[tuple[int, bool], list[tuple[int, list[int]]]] = {}
         for i, ((cur, base), box) in enumerate(zip(self.pairs, self._boxes)):
             if isinstance(box, Changes):
                 _advance(base, cur, self._codes[i], box, self._values[i])
@@ -376,6 +384,7 @@ def _advance(base: torch.Tensor, cur: torch.Tensor, code: int, changes: Changes,
     if code in (DENSE, BITMAP):
         base.copy_(cur, non_blocking=True)
     elif changes.count:
+        assert values is not None  # `encode` returns the values of every sparse code
         apply(INDICES, base, changes.index.to(base.device), values.to(base.device))
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..planning.relay import RelayKey
-from ..planning.schedule import Message, RankBucket
+from ..planning.schedule import Message, RankBucket, Segment
 from ..sparse.encodings import DENSE, NAMES, check_count, choose, encoded_nbytes
 from ..transport.base import Transport
 from . import sparse_codec
@@ -135,7 +135,8 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
     for msg, header, payload in zip(bucket.recvs, headers_in, payloads_in):
         if msg.relay in io.forwards:
             io.kept[msg.relay] = (header, payload)  # forwarded as it arrived, in a later bucket
-    received, segments = sparse_codec.BucketReceiver(device, sum(len(m.segments) for m in bucket.recvs)), []
+    received = sparse_codec.BucketReceiver(device, sum(len(m.segments) for m in bucket.recvs))
+    segments: list[Segment] = []
     for msg, blocks, payload in zip(bucket.recvs, layouts, payloads_in):
         for seg, (code, k, start, size) in zip(msg.segments, blocks):
             n = seg.nbytes // io.dtypes[seg.tensor].itemsize

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 
@@ -176,6 +176,10 @@ class Mesh:
     """
 
     __slots__ = ("shape", "ranks", "_index", "_hash")
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+    _index: dict[int, int] | None
+    _hash: int
 
     def __init__(self, shape: Sequence[int], start_rank: int = 0, *, ranks: Sequence[int] | None = None):
         shape = tuple(shape)
@@ -204,7 +208,8 @@ class Mesh:
     def from_ranks(cls, array: Any) -> Mesh:
         """Build from a nested list (or anything with `.tolist()`) of ranks."""
         nested = array.tolist() if hasattr(array, "tolist") else array
-        shape, flat = _nested_shape(nested), []
+        shape = _nested_shape(nested)
+        flat: list[int] = []
         _flatten(nested, flat)
         return cls(shape, ranks=flat)
 
@@ -235,9 +240,11 @@ class Mesh:
 
     def index_of(self, rank: int) -> int | None:
         """Row-major position of `rank` in this mesh, or `None`."""
-        if self._index is None:
-            object.__setattr__(self, "_index", {r: i for i, r in enumerate(self.ranks)})
-        return self._index.get(rank)
+        index = self._index
+        if index is None:
+            index = {r: i for i, r in enumerate(self.ranks)}
+            object.__setattr__(self, "_index", index)
+        return index.get(rank)
 
     def coordinate(self, rank: int) -> tuple[int, ...] | None:
         """Mesh coordinate of `rank`, or `None` when it is not in the mesh."""
@@ -277,6 +284,7 @@ class Layout:
 
     mesh: Mesh
     placements: tuple[Placement, ...]
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "placements", tuple(self.placements))

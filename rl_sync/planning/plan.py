@@ -340,7 +340,11 @@ def _per_rank(totals: dict[int, int], ranks: np.ndarray, amounts: np.ndarray) ->
 
 
 def _model_stats(plan: ModelPlan) -> PlanStats:
-    send, recv, send_n, recv_n, forced = {}, {}, {}, {}, {}
+    send: dict[int, int] = {}
+    recv: dict[int, int] = {}
+    send_n: dict[int, int] = {}
+    recv_n: dict[int, int] = {}
+    forced: dict[int, int] = {}
     local_bytes = transfers = 0
     sources: set[int] = set()
     workers: set[int] = set()

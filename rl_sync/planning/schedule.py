@@ -35,14 +35,20 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Literal
+from typing import get_args
 import numpy as np
 
+from ..config.sync import Relay, either
 from .bands import Band, band_count, make_bands
 from .plan import ModelPlan
 from .relay import RelayKey, entry_specs, find_relay, relay_pays
 
 ALIGN = 16
+
+_SlabEntry = tuple[int, int, int, int | None, int | None]
+"""(slab index, tensor, band, src position, dst position) of a slab one rank takes part in."""
+_BoxEntry = tuple[int, tuple[int, ...], tuple[int, ...], int]
+"""(tensor, global offsets, sizes, bytes) of one box bound for a message."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +123,8 @@ class Schedule:
             cache[key] = make_bands(routed.templates[key[0]], key[1] * key[2], bucket_bytes)
         self.bands = [cache[key] for key in keys]
         self.order = _interleaved_order(routed)
-        counts = np.array([len(b) for b in self.bands], dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(counts[self.order])])
+        num_bands = np.array([len(b) for b in self.bands], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(num_bands[self.order])])
         self.num_slabs = int(starts[-1])
         self.slab_start = np.empty(len(routed), dtype=np.int64)
         self.slab_start[self.order] = starts[:-1]
@@ -181,8 +187,7 @@ class Schedule:
     def rank_slice(self, rank: int, tensors: Collection[int] | None = None) -> RankSchedule:
         """This rank's buckets; `tensors` restricts a round to a subset (same on every rank)."""
         direct = self._direct_slice(rank, tensors)
-        place = None if self.relay is None else self.relay.where.get(rank)
-        if place is None:
+        if self.relay is None or (place := self.relay.where.get(rank)) is None:
             return direct
         entry, k = place
         chain = self.relay.chains[entry]
@@ -191,7 +196,7 @@ class Schedule:
 
     def _direct_slice(self, rank: int, tensors: Collection[int] | None) -> RankSchedule:
         chosen = range(len(self.routed)) if tensors is None else sorted(set(tensors))
-        entries = []
+        entries: list[_SlabEntry] = []
         for tensor in chosen:
             spec = self.routed.specs[tensor]
             src_pos, dst_pos = spec.src.mesh.index_of(rank), spec.dst.mesh.index_of(rank)
@@ -200,15 +205,15 @@ class Schedule:
                 entries.extend((first + b, tensor, b, src_pos, dst_pos) for b in range(len(self.bands[tensor])))
         entries.sort()
         bucket_of = np.searchsorted(self.cuts, [e[0] for e in entries], side="right") - 1
-        by_bucket: dict[int, list] = {}
+        by_bucket: dict[int, list[_SlabEntry]] = {}
         for bucket, entry in zip(bucket_of.tolist(), entries):
             by_bucket.setdefault(bucket, []).append(entry)
         buckets = (self._rank_bucket(index, slabs) for index, slabs in sorted(by_bucket.items()))
         return RankSchedule(rank, tuple(b for b in buckets if b.sends or b.recvs or b.local))
 
-    def _rank_bucket(self, index: int, slabs: list) -> RankBucket:
-        sends: dict[tuple[int, bool], list] = {}
-        recvs: dict[tuple[int, bool], list] = {}
+    def _rank_bucket(self, index: int, slabs: list[_SlabEntry]) -> RankBucket:
+        sends: dict[tuple[int, bool], list[_BoxEntry]] = {}
+        recvs: dict[tuple[int, bool], list[_BoxEntry]] = {}
         local: list[Segment] = []
         for _, tensor, band_index, src_pos, dst_pos in slabs:
             spec, size = self.routed.specs[tensor], int(self.routed.itemsizes[tensor])
@@ -231,13 +236,15 @@ class Schedule:
             for j in rows
         ]
 
-    def _messages(self, by_key: dict[tuple[int, bool], list], bucket: int | None = None) -> tuple[Message, ...]:
+    def _messages(self, by_key: dict[tuple[int, bool], list[_BoxEntry]],
+                  bucket: int | None = None) -> tuple[Message, ...]:
         """Messages per (peer, relayed): relayed boxes never share a message with others, and
         received ones (`bucket` given) are keyed for forwarding in reception order."""
         messages: list[Message] = []
         keyed = 0
         for peer, relayed in sorted(by_key):
-            small, large = [], []
+            small: list[_BoxEntry] = []
+            large: list[_BoxEntry] = []
             for entry in by_key[(peer, relayed)]:
                 (small if entry[3] < self.coalesce_bytes else large).append(entry)
             for message in ([_packed(peer, small)] if small else []) + [_packed(peer, [entry]) for entry in large]:
@@ -346,7 +353,7 @@ def _check_slabs(slabs: int, bucket_bytes: int) -> None:
                          f"than the {MAX_SLABS} a schedule may hold; raise bucket_bytes")
 
 
-def _packed(peer: int, entries: list) -> Message:
+def _packed(peer: int, entries: list[_BoxEntry]) -> Message:
     segments, cursor = [], 0
     for tensor, offsets, sizes, nbytes in entries:
         cursor = -(-cursor // ALIGN) * ALIGN
@@ -356,12 +363,12 @@ def _packed(peer: int, entries: list) -> Message:
 
 
 def build_schedule(plan: ModelPlan, bucket_bytes: int = 256 << 20, coalesce_bytes: int = 1 << 20,
-                   relay: Literal["off", "on", "auto"] = "off") -> Schedule:
+                   relay: Relay = "off") -> Schedule:
     """Cut `plan` into buckets of at most `bucket_bytes` per rank (see module doc); `relay`:
     among engine replicas (`rl_sync.planning.relay`) never, always (refused when nothing can), or when
     `relay_pays` says it shortens the round. `Schedule.relay_choice` says what was chosen and why."""
-    if relay not in ("off", "on", "auto"):
-        raise ValueError(f"relay must be 'off', 'on' or 'auto', got {relay!r}")
+    if relay not in get_args(Relay):
+        raise ValueError(f"relay must be {either(get_args(Relay))}, got {relay!r}")
     if relay == "off":
         return Schedule(plan, bucket_bytes, coalesce_bytes)
     relayed = Schedule(plan, bucket_bytes, coalesce_bytes, relay=True)

@@ -29,13 +29,17 @@ The model (every figure in bytes per second, one direction):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple, get_args
 
 import numpy as np
 
+from ..config.sync import either
+from .relay import Relay
 from .schedule import Schedule
 
 LINKS = ("NVLink out", "NVLink in", "NIC out", "NIC in")
+
+Placement = Literal["separate", "colocated", "one_node"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +58,7 @@ class LinkModel:
     """GB/s a whole node's ranks receive together (0: no such limit)."""
     node_nic_gbs: float = 0.0
     """GB/s each way through one NIC a node's ranks share (0: no such limit)."""
-    placement: Literal["separate", "colocated", "one_node"] = "separate"
+    placement: Placement = "separate"
     """Workers on nodes after the trainers', on their trainer rank's node, or every rank on one."""
 
     def __post_init__(self) -> None:
@@ -64,8 +68,8 @@ class LinkModel:
         if self.latency_us < 0 or self.host_gbs < 0 or self.node_nic_gbs < 0:
             raise ValueError(f"LinkModel needs latency_us, host_gbs and node_nic_gbs >= 0, got {self.latency_us}, "
                              f"{self.host_gbs} and {self.node_nic_gbs}")
-        if self.placement not in ("separate", "colocated", "one_node"):
-            raise ValueError(f"LinkModel.placement must be 'separate', 'colocated' or 'one_node', got {self.placement!r}")
+        if self.placement not in get_args(Placement):
+            raise ValueError(f"LinkModel.placement must be {either(get_args(Placement))}, got {self.placement!r}")
 
     def nodes(self, ranks: np.ndarray, trainer_ranks: int) -> np.ndarray:
         """The node of each global rank."""
@@ -88,11 +92,20 @@ class Prediction:
     """E.g. "rank 3 NIC out (2.10 s of 2.15 s)"."""
 
 
-def transfer_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(bucket, source rank, destination rank, bytes) of every transfer in the schedule, the
-    relay's forwards included (`rl_sync.planning.relay`: what entry rank e receives in bucket j crosses
-    from chain[k - 1] to chain[k] in bucket j + k)."""
-    plan, out, relayed = schedule.routed, ([], [], [], []), []
+class TransferTable(NamedTuple):
+    """One int64 column each: (bucket, source rank, destination rank, bytes) of every transfer."""
+
+    bucket: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+
+
+def transfer_table(schedule: Schedule) -> TransferTable:
+    """Every transfer in the schedule, the relay's forwards included (`rl_sync.planning.relay`:
+    what entry rank e receives in bucket j crosses from chain[k - 1] to chain[k] in bucket j + k)."""
+    plan, relayed = schedule.routed, []
+    out: tuple[list[np.ndarray], ...] = ([], [], [], [])
     for template, tensors in plan.groups():
         src_table, dst_table = plan.rank_table(tensors, "src"), plan.rank_table(tensors, "dst")
         for b, band in enumerate(schedule.bands[int(tensors[0])]):
@@ -103,12 +116,12 @@ def transfer_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarr
                 part.append(value)
             relayed.append(np.repeat(schedule.relayed[tensors], len(band.src)))
     if not out[0]:
-        return tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
-    table = tuple(np.concatenate(part).astype(np.int64) for part in out)
+        return TransferTable._make(np.zeros(0, dtype=np.int64) for _ in range(4))
+    table = TransferTable._make(np.concatenate(part).astype(np.int64) for part in out)
     return table if schedule.relay is None else _with_forwards(table, np.concatenate(relayed), schedule.relay)
 
 
-def _with_forwards(table, relayed: np.ndarray, relay) -> tuple[np.ndarray, ...]:
+def _with_forwards(table: TransferTable, relayed: np.ndarray, relay: Relay) -> TransferTable:
     bucket, _, dst, nbytes = (part[relayed] for part in table)
     size = int(max(max(relay.where), dst.max(initial=0))) + 1
     chains = np.full((relay.replicas, size), -1, dtype=np.int64)
@@ -118,7 +131,7 @@ def _with_forwards(table, relayed: np.ndarray, relay) -> tuple[np.ndarray, ...]:
     for k in range(1, relay.replicas):
         for part, value in zip(parts, (bucket + k, chains[k - 1][dst], chains[k][dst], nbytes)):
             part.append(value)
-    return tuple(np.concatenate(part) for part in parts)
+    return TransferTable._make(np.concatenate(part) for part in parts)
 
 
 def predict(schedule: Schedule, links: LinkModel, trainer_ranks: int) -> Prediction:
@@ -131,7 +144,7 @@ def predict(schedule: Schedule, links: LinkModel, trainer_ranks: int) -> Predict
         return Prediction(0.0, (0.0,) * buckets, "nothing crosses a link")
     node_of = links.nodes(np.arange(ranks), trainer_ranks)
     remote = node_of[src] != node_of[dst]
-    load = np.zeros(buckets * ranks * len(LINKS))
+    load: np.ndarray = np.zeros(buckets * ranks * len(LINKS))
     for ranks_of, direction in ((src, 0), (dst, 1)):
         load += _sum_at((bucket * ranks + ranks_of) * len(LINKS) + direction + 2 * remote, nbytes, load.size)
     load = load.reshape(buckets, ranks, len(LINKS))
@@ -174,5 +187,5 @@ def _combine(candidates) -> Prediction:
         key = f"{name} {who} {link}"
         blame[key] = blame.get(key, 0.0) + float(bucket_seconds[b])
     total = float(bucket_seconds.sum())
-    worst = max(blame, key=blame.get)
+    worst = max(blame, key=blame.__getitem__)
     return Prediction(total, tuple(bucket_seconds.tolist()), f"{worst} ({blame[worst]:.3g} s of {total:.3g} s)")

@@ -191,14 +191,16 @@ def build_template(key: TemplateKey) -> Template:
         if box.is_empty():
             continue
         held_pos = overlap.get(dst_pos)
-        held = src_boxes[held_pos] if held_pos is not None else None
-        if held is not None and (own := box.intersect(held)) is not None:
-            local.append((held_pos, dst_pos, own))
+        held = None
+        if held_pos is not None:
+            held = src_boxes[held_pos]
+            if (own := box.intersect(held)) is not None:
+                local.append((held_pos, dst_pos, own))
         if (box, held) not in needed_of:
             needed_of[(box, held)] = _Needed.of(grid, box.minus(held) if held is not None else [box], ndim)
         needed = needed_of[(box, held)]
         blocks.append((needed.src, np.full(len(needed.src), dst_pos), needed.offsets, needed.sizes))
-        rotated = []
+        rotated: list[tuple[int, int, Box]] = []
         for piece, holders, cell in needed.replicated:
             rotated.extend((s, dst_pos, part) for s, part in _assign(piece, holders, turns.get(cell, 0)))
             turns[cell] = turns.get(cell, 0) + 1

@@ -40,7 +40,7 @@ class GroupTag:
 class Claim:
     """The group holding a rank, if any."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.tag: GroupTag | None = None
 
     def take(self, tag: GroupTag, alive: Callable[[Any], bool]) -> bool:

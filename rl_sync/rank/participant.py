@@ -13,7 +13,6 @@ reads both off Ray.
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -21,13 +20,15 @@ from types import MappingProxyType
 import torch
 
 from ..engine.session import RankSession
+from ..engine.sources import Entries
 from ..wire.messages import InitInfo, RankStats, RoundInfo, SideReport
 from ..wire.plan_info import PlanInfo
-from ..transport.cuda_ipc import IpcExport, MappedDestinations, device_uuid
+from ..transport.cuda_ipc import IpcExport, IpcTransport, device_uuid
 from ..transport.nccl import new_unique_id
 from ..wire.codec import decode, encode
 from .address import interface_address
 from .claim import Claim, GroupTag
+from .side import DescribeOptions, Side
 
 _NONE: Mapping = MappingProxyType({})
 
@@ -36,8 +37,7 @@ class Participant:
     """State and coordinator-facing methods; side classes add their entries and round hooks."""
 
     _rl_sync_session: RankSession | None = None
-    _rl_sync_sides: dict | None = None
-    _rl_sync_mapped: MappedDestinations | None = None
+    _rl_sync_sides: dict[str, Side] | None = None
     _rl_sync_claim: Claim | None = None
     _rl_sync_numbering: str | None = None
     """The token of the group whose version numbers this rank's version is in."""
@@ -48,7 +48,7 @@ class Participant:
         name = socket.gethostname()
         return name, socket.gethostbyname(name)
 
-    def _rl_sync_entries(self, side: str):
+    def _rl_sync_entries(self, side: str) -> Entries:
         method = getattr(self, f"_rl_sync_{side}_entries", None)
         if method is None:
             raise TypeError(f"{type(self).__name__} is asked to be a {side} but does not inherit the {side} mixin")
@@ -57,20 +57,20 @@ class Participant:
     def _rl_sync_endpoints(self, side: str) -> Mapping:
         """This side's endpoints; the same (empty) object every round for a side this process
         does not play, so the session keeps replaying its compiled round."""
-        return self._rl_sync_entries(side)[1] if side in (self._rl_sync_sides or {}) else _NONE
+        return self._rl_sync_entries(side).endpoints if side in (self._rl_sync_sides or {}) else _NONE
 
-    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int, options: dict | None = None) -> bytes:
-        """Report this side's tensors. `options["group"]` (a `GroupTag`) names the group asking;
-        a rank held by another live group refuses (`rl_sync.rank.claim`), and joining a new
-        group first drops all an earlier one left. A worker's `options` also carry the trainers'
-        checkpoint (`{name: (dtype name, shape)}`), the dims they shard, and whether to
-        double-buffer. Nothing is recorded when describing fails."""
-        options = dict(options or {})
-        tag = options.pop("group", None)
-        if tag is not None:
-            self._rl_sync_join(tag)
+    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int,
+                          options: DescribeOptions | None = None) -> bytes:
+        """Report this side's tensors. `options.group` names the group asking; a rank held by
+        another live group refuses (`rl_sync.rank.claim`), and joining a new group first drops
+        all an earlier one left. A worker's options also carry the trainers' checkpoint, the
+        dims they shard, and whether to double-buffer (`DescribeOptions`). Nothing is recorded
+        when describing fails."""
+        options = options or DescribeOptions()
+        if options.group is not None:
+            self._rl_sync_join(options.group)
         previous = self._rl_sync_sides
-        self._rl_sync_sides = dict(previous or {}, **{side: (side_rank, side_size, options)})
+        self._rl_sync_sides = dict(previous or {}, **{side: Side(side_rank, side_size, options)})
         try:
             reports, endpoints = self._rl_sync_entries(side)
         except BaseException:
@@ -114,46 +114,34 @@ class Participant:
     def _rl_sync_nccl_ids(self) -> tuple[list[int], list[int]]:
         return new_unique_id(), new_unique_id()
 
-    def _rl_sync_connect(self, init: bytes, plan: bytes, bind_host: str | None, device: str,
-                         ipc: bytes | None = None) -> None:
+    def _rl_sync_connect(self, init: bytes, plan: bytes, bind_host: str | None, device: str) -> None:
+        """Join the group with the transport `init` names (`rl_sync.transport.registry`)."""
         info = decode(InitInfo, init)
         host = bind_host or (interface_address(info.interface) if info.interface else self._rl_sync_node()[1])
-        if info.interface and info.transport == "nccl":
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", info.interface)
         self._rl_sync_session = RankSession(info, decode(PlanInfo, plan), bind_host=host, device=torch.device(device))
-        if ipc is not None:
-            self._rl_sync_ipc_remap(ipc)
 
     def _rl_sync_ipc_remap(self, ipc: bytes) -> None:
-        """Map a colocated worker's export (at connect, and again after its memory moved), closing
-        the mapping of the one before."""
+        """Map a colocated worker's new export (its memory moved) in place of the one before; only
+        a rank joined through `cuda_ipc` has one."""
         session = self._rl_sync_session
-        if self._rl_sync_mapped is not None:
-            self._rl_sync_mapped.close()
-            self._rl_sync_mapped = None
-        self._rl_sync_mapped = MappedDestinations(decode(IpcExport, ipc), session.device, session.info.timeout_s)
-        self._rl_sync_mapped_dests = session.destination_endpoints(self._rl_sync_mapped.views)
+        transport = None if session is None else session.joined
+        if not isinstance(transport, IpcTransport):
+            raise TypeError(f"{type(self).__name__}: this rank did not join its group through 'cuda_ipc', so it has "
+                            "no colocated worker memory to map")
+        transport.remap(decode(IpcExport, ipc))
 
     def _rl_sync_run(self, round_blob: bytes) -> bytes:
         session = self._rl_sync_session
         if session is None:
             raise RuntimeError("rl-sync: this process has not joined a sync group")
-        mapped = self._rl_sync_mapped
         try:
             round_info = decode(RoundInfo, round_blob)
             self._rl_sync_before_round(round_info)
-            sources = self._rl_sync_endpoints("trainer")
-            dests = self._rl_sync_endpoints("worker") if mapped is None else self._rl_sync_mapped_dests
+            sources, dests = self._rl_sync_endpoints("trainer"), self._rl_sync_endpoints("worker")
         except Exception:
             session.transport.abort()  # the peers fail at once instead of waiting out the round
             raise
-        if mapped is None:
-            stats = session.run(round_info, sources, dests)
-        else:
-            mapped.before_writes()
-            stats = session.run(round_info, sources, dests)
-            mapped.after_writes()
-        return encode(self._rl_sync_after_round(round_info, stats))
+        return encode(self._rl_sync_after_round(round_info, session.run(round_info, sources, dests)))
 
     def _rl_sync_before_round(self, round_info: RoundInfo) -> None:
         """Hook: a worker marks itself in flight."""
@@ -170,13 +158,11 @@ class Participant:
         self._rl_sync_leave(abort)
 
     def _rl_sync_leave(self, abort: bool) -> None:
-        """Drop the session and everything described for the group."""
+        """Drop the session (aborting its transport first if asked; closing then releases what
+        the abort left) and everything described for the group."""
         session, self._rl_sync_session = self._rl_sync_session, None
-        mapped, self._rl_sync_mapped = self._rl_sync_mapped, None
         self._rl_sync_sides = None
-        if mapped is not None:
-            mapped.close()
-        if session is not None and abort:
-            session.transport.abort()
-        elif session is not None:
+        if session is not None:
+            if abort:
+                session.transport.abort()
             session.close()

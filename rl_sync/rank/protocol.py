@@ -10,34 +10,37 @@ bytes of `rl_sync.wire.codec` messages, so any of them may cross a process.
 Order (the coordinator's contract, the same on every rank of a group):
 `_rl_sync_ping` (before a repair), `_rl_sync_describe` for each side the rank
 plays, `_rl_sync_nccl_ids` (trainer 0, NCCL only), `_rl_sync_ipc_export`
-(workers, colocated CUDA IPC only), `_rl_sync_connect`; then per round
+(workers, colocated CUDA IPC only: each export is its trainer's `cuda_ipc`
+rendezvous message), `_rl_sync_connect`; then per round
 `_rl_sync_ipc_begin` (IPC only; a worker whose memory moved answers a new
 export, which its trainer maps with `_rl_sync_ipc_remap` before the round),
 `_rl_sync_run`, `_rl_sync_ipc_end` (IPC only) and
 `_rl_sync_commit` (double buffering only); `_rl_sync_version_of`,
 `_rl_sync_apply_patches` and `_rl_sync_close` between rounds.
 
-Membership (`rl_sync.rank.claim`): describe's options carry the group's
-`GroupTag`; a rank held by another live group refuses it, and `_rl_sync_close`
-names the group closing, so a group that no longer holds the rank changes
-nothing.
+Membership (`rl_sync.rank.claim`): describe's options
+(`rl_sync.rank.side.DescribeOptions`) carry the group's `GroupTag`; a rank
+held by another live group refuses it, and `_rl_sync_close` names the group
+closing, so a group that no longer holds the rank changes nothing.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from .side import DescribeOptions
+
 
 @runtime_checkable
 class SyncRank(Protocol):
     def _rl_sync_ping(self) -> None: ...
 
-    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int, options: dict | None = None) -> bytes: ...
+    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int,
+                          options: DescribeOptions | None = None) -> bytes: ...
 
     def _rl_sync_nccl_ids(self) -> tuple[list[int], list[int]]: ...
 
-    def _rl_sync_connect(self, init: bytes, plan: bytes, bind_host: str | None, device: str,
-                         ipc: bytes | None = None) -> None: ...
+    def _rl_sync_connect(self, init: bytes, plan: bytes, bind_host: str | None, device: str) -> None: ...
 
     def _rl_sync_run(self, round_blob: bytes) -> bytes: ...
 

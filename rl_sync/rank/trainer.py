@@ -14,18 +14,34 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
+from typing import NamedTuple
 
-from ..engine.sources import local_tensor, trainer_entries
+from ..engine.sources import Entries, local_tensor, trainer_entries
 from ..storage import geometry
 from .participant import Participant
+from .side import DescribeOptions
+
+
+class SourceCache(NamedTuple):
+    """What the last round's sources resolved to, and what they looked like then."""
+
+    sources: Mapping
+    """The mapping `rl_sync_sources()` returned."""
+    side: tuple[int, int]
+    """(trainer rank, number of trainers)."""
+    tensors: list
+    """The objects it held (DTensors, `Sharded`s, tensors), in order."""
+    geometry: list[tuple]
+    """Each local shard's `_geometry` then."""
+    entries: Entries
 
 
 class TrainerRank(Participant):
     """Inherit and define `rl_sync_sources()`."""
 
-    _rl_sync_source_cache: tuple | None = None
+    _rl_sync_source_cache: SourceCache | None = None
 
-    def _rl_sync_trainer_entries(self, rank: int, size: int, options: dict):
+    def _rl_sync_trainer_entries(self, rank: int, size: int, options: DescribeOptions) -> Entries:
         sources = getattr(self, "rl_sync_sources", None)
         if sources is None:
             raise TypeError(f"{type(self).__name__} must define rl_sync_sources() -> {{name: DTensor | Sharded | Tensor}}")
@@ -34,11 +50,12 @@ class TrainerRank(Participant):
             raise TypeError(f"{type(self).__name__}.rl_sync_sources() must return a mapping of name to tensor, got "
                             f"{type(tensors).__name__}")
         cache, shards = self._rl_sync_source_cache, _geometry(tensors)
-        if (cache is not None and cache[0] is tensors and cache[1] == (rank, size) and len(cache[2]) == len(tensors)
-                and all(map(operator.is_, tensors.values(), cache[2])) and shards == cache[3]):
-            return cache[4]
+        if (cache is not None and cache.sources is tensors and cache.side == (rank, size)
+                and len(cache.tensors) == len(tensors) and all(map(operator.is_, tensors.values(), cache.tensors))
+                and shards == cache.geometry):
+            return cache.entries
         entries = trainer_entries(tensors, rank, size)
-        self._rl_sync_source_cache = (tensors, (rank, size), list(tensors.values()), shards, entries)
+        self._rl_sync_source_cache = SourceCache(tensors, (rank, size), list(tensors.values()), shards, entries)
         return entries
 
     def _rl_sync_leave(self, abort: bool) -> None:

@@ -22,34 +22,51 @@ whole round succeeded, so the worker serves the previous version throughout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
 from ..engine import sparse_codec
 from ..engine.endpoint import Endpoint
-from ..engine.sources import worker_entries
+from ..engine.sources import Entries, worker_entries
 from ..wire.messages import RankStats, RoundInfo
 from ..sparse.encodings import INDICES
 from ..storage import geometry, owner
 from ..transport.cuda_ipc import WorkerExport
 from ..wire.codec import encode
 from .participant import Participant
+from .side import DescribeOptions
+
+
+class BoundOwner(NamedTuple):
+    """A tensor the engine owns behind a bound destination, as it was when the group bound it."""
+
+    name: str
+    tensor: torch.Tensor
+    """The owning tensor (a parameter, for a slice of one): what an engine moves."""
+    geometry: tuple
+    """Its `rl_sync.storage.geometry` at binding time."""
 
 
 class WorkerRank(Participant):
     """Inherit and define `rl_sync_destinations(checkpoint)`."""
 
-    _rl_sync_cached: tuple | None = None
+    _rl_sync_cached: Entries | None = None
     _rl_sync_fallbacks: tuple[str, ...] = ()
     _rl_sync_shadow: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     _rl_sync_version: int | None = None
     _rl_sync_ipc: WorkerExport | None = None
     _rl_sync_ipc_timeout: float = 120.0
     _rl_sync_round_names: tuple[str, ...] | None = None
-    _rl_sync_owners: tuple = ()
+    _rl_sync_owners: tuple[BoundOwner, ...] = ()
+    rl_sync_load_fallbacks: Callable[[list[tuple[str, torch.Tensor]]], None]
+    """The subclass's hook taking `(name, tensor)` of each fallback a round delivered (see the
+    module docstring): required when any name is bound as a fallback."""
 
-    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int, options: dict | None = None) -> bytes:
+    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int,
+                          options: DescribeOptions | None = None) -> bytes:
         if side == "worker":
             self._rl_sync_forget_moved()
             self._rl_sync_cached = None  # every group, and every repair, binds anew: storage may have moved
@@ -70,12 +87,12 @@ class WorkerRank(Participant):
         self._rl_sync_cached, self._rl_sync_shadow = None, None
         self._rl_sync_fallbacks, self._rl_sync_round_names, self._rl_sync_owners = (), None, ()
 
-    def _rl_sync_worker_entries(self, rank: int, size: int, options: dict):
+    def _rl_sync_worker_entries(self, rank: int, size: int, options: DescribeOptions) -> Entries:
         if self._rl_sync_cached is None:
             destinations = getattr(self, "rl_sync_destinations", None)
             if destinations is None:
                 raise TypeError(f"{type(self).__name__} must define rl_sync_destinations(checkpoint) -> {{name: Destination}}")
-            checkpoint = {n: (getattr(torch, d), tuple(s)) for n, (d, s) in options.get("checkpoint", {}).items()}
+            checkpoint = {n: (getattr(torch, d), tuple(s)) for n, (d, s) in options.checkpoint.items()}
             bound = destinations(checkpoint)
             self._rl_sync_fallbacks = tuple(n for n, d in bound.items() if d.fallback)
             if self._rl_sync_fallbacks and not hasattr(self, "rl_sync_load_fallbacks"):
@@ -83,11 +100,11 @@ class WorkerRank(Participant):
                                  f"({list(self._rl_sync_fallbacks)[:8]}) but {type(self).__name__} defines no "
                                  "rl_sync_load_fallbacks(pairs) hook")
             reports, endpoints = worker_entries(bound, rank)
-            self._rl_sync_owners = tuple((name, owner(d.view), geometry(owner(d.view))) for name, d in bound.items()
-                                         if d.view is not None and not d.fallback)
-            if options.get("double_buffer"):
+            self._rl_sync_owners = tuple(BoundOwner(name, owner(d.view), geometry(owner(d.view)))
+                                         for name, d in bound.items() if d.view is not None and not d.fallback)
+            if options.double_buffer:
                 endpoints = self._rl_sync_shadowed(endpoints)
-            self._rl_sync_cached = (reports, endpoints)
+            self._rl_sync_cached = Entries(reports, endpoints)
         return self._rl_sync_cached
 
     def _rl_sync_shadowed(self, endpoints: dict[str, Endpoint]) -> dict[str, Endpoint]:
@@ -108,7 +125,7 @@ class WorkerRank(Participant):
         (`direct` or `reload`), `direct` without one."""
         engine = getattr(self, "rl_sync_write_modes", None)
         modes = engine() if engine is not None else {}
-        names = self._rl_sync_cached[1] if self._rl_sync_cached else {}
+        names = self._rl_sync_cached.endpoints if self._rl_sync_cached else {}
         return {n: "fallback" if n in self._rl_sync_fallbacks else modes.get(n, "direct") for n in names}
 
     def _rl_sync_check_storage(self) -> None:
@@ -118,7 +135,8 @@ class WorkerRank(Participant):
         moved = self._rl_sync_storage_moved()
         if moved:
             name, tensor = moved[0]
-            rank = self._rl_sync_sides["worker"][0]
+            assert self._rl_sync_sides is not None  # storage is bound only in a group
+            rank = self._rl_sync_sides["worker"].rank
             raise ValueError(f"worker rank {rank}: the storage bound for {name!r} moved since the group bound it "
                              f"(now shape {tuple(tensor.shape)}, strides {tensor.stride()}, {tensor.dtype}; the "
                              "engine reallocated or resized its weights); nothing was written, and the next push "
@@ -134,7 +152,8 @@ class WorkerRank(Participant):
         stats = super()._rl_sync_after_round(round_info, stats)
         names = [n for n in self._rl_sync_fallbacks if round_info.names is None or n in round_info.names]
         if names:
-            views = self._rl_sync_cached[1]
+            assert self._rl_sync_cached is not None  # bound with the fallbacks
+            views = self._rl_sync_cached.endpoints
             self.rl_sync_load_fallbacks([(n, views[n].tensor) for n in names])
         self._rl_sync_round_names = round_info.names
         if self._rl_sync_shadow is None:
@@ -159,7 +178,8 @@ class WorkerRank(Participant):
         """Write flat-index patches (local to this worker's boxes, checked by the coordinator)
         into live storage; re-validated here before the first write. Returns elements written."""
         self._rl_sync_check_storage()
-        views = self._rl_sync_cached[1]
+        assert self._rl_sync_cached is not None  # the coordinator patches bound workers only
+        views = self._rl_sync_cached.endpoints
         unknown = [n for n in patches if n not in views]
         if unknown:
             raise ValueError(f"patches name tensors {unknown[:4]} this worker does not keep")
@@ -186,7 +206,7 @@ class WorkerRank(Participant):
     def _rl_sync_storage_moved(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of each bound tensor with other storage, shape, strides or dtype than
         when it was bound."""
-        return [(name, tensor) for name, tensor, bound in self._rl_sync_owners if geometry(tensor) != bound]
+        return [(o.name, o.tensor) for o in self._rl_sync_owners if geometry(o.tensor) != o.geometry]
 
     def _rl_sync_ipc_export(self, device: str, timeout_s: float = 120.0) -> bytes:
         """Export the memory behind this worker's destinations to its colocated trainer
@@ -209,6 +229,7 @@ class WorkerRank(Participant):
         must be full (what the new memory holds is the engine's)."""
         self._rl_sync_check_storage()
         self._rl_sync_version = None
+        assert self._rl_sync_ipc is not None  # colocated rounds run on an export
         fresh = None
         if self._rl_sync_ipc.moved():
             fresh = self._rl_sync_ipc_export(str(self._rl_sync_ipc.device), self._rl_sync_ipc_timeout)
@@ -216,6 +237,7 @@ class WorkerRank(Participant):
         return fresh
 
     def _rl_sync_ipc_end(self, version: int, names: tuple[str, ...] | None = None) -> None:
+        assert self._rl_sync_ipc is not None  # colocated rounds run on an export
         self._rl_sync_ipc.end()
         self._rl_sync_updated(names)
         self._rl_sync_version = version

@@ -34,13 +34,16 @@ IO_SLACK_S = 5.0
 class MemberStore(dist.Store):
     """A member's connection to the rendezvous store (see the module docstring)."""
 
+    _sock: socket.socket | None
+    """None once closed."""
+
     def __init__(self, host: str, port: int, secret: bytes, *, timeout_s: float):
         super().__init__()
         self.where, self._timeout_s = f"{host}:{port}", float(timeout_s)
         self._sock, self._sealer = _connect(host, port, check_secret(secret), time.monotonic() + timeout_s)
         self._lock = threading.Lock()
 
-    def set(self, key: str, value: bytes) -> None:
+    def set(self, key: str, value: bytes) -> None:  # type: ignore[override]  # torch's stub says str; C++ passes bytes
         self._call(["set", key, bytes(value)], 0.0)
 
     def get(self, key: str) -> bytes:

@@ -1,4 +1,5 @@
-"""Transports: Gloo (CPU), NCCL through CuPy (GPU); see `base.Transport`."""
+"""Transports: Gloo (CPU), NCCL through CuPy (GPU), `local` (one rank) and `cuda_ipc` (colocated
+pairs); see `base.Transport`, and `registry` for joining one by name from its rendezvous message."""
 
 from .base import Pending, Transport
 

@@ -10,20 +10,25 @@ listed in the same order. `post` returns without waiting; `Pending.wait` makes
 later work (host code for Gloo, the current CUDA stream for NCCL) wait for the
 bucket; `finish` blocks the host until everything posted has completed or the
 deadline passes, and then raises `TimeoutError` after aborting the group, so
-no rank hangs.
+no rank hangs. The engine opens each round with `begin_round` and, once the
+round succeeded, closes it with `end_round` (both nothing to transports that
+only move bytes between ranks).
 
-Typical use::
+A rank joins by the transport's registered name and its own rendezvous
+message (`rl_sync.transport.registry`). Typical use::
 
+    transport.begin_round()
     pending = transport.post(sends=[(peer, buf)], recvs=[(peer, out)])
     pending.wait(deadline)
     transport.finish(deadline)
+    transport.end_round()
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -84,9 +89,25 @@ class Transport(ABC):
         reads what arrived); the round-closing checks wait for `finish`."""
         self.finish(deadline)
 
+    def destinations(self) -> Mapping[str, torch.Tensor]:
+        """Live destination tensors by name that this transport reaches for this rank itself (a
+        colocated worker's weights mapped into this process, `cuda_ipc`): the engine writes a
+        round's destinations into these instead of the rank's own. The same mapping object until
+        they change. Empty for transports that only move bytes between ranks."""
+        return {}
+
+    def begin_round(self) -> None:
+        """Order this rank's writes of a round after what must precede them (a colocated worker's
+        last reads of its old weights); the engine calls it before a round's first operation."""
+
+    def end_round(self) -> None:
+        """Hand a round's writes to whoever reads them next (a colocated worker); the engine calls
+        it once a round has succeeded."""
+
     @abstractmethod
     def close(self) -> None:
-        """Release the group after a clean round; idempotent."""
+        """Release the group after a clean round, or what `abort` left (a colocated worker's
+        mapped memory); idempotent."""
 
     @abstractmethod
     def abort(self) -> None:

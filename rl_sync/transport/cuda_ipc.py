@@ -1,5 +1,12 @@
 """CUDA IPC for colocated sync: map a worker's live parameters into its trainer.
 
+Registered as transport `cuda_ipc`: a colocated trainer joins it from an
+`IpcRendezvous` (its worker's export, and the transport and rendezvous message
+of the group the trainers form among themselves). The resulting `IpcTransport`
+is that group, with the worker's live weights as the rank's destinations
+(`Transport.destinations`): the engine writes them as local copies, and what
+other trainers send for them arrives over the group.
+
 The worker exports, once, the memory behind its destinations as *regions*: one
 per `cudaMalloc` allocation (PyTorch's classic caching allocator; a
 `cudaIpcMemHandle` each), and one per run of back-to-back VMM mappings
@@ -19,30 +26,39 @@ before it reads again.
 Memory released and re-allocated between rounds (an engine's sleep and wake)
 keeps its addresses but not its identity: `WorkerExport.moved()` compares
 the driver's buffer id of every exported allocation with the one exported, and
-the worker then exports again and its trainer maps the new export, closing
-the old mapping.
+the worker then exports again and its trainer maps the new export
+(`IpcTransport.remap`), closing the old mapping.
+
+Ordering contract: the group's (all ranks, same order); per colocated pair, a
+round is the worker's `begin`, then the trainer's `begin_round`, writes and
+`end_round`, then the worker's `end`. The worker is no rank of the group: the
+coordinator calls its side between the trainers' steps.
 
 Typical use::
 
-    exported = WorkerExport(views, device, timeout_s=60)            # worker, at init
-    mapped = MappedDestinations(exported.export, device, timeout_s=60)  # trainer, at init
-    mapped.views["model.layers.0.mlp.down_proj.weight"]
-    exported.begin(); mapped.before_writes(); ...; mapped.after_writes(); exported.end()  # a round
-    mapped.close(); exported.close()
+    exported = WorkerExport(views, device, timeout_s=60)                      # worker, at init
+    rendezvous = IpcRendezvous(exported.export, "local", encode(LocalRendezvous()))  # coordinator
+    t = join("cuda_ipc", encode(rendezvous), info, bind_host=host, device=device,
+             broadcast_ranks=ranks)                                            # trainer, at init
+    t.destinations()["model.layers.0.mlp.down_proj.weight"]
+    exported.begin(); t.begin_round(); ...; t.end_round(); exported.end()     # a round
+    t.close(); exported.close()
 """
 from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from ..wire.dtypes import dtype_name
+from .base import Ops, Pending, Transport
 from .cuda_memory import Backing, IpcUnavailable, backings, buffer_id, export_fd, extent_bytes, map_fds
 from .fd_passing import FdOffer, receive_fds
+from .registry import check_name, join
 
 
 @dataclass(frozen=True)
@@ -80,6 +96,23 @@ class IpcExport:
     fd_path: str = ""
     """The worker's descriptor offer (VMM regions only)."""
     fd_token: bytes = field(default=b"", repr=False)
+
+
+@dataclass(frozen=True)
+class IpcRendezvous:
+    """How a colocated trainer joins: its worker's export, and the group the trainers form among
+    themselves, which carries what one trainer sends for another's worker."""
+
+    export: IpcExport
+    group: str
+    """The trainers' own transport: a registered name other than `cuda_ipc`."""
+    group_rendezvous: bytes
+    """That transport's rendezvous message, encoded (`rl_sync.wire.codec`)."""
+
+    def __post_init__(self) -> None:
+        check_name(self.group)
+        if self.group == "cuda_ipc":
+            raise ValueError("IpcRendezvous.group must name the trainers' own transport, not 'cuda_ipc'")
 
 
 def _runtime():
@@ -232,6 +265,81 @@ class MappedDestinations:
             _runtime().ipcCloseMemHandle(self.opened.pop())
         while self.ranges:
             self.ranges.pop().close()
+
+
+class IpcTransport(Transport):
+    """The trainers' group, with this rank's colocated worker's live weights mapped in as its
+    destinations; transfers between ranks go over the group."""
+
+    rendezvous_type = IpcRendezvous
+
+    def __init__(self, group: Transport, export: IpcExport, device: torch.device, timeout_s: float):
+        self.group, self.mapped_device, self.timeout_s = group, torch.device(device), timeout_s
+        self.rank, self.world_size, self.device = group.rank, group.world_size, group.device
+        self.mapped: MappedDestinations | None = None
+        self.remap(export)
+
+    @classmethod
+    def join(cls, info, rendezvous: IpcRendezvous, *, bind_host: str, device: torch.device,
+             broadcast_ranks: Sequence[int]) -> IpcTransport:
+        """Join the trainers' group, then map the worker's export (aborting the group if that fails)."""
+        group = join(rendezvous.group, rendezvous.group_rendezvous, info, bind_host=bind_host, device=device,
+                     broadcast_ranks=broadcast_ranks)
+        try:
+            return cls(group, rendezvous.export, device, info.timeout_s)
+        except BaseException:
+            group.abort()
+            raise
+
+    def remap(self, export: IpcExport) -> None:
+        """Map the worker's export (at join, and again after its memory moved), closing the mapping
+        of the one before."""
+        self._unmap()
+        self.mapped = MappedDestinations(export, self.mapped_device, self.timeout_s)
+
+    def _unmap(self) -> None:
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
+
+    def _mapping(self) -> MappedDestinations:
+        if self.mapped is None:
+            raise RuntimeError(f"rank {self.rank}: the colocated worker's memory is not mapped (closed, or its last "
+                               "export failed to map)")
+        return self.mapped
+
+    def destinations(self) -> Mapping[str, torch.Tensor]:
+        return {} if self.mapped is None else self.mapped.views
+
+    def begin_round(self) -> None:
+        self._mapping().before_writes()
+
+    def end_round(self) -> None:
+        self._mapping().after_writes()
+
+    def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
+        return self.group.post(sends, recvs, label=label)
+
+    def broadcast(self, buf: torch.Tensor, root: int, deadline: float) -> None:
+        self.group.broadcast(buf, root, deadline)
+
+    def barrier(self, deadline: float) -> None:
+        self.group.barrier(deadline)
+
+    def finish(self, deadline: float) -> None:
+        self.group.finish(deadline)
+
+    def complete(self, deadline: float) -> None:
+        self.group.complete(deadline)
+
+    def close(self) -> None:
+        """Unmap the worker's memory, then release the group."""
+        self._unmap()
+        self.group.close()
+
+    def abort(self) -> None:
+        """Abort the group; the mapping stays until `close` (no host wait for the device here)."""
+        self.group.abort()
 
 
 def _wrap(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:

@@ -47,7 +47,7 @@ import hashlib
 import hmac
 import struct
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -236,6 +236,15 @@ class DigestTransport(Transport):
 
     def barrier(self, deadline: float) -> None:
         self.inner.barrier(deadline)
+
+    def destinations(self) -> Mapping[str, torch.Tensor]:
+        return self.inner.destinations()
+
+    def begin_round(self) -> None:
+        self.inner.begin_round()
+
+    def end_round(self) -> None:
+        self.inner.end_round()
 
     def close(self) -> None:
         self.inner.close()

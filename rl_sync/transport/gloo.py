@@ -7,7 +7,8 @@ independent of any default process group the user's trainer already has. Each ra
 Gloo's own timeout is set to the same bound so a stalled peer fails the round
 instead of hanging it.
 
-Typical use::
+A rank joins from a `GlooRendezvous` (the store's address) through the
+registry, or builds one directly. Typical use::
 
     t = GlooTransport(rank, world, store_host, store_port, secret, bind_host="127.0.0.1",
                       prefix="sync-0", timeout_s=60, broadcast_ranks=[0, 2, 3])
@@ -17,13 +18,29 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..config.sync import check_port
 from ..rendezvous import MemberStore
 from .base import Ops, Pending, Transport, check_ops, remaining
+
+
+@dataclass(frozen=True)
+class GlooRendezvous:
+    """How a rank joins a Gloo group: the address of the coordinator's rendezvous store
+    (`rl_sync.rendezvous`), which the group's secret opens."""
+
+    store_host: str
+    store_port: int
+
+    def __post_init__(self) -> None:
+        if not self.store_host:
+            raise ValueError("GlooRendezvous.store_host must name the store's address, got ''")
+        check_port("GlooRendezvous.store_port", self.store_port, 1)
 
 
 class _GlooPending(Pending):
@@ -66,6 +83,8 @@ def _group(store, prefix: str, rank: int, size: int, bind_host: str, timeout_s: 
 class GlooTransport(Transport):
     """Grouped send/recv of CPU byte tensors through Gloo."""
 
+    rendezvous_type = GlooRendezvous
+
     def __init__(
         self,
         rank: int,
@@ -90,9 +109,10 @@ class GlooTransport(Transport):
         self._closed = False
 
     @classmethod
-    def join(cls, info, *, bind_host: str, device: torch.device, broadcast_ranks: Sequence[int]) -> GlooTransport:
-        return cls(info.rank, info.world_size, info.store_host, info.store_port, info.secret, bind_host=bind_host,
-                   prefix=info.prefix, timeout_s=info.timeout_s, broadcast_ranks=broadcast_ranks)
+    def join(cls, info, rendezvous: GlooRendezvous, *, bind_host: str, device: torch.device,
+             broadcast_ranks: Sequence[int]) -> GlooTransport:
+        return cls(info.rank, info.world_size, rendezvous.store_host, rendezvous.store_port, info.secret,
+                   bind_host=bind_host, prefix=info.prefix, timeout_s=info.timeout_s, broadcast_ranks=broadcast_ranks)
 
     def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
         check_ops(sends, self.world_size, self.rank, "send")

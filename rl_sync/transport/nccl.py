@@ -9,21 +9,30 @@ transfer. `finish` is the watchdog: it polls the last event until the
 deadline, then aborts the communicator (waking every peer with an error
 instead of a hang) and raises `TimeoutError`.
 
-The unique id is created by `new_unique_id()` on one rank and handed to the
-others by the coordinator. NCCL refuses two ranks of one communicator on the
-same GPU.
+The unique ids are created by `new_unique_id()` on one rank and handed to the
+others by the coordinator in an `NcclRendezvous`, from which every rank joins
+through the registry. NCCL refuses two ranks of one communicator on the same
+GPU. Typical use::
+
+    rendezvous = NcclRendezvous(tuple(new_unique_id()), tuple(new_unique_id()))  # one rank, relayed
+    t = NcclTransport(rank, world, rendezvous.unique_id, device, broadcast_ranks=[0, 2, 3],
+                      broadcast_id=rendezvous.broadcast_id)
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .base import Ops, Pending, Transport, check_ops
 
 POLL_S = 0.0005
+UNIQUE_ID_BYTES = 128
+"""`NCCL_UNIQUE_ID_BYTES`: the length of an NCCL unique id."""
 
 
 def _nccl():
@@ -58,6 +67,23 @@ def _comm_id(nccl, unique_id: Sequence[int]):
     return tuple(x - 256 if x > 127 else x for x in unique_id)
 
 
+@dataclass(frozen=True)
+class NcclRendezvous:
+    """How a rank joins the NCCL communicators: the unique ids one rank created."""
+
+    unique_id: tuple[int, ...]
+    """The whole group's point-to-point communicator."""
+    broadcast_id: tuple[int, ...]
+    """The broadcast baseline's communicator (root and workers)."""
+
+    def __post_init__(self) -> None:
+        for name in ("unique_id", "broadcast_id"):
+            value = getattr(self, name)
+            if len(value) != UNIQUE_ID_BYTES or not all(0 <= x < 256 for x in value):
+                raise ValueError(f"NcclRendezvous.{name} must be {UNIQUE_ID_BYTES} ints in [0, 256) (new_unique_id), "
+                                 f"got {len(value)} ints")
+
+
 class _NcclPending(Pending):
     def __init__(self, done: torch.cuda.Event):
         self.done = done
@@ -68,6 +94,8 @@ class _NcclPending(Pending):
 
 class NcclTransport(Transport):
     """Grouped send/recv of CUDA byte tensors through one NCCL communicator."""
+
+    rendezvous_type = NcclRendezvous
 
     def __init__(
         self,
@@ -93,9 +121,14 @@ class NcclTransport(Transport):
         self._closed = False
 
     @classmethod
-    def join(cls, info, *, bind_host: str, device: torch.device, broadcast_ranks: Sequence[int]) -> NcclTransport:
-        return cls(info.rank, info.world_size, info.nccl_id, device, broadcast_ranks=broadcast_ranks,
-                   broadcast_id=info.nccl_broadcast_id)
+    def join(cls, info, rendezvous: NcclRendezvous, *, bind_host: str, device: torch.device,
+             broadcast_ranks: Sequence[int]) -> NcclTransport:
+        """NCCL takes its network interface from `NCCL_SOCKET_IFNAME` alone: `info.interface` sets
+        it, unless the process already did."""
+        if info.interface:
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", info.interface)
+        return cls(info.rank, info.world_size, rendezvous.unique_id, device, broadcast_ranks=broadcast_ranks,
+                   broadcast_id=rendezvous.broadcast_id)
 
     def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
         nccl = _nccl()

@@ -27,6 +27,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from ..engine.sources import Destination
 from ..rank import WorkerRank
+from ..rank.side import DescribeOptions
 from ..wire.codec import decode
 from .rank import VllmDestinations, engine_rank
 from .service import (ERROR, CloseRequest, ConnectRequest, DescribeRequest, Rendezvous, RoundRequest, reply_key,
@@ -95,14 +96,14 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
     def init_transfer_engine(self, init_info: RlSyncInitInfo) -> None:
         op, payload = unpack({"op": init_info.op, "payload": init_info.payload})
         if op == "describe":
-            request = decode(DescribeRequest, payload)
-            self._answer(request.reply, op, 0, lambda: self._describe(request))
+            describe = decode(DescribeRequest, payload)
+            self._answer(describe.reply, op, 0, lambda: self._describe(describe))
         elif op == "connect":
-            request = decode(ConnectRequest, payload)
-            self._answer(request.reply, op, 0, lambda: self._connect(request))
+            connect = decode(ConnectRequest, payload)
+            self._answer(connect.reply, op, 0, lambda: self._connect(connect))
         elif op == "close":
-            request = decode(CloseRequest, payload)
-            self._answer(request.reply, op, request.tag, lambda: self._close(request.abort))
+            close = decode(CloseRequest, payload)
+            self._answer(close.reply, op, close.tag, lambda: self._close(close.abort))
         else:
             raise ValueError(f"rl_sync weight transfer: init_weight_transfer_engine takes describe, connect or close, "
                              f"got {op!r}")
@@ -114,10 +115,10 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
         destinations = VllmDestinations(self.model, self.vllm_config)
         self.rank = ServiceRank(destinations, request.first + where.rank, request.side_size,
                                 {k: list(v) for k, v in request.sharded.items()}, "")
-        checkpoint = {n: (d, list(s)) for n, (d, s) in request.checkpoint.items()}
-        return self.rank._rl_sync_describe("worker", request.first + where.rank, request.side_size,
-                                           {"checkpoint": checkpoint, "double_buffer": request.double_buffer,
-                                            "sharded": dict(request.sharded)})
+        options = DescribeOptions(checkpoint={n: (d, tuple(s)) for n, (d, s) in request.checkpoint.items()},
+                                  sharded={n: tuple(d) for n, d in request.sharded.items()},
+                                  double_buffer=request.double_buffer)
+        return self.rank._rl_sync_describe("worker", request.first + where.rank, request.side_size, options)
 
     def _connect(self, request: ConnectRequest) -> bytes:
         rank = self._described()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..bind.infer import Merged
 from ..planning.layout import Layout, Mesh, Replicate
 from ..storage import Destination
 from .entries import Entry, local_report, plan_entries
@@ -138,14 +139,15 @@ class _Resolver:
                 return fallback
             fallback |= grown
 
-    def _mine(self) -> list[Entry]:
-        return [e for e in self.entries if e.merged is not None]
+    def _mine(self) -> list[tuple[Entry, Merged]]:
+        """The entries this rank keeps a part of, each with its view."""
+        return [(e, e.merged) for e in self.entries if e.merged is not None]
 
     def _modes(self) -> dict[str, tuple[Mode, str]]:
         """Mode of every parameter this rank's entries land in."""
         modes = {}
-        for entry in self._mine():
-            param = entry.merged.param
+        for _, merged in self._mine():
+            param = merged.param
             if param in modes:
                 continue
             owners = self._modules_of_param(param)
@@ -157,9 +159,9 @@ class _Resolver:
     def _covered(self) -> dict[int, int]:
         """Elements of each live parameter this rank's entries and the loader's fills cover."""
         covered: dict[int, int] = {}
-        for entry in self._mine():
-            key = id(self.live[entry.merged.param])
-            covered[key] = covered.get(key, 0) + entry.merged.box.numel
+        for _, merged in self._mine():
+            key = id(self.live[merged.param])
+            covered[key] = covered.get(key, 0) + merged.box.numel
         for param, fills in self.probe.fills.items():
             if param in self.live:
                 key = id(self.live[param])
@@ -182,7 +184,8 @@ class _Resolver:
                 live = module._parameters.get(attr)
                 if live is None or covered.get(id(live), 0) >= math.prod(form.shape) or _same_form(live, form):
                     continue
-                bad |= {e.base for e in self._mine() if any(m is module for m in self._modules_of_param(e.merged.param))}
+                bad |= {e.base for e, merged in self._mine()
+                        if any(m is module for m in self._modules_of_param(merged.param))}
         return bad
 
     def finish(self, checkpoint: Checkpoint, fallback: set[str], model_config, where: EngineRank,
@@ -193,7 +196,8 @@ class _Resolver:
         buffers, by_live = _loader_buffers(self.reload_modules(), self.probe, self.live)
         destinations, reports, modules_of = {}, [], {}
         for entry in self.entries:
-            view, mode, reason, param_dtype = None, "direct", "kept by other ranks of the engine", dtype
+            view, reason, param_dtype = None, "kept by other ranks of the engine", dtype
+            mode: Mode = "direct"
             if entry.merged is not None:
                 param = entry.merged.param
                 mode, reason = modes[param]
@@ -205,8 +209,8 @@ class _Resolver:
                 if mode == "reload":
                     modules_of[entry.name] = self._modules_of_param(param)
             destinations[entry.name] = Destination(view, lift(entry.layout, engines, where.size), entry.shape, param_dtype)
-            reports.append(ParamReport(entry.name, entry.merged and entry.merged.param, mode, reason,
-                                       0 if view is None else view.numel() * view.element_size()))
+            reports.append(ParamReport(entry.name, None if entry.merged is None else entry.merged.param, mode,
+                                       reason, 0 if view is None else view.numel() * view.element_size()))
         whole = lift(Layout(Mesh.from_ranks(list(range(where.size))), (Replicate(),)), engines, where.size)
         for name in sorted(fallback):
             shape = tuple(checkpoint[name][1])
@@ -234,15 +238,15 @@ def _same_form(live: torch.Tensor, form: ParamForm) -> bool:
     return (tuple(live.shape), tuple(live.stride()), live.dtype) == (form.shape, form.stride, form.dtype)
 
 
-def _loader_buffers(modules: Sequence[torch.nn.Module], probe: Probe, live: dict[str, torch.Tensor]):
+def _loader_buffers(modules: Sequence[torch.nn.Module], probe: Probe, live: Mapping[str, torch.Tensor]):
     """A loader-form buffer per parameter of every reload module, one per live parameter (tied
     parameters share theirs): the live value where it still has that form, else zeros, then
     the loader's constant fills (vocabulary padding). Returns the buffers by module and
     parameter name, and by live parameter identity."""
     fills: dict[int, list] = {}
-    for param, found in probe.fills.items():
-        if param in live:
-            fills.setdefault(id(live[param]), []).extend(found)
+    for name, found in probe.fills.items():
+        if name in live:
+            fills.setdefault(id(live[name]), []).extend(found)
     by_live: dict[int, torch.Tensor] = {}
     out: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
     for module in modules:

@@ -50,7 +50,7 @@ def _box(raw) -> Box:
 
 def local_report(probe: Probe, checkpoint: Mapping) -> dict[str, tuple]:
     """Per name: `(status, parameters it touches, boxes)`, plain data for the exchange."""
-    out = {}
+    out: dict[str, tuple] = {}
     for name in checkpoint:
         pieces = probe.pieces.get(name, [])
         params = sorted({p.param for p in pieces})
@@ -115,7 +115,8 @@ def plan_entries(checkpoint: Mapping, gathered: Sequence[Mapping], pieces: Mappi
                  sharded: Mapping[str, Collection[int]], rank: int) -> tuple[list[Entry], set[str], set[str]]:
     """(entries, names that fall back, names whose pieces this rank could not merge into the
     part everyone else expects); raises for a name no rank's loader writes."""
-    entries, fallback, unmerged = [], set(), set()
+    entries: list[Entry] = []
+    fallback, unmerged = set(), set()
     for name, (_, shape) in checkpoint.items():
         shape = tuple(shape)
         reports = [g[name] for g in gathered]
@@ -124,11 +125,13 @@ def plan_entries(checkpoint: Mapping, gathered: Sequence[Mapping], pieces: Mappi
             raise ValueError(f"vLLM rank {rank}: checkpoint tensor {name!r} {shape} is written nowhere by vLLM's loader "
                              f"on any of the engine's {len(gathered)} ranks; the engine's model has no parameter for it")
         mine = list(pieces.get(name, []))
-        found = None
+        found: list[Entry] | None = None
         if "unresolved" not in statuses:
-            found = [_whole(name, shape, reports, mine)] if "pieces" not in statuses else \
-                _parts(name, shape, reports, mine, sharded.get(name, ()))
-        if not found or None in found:
+            if "pieces" in statuses:
+                found = _parts(name, shape, reports, mine, sharded.get(name, ()))
+            elif (whole := _whole(name, shape, reports, mine)) is not None:
+                found = [whole]
+        if not found:
             fallback.add(name)
             continue
         if any(e.merged is None and _keeps(e, rank) for e in found):

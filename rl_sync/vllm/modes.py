@@ -19,13 +19,11 @@ Typical use::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 
+from ..wire.messages import WriteMode as Mode
 from .probe import ParamForm
-
-Mode = Literal["direct", "reload", "fallback"]
 
 _AS_STORED_OFF_CPU = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
 """Processing that leaves parameters as loaded everywhere except on CPU (and XPU), where

@@ -94,7 +94,7 @@ def _dst_geometry(dst: torch.Tensor, box: Box, dims: list[int]) -> Geometry | No
     strides = [0] * box.ndim
     for d, (_, t) in zip(dims, non_unit):
         strides[d] = t
-    return Geometry(dst.storage_offset(), box.sizes, tuple(strides))
+    return Geometry(int(dst.storage_offset()), box.sizes, tuple(strides))
 
 
 class _Recorder(TorchDispatchMode):
@@ -131,7 +131,7 @@ class _Recorder(TorchDispatchMode):
             return
         found = _box_of(src, source[1])
         geometry = None if found is None else _dst_geometry(dst, *found)
-        if geometry is None:
+        if found is None or geometry is None:
             self.probe.unresolved[name] = f"copies a non-rectangular part of it into {param}"
             return
         self.probe.pieces.setdefault(name, []).append(Piece(param, found[0], geometry))
@@ -174,7 +174,8 @@ def probe_loads(model: torch.nn.Module, checkpoint: Mapping[str, tuple[torch.dty
             for name, tensor in tensors.items():
                 recorder.current = name
                 try:
-                    model.load_weights([(name, tensor)])
+                    # vLLM's model method: torch types nn.Module.__getattr__ as Tensor | Module
+                    model.load_weights([(name, tensor)])  # type: ignore[operator]
                 except Exception as exc:  # vLLM's loaders raise anything from KeyError to AssertionError
                     probe.errors[name] = f"{type(exc).__name__}: {exc}"
     return probe

@@ -93,10 +93,12 @@ class VllmDestinations:
         return {r.name: r.mode for r in self.reports}
 
     def load_fallbacks(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+        assert self.binding is not None  # rounds follow `bind`
         with self._context():
             self.binding.processor.load_fallbacks(pairs)
 
     def after_update(self, names: Collection[str] | None) -> int:
         """vLLM's post-load processing for what a round wrote; returns modules processed."""
+        assert self.binding is not None  # rounds follow `bind`
         with self._context():
             return self.binding.processor.after_update(names)

@@ -35,7 +35,7 @@ def _fresh_moe_kernel(layer: torch.nn.Module) -> None:
     leaving unpacked weights in packed storage. Processing it as on first load, then copying
     into the live tensors, gives what a fresh load gives."""
     method = getattr(layer, "quant_method", None)
-    if getattr(method, "moe_kernel", None) is not None:
+    if method is not None and getattr(method, "moe_kernel", None) is not None:
         method.moe_kernel = None
 
 
@@ -57,20 +57,21 @@ def reprocess(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> No
         if hasattr(layer, "_already_called_process_weights_after_loading"):
             delattr(layer, "_already_called_process_weights_after_loading")
         _fresh_moe_kernel(layer)
-        layer.quant_method.process_weights_after_loading(layer)
+        # vLLM's layer attributes (here and below): torch types nn.Module.__getattr__ as Tensor | Module
+        layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr, operator]
         if hasattr(layer, "update_param_tp_status"):
-            layer.update_param_tp_status()
+            layer.update_param_tp_status()  # type: ignore[operator]
         for name, tensor in {**live_params, **live_buffers}.items():
             processed = getattr(layer, name, None)
-            if processed is not None and processed is not tensor:
+            if tensor is not None and processed is not None and processed is not tensor:
                 tensor.data.copy_(processed)
     finally:
         for name in list(layer._parameters) + list(layer._buffers):
             delattr(layer, name)
         for name, param in live_params.items():
             layer.register_parameter(name, param)
-        for name, buffer in live_buffers.items():
-            layer.register_buffer(name, buffer, persistent=name not in non_persistent)
+        for name, live in live_buffers.items():
+            layer.register_buffer(name, live, persistent=name not in non_persistent)
 
 
 @dataclass
@@ -99,7 +100,8 @@ class Processor:
         for module in touched.values():
             reprocess(module, self.buffers[module])
         for layer in self.attention:
-            layer.process_weights_after_loading(self.dtype)
+            # vLLM's attention method: torch types nn.Module.__getattr__ as Tensor | Module
+            layer.process_weights_after_loading(self.dtype)  # type: ignore[operator]
         return len(touched)
 
     def load_fallbacks(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -110,7 +112,8 @@ class Processor:
             _fresh_moe_kernel(module)
             initialize_layerwise_reload(module)
         try:
-            self.model.load_weights(list(pairs))
+            # vLLM's model method: torch types nn.Module.__getattr__ as Tensor | Module
+            self.model.load_weights(list(pairs))  # type: ignore[operator]
         finally:
             for module in self.fallback_modules:
                 finalize_layerwise_reload(module, self.model_config)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast, get_args
 
 from ..rendezvous import MemberStore
 from ..rendezvous.auth import check_secret
@@ -91,12 +91,12 @@ def pack(op: Op, message: bytes) -> dict[str, str]:
     return {"op": op, "payload": base64.b64encode(message).decode("ascii")}
 
 
-def unpack(info: dict) -> tuple[str, bytes]:
+def unpack(info: dict) -> tuple[Op, bytes]:
     op, payload = info.get("op"), info.get("payload")
-    if op not in ("describe", "connect", "run", "commit", "close") or not isinstance(payload, str):
-        raise ValueError(f"rl_sync weight transfer: expected {{'op': describe|connect|run|commit|close, 'payload': "
+    if op not in get_args(Op) or not isinstance(payload, str):
+        raise ValueError(f"rl_sync weight transfer: expected {{'op': {'|'.join(get_args(Op))}, 'payload': "
                          f"base64 str}}, got keys {sorted(info)}")
-    return op, base64.b64decode(payload, validate=True)
+    return cast(Op, op), base64.b64decode(payload, validate=True)
 
 
 def reply_key(prefix: str, op: str, tag: int, rank: int) -> str:

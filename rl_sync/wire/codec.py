@@ -164,7 +164,7 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
         if hint is int:
             _check_ints(path, (value,))
         return float(value) if hint is float else value
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, path)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:

@@ -1,7 +1,8 @@
 """Wire types between the coordinator and the ranks (encoded with `rl_sync.wire.codec`).
 
 Init: each rank reports its tensors (`SideReport`), the coordinator answers
-with `InitInfo` plus the shared plan message (`PlanInfo`). Per round:
+with `InitInfo` (which carries its transport's own rendezvous message,
+`rl_sync.transport.registry`) plus the shared plan message (`PlanInfo`). Per round:
 `RoundInfo` (a version, a mode and optionally a subset of names; never
 layouts) goes out and `RankStats` comes back.
 """
@@ -13,11 +14,15 @@ from typing import Literal
 
 from .plan_info import LayoutInfo
 from ..rendezvous.auth import check_secret
-from ..config.sync import check_port, check_seconds
+from ..config.sync import Mode, check_seconds
 from ..transport.digest import Integrity
+from ..transport.registry import check_name
 
-Mode = Literal["m2n", "broadcast", "sparse", "auto"]
 TransportName = Literal["gloo", "nccl", "local"]
+"""The transports a group's ranks connect with (the summary's `transport`); a colocated trainer's
+`cuda_ipc` rides on one of them."""
+WriteMode = Literal["direct", "reload", "fallback"]
+"""How a worker writes one tensor (`SideReport.modes`)."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class SideReport:
     gpu: str
     """`node/uuid` of the GPU this rank's tensors are on ('' on CPU): finds colocated pairs."""
     tensors: tuple[TensorReport, ...]
-    modes: dict[str, Literal["direct", "reload", "fallback"]]
+    modes: dict[str, WriteMode]
     """A worker's write mode per name: in place (`direct`), into a buffer the engine processes
     after each round (`reload`), or whole and handed to a load hook (`fallback`)."""
     kept_bytes: int
@@ -57,12 +62,13 @@ class InitInfo:
     world_size: int
     num_trainers: int
     worker_ranks: tuple[int, ...]
-    transport: TransportName
-    store_host: str
-    store_port: int
+    transport: str
+    """A registered transport's name (`rl_sync.transport.registry.TRANSPORTS`)."""
+    rendezvous: bytes
+    """That transport's own rendezvous message, encoded (`rl_sync.wire.codec`); joining decodes it
+    as the type the name selects."""
     prefix: str
-    nccl_id: tuple[int, ...]
-    nccl_broadcast_id: tuple[int, ...]
+    """Names the group: its store keys and its digests' label."""
     timeout_s: float
     baseline_device: Literal["device", "pinned_cpu"]
     integrity: Integrity
@@ -81,7 +87,7 @@ class InitInfo:
         if not self.worker_ranks or not all(0 <= r < self.world_size for r in self.worker_ranks):
             raise ValueError(f"InitInfo: worker ranks {self.worker_ranks} must be non-empty and inside the group")
         check_seconds("InitInfo.timeout_s", self.timeout_s)
-        check_port("InitInfo.store_port", self.store_port, 1 if self.transport == "gloo" else 0)
+        check_name(self.transport)
         if self.integrity not in ("off", "checksum", "keyed"):
             raise ValueError(f"InitInfo.integrity must be 'off', 'checksum' or 'keyed', got {self.integrity!r}")
         check_secret(self.secret)

@@ -1,10 +1,44 @@
-"""Per-round statistics as the driver sees them."""
+"""What the driver sees of a sync group: its summary at init and per-round statistics."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .messages import RankStats
+from .messages import RankStats, WriteMode
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncSummary:
+    """What forming a sync group decided (`WeightSync.summary`; `repair()` returns a new one)."""
+
+    tensors: int
+    """Tensors in the plan (a tensor bound in parts counts each part, an FP8 one its scales)."""
+    buckets: int
+    """Buckets a full round walks (one grouped launch each)."""
+    transport: str
+    """What the ranks connected with: `nccl`, `gloo`, or `local` for a group of one rank."""
+    cuda_ipc: bool
+    """Every worker shares its GPU with a trainer, which writes into its memory through CUDA IPC."""
+    world_size: int
+    """Ranks in the collective group (a hybrid actor counts once)."""
+    colocated: bool
+    """Some worker is also a trainer (hybrid actors): it copies its overlap locally."""
+    relay: str
+    """What the schedule chose about relaying among engine replicas, and why."""
+    plan_bytes: int
+    """Bytes the plan's transfers carry: what a full dense round sends."""
+    local_copy_bytes: int
+    """Bytes a rank copies within itself instead of sending (hybrid actors)."""
+    broadcast_bytes: int
+    """The broadcast baseline's bytes: every full tensor to every worker."""
+    fallbacks: tuple[str, ...]
+    """Names workers receive whole and hand to their load hook, sorted."""
+    modes: dict[str, WriteMode]
+    """Each name's write mode (`reload` where any worker processes it after a round)."""
+    kept_bytes: tuple[int, ...]
+    """Bytes each worker-side rank keeps: what a full dense round brings it."""
+    seconds: float
+    """Wall time of planning and connecting."""
 
 
 @dataclass(frozen=True)

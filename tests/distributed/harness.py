@@ -5,7 +5,8 @@ from __future__ import annotations
 import ray
 import torch
 
-from actors import InferenceWorker, TrainerActor, WeightSync
+from actors import WeightSync
+from actors.ready import InferenceWorker, TrainerActor
 
 from .conftest import loopback_config
 from .recipes import as_bytes, expected, read_all, set_version, trainer_build, worker_build

@@ -8,7 +8,8 @@ import pytest
 import ray
 import torch
 
-from actors import HybridActor, SyncError, WeightSync
+from actors import SyncError, WeightSync
+from actors.ready import HybridActor
 from rl_sync.planning.layout import Layout, Mesh, Shard
 
 from .conftest import loopback_config
@@ -177,7 +178,7 @@ def test_colocated_hybrid_ranks_copy_their_overlap_locally(ray_session):
     actors = [Hybrid.remote(i, 2, build) for i in range(2)]
     try:
         sync = WeightSync.create(actors, actors, loopback_config())
-        assert sync.summary["colocated"] and sync.summary["world_size"] == 2
+        assert sync.summary.colocated and sync.summary.world_size == 2
         ray.get([a.call.remote(lambda self, v: set_version(_Sources(self), recipes, v), 1) for a in actors])
         stats = sync.push()
         for j, a in enumerate(actors):

@@ -41,7 +41,7 @@ def test_fsdp_to_tensor_parallel_bit_exact_over_rounds(ray_session, mode):
             g.check(version)
         if mode == "m2n":
             per_worker = sum(r.received_bytes for r in stats.ranks if r.role == "worker")
-            assert per_worker == sync.summary["plan_bytes"]
+            assert per_worker == sync.summary.plan_bytes
 
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import get_args
 
 import pytest
 import ray
@@ -22,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors import SyncError, WeightSync
+from rl_sync.config.sync import Mode
 from rl_sync.sparse.patches import SparseWeightPatch
 
 from .harness import Group
@@ -144,7 +146,7 @@ class Driver:
 
 
 ACTIONS = st.one_of(
-    st.tuples(st.just("push"), st.sampled_from(["m2n", "broadcast", "sparse", "auto"])),
+    st.tuples(st.just("push"), st.sampled_from(get_args(Mode))),
     st.tuples(st.just("bad_push"), st.integers(0, len(BAD_PUSHES) - 1)),
     st.tuples(st.just("resized_source")),
     st.tuples(st.just("none_sources")),

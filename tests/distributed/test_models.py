@@ -74,7 +74,7 @@ def test_synced_inference_model_matches_the_trainer(ray_session, family, par):
     try:
         sync = WeightSync.create(trainers, workers, loopback_config())
         stats = sync.push()
-        assert sync.summary["fallbacks"] == [] and sum(r.fallbacks for r in stats.ranks) == 0
+        assert sync.summary.fallbacks == () and sum(r.fallbacks for r in stats.ranks) == 0
         full = ray.get([t.full_state.remote() for t in trainers])[0]
         for rank, bound in enumerate(ray.get([w.call.remote(_bound) for w in workers])):
             live_bytes = 0
@@ -103,10 +103,10 @@ def test_tensors_no_rule_binds_go_through_the_load_hook(ray_session):
     workers = POOL.take(Worker, [(r, par, config, wurl, (), _drop_fallbacks) for r in range(par.size)])
     try:
         sync = WeightSync.create(trainers, workers, loopback_config())
-        assert sync.summary["fallbacks"] == ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.gate_up_proj"]
+        assert sync.summary.fallbacks == ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.gate_up_proj")
         stats = sync.push()
         assert [r.fallbacks for r in stats.ranks if r.role == "worker"] == [2, 2]
-        assert ray.get(workers[0].call.remote(lambda self: self.state_received)) == sync.summary["fallbacks"]
+        assert ray.get(workers[0].call.remote(lambda self: self.state_received)) == list(sync.summary.fallbacks)
         full = ray.get([t.full_state.remote() for t in trainers])[0]
         got = ray.get(workers[1].call.remote(lambda self: self._rl_sync_cached[1]["model.layers.1.mlp.experts.gate_up_proj"].tensor))
         assert torch.equal(got, full["model.layers.1.mlp.experts.gate_up_proj"])

@@ -10,7 +10,8 @@ import pytest
 import ray
 import torch
 
-from actors import SyncError, TrainerActor, WeightSync
+from actors import SyncError, WeightSync
+from actors.ready import TrainerActor
 from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
 
 from .conftest import loopback_config
@@ -38,8 +39,8 @@ def _trainer_sent(stats) -> list[int]:
 def test_four_tp2_replicas_relay_bit_exact_in_every_mode(ray_session):
     with Group(RECIPES, 2, 2 * REPLICAS, relay="on", bucket_bytes=4096) as g:
         sync = g.connect()
-        assert sync.summary["relay"].startswith("relay: asked for")
-        assert sync.summary["plan_bytes"] == REPLICAS * REPLICA_BYTES, "the plan's direct bytes: one copy per replica"
+        assert sync.summary.relay.startswith("relay: asked for")
+        assert sync.summary.plan_bytes == REPLICAS * REPLICA_BYTES, "the plan's direct bytes: one copy per replica"
         for version, mode in enumerate(["sparse", "sparse", "auto", "m2n"], start=1):
             g.step(version)
             stats = sync.push(mode=mode)
@@ -50,7 +51,7 @@ def test_four_tp2_replicas_relay_bit_exact_in_every_mode(ray_session):
                 assert _trainer_sent(stats) == [REPLICA_BYTES // 2] * 2, "each trainer sends its shard once"
                 workers = [r for r in stats.ranks if r.role == "worker"]
                 forwarded = [r.sent_bytes for r in sorted(workers, key=lambda r: r.rank)]
-                kept = sync.summary["kept_bytes"]
+                kept = list(sync.summary.kept_bytes)
                 assert forwarded == kept[:2 * (REPLICAS - 1)] + [0, 0], "every replica but the last forwards its bytes"
                 assert [r.received_bytes for r in sorted(workers, key=lambda r: r.rank)] == kept
 

@@ -9,7 +9,8 @@ import pytest
 import ray
 import torch
 
-from actors import InferenceWorker, SyncError, TrainerActor, WeightSync
+from actors import SyncError, WeightSync
+from actors.ready import InferenceWorker, TrainerActor
 from rl_sync.planning.layout import Layout, Mesh, Shard
 from rl_sync.sparse.patches import SparseWeightPatch
 

@@ -129,9 +129,9 @@ def test_synced_engines_generate_what_a_fresh_engine_on_the_checkpoint_does(refe
     ranks = [rank for engine in replicas for rank in engine.ranks]
     try:
         sync = WeightSync.create(trainers, ranks, loopback_config(bucket_bytes=1 << 18))
-        assert sync.summary["fallbacks"] == [], "every tensor binds (fused ones in parts)"
-        assert set(sync.summary["modes"].values()) <= {"direct", "reload"}
-        kept = sync.summary["kept_bytes"]
+        assert sync.summary.fallbacks == (), "every tensor binds (fused ones in parts)"
+        assert set(sync.summary.modes.values()) <= {"direct", "reload"}
+        kept = list(sync.summary.kept_bytes)
         for step, mode in enumerate(modes, start=1):
             ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
             stats = sync.push(mode=mode)
@@ -242,13 +242,13 @@ def test_engine_service_driven_through_vllms_weight_transfer_calls(references, t
     service = launch_service(_unrelated_checkpoint(tmp_path / "init", config, trainers), 2)
     try:
         sync = WeightSync.create(trainers, [service], loopback_config(bucket_bytes=1 << 18, double_buffer=True))
-        assert sync.summary["fallbacks"] == [] and sync.summary["world_size"] == 4
+        assert sync.summary.fallbacks == () and sync.summary.world_size == 4
         for step in range(1, 3):  # each round lands in the shadows, then is committed
             ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
             stats = sync.push()
             received = [r.received_bytes for r in stats.ranks if r.role == "worker"]
             assert [r.rank for r in stats.ranks if r.role == "worker"] == [2, 3]
-            assert received == sync.summary["kept_bytes"], f"bytes into each rank {received}"
+            assert received == list(sync.summary.kept_bytes), f"bytes into each rank {received}"
             assert sync.versions() == [step, step]
             got = service.generate(PROMPTS, **SAMPLING)
             path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
@@ -271,7 +271,7 @@ def test_vllm_serve_synced_over_http(references, tmp_path):
             sync = WeightSync.create(trainers, [VllmService.http(url, ranks=1)], loopback_config(bucket_bytes=1 << 18))
             ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
             stats = sync.push()
-            assert [r.received_bytes for r in stats.ranks if r.role == "worker"] == sync.summary["kept_bytes"]
+            assert [r.received_bytes for r in stats.ranks if r.role == "worker"] == list(sync.summary.kept_bytes)
             assert sync.versions() == [1]
             path = write_checkpoint(str(tmp_path / "step1"), config, _state(trainers))
             assert generate_http(url) == references.outputs(path, 1), "served engine differs from a fresh one"

@@ -45,7 +45,7 @@ def pairs(ray, gpus_each: float, count: int, same_gpu: bool, worker_build=builde
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from actors import InferenceWorker, TrainerActor
+    from actors.ready import InferenceWorker, TrainerActor
 
     bundles = [{"GPU": 1, "CPU": 1} for _ in range(count if same_gpu else 2 * count)]
     pg = placement_group(bundles, strategy="PACK")

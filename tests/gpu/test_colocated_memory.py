@@ -69,7 +69,7 @@ def _mappings(actor) -> list[tuple[int, int]]:
     """(address, driver buffer id) of each region the trainer has mapped."""
     from rl_sync.transport.cuda_memory import buffer_id
 
-    mapped = actor._rl_sync_mapped
+    mapped = actor._rl_sync_session.joined.mapped  # the trainer's `cuda_ipc` transport
     return [(a, buffer_id(a)) for a in list(mapped.opened) + [r.base for r in mapped.ranges]]
 
 
@@ -92,7 +92,7 @@ def test_expandable_segments_on_either_side_dense_and_sparse_bit_exact(gpu_ray, 
         assert ray.get(workers[0].call.remote(_expandable)) == (side != "trainer")
         assert ray.get(trainers[0].call.remote(_expandable)) == (side != "worker")
         sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
-        assert sync.summary["cuda_ipc"]
+        assert sync.summary.cuda_ipc
         kinds = {kind for kind, _ in ray.get(workers[0].call.remote(_kinds))}
         assert kinds == ({"vmm"} if side != "trainer" else {"legacy"})
         assert sparse_rounds(ray, sync, trainers, workers) == ["m2n", "sparse", "sparse"]

@@ -19,7 +19,7 @@ def test_colocated_cuda_ipc_bit_exact_with_fused_slots(gpu_ray, count):
     pg, trainers, workers = pairs(ray, 0.5, count, same_gpu=True)
     try:
         sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
-        assert sync.summary["cuda_ipc"] and sync.summary["world_size"] == count
+        assert sync.summary.cuda_ipc and sync.summary.world_size == count
         for version in (1, 2):
             set_versions(ray, trainers, version)
             sync.push()
@@ -42,7 +42,7 @@ def test_m2n_over_nccl_between_gpus_bit_exact(gpu_ray):
     try:
         before = ray.get([a.call.remote(listening_ports) for a in trainers + workers])
         sync = WeightSync.create(trainers, workers, SyncConfig(transport="nccl", colocate="off", **CONFIG))
-        assert sync.summary["transport"] == "nccl" and not sync.summary["cuda_ipc"]
+        assert sync.summary.transport == "nccl" and not sync.summary.cuda_ipc
         after = ray.get([a.call.remote(listening_ports) for a in trainers + workers])
         opened = {p for old, new in zip(before, after) for p in new - old}  # NCCL's bootstrap and proxy listeners
         for version, mode in ((1, "m2n"), (2, "broadcast"), (3, "m2n")):

@@ -14,14 +14,16 @@ import os
 import subprocess
 import threading
 import time
+from typing import get_args
 
 import ray
 import torch
 
-from actors import InferenceWorker, SyncError, TrainerActor, WeightSync
+from actors import SyncError, WeightSync
 from actors.bench import perturb
+from actors.ready import InferenceWorker, TrainerActor
 from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
-from rl_sync.config.sync import SyncConfig
+from rl_sync.config.sync import Mode, SyncConfig
 from tests.distributed.recipes import (
     Recipe,
     as_bytes,
@@ -92,7 +94,7 @@ def two_node(args) -> dict:
     except ValueError as exc:
         unknown = str(exc)
     return {"exact": rounds, "store_host": store[0], "coordinator_node": store[1], "gloo_addresses": opened,
-            "transport": sync.summary["transport"], "unknown_interface": unknown}
+            "transport": sync.summary.transport, "unknown_interface": unknown}
 
 
 def replicas(args) -> dict:
@@ -235,7 +237,7 @@ def links(args) -> dict:
         if rate:
             _shape(args, node, rate)
         rows = {}
-        for mode in ("m2n", "broadcast", "sparse", "auto"):
+        for mode in get_args(Mode):
             rounds = []
             for seed in range(3):
                 if mode in ("sparse", "auto"):
@@ -286,7 +288,7 @@ def relay(args) -> dict:
                 rows[mode] = {"seconds": mid.seconds, "ran": mid.mode, "exact": all(exacts),
                               "trainer_bytes": max(r.sent_bytes for r in mid.ranks if r.role == "trainer"),
                               "worker_bytes": max(r.sent_bytes for r in mid.ranks if r.role == "worker")}
-            rows["summary"] = sync.summary["relay"]
+            rows["summary"] = sync.summary.relay
             sync.close()
             out[choice] = rows
     finally:

@@ -17,21 +17,28 @@ from rl_sync.planning.plan import TensorSpec, plan_model
 from rl_sync.wire.plan_info import LayoutInfo, PlanInfo
 from rl_sync.planning.schedule import build_schedule
 from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes
-from rl_sync.transport.cuda_ipc import IpcExport, IpcRegion, IpcTensor
+from rl_sync.transport.cuda_ipc import IpcExport, IpcRegion, IpcRendezvous, IpcTensor
+from rl_sync.transport.gloo import GlooRendezvous
+from rl_sync.transport.nccl import NcclRendezvous
 from rl_sync.wire.codec import decode, encode
 
 LAYOUT = LayoutInfo.of(Layout(Mesh((2,)), (Shard(0),)))
+GLOO = GlooRendezvous("127.0.0.1", 1234)
+REGIONS = (IpcRegion("legacy", 1024, handle=b"\x01" * 64), IpcRegion("vmm", 4 << 21, chunks=(2 << 21, 2 << 21)))
+EXPORT = IpcExport("uuid", REGIONS, (IpcTensor("w", 0, 512, (4, 2), (2, 1), "bfloat16"),), b"e", b"d", "/tmp/x/s",
+                   b"t" * 32)
 SAMPLES = [
-    InitInfo(rank=1, world_size=4, num_trainers=2, worker_ranks=(2, 3), transport="gloo", store_host="127.0.0.1",
-             store_port=1234, prefix="p", nccl_id=(), nccl_broadcast_id=(), timeout_s=5.0, baseline_device="device",
-             integrity="keyed", interface="", secret=b"s" * 32),
+    InitInfo(rank=1, world_size=4, num_trainers=2, worker_ranks=(2, 3), transport="gloo", rendezvous=encode(GLOO),
+             prefix="p", timeout_s=5.0, baseline_device="device", integrity="keyed", interface="", secret=b"s" * 32),
     RoundInfo(3, "sparse", ("a", "b"), 10.0, True),
     RankStats(rank=0, role="trainer", version=1, mode="m2n", seconds=0.5, sent_bytes=10, received_bytes=0,
               zero_copy_bytes=10, staged_bytes=0, local_bytes=0, messages=1, buckets=1, staging_bytes=0,
               baseline_bytes=0, dense_bytes=0, changed_elements=0, encodings={"indices": 1}, fallbacks=0),
     SideReport(0, "cpu", "", (TensorReport("w", "bfloat16", (4, 2), LAYOUT),), {"w": "reload"}, 16),
-    IpcExport("uuid", (IpcRegion("legacy", 1024, handle=b"\x01" * 64), IpcRegion("vmm", 4 << 21, chunks=(2 << 21, 2 << 21))),
-              (IpcTensor("w", 0, 512, (4, 2), (2, 1), "bfloat16"),), b"e", b"d", "/tmp/x/s", b"t" * 32),
+    EXPORT,
+    GLOO,
+    NcclRendezvous(tuple(range(128)), tuple(range(128, 256))),
+    IpcRendezvous(EXPORT, "gloo", encode(GLOO)),
     PlanInfo.from_schedule(build_schedule(plan_model([TensorSpec("w", "float32", (4, 2), LAYOUT.to_layout(),
                                                                  Layout(Mesh((2,), start_rank=2), (Shard(1),)))]))),
 ]
@@ -119,8 +126,8 @@ def test_corrupted_sparse_payloads_never_write_garbage(code, seed, flips):
     (SAMPLES[0], "timeout_s", float("nan"), r"InitInfo.timeout_s must be > 0 and at most 604800 seconds, got nan"),
     (SAMPLES[0], "timeout_s", -1.0, r"InitInfo.timeout_s must be > 0"),
     (SAMPLES[0], "timeout_s", float("inf"), r"InitInfo.timeout_s must be > 0"),
-    (SAMPLES[0], "store_port", 0, r"InitInfo.store_port must be a port in \[1, 65535\], got 0"),
-    (SAMPLES[0], "store_port", 70000, r"InitInfo.store_port must be a port in \[1, 65535\], got 70000"),
+    (GLOO, "store_port", 0, r"GlooRendezvous.store_port must be a port in \[1, 65535\], got 0"),
+    (GLOO, "store_port", 70000, r"GlooRendezvous.store_port must be a port in \[1, 65535\], got 70000"),
     (SAMPLES[1], "timeout_s", float("nan"), r"RoundInfo.timeout_s must be > 0"),
     (SAMPLES[1], "timeout_s", 0.0, r"RoundInfo.timeout_s must be > 0"),
     (SAMPLES[1], "version", 0, r"RoundInfo.version must be > 0, got 0"),

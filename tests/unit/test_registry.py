@@ -1,26 +1,45 @@
-"""Transports are found by name; an unknown name lists the known ones."""
+"""Transports are found by name, each with its own rendezvous message; an unknown name lists the
+known ones."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from rl_sync.transport.base import Transport
-from rl_sync.transport.registry import TRANSPORTS, transport_class
+from rl_sync.transport.local import LocalRendezvous
+from rl_sync.transport.registry import TRANSPORTS, check_name, transport_class
+from rl_sync.wire.codec import encode
+from rl_sync.wire.messages import InitInfo
 
 
-@pytest.mark.parametrize("name", ["gloo", "local"])  # nccl needs CuPy to import: tests/gpu joins it
-def test_each_registered_transport_is_a_transport_that_joins(name):
+@pytest.mark.parametrize("name", sorted(TRANSPORTS))  # importing a module needs no CuPy: only joining NCCL does
+def test_each_registered_transport_is_a_transport_with_its_own_frozen_message(name):
     cls = transport_class(name)
     assert issubclass(cls, Transport) and callable(cls.join)
+    message = cls.rendezvous_type
+    assert dataclasses.is_dataclass(message) and message.__dataclass_params__.frozen
+    assert cls.__module__ == message.__module__ == TRANSPORTS[name][0], "a transport's message lives in its module"
+
+
+def test_the_messages_are_distinct_types():
+    """The envelope names the type, so one transport's message never decodes as another's."""
+    assert len({transport_class(name).rendezvous_type.__name__ for name in TRANSPORTS}) == len(TRANSPORTS)
 
 
 def test_a_one_rank_group_joins_the_local_transport():
-    joined = transport_class("local").join(None, bind_host="127.0.0.1", device=torch.device("cpu"), broadcast_ranks=[0])
+    info = InitInfo(rank=0, world_size=1, num_trainers=1, worker_ranks=(0,), transport="local",
+                    rendezvous=encode(LocalRendezvous()), prefix="p", timeout_s=5.0, baseline_device="device",
+                    integrity="off", interface="", secret=b"s" * 32)
+    joined = transport_class("local").join(info, LocalRendezvous(), bind_host="127.0.0.1", device=torch.device("cpu"),
+                                           broadcast_ranks=[0])
     assert (joined.rank, joined.world_size) == (0, 1)
 
 
-def test_an_unknown_transport_names_the_known_ones():
-    with pytest.raises(ValueError, match=r"^unknown transport 'ucx'; known transports: gloo, local, nccl$"):
-        transport_class("ucx")
-    assert set(TRANSPORTS) == {"gloo", "local", "nccl"}
+@pytest.mark.parametrize("lookup", [transport_class, check_name])
+def test_an_unknown_transport_names_the_known_ones(lookup):
+    with pytest.raises(ValueError, match=r"^unknown transport 'ucx'; known transports: cuda_ipc, gloo, local, nccl$"):
+        lookup("ucx")
+    assert set(TRANSPORTS) == {"cuda_ipc", "gloo", "local", "nccl"}
