@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rl_sync.wire.messages import SideReport, TensorReport
+from rl_sync.wire.messages import RankReport, TensorReport
 from rl_sync.planning.parts import check_parts, parse_part, part_name, part_shape
 from rl_sync.planning.plan import SideSpec
 
@@ -13,7 +13,7 @@ def _describe(t: TensorReport) -> str:
     return f"dtype {t.dtype}, shape {t.shape}, layout {t.layout.to_layout()}"
 
 
-def check_agreement(workers: Sequence[SideReport], ranks: Sequence[int]) -> None:
+def check_agreement(workers: Sequence[RankReport], ranks: Sequence[int]) -> None:
     """Every worker must resolve the same (name, dtype, shape, layout) list as worker 0.
 
     Raises `ValueError` naming the first worker and tensor that differ.
@@ -34,7 +34,7 @@ def check_agreement(workers: Sequence[SideReport], ranks: Sequence[int]) -> None
                 )
 
 
-def merge_sources(trainers: Sequence[SideReport]) -> list[SideSpec]:
+def merge_sources(trainers: Sequence[RankReport]) -> list[SideSpec]:
     """Union of the trainers' tensors in first-seen order; conflicting reports are refused."""
     seen: dict[str, tuple[TensorReport, int]] = {}
     for report in trainers:
@@ -52,7 +52,7 @@ def merge_sources(trainers: Sequence[SideReport]) -> list[SideSpec]:
     return [SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout()) for t, _ in seen.values()]
 
 
-def colocated_mates(trainers: Sequence[SideReport], workers: Sequence[SideReport]) -> list[int] | None:
+def colocated_mates(trainers: Sequence[RankReport], workers: Sequence[RankReport]) -> list[int] | None:
     """The trainer rank sharing each worker's GPU, or None unless every worker has exactly one
     and no trainer has two."""
     if not workers or not all(w.gpu for w in workers):

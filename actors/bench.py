@@ -24,7 +24,7 @@ from rl_sync.models.synthetic import TrainerParallel, model_specs
 
 from .placement import SyncPlacement
 from .ready import InferenceWorker, TrainerActor
-from .synthetic import trainer_build, worker_build
+from .synthetic_actors import trainer_build, worker_build
 from .weight_sync import WeightSync
 
 

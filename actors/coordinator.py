@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import ray
 
-from rl_sync.wire.messages import InitInfo, RankStats, RoundInfo, SideReport, WriteMode
+from rl_sync.wire.messages import InitInfo, RankStats, RoundInfo, RankReport, WriteMode
 from rl_sync.planning.parts import parse_part, sharded_dims
 from rl_sync.sparse.patches import check_patch, route_patch
 from rl_sync.planning.plan import SideSpec, join_specs, plan_model
@@ -71,7 +71,7 @@ def _colocated(info: InitInfo, export: bytes) -> InitInfo:
                    rendezvous=encode(IpcRendezvous(decode(IpcExport, export), info.transport, info.rendezvous)))
 
 
-def _write_modes(workers: list[SideReport]) -> dict[str, WriteMode]:
+def _write_modes(workers: list[RankReport]) -> dict[str, WriteMode]:
     """Each name's write mode across the workers: `reload` (or `fallback`) where any worker says
     so, `direct` where all do."""
     modes: dict[str, WriteMode] = {}
@@ -125,7 +125,7 @@ class Coordinator:
         asked = DescribeOptions(group=self.tag)
         blobs = gather(self.trainers, lambda m: m.describe("trainer", self.trainers.index(m), T, asked, None),
                        self.budget.left(cfg.init_timeout_s), "init (describe trainers)")
-        trainer_reports = [decode(SideReport, b) for b in blobs]
+        trainer_reports = [decode(RankReport, b) for b in blobs]
         sources = merge_sources(trainer_reports)
         options = DescribeOptions(group=self.tag, checkpoint={s.name: (s.dtype, tuple(s.shape)) for s in sources},
                                   sharded={s.name: tuple(sorted(sharded_dims(s.layout))) for s in sources},
@@ -133,7 +133,7 @@ class Coordinator:
         blobs = gather(self.workers, lambda m: m.describe("worker", self.firsts[self.workers.index(m)], N, options,
                                                           self.reply), self.budget.left(cfg.init_timeout_s),
                        "init (bind workers)")
-        reports = trainer_reports + [decode(SideReport, b) for b in blobs]
+        reports = trainer_reports + [decode(RankReport, b) for b in blobs]
         self._choose_colocation(reports[:T], reports[T:])
         check_agreement(reports[T:], ranks=self.worker_ranks)
         sources = split_sources(sources, [t.name for t in reports[T].tensors])
@@ -156,7 +156,7 @@ class Coordinator:
         self._connect(info, devices, [r.device for r in reports[T:]])
         return self._summary(info, colocated, reports[T:], time.perf_counter() - start)
 
-    def _summary(self, info: InitInfo, colocated: bool, workers: list[SideReport], seconds: float) -> SyncSummary:
+    def _summary(self, info: InitInfo, colocated: bool, workers: list[RankReport], seconds: float) -> SyncSummary:
         plan, modes = self.schedule.plan, _write_modes(workers)
         fallbacks = tuple(sorted(n for n, m in modes.items() if m == "fallback"))
         return SyncSummary(
@@ -166,7 +166,7 @@ class Coordinator:
             broadcast_bytes=plan.stats.broadcast_bytes, fallbacks=fallbacks, modes=modes,
             kept_bytes=tuple(r.kept_bytes for r in workers), seconds=seconds)
 
-    def _choose_colocation(self, trainers: list[SideReport], workers: list[SideReport]) -> None:
+    def _choose_colocation(self, trainers: list[RankReport], workers: list[RankReport]) -> None:
         mode = self.config.colocate
         mates = None if mode == "off" else colocated_mates(trainers, workers)
         if mode == "ipc" and mates is None:
@@ -252,7 +252,7 @@ class Coordinator:
         transport, rendezvous = self._rendezvous(world, all(d.startswith("cuda") for d in devices))
         return InitInfo(rank=0, world_size=world, num_trainers=T, worker_ranks=self.worker_ranks,
                         transport=transport, rendezvous=encode(rendezvous), prefix=f"rl-sync-{uuid.uuid4().hex[:12]}",
-                        timeout_s=cfg.round_timeout_s, baseline_device=cfg.sparse_baseline,
+                        timeout_s=cfg.round_timeout_s, sparse_baseline=cfg.sparse_baseline,
                         integrity=cfg.integrity, interface=cfg.interface or "", secret=self._secret)
 
     def _rendezvous(self, world: int, on_cuda: bool) -> tuple[str, LocalRendezvous | NcclRendezvous | GlooRendezvous]:

@@ -53,7 +53,7 @@ def _share(actor) -> list:
 
 def _rebuild_and_copy(actor, handles) -> None:
     for name, (rebuild, args) in handles:
-        actor.held[name].view.copy_(rebuild(*args))
+        actor.held[name].local.copy_(rebuild(*args))
     torch.cuda.synchronize()
 
 

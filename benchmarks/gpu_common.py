@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from actors.ready import InferenceWorker, TrainerActor  # noqa: E402
-from actors.synthetic import trainer_build, worker_build  # noqa: E402
+from actors.synthetic_actors import trainer_build, worker_build  # noqa: E402
 from rl_sync.planning.layout import Layout, Mesh, Replicate  # noqa: E402
 from rl_sync.planning.plan import TensorSpec  # noqa: E402
 from rl_sync.models.config import ModelConfig, Parallel  # noqa: E402

@@ -107,7 +107,7 @@ def e2e_table(repeat: int) -> Table:
 
     from actors import WeightSync
     from actors.ready import InferenceWorker, TrainerActor
-    from actors.synthetic import trainer_build, worker_build
+    from actors.synthetic_actors import trainer_build, worker_build
     from rl_sync.config.sync import SyncConfig
     from rl_sync.models.config import ModelConfig, Parallel
     from rl_sync.models.synthetic import TrainerParallel, model_specs

@@ -18,6 +18,7 @@ class Sharded:
     """A trainer's local shard of a tensor of global `shape` laid out by `layout`."""
 
     local: torch.Tensor
+    """The rank-local tensor that holds this trainer's box."""
     layout: Layout
     shape: tuple[int, ...]
 
@@ -26,17 +27,18 @@ class Sharded:
 class Destination:
     """A worker's live storage for its box of a checkpoint tensor.
 
-    `view` is `None` on a worker outside `layout`'s mesh (another pipeline
+    `local` is `None` on a worker outside `layout`'s mesh (another pipeline
     stage or expert group): it still reports the layout, for agreement."""
 
-    view: torch.Tensor | None
+    local: torch.Tensor | None
+    """The rank-local tensor (often a view into a live parameter) that holds this worker's box."""
     layout: Layout
     shape: tuple[int, ...]
     dtype: torch.dtype
     fallback: bool = False
     """Delivered whole and handed to the worker's load hook instead of written in place."""
     block: tuple[int, ...] = ()
-    """Kept block-quantized (`rl_sync.planning.quant`): `view` holds float8_e4m3fn values, and the
+    """Kept block-quantized (`rl_sync.planning.quant`): `local` holds float8_e4m3fn values, and the
     destination named `scale_name(name)` the fp32 scale of each block of this size."""
 
 

@@ -18,7 +18,7 @@ models (`Binder.destination`, `rl_sync.models.synthetic`).
 Typical use::
 
     binding = Binder(cfg, Parallel(engines=2, tp=4)).bind(checkpoint, model.params, rank)
-    binding.destinations["model.layers.0.self_attn.k_proj.weight"].view   # a slot of qkv_proj
+    binding.destinations["model.layers.0.self_attn.k_proj.weight"].local   # a slot of qkv_proj
     Binder(cfg, par).destination("model.layers.0.self_attn.k_proj.weight", (1024, 4096))   # its Layout
 """
 

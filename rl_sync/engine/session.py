@@ -211,7 +211,7 @@ class RankSession:
 
     def _baseline_like(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A baseline of a source shard, in the wire's dtype (what the receivers hold)."""
-        if self.info.baseline_device == "pinned_cpu" and tensor.is_cuda:
+        if self.info.sparse_baseline == "pinned_cpu" and tensor.is_cuda:
             return torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
         return torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
 

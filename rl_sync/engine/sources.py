@@ -103,7 +103,7 @@ def worker_entries(destinations: Mapping[str, Destination], rank: int) -> Entrie
         if not isinstance(dest, Destination):
             raise TypeError(f"worker rank {rank}: destination {name!r} is a {type(dest).__name__}; expected a Destination")
         # detached: rounds write in place, which autograd refuses on a leaf that requires grad
-        view = None if dest.view is None else dest.view.detach()
+        view = None if dest.local is None else dest.local.detach()
         report, endpoint = _entry(name, view, dest.dtype, dest.layout, tuple(dest.shape), rank, "worker", dest.block)
         reports.append(report)
         if endpoint is not None:

@@ -49,16 +49,16 @@ class TrainerParallel:
     """Trainer ranks."""
     replicate: int = 1
     """HSDP replica groups (mesh `(replicate, ranks // replicate)`, `(Replicate, Shard(0))`)."""
-    expert_parallel: int = 1
-    """Expert groups: expert e lives on group `e * ep // experts`, FSDP inside the group."""
+    expert_groups: int = 1
+    """Expert groups: expert e lives on group `e * expert_groups // experts`, FSDP inside the group."""
 
     def __post_init__(self) -> None:
-        if self.ranks <= 0 or self.replicate <= 0 or self.expert_parallel <= 0:
+        if self.ranks <= 0 or self.replicate <= 0 or self.expert_groups <= 0:
             raise ValueError("TrainerParallel fields must be > 0")
-        if self.ranks % (self.replicate * self.expert_parallel):
+        if self.ranks % (self.replicate * self.expert_groups):
             raise ValueError(
                 f"TrainerParallel.ranks ({self.ranks}) must be divisible by replicate x "
-                f"expert_parallel ({self.replicate} x {self.expert_parallel})"
+                f"expert_groups ({self.replicate} x {self.expert_groups})"
             )
 
 
@@ -79,14 +79,14 @@ class _Sources:
         expert = tensor.expert
         if expert is None:
             return self.fsdp
-        group = expert * self.trainer.expert_parallel // self.model.experts
+        group = expert * self.trainer.expert_groups // self.model.experts
         if group not in self._groups:
             self._groups[group] = self._group(group)
         return self._groups[group]
 
     def _group(self, group: int) -> Layout:
         t = self.trainer
-        size = t.ranks // t.expert_parallel
+        size = t.ranks // t.expert_groups
         if t.replicate > 1:
             per = size // t.replicate
             ranks = [[group * size + k * per + i for i in range(per)] for k in range(t.replicate)]

@@ -21,7 +21,7 @@ import torch
 
 from ..engine.session import RankSession
 from ..engine.sources import Entries
-from ..wire.messages import InitInfo, RankStats, RoundInfo, SideReport
+from ..wire.messages import InitInfo, RankStats, RoundInfo, RankReport
 from ..wire.plan_info import PlanInfo
 from ..transport.cuda_ipc import IpcExport, IpcTransport, device_uuid
 from ..transport.nccl import new_unique_id
@@ -83,7 +83,7 @@ class Participant:
         gpu = f"{self._rl_sync_node()[0]}/{device_uuid(torch.device(device))}" if device.startswith("cuda") else ""
         modes = self._rl_sync_modes() if side == "worker" else {}
         kept = sum(e.tensor.numel() * e.tensor.element_size() for e in endpoints.values()) if side == "worker" else 0
-        return encode(SideReport(side_rank, device, gpu, tuple(reports), modes, kept), compress=True)
+        return encode(RankReport(side_rank, device, gpu, tuple(reports), modes, kept), compress=True)
 
     def _rl_sync_join(self, tag: GroupTag) -> None:
         """Be held by `tag`'s group; a new membership starts from nothing."""
@@ -105,7 +105,7 @@ class Participant:
         return True
 
     def _rl_sync_modes(self) -> dict[str, str]:
-        """A worker's write mode per name (see `SideReport.modes`)."""
+        """A worker's write mode per name (see `RankReport.modes`)."""
         return {}
 
     def _rl_sync_ping(self) -> None:

@@ -100,8 +100,8 @@ class WorkerRank(Participant):
                                  f"({list(self._rl_sync_fallbacks)[:8]}) but {type(self).__name__} defines no "
                                  "rl_sync_load_fallbacks(pairs) hook")
             reports, endpoints = worker_entries(bound, rank)
-            self._rl_sync_owners = tuple(BoundOwner(name, owner(d.view), geometry(owner(d.view)))
-                                         for name, d in bound.items() if d.view is not None and not d.fallback)
+            self._rl_sync_owners = tuple(BoundOwner(name, owner(d.local), geometry(owner(d.local)))
+                                         for name, d in bound.items() if d.local is not None and not d.fallback)
             if options.double_buffer:
                 endpoints = self._rl_sync_shadowed(endpoints)
             self._rl_sync_cached = Entries(reports, endpoints)

@@ -49,14 +49,14 @@ import struct
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
 
+from ..config.sync import Integrity
 from .base import Ops, Pending, Transport, remaining
 from .nh import nh_keys, nh_reduce
 
-Integrity = Literal["off", "checksum", "keyed"]
 TAG_BYTES = 32
 PUBLIC_KEY = b"rl-sync public checksum key"
 POLL_S = 0.0005

@@ -16,7 +16,7 @@ old weights would otherwise be served after the update.
 Typical use::
 
     driver = ServiceDriver(LlmControl(llm), ranks=2)
-    reports = driver.describe(request)          # one SideReport per rank
+    reports = driver.describe(request)          # one RankReport per rank
 """
 
 from __future__ import annotations

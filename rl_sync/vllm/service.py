@@ -10,7 +10,7 @@ store: under `reply_key(prefix, op, tag, rank)` it sets its result, or
 `ERROR` and the message of what failed. The driver side (`actors.service`)
 waits for every rank's answer, bounded in time.
 
-Operations: `describe` (bind and report, answer: a `SideReport`), `connect`
+Operations: `describe` (bind and report, answer: a `RankReport`), `connect`
 (join the group; answer: empty), `run` (one round; answer: `RankStats`),
 `commit` (double buffering), `close`.
 """

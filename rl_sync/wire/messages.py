@@ -1,6 +1,6 @@
 """Wire types between the coordinator and the ranks (encoded with `rl_sync.wire.codec`).
 
-Init: each rank reports its tensors (`SideReport`), the coordinator answers
+Init: each rank reports its tensors (`RankReport`), the coordinator answers
 with `InitInfo` (which carries its transport's own rendezvous message,
 `rl_sync.transport.registry`) plus the shared plan message (`PlanInfo`). Per round:
 `RoundInfo` (a version, a mode and optionally a subset of names; never
@@ -14,15 +14,14 @@ from typing import Literal
 
 from .plan_info import LayoutInfo
 from ..rendezvous.auth import check_secret
-from ..config.sync import Mode, check_seconds
-from ..transport.digest import Integrity
+from ..config.sync import BaselineDevice, Integrity, Mode, check_seconds
 from ..transport.registry import check_name
 
 TransportName = Literal["gloo", "nccl", "local"]
 """The transports a group's ranks connect with (the summary's `transport`); a colocated trainer's
 `cuda_ipc` rides on one of them."""
 WriteMode = Literal["direct", "reload", "fallback"]
-"""How a worker writes one tensor (`SideReport.modes`)."""
+"""How a worker writes one tensor (`RankReport.modes`)."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class TensorReport:
 
 
 @dataclass(frozen=True)
-class SideReport:
+class RankReport:
     """What one rank reports at init."""
 
     rank: int
@@ -70,7 +69,8 @@ class InitInfo:
     prefix: str
     """Names the group: its store keys and its digests' label."""
     timeout_s: float
-    baseline_device: Literal["device", "pinned_cpu"]
+    sparse_baseline: BaselineDevice
+    """`SyncConfig.sparse_baseline`: where sparse rounds keep their baselines."""
     integrity: Integrity
     """The digest every transfer carries (`rl_sync.transport.digest`)."""
     interface: str

@@ -79,7 +79,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def read_all(actor) -> dict:
     """Run inside a worker actor: the bytes of its live destination tensors."""
-    return {name: as_bytes(d.view) for name, d in actor.held.items() if d.view is not None}
+    return {name: as_bytes(d.local) for name, d in actor.held.items() if d.local is not None}
 
 
 def expected(recipes, rank: int, version: int) -> dict:

@@ -249,7 +249,7 @@ def test_a_push_reported_failed_is_never_recorded_later_and_its_retry_is_taken(r
 
 
 def _move_destination(actor) -> None:
-    live = actor.held["w"].view
+    live = actor.held["w"].local
     live.set_(torch.full_like(live, 0.5))  # the engine reallocated its weight: new storage, same object
 
 

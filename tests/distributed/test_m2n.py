@@ -132,7 +132,7 @@ def test_repeated_rounds_replay_one_compiled_program(ray_session):
 
 def _as_parameters(actor) -> None:
     """Run in a worker: hold every destination as an `nn.Parameter` requiring grad (as models do)."""
-    actor.held = {n: replace(d, view=torch.nn.Parameter(d.view)) for n, d in actor.held.items()}
+    actor.held = {n: replace(d, local=torch.nn.Parameter(d.local)) for n, d in actor.held.items()}
 
 
 def test_parameters_that_require_grad_take_every_mode(ray_session):

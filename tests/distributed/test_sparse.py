@@ -67,7 +67,7 @@ def shards(actor) -> dict:
 
 
 def live(actor) -> dict:
-    return {n: d.view.clone().view(torch.int16) for n, d in actor.held.items()}
+    return {n: d.local.clone().view(torch.int16) for n, d in actor.held.items()}
 
 
 @pytest.mark.parametrize("mode", ["sparse", "auto"])

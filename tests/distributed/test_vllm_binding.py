@@ -152,12 +152,12 @@ def _bind_and_write(directory: str, state: dict[str, torch.Tensor], rank: int,
         binding = VllmBinding.build(model, config.model_config, checkpoint, engine_rank(), sharded={})
         disagree = _binder_disagrees(directory, checkpoint, binding.destinations, ep)
         for name, dest in binding.destinations.items():
-            if dest.fallback or dest.view is None:
+            if dest.fallback or dest.local is None:
                 continue
             part = parse_part(name)
             whole = state[name] if part is None else state[part[0]].narrow(part[1], part[2], part[3] - part[2])
             box = dest.layout.local_box(dest.shape, rank)
-            dest.view.copy_(whole[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])
+            dest.local.copy_(whole[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])
         if binding.fallbacks:
             binding.processor.load_fallbacks([(n, state[n].to(torch.bfloat16)) for n in binding.fallbacks])
         binding.processor.after_update(None)

@@ -71,7 +71,7 @@ def worker_build(rank: int, size: int):
 
 
 def read(actor) -> dict:
-    return {n: d.view.detach().cpu().contiguous().view(torch.int16) for n, d in actor.held.items()}
+    return {n: d.local.detach().cpu().contiguous().view(torch.int16) for n, d in actor.held.items()}
 
 
 def expected(rank: int, size: int, version: int) -> dict:

@@ -22,7 +22,7 @@ def vmm_worker(shareable: bool):
     def build(rank: int, size: int):
         out = builders.worker_build(rank, size)
         parts = builders.FUSED["qkv"]
-        rows = sum(out[p].view.shape[0] for p in parts)
+        rows = sum(out[p].local.shape[0] for p in parts)
         buffer = VmmBuffer(64 * MIB, torch.cuda.current_device(), chunks=2, shareable=shareable)
         start = buffer.chunk - 64 * 1024
         fused = buffer.tensor((start // 2 + rows * builders.HIDDEN,), torch.bfloat16)[start // 2:]
@@ -30,7 +30,7 @@ def vmm_worker(shareable: bool):
         fused.fill_(float("nan"))
         row = 0
         for p in parts:
-            n = out[p].view.shape[0]
+            n = out[p].local.shape[0]
             out[p] = builders.Destination(fused[row:row + n], builders.dst_layout(p, size), builders.SHAPES[p],
                                           torch.bfloat16)
             row += n
@@ -135,7 +135,7 @@ def test_vmm_memory_beside_the_caching_allocator_and_released_and_reallocated_be
 
 
 def _qkv_untouched(actor) -> bool:
-    return all(bool(torch.isnan(actor.held[p].view).all()) for p in builders.FUSED["qkv"])
+    return all(bool(torch.isnan(actor.held[p].local).all()) for p in builders.FUSED["qkv"])
 
 
 POOL = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}

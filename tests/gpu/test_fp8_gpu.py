@@ -57,7 +57,7 @@ def fp8_workers(block: tuple[int, int], replicated: bool):
 
 
 def _read(actor) -> dict:
-    return {n: d.view.detach().cpu().contiguous().view(torch.uint8) for n, d in actor.held.items()}
+    return {n: d.local.detach().cpu().contiguous().view(torch.uint8) for n, d in actor.held.items()}
 
 
 @pytest.mark.parametrize("count, block, replicated", [(1, (64, 64), False), (2, (96, 64), True)],

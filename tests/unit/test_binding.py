@@ -48,7 +48,7 @@ def _bind_all(cfg: ModelConfig, par: Parallel, state: dict[str, torch.Tensor]) -
         for name, dest in binding.destinations.items():
             box = dest.layout.local_box(dest.shape, rank)
             if box is not None:
-                dest.view.copy_(state[name][tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])
+                dest.local.copy_(state[name][tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])
         models.append(model)
     return models
 
@@ -107,14 +107,14 @@ def test_unbindable_names_are_listed_or_fall_back():
         Binder(MOE, Parallel(tp=2)).bind(checkpoint, model.params, 0)
     binding = Binder(MOE, Parallel(tp=2)).bind(checkpoint, model.params, 0, allow_fallback=True)
     assert binding.fallbacks == ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.gate_up_proj")
-    assert binding.destinations[binding.fallbacks[0]].view.shape == (4, 32, 32)
+    assert binding.destinations[binding.fallbacks[0]].local.shape == (4, 32, 32)
 
 
 def test_user_rules_come_first():
     rule = Rule(r"model\.norm\.weight", "model.layers.0.input_layernorm.weight", "replicated")
     model = TPModel(QWEN3, Parallel(), 0)
     binding = Binder(QWEN3, Parallel(), [rule]).bind({"model.norm.weight": (torch.float32, (32,))}, model.params, 0)
-    assert binding.destinations["model.norm.weight"].view.data_ptr() == model.params["model.layers.0.input_layernorm.weight"].data_ptr()
+    assert binding.destinations["model.norm.weight"].local.data_ptr() == model.params["model.layers.0.input_layernorm.weight"].data_ptr()
 
 
 def test_dtype_mismatch_is_named():

@@ -51,10 +51,10 @@ def test_fused_slots_and_their_scales_sit_where_vllm_puts_them(tp):
                 name = f"{L0}.{'self_attn' if slots == 'qkv' else 'mlp'}.{slot}_proj.weight"
                 value, scale = dests[name], dests[scale_name(name)]
                 assert value.dtype == torch.float8_e4m3fn and value.block == cfg.fp8_block
-                offset, size = _row(value.view, values), value.view.shape[0]
+                offset, size = _row(value.local, values), value.local.shape[0]
                 want_size, want_offset = linear.adjust_block_scale_shard(cfg.fp8_block, size, offset)
-                assert (scale.view.shape[0], _row(scale.view, scales)) == (want_size, want_offset), name
-                assert scale.view.shape[1] == scales.shape[1] and scale.dtype == torch.float32
+                assert (scale.local.shape[0], _row(scale.local, scales)) == (want_size, want_offset), name
+                assert scale.local.shape[1] == scales.shape[1] and scale.dtype == torch.float32
     assert "model.embed_tokens.weight" in dests and dests["model.embed_tokens.weight"].block == ()
 
 

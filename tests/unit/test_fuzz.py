@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from rl_sync.engine import sparse_codec
 from rl_sync.planning.layout import Layout, Mesh, Shard
-from rl_sync.wire.messages import InitInfo, RankStats, RoundInfo, SideReport, TensorReport
+from rl_sync.wire.messages import InitInfo, RankStats, RoundInfo, RankReport, TensorReport
 from rl_sync.planning.plan import TensorSpec, plan_model
 from rl_sync.wire.plan_info import LayoutInfo, PlanInfo
 from rl_sync.planning.schedule import build_schedule
@@ -29,12 +29,12 @@ EXPORT = IpcExport("uuid", REGIONS, (IpcTensor("w", 0, 512, (4, 2), (2, 1), "bfl
                    b"t" * 32)
 SAMPLES = [
     InitInfo(rank=1, world_size=4, num_trainers=2, worker_ranks=(2, 3), transport="gloo", rendezvous=encode(GLOO),
-             prefix="p", timeout_s=5.0, baseline_device="device", integrity="keyed", interface="", secret=b"s" * 32),
+             prefix="p", timeout_s=5.0, sparse_baseline="device", integrity="keyed", interface="", secret=b"s" * 32),
     RoundInfo(3, "sparse", ("a", "b"), 10.0, True),
     RankStats(rank=0, role="trainer", version=1, mode="m2n", seconds=0.5, sent_bytes=10, received_bytes=0,
               zero_copy_bytes=10, staged_bytes=0, local_bytes=0, messages=1, buckets=1, staging_bytes=0,
               baseline_bytes=0, dense_bytes=0, changed_elements=0, encodings={"indices": 1}, fallbacks=0),
-    SideReport(0, "cpu", "", (TensorReport("w", "bfloat16", (4, 2), LAYOUT),), {"w": "reload"}, 16),
+    RankReport(0, "cpu", "", (TensorReport("w", "bfloat16", (4, 2), LAYOUT),), {"w": "reload"}, 16),
     EXPORT,
     GLOO,
     NcclRendezvous(tuple(range(128)), tuple(range(128, 256))),

@@ -145,7 +145,7 @@ def test_synthetic_names_bind_into_the_runtime_model(model):
             assert set(binding.destinations) == set(specs), (model, par)
             for name, dest in binding.destinations.items():
                 box = specs[name].dst.local_box(specs[name].shape, TRAINERS + rank)
-                held = None if dest.view is None else tuple(dest.view.shape)
+                held = None if dest.local is None else tuple(dest.local.shape)
                 assert held == (None if box is None else box.sizes), (model, par, name)
                 assert str(dest.dtype).removeprefix("torch.") == specs[name].dtype, (model, par, name)
 

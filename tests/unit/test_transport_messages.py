@@ -26,7 +26,7 @@ KNOWN = "cuda_ipc, gloo, local, nccl"
 
 def _info(transport: str, rendezvous: bytes, world_size: int = 1) -> InitInfo:
     return InitInfo(rank=0, world_size=world_size, num_trainers=1, worker_ranks=(0,), transport=transport,
-                    rendezvous=rendezvous, prefix="p", timeout_s=5.0, baseline_device="device", integrity="off",
+                    rendezvous=rendezvous, prefix="p", timeout_s=5.0, sparse_baseline="device", integrity="off",
                     interface="", secret=b"s" * 32)
 
 
