@@ -12,12 +12,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _WHERE = {
-    "SyncError": ".calls", "SyncTrainerMixin": ".trainer_mixin", "SyncWorkerMixin": ".worker_mixin",
-    "SyncPlacement": ".placement", "VllmEngine": ".vllm", "VllmService": ".service", "WeightSync": ".weight_sync",
+    "SyncError": ".calls",
+    "SyncTrainerMixin": ".trainer_mixin",
+    "SyncWorkerMixin": ".worker_mixin",
+    "SyncPlacement": ".placement",
+    "VllmEngine": ".vllm",
+    "VllmService": ".service",
+    "WeightSync": ".weight_sync",
 }
 
-__all__ = ["SyncError", "SyncPlacement", "SyncTrainerMixin", "SyncWorkerMixin", "VllmEngine", "VllmService",
-           "WeightSync"]
+__all__ = [
+    "SyncError",
+    "SyncPlacement",
+    "SyncTrainerMixin",
+    "SyncWorkerMixin",
+    "VllmEngine",
+    "VllmService",
+    "WeightSync",
+]
 
 if TYPE_CHECKING:
     from .calls import SyncError

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rl_sync.wire.messages import RankReport, TensorReport
 from rl_sync.planning.parts import check_parts, parse_part, part_name, part_shape
 from rl_sync.planning.plan import SideSpec
+from rl_sync.wire.messages import RankReport, TensorReport
 
 
 def _describe(t: TensorReport) -> str:
@@ -40,8 +40,10 @@ def merge_sources(trainers: Sequence[RankReport]) -> list[SideSpec]:
     for report in trainers:
         for t in report.tensors:
             if max(t.layout.ranks) >= len(trainers):
-                raise ValueError(f"trainer rank {report.rank}: tensor {t.name!r} is laid out over ranks "
-                                 f"{list(t.layout.ranks)[:8]}, past the {len(trainers)} trainers passed to WeightSync")
+                raise ValueError(
+                    f"trainer rank {report.rank}: tensor {t.name!r} is laid out over ranks "
+                    f"{list(t.layout.ranks)[:8]}, past the {len(trainers)} trainers passed to WeightSync"
+                )
             if t.name in seen and seen[t.name][0] != t:
                 first, rank = seen[t.name]
                 raise ValueError(
@@ -84,6 +86,12 @@ def split_sources(sources: Sequence[SideSpec], worker_names: Sequence[str]) -> l
             continue
         check_parts(spec.name, spec.shape, spec.layout, parts[spec.name])
         for dim, start, stop in sorted(parts[spec.name], key=lambda p: p[1]):
-            out.append(SideSpec(part_name(spec.name, dim, start, stop), spec.dtype, part_shape(spec.shape, dim, start, stop),
-                                spec.layout))
+            out.append(
+                SideSpec(
+                    part_name(spec.name, dim, start, stop),
+                    spec.dtype,
+                    part_shape(spec.shape, dim, start, stop),
+                    spec.layout,
+                )
+            )
     return out

@@ -17,10 +17,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from rl_sync.wire.stats import RoundStats
 from rl_sync.config.sync import SyncConfig
 from rl_sync.models.config import ModelConfig, Parallel
 from rl_sync.models.synthetic import TrainerParallel, model_specs
+from rl_sync.wire.stats import RoundStats
 
 from .placement import SyncPlacement
 from .ready import InferenceWorker, TrainerActor
@@ -29,8 +29,9 @@ from .weight_sync import WeightSync
 
 
 def _default_shape() -> ModelConfig:
-    return ModelConfig(family="llama", layers=8, hidden=768, intermediate=2048, vocab=32000, heads=12, kv_heads=12,
-                       head_dim=64)
+    return ModelConfig(
+        family="llama", layers=8, hidden=768, intermediate=2048, vocab=32000, heads=12, kv_heads=12, head_dim=64
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +72,10 @@ def run(cfg: BenchConfig, console: Console | None = None) -> dict[str, list[Roun
     placement = SyncPlacement.create(t, e, tp, cpus=cfg.cpus_per_actor)
     Trainer, Worker = ray.remote(TrainerActor), ray.remote(InferenceWorker)
     trainers = [Trainer.options(**placement.trainer(i)).remote(i, t, trainer_build(specs)) for i in range(t)]
-    workers = [Worker.options(**placement.worker(k // tp, k % tp)).remote(k, e * tp, worker_build(specs, t)) for k in range(e * tp)]
+    workers = [
+        Worker.options(**placement.worker(k // tp, k % tp)).remote(k, e * tp, worker_build(specs, t))
+        for k in range(e * tp)
+    ]
     rounds: dict[str, list[RoundStats]] = {}
     try:
         sync = WeightSync.create(trainers, workers, cfg.sync)
@@ -91,8 +95,12 @@ def run(cfg: BenchConfig, console: Console | None = None) -> dict[str, list[Roun
             ray.kill(actor)
         placement.remove()
     params = sum(s.nbytes for s in specs) / 2
-    console.print(table(rounds, f"{params / 1e6:.0f}M bf16 parameters, {t} FSDP trainers -> {e} engines x TP{tp}, "
-                                f"median of {cfg.repeat}"))
+    console.print(
+        table(
+            rounds,
+            f"{params / 1e6:.0f}M bf16 parameters, {t} FSDP trainers -> {e} engines x TP{tp}, median of {cfg.repeat}",
+        )
+    )
     return rounds
 
 
@@ -102,8 +110,14 @@ def table(rounds: dict[str, list[RoundStats]], title: str) -> Table:
         out.add_column(column, justify="right")
     for mode, stats in rounds.items():
         mid = sorted(stats, key=lambda s: s.seconds)[len(stats) // 2]
-        out.add_row(mode, f"{mid.busiest_sender_bytes / 1e6:.2f} MB", f"{mid.worker_received_bytes / 1e6:.2f} MB",
-                    f"{mid.total_bytes / 1e6:.2f} MB", f"{statistics.median(s.seconds for s in stats):.3f}", f"{mid.gbps:.2f}")
+        out.add_row(
+            mode,
+            f"{mid.busiest_sender_bytes / 1e6:.2f} MB",
+            f"{mid.worker_received_bytes / 1e6:.2f} MB",
+            f"{mid.total_bytes / 1e6:.2f} MB",
+            f"{statistics.median(s.seconds for s in stats):.3f}",
+            f"{mid.gbps:.2f}",
+        )
     return out
 
 

@@ -85,6 +85,8 @@ class Budget:
         end, seconds, what = self._deadline
         left = end - time.monotonic()
         if left <= 0 and at_least is None:
-            raise SyncError(f"{what} ran out of its {seconds:g} s budget (WeightSync timeout_s) before it was done; "
-                            "nothing was recorded as applied")
+            raise SyncError(
+                f"{what} ran out of its {seconds:g} s budget (WeightSync timeout_s) before it was done; "
+                "nothing was recorded as applied"
+            )
         return min(step_s, max(left, at_least or 0.0))

@@ -22,9 +22,9 @@ from rl_sync.config.load import apply_overrides, from_dict, load_config
 
 COMMANDS = {
     "plan": "plan a synthetic model (no Ray, no communication); print planning time, memory, message size, "
-            "and bytes per rank against the broadcast baseline",
+    "and bytes per rank against the broadcast baseline",
     "demo": "run the quickstart: FSDP2 trainers push a transformers model into tensor-parallel engines, "
-            "every tensor checked bit-exact, M2N and broadcast side by side",
+    "every tensor checked bit-exact, M2N and broadcast side by side",
     "bench": "time M2N, sparse and broadcast rounds on a synthetic model over Ray actors; optional PNG chart",
 }
 
@@ -47,8 +47,9 @@ def _plan(args, overrides) -> int:
     links = load_config(args.links, LinkModel, ()) if args.links else None
     with Progress(transient=True) as progress:
         task = progress.add_task("planning", total=len(STEPS))
-        report = plan_report(cfg, lambda name: progress.update(task, description=name, completed=STEPS.index(name)),
-                             links)
+        report = plan_report(
+            cfg, lambda name: progress.update(task, description=name, completed=STEPS.index(name)), links
+        )
     print(format_report(Path(args.config).stem, report))
     return 0
 
@@ -77,13 +78,19 @@ def _bench(args, overrides) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rl-sync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="rl-sync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, run in (("plan", _plan), ("demo", _demo), ("bench", _bench)):
         sub = commands.add_parser(name, help=COMMANDS[name], description=COMMANDS[name])
-        sub.add_argument("config", nargs="?", help=f"YAML file (e.g. configs/{'plan_dense_8b' if name == 'plan' else name}.yaml)")
+        sub.add_argument(
+            "config", nargs="?", help=f"YAML file (e.g. configs/{'plan_dense_8b' if name == 'plan' else name}.yaml)"
+        )
         if name == "plan":
-            sub.add_argument("--links", default=None, help="YAML link model (rl_sync.planning.simulate.LinkModel): predict a round")
+            sub.add_argument(
+                "--links", default=None, help="YAML link model (rl_sync.planning.simulate.LinkModel): predict a round"
+            )
         if name != "plan":
             sub.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else local)")
         if name == "bench":

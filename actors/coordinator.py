@@ -26,28 +26,28 @@ from dataclasses import replace
 
 import ray
 
-from rl_sync.wire.messages import InitInfo, RankStats, RoundInfo, RankReport, WriteMode
-from rl_sync.planning.parts import parse_part, sharded_dims
-from rl_sync.sparse.patches import check_patch, route_patch
-from rl_sync.planning.plan import SideSpec, join_specs, plan_model
-from rl_sync.sparse.auto import AutoPolicy, RoundCost
-from rl_sync.sparse.refresh import RefreshPolicy
-from rl_sync.planning.quant import scale_name, scaled_name
-from rl_sync.wire.plan_info import PlanInfo
 from rl_sync.config.push_args import check_mode, repeated_names
+from rl_sync.config.sync import Mode, SyncConfig
+from rl_sync.planning.parts import parse_part, sharded_dims
+from rl_sync.planning.plan import SideSpec, join_specs, plan_model
+from rl_sync.planning.quant import scale_name, scaled_name
+from rl_sync.planning.schedule import build_schedule
 from rl_sync.rank.address import interface_address
 from rl_sync.rank.claim import GroupTag
 from rl_sync.rank.side import DescribeOptions
 from rl_sync.rendezvous import StoreServer, new_secret
-from rl_sync.planning.schedule import build_schedule
-from rl_sync.wire.stats import RoundStats, SyncSummary
-from rl_sync.config.sync import Mode, SyncConfig
-from rl_sync.vllm.service import Rendezvous
-from rl_sync.wire.codec import decode, encode
+from rl_sync.sparse.auto import AutoPolicy, RoundCost
+from rl_sync.sparse.patches import check_patch, route_patch
+from rl_sync.sparse.refresh import RefreshPolicy
 from rl_sync.transport.cuda_ipc import IpcExport, IpcRendezvous
 from rl_sync.transport.gloo import GlooRendezvous
 from rl_sync.transport.local import LocalRendezvous
 from rl_sync.transport.nccl import NcclRendezvous
+from rl_sync.vllm.service import Rendezvous
+from rl_sync.wire.codec import decode, encode
+from rl_sync.wire.messages import InitInfo, RankReport, RankStats, RoundInfo, WriteMode
+from rl_sync.wire.plan_info import PlanInfo
+from rl_sync.wire.stats import RoundStats, SyncSummary
 
 from .agreement import check_agreement, colocated_mates, merge_sources, split_sources
 from .calls import Budget, SyncError
@@ -67,8 +67,11 @@ def _listen(host: str, port: int) -> socket.socket:
 def _colocated(info: InitInfo, export: bytes) -> InitInfo:
     """`info` for a trainer whose worker shares its GPU: `cuda_ipc`, with the worker's export,
     over the transport the trainers' group uses."""
-    return replace(info, transport="cuda_ipc",
-                   rendezvous=encode(IpcRendezvous(decode(IpcExport, export), info.transport, info.rendezvous)))
+    return replace(
+        info,
+        transport="cuda_ipc",
+        rendezvous=encode(IpcRendezvous(decode(IpcExport, export), info.transport, info.rendezvous)),
+    )
 
 
 def _write_modes(workers: list[RankReport]) -> dict[str, WriteMode]:
@@ -123,22 +126,34 @@ class Coordinator:
         self._secret = new_secret()
         self.reply = self._reply_store()
         asked = DescribeOptions(group=self.tag)
-        blobs = gather(self.trainers, lambda m: m.describe("trainer", self.trainers.index(m), T, asked, None),
-                       self.budget.left(cfg.init_timeout_s), "init (describe trainers)")
+        blobs = gather(
+            self.trainers,
+            lambda m: m.describe("trainer", self.trainers.index(m), T, asked, None),
+            self.budget.left(cfg.init_timeout_s),
+            "init (describe trainers)",
+        )
         trainer_reports = [decode(RankReport, b) for b in blobs]
         sources = merge_sources(trainer_reports)
-        options = DescribeOptions(group=self.tag, checkpoint={s.name: (s.dtype, tuple(s.shape)) for s in sources},
-                                  sharded={s.name: tuple(sorted(sharded_dims(s.layout))) for s in sources},
-                                  double_buffer=cfg.double_buffer)
-        blobs = gather(self.workers, lambda m: m.describe("worker", self.firsts[self.workers.index(m)], N, options,
-                                                          self.reply), self.budget.left(cfg.init_timeout_s),
-                       "init (bind workers)")
+        options = DescribeOptions(
+            group=self.tag,
+            checkpoint={s.name: (s.dtype, tuple(s.shape)) for s in sources},
+            sharded={s.name: tuple(sorted(sharded_dims(s.layout))) for s in sources},
+            double_buffer=cfg.double_buffer,
+        )
+        blobs = gather(
+            self.workers,
+            lambda m: m.describe("worker", self.firsts[self.workers.index(m)], N, options, self.reply),
+            self.budget.left(cfg.init_timeout_s),
+            "init (bind workers)",
+        )
         reports = trainer_reports + [decode(RankReport, b) for b in blobs]
         self._choose_colocation(reports[:T], reports[T:])
         check_agreement(reports[T:], ranks=self.worker_ranks)
         sources = split_sources(sources, [t.name for t in reports[T].tensors])
-        destinations = [SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout().remapped(self.worker_ranks), t.block)
-                        for t in reports[T].tensors]
+        destinations = [
+            SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout().remapped(self.worker_ranks), t.block)
+            for t in reports[T].tensors
+        ]
         colocated = any(r < T for r in self.worker_ranks)
         plan = plan_model(join_specs(sources, destinations), colocated=colocated)
         self.schedule = build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes, cfg.relay)
@@ -150,8 +165,9 @@ class Coordinator:
                 self.parts.setdefault(found[0], []).append(name)
         self.quantized = {plan.specs[i].name: [plan.specs[i].name, scale_name(plan.specs[i].name)] for i in plan.blocks}
         world = sum(m.size for m in self.ranks)
-        devices = [r.device for r in reports[:T]] + [reports[T + self.worker_ranks.index(r)].device
-                                                    for r in range(T, world)]
+        devices = [r.device for r in reports[:T]] + [
+            reports[T + self.worker_ranks.index(r)].device for r in range(T, world)
+        ]
         info = self._init_info(devices)
         self._connect(info, devices, [r.device for r in reports[T:]])
         return self._summary(info, colocated, reports[T:], time.perf_counter() - start)
@@ -160,18 +176,30 @@ class Coordinator:
         plan, modes = self.schedule.plan, _write_modes(workers)
         fallbacks = tuple(sorted(n for n, m in modes.items() if m == "fallback"))
         return SyncSummary(
-            tensors=len(plan), buckets=self.schedule.num_buckets, transport=info.transport, cuda_ipc=self.ipc,
-            world_size=sum(m.size for m in self.ranks), colocated=colocated, relay=self.schedule.relay_choice,
-            plan_bytes=plan.stats.total_bytes, local_copy_bytes=plan.stats.local_copy_bytes,
-            broadcast_bytes=plan.stats.broadcast_bytes, fallbacks=fallbacks, modes=modes,
-            kept_bytes=tuple(r.kept_bytes for r in workers), seconds=seconds)
+            tensors=len(plan),
+            buckets=self.schedule.num_buckets,
+            transport=info.transport,
+            cuda_ipc=self.ipc,
+            world_size=sum(m.size for m in self.ranks),
+            colocated=colocated,
+            relay=self.schedule.relay_choice,
+            plan_bytes=plan.stats.total_bytes,
+            local_copy_bytes=plan.stats.local_copy_bytes,
+            broadcast_bytes=plan.stats.broadcast_bytes,
+            fallbacks=fallbacks,
+            modes=modes,
+            kept_bytes=tuple(r.kept_bytes for r in workers),
+            seconds=seconds,
+        )
 
     def _choose_colocation(self, trainers: list[RankReport], workers: list[RankReport]) -> None:
         mode = self.config.colocate
         mates = None if mode == "off" else colocated_mates(trainers, workers)
         if mode == "ipc" and mates is None:
-            raise ValueError("colocate='ipc' needs every worker on the same GPU as exactly one trainer "
-                             "(fractional GPUs in one placement-group bundle)")
+            raise ValueError(
+                "colocate='ipc' needs every worker on the same GPU as exactly one trainer "
+                "(fractional GPUs in one placement-group bundle)"
+            )
         if mates is not None:
             self.ipc, self.worker_ranks, self.ranks = True, tuple(mates), list(self.trainers)
             self._close_store()
@@ -181,8 +209,10 @@ class Coordinator:
         plan_ref = ray.put(encode(PlanInfo.from_schedule(self.schedule), compress=True))
         world = sum(m.size for m in self.ranks)
         exports = dict(zip(self.worker_ranks, self._ipc_exports(worker_devices))) if self.ipc else {}
-        inits = [encode(_colocated(replace(info, rank=i), exports[i]) if i in exports else replace(info, rank=i))
-                 for i in range(world)]
+        inits = [
+            encode(_colocated(replace(info, rank=i), exports[i]) if i in exports else replace(info, rank=i))
+            for i in range(world)
+        ]
         firsts = self._rank_firsts()
 
         def connect(member):
@@ -196,15 +226,21 @@ class Coordinator:
         (there is no other path: NCCL cannot join two ranks on one GPU)."""
         timeout = self.config.init_timeout_s
         try:
-            return gather(self.workers, lambda m: m.ipc_export(self._slice(worker_devices, m), timeout),
-                          self.budget.left(timeout), "init (CUDA IPC export)")
+            return gather(
+                self.workers,
+                lambda m: m.ipc_export(self._slice(worker_devices, m), timeout),
+                self.budget.left(timeout),
+                "init (CUDA IPC export)",
+            )
         except SyncError as exc:
             if "IpcUnavailable" not in str(exc):
                 raise
-            raise SyncError(f"{exc}\nEvery worker shares its GPU with a trainer, so CUDA IPC is the only path between "
-                            "them (NCCL cannot join two ranks on one GPU). Allocate the workers' weights with "
-                            "PyTorch's caching allocator (expandable segments included) or VMM memory created with "
-                            "a POSIX file-descriptor handle type, or give the workers GPUs of their own.") from None
+            raise SyncError(
+                f"{exc}\nEvery worker shares its GPU with a trainer, so CUDA IPC is the only path between "
+                "them (NCCL cannot join two ranks on one GPU). Allocate the workers' weights with "
+                "PyTorch's caching allocator (expandable segments included) or VMM memory created with "
+                "a POSIX file-descriptor handle type, or give the workers GPUs of their own."
+            ) from None
 
     def _rank_firsts(self) -> dict[int, int]:
         """The first group rank of each member that runs rounds."""
@@ -216,7 +252,7 @@ class Coordinator:
 
     def _slice(self, per_worker_rank: list, member) -> list:
         first = self.firsts[self.workers.index(member)]
-        return per_worker_rank[first:first + member.size]
+        return per_worker_rank[first : first + member.size]
 
     def _reply_store(self) -> Rendezvous | None:
         """The rendezvous store, opened at init when Gloo or a vLLM engine service needs it (a
@@ -229,15 +265,18 @@ class Coordinator:
 
     def _open_store(self) -> tuple[str, int]:
         cfg = self.config
-        host = cfg.rendezvous_host or (interface_address(cfg.interface) if cfg.interface
-                                       else ray.util.get_node_ip_address())
+        host = cfg.rendezvous_host or (
+            interface_address(cfg.interface) if cfg.interface else ray.util.get_node_ip_address()
+        )
         try:
             sock = _listen(host, cfg.rendezvous_port)
         except OSError as exc:
             setting = "SyncConfig.rendezvous_host" if cfg.rendezvous_host else "the coordinator's Ray node address"
-            raise ValueError(f"the rendezvous store cannot listen on {host}:{cfg.rendezvous_port} ({setting}, with "
-                             f"SyncConfig.rendezvous_port): {exc.strerror or exc}; give an address of the "
-                             "coordinator's node") from None
+            raise ValueError(
+                f"the rendezvous store cannot listen on {host}:{cfg.rendezvous_port} ({setting}, with "
+                f"SyncConfig.rendezvous_port): {exc.strerror or exc}; give an address of the "
+                "coordinator's node"
+            ) from None
         self._store = StoreServer(sock, self._secret)
         return host, self._store.port
 
@@ -250,10 +289,20 @@ class Coordinator:
         cfg, T = self.config, len(self.trainers)
         world = sum(m.size for m in self.ranks)
         transport, rendezvous = self._rendezvous(world, all(d.startswith("cuda") for d in devices))
-        return InitInfo(rank=0, world_size=world, num_trainers=T, worker_ranks=self.worker_ranks,
-                        transport=transport, rendezvous=encode(rendezvous), prefix=f"rl-sync-{uuid.uuid4().hex[:12]}",
-                        timeout_s=cfg.round_timeout_s, sparse_baseline=cfg.sparse_baseline,
-                        integrity=cfg.integrity, interface=cfg.interface or "", secret=self._secret)
+        return InitInfo(
+            rank=0,
+            world_size=world,
+            num_trainers=T,
+            worker_ranks=self.worker_ranks,
+            transport=transport,
+            rendezvous=encode(rendezvous),
+            prefix=f"rl-sync-{uuid.uuid4().hex[:12]}",
+            timeout_s=cfg.round_timeout_s,
+            sparse_baseline=cfg.sparse_baseline,
+            integrity=cfg.integrity,
+            interface=cfg.interface or "",
+            secret=self._secret,
+        )
 
     def _rendezvous(self, world: int, on_cuda: bool) -> tuple[str, LocalRendezvous | NcclRendezvous | GlooRendezvous]:
         """The group's transport and its rendezvous message: `local` for one rank; NCCL when asked
@@ -267,15 +316,18 @@ class Coordinator:
         if nccl is not None:
             return "nccl", nccl
         if cfg.transport == "nccl":
-            raise SyncError("transport 'nccl' was asked for, but trainer 0 cannot create an NCCL id (is CuPy installed?)")
+            raise SyncError(
+                "transport 'nccl' was asked for, but trainer 0 cannot create an NCCL id (is CuPy installed?)"
+            )
         host, port = (self.reply.host, self.reply.port) if self.reply is not None else self._open_store()
         return "gloo", GlooRendezvous(host, port)
 
     def _nccl_rendezvous(self) -> NcclRendezvous | None:
         """Two fresh NCCL ids from trainer 0 (p2p group, broadcast group), or None without NCCL."""
         try:
-            ids = ray.get(self.trainers[0].handle._rl_sync_nccl_ids.remote(),
-                          timeout=self.budget.left(self.config.init_timeout_s))
+            ids = ray.get(
+                self.trainers[0].handle._rl_sync_nccl_ids.remote(), timeout=self.budget.left(self.config.init_timeout_s)
+            )
         except ray.exceptions.RayError:
             return None
         return NcclRendezvous(tuple(ids[0]), tuple(ids[1]))
@@ -285,8 +337,9 @@ class Coordinator:
         block-quantized one its values and its scales."""
         if names is None:
             return None
-        return list(dict.fromkeys(p for n in names for p in self.parts.get(n) or self.quantized.get(scaled_name(n))
-                                  or [n]))
+        return list(
+            dict.fromkeys(p for n in names for p in self.parts.get(n) or self.quantized.get(scaled_name(n)) or [n])
+        )
 
     def _check_push(self, version: int | None, names: list[str] | None, mode: str | None) -> tuple[int, Mode]:
         """The round's version and requested mode, or `ValueError`; changes nothing."""
@@ -295,8 +348,10 @@ class Coordinator:
             raise ValueError(f"push: version {version} is not newer than the last applied version {self.version}")
         unknown = [n for n in names or () if n not in self.names]
         if unknown:
-            raise ValueError(f"push: tensors {unknown[:5]} were not declared at init; the round may carry only "
-                             f"names the trainers declared ({len(self.names)} of them)")
+            raise ValueError(
+                f"push: tensors {unknown[:5]} were not declared at init; the round may carry only "
+                f"names the trainers declared ({len(self.names)} of them)"
+            )
         return version, check_mode(mode) or self.config.mode
 
     def repair(self, budget_s: float | None = None) -> SyncSummary:
@@ -330,10 +385,12 @@ class Coordinator:
                 return
             if len(restarting) < len(failures) or time.monotonic() + 0.5 > deadline:
                 error = failed("repair (are the actors alive?)", failures, len(self.trainers + self.workers), timeout)
-                raise SyncError(f"{error}\nReplace a dead worker first with replace_worker(index, new_actor) (a "
-                                "vLLM engine rank cannot rejoin its engine's tensor-parallel group: launch the "
-                                "engine again and replace every one of its ranks); a dead trainer must be "
-                                "restarted with its state.") from error.__cause__
+                raise SyncError(
+                    f"{error}\nReplace a dead worker first with replace_worker(index, new_actor) (a "
+                    "vLLM engine rank cannot rejoin its engine's tensor-parallel group: launch the "
+                    "engine again and replace every one of its ranks); a dead trainer must be "
+                    "restarted with its state."
+                ) from error.__cause__
             members = restarting
             time.sleep(0.5)  # Ray is restarting them: they answer once they are back
 
@@ -350,8 +407,9 @@ class Coordinator:
         self._assign_ranks()
         self.broken = self.broken or f"worker {index} replaced"
 
-    def push(self, version: int | None, names: list[str] | None, mode: str | None,
-             budget_s: float | None = None) -> RoundStats:
+    def push(
+        self, version: int | None, names: list[str] | None, mode: str | None, budget_s: float | None = None
+    ) -> RoundStats:
         """Run one round on every rank (repairing first if an earlier one failed), all of it within
         `budget_s` seconds: the driver waits that long, so a round it was told failed is never
         recorded later. See the module docstring."""
@@ -414,13 +472,22 @@ class Coordinator:
         """The round's steps, each bounded by the round timeout (plus 5 s for the ranks to report)
         and by what the push's budget has left."""
         step = self.config.round_timeout_s + 5
-        results = [decode(RankStats, r) for r in gather(self.ranks, lambda m: m.run(blob, version, self.reply),
-                                                        self.budget.left(step), what)]
+        results = [
+            decode(RankStats, r)
+            for r in gather(self.ranks, lambda m: m.run(blob, version, self.reply), self.budget.left(step), what)
+        ]
         if self.ipc:
             gather(self.workers, lambda m: m.ipc_end(version, names), self.budget.left(step), what)
-            results += [replace(results[r], rank=r, role="worker", sent_bytes=0,
-                                received_bytes=results[r].received_bytes + results[r].local_bytes)
-                        for r in self.worker_ranks]
+            results += [
+                replace(
+                    results[r],
+                    rank=r,
+                    role="worker",
+                    sent_bytes=0,
+                    received_bytes=results[r].received_bytes + results[r].local_bytes,
+                )
+                for r in self.worker_ranks
+            ]
         if self.config.double_buffer:
             gather(self.workers, lambda m: m.commit(version, self.reply), self.budget.left(step), f"{what} commit")
         return results
@@ -435,8 +502,12 @@ class Coordinator:
             if moved:
                 firsts = self._rank_firsts()
                 owner = {firsts[id(m)]: m for m in self.ranks}
-                gather([owner[r] for r in moved], lambda m: m.ipc_remap(moved[firsts[id(m)]]),
-                       self.budget.left(step), f"{what}: mapping moved worker memory")
+                gather(
+                    [owner[r] for r in moved],
+                    lambda m: m.ipc_remap(moved[firsts[id(m)]]),
+                    self.budget.left(step),
+                    f"{what}: mapping moved worker memory",
+                )
         except SyncError:
             self.broken = what
             raise
@@ -457,9 +528,11 @@ class Coordinator:
     def _push_patches(self, patches: list, version: int | None) -> int:
         self._check_patches(patches)
         if self.refresh.needs_full_round or self.broken is not None:
-            raise ValueError("push_patches: the workers do not hold a full copy of the weights yet (no full round "
-                             "since the group formed or was repaired), so patches would land on unrelated values; "
-                             "push() first")
+            raise ValueError(
+                "push_patches: the workers do not hold a full copy of the weights yet (no full round "
+                "since the group formed or was repaired), so patches would land on unrelated values; "
+                "push() first"
+            )
         version, _ = self._check_push(version, [p.name for p in patches], "m2n")
         plan = self.schedule.plan
         checked = {}
@@ -474,8 +547,12 @@ class Coordinator:
                     per_worker[j][name] = route_patch(index, values, spec.shape, box)
         self.refresh.patched()
         try:
-            gather(self.workers, lambda m: m.apply_patches(version, self._slice(per_worker, m)),
-                   self.budget.left(self.config.round_timeout_s), f"patches {version}")
+            gather(
+                self.workers,
+                lambda m: m.apply_patches(version, self._slice(per_worker, m)),
+                self.budget.left(self.config.round_timeout_s),
+                f"patches {version}",
+            )
         except SyncError:
             self.broken = f"patches {version}"
             raise
@@ -485,21 +562,28 @@ class Coordinator:
     def _check_patches(self, patches: list) -> None:
         """Refuse what patches cannot do right, before anything is sent."""
         if self.config.double_buffer:
-            raise ValueError("push_patches: not supported with double_buffer=True (patches would reach the shadow "
-                             "copies only); push(mode='sparse') sends only the changed elements")
+            raise ValueError(
+                "push_patches: not supported with double_buffer=True (patches would reach the shadow "
+                "copies only); push(mode='sparse') sends only the changed elements"
+            )
         names = [p.name for p in patches]
         repeated = repeated_names(names)
         if repeated:
-            raise ValueError(f"push_patches: several patches for {repeated[:5]} in one call; merge them into one "
-                             "patch per tensor")
+            raise ValueError(
+                f"push_patches: several patches for {repeated[:5]} in one call; merge them into one patch per tensor"
+            )
         in_parts = [n for n in names if n in self.parts]
         if in_parts:
-            raise ValueError(f"push_patches: {in_parts[:5]} are bound in parts on the workers (cut along a dim); "
-                             "patches into them are not supported, push(mode='sparse') is")
+            raise ValueError(
+                f"push_patches: {in_parts[:5]} are bound in parts on the workers (cut along a dim); "
+                "patches into them are not supported, push(mode='sparse') is"
+            )
         quantized = [n for n in names if n in self.quantized]
         if quantized:
-            raise ValueError(f"push_patches: {quantized[:5]} are kept block-quantized (FP8) on the workers; patches "
-                             "carry unquantized values, push(mode='sparse') sends changed FP8 values and scales")
+            raise ValueError(
+                f"push_patches: {quantized[:5]} are kept block-quantized (FP8) on the workers; patches "
+                "carry unquantized values, push(mode='sparse') sends changed FP8 values and scales"
+            )
 
     def versions(self) -> list[int | None]:
         """The version each worker-side rank's live weights fully hold; None: torn, in flight,

@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rl_sync.bind.rules import Rule
-from rl_sync.models.config import Parallel
 from rl_sync.config.sync import SyncConfig
+from rl_sync.models.config import Parallel
 
 from .cluster import free_init_url
 from .models import EngineWorker, HFTrainer, hf_config
@@ -101,11 +101,14 @@ def start(cfg: DemoConfig, host: str):
     model = hf_config(dataclasses.asdict(cfg.model)).to_dict()
     train_url, infer_url = free_init_url(host), free_init_url(host)
     Trainer, Worker = ray.remote(HFTrainer), ray.remote(EngineWorker)
-    trainers = [Trainer.options(**placement.trainer(i)).remote(i, cfg.trainers, model, train_url)
-                for i in range(cfg.trainers)]
-    workers = [Worker.options(**placement.worker(e, t)).remote(par.rank(e, 0, t), par, model, infer_url,
-                                                               rules=cfg.rules)
-               for e in range(cfg.engines) for t in range(cfg.tensor_parallel)]
+    trainers = [
+        Trainer.options(**placement.trainer(i)).remote(i, cfg.trainers, model, train_url) for i in range(cfg.trainers)
+    ]
+    workers = [
+        Worker.options(**placement.worker(e, t)).remote(par.rank(e, 0, t), par, model, infer_url, rules=cfg.rules)
+        for e in range(cfg.engines)
+        for t in range(cfg.tensor_parallel)
+    ]
     return placement, trainers, workers, par
 
 
@@ -135,13 +138,22 @@ def run(cfg: DemoConfig, console: Console | None = None) -> list[dict]:
 
 
 def _table(cfg: DemoConfig, records: list[dict], gap: float) -> Table:
-    table = Table(title=f"rl-sync demo: {cfg.trainers} FSDP2 trainers -> {cfg.engines} engines x TP{cfg.tensor_parallel} "
-                        f"({cfg.model.model_type}); engine logits within {gap:.1e} of the trainer's")
+    table = Table(
+        title=f"rl-sync demo: {cfg.trainers} FSDP2 trainers -> {cfg.engines} engines x TP{cfg.tensor_parallel} "
+        f"({cfg.model.model_type}); engine logits within {gap:.1e} of the trainer's"
+    )
     for column in ("round", "loss", "mode", "max sent/trainer", "recv/worker", "seconds", "GB/s", "bit-exact"):
         table.add_column(column, justify="right")
     for r in records:
         s = r["stats"]
-        table.add_row(str(r["round"]), f"{r['loss']:.3f}", r["mode"], f"{s.busiest_sender_bytes / 1e6:.1f} MB",
-                      f"{s.worker_received_bytes / 1e6:.1f} MB", f"{s.seconds:.2f}", f"{s.gbps:.2f}",
-                      f"yes ({r['checked'] / 1e6:.0f} MB)")
+        table.add_row(
+            str(r["round"]),
+            f"{r['loss']:.3f}",
+            r["mode"],
+            f"{s.busiest_sender_bytes / 1e6:.1f} MB",
+            f"{s.worker_received_bytes / 1e6:.1f} MB",
+            f"{s.seconds:.2f}",
+            f"{s.gbps:.2f}",
+            f"yes ({r['checked'] / 1e6:.0f} MB)",
+        )
     return table

@@ -62,8 +62,10 @@ class Membership:
         (or, for workers, `VllmService`s), an actor passed twice on one side, and one lacking its
         side's mixin or hooks (`actors.hooks`)."""
         if not trainers or not workers:
-            raise ValueError(f"a sync group needs at least one trainer and one worker, got {len(trainers)} trainers "
-                             f"and {len(workers)} workers")
+            raise ValueError(
+                f"a sync group needs at least one trainer and one worker, got {len(trainers)} trainers "
+                f"and {len(workers)} workers"
+            )
         _check_entries(trainers, "trainer")
         _check_entries(workers, "worker")
         trainer_members = [ActorMember(h, f"trainer {i} (rank {i})") for i, h in enumerate(trainers)]
@@ -72,8 +74,10 @@ class Membership:
         next_rank, side = len(trainers), 0
         for j, entry in enumerate(workers):
             if isinstance(entry, VllmService):
-                member = ServiceMember(entry, f"vLLM service {j} (workers {_span(side, entry.ranks)}, ranks "
-                                              f"{_span(next_rank, entry.ranks)})")
+                member = ServiceMember(
+                    entry,
+                    f"vLLM service {j} (workers {_span(side, entry.ranks)}, ranks {_span(next_rank, entry.ranks)})",
+                )
                 ranks = list(range(next_rank, next_rank + entry.ranks))
             elif entry in trainer_rank:
                 member = ActorMember(entry, f"worker {side} (rank {trainer_rank[entry]})")

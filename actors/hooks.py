@@ -40,8 +40,9 @@ class TrainerHooks(Protocol):
 class WorkerHooks(Protocol):
     """What a worker actor defines (`rl_sync.rank.worker` says when it is called)."""
 
-    def rl_sync_destinations(self, checkpoint: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
-                             ) -> Mapping[str, Destination]:
+    def rl_sync_destinations(
+        self, checkpoint: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+    ) -> Mapping[str, Destination]:
         """Given the trainers' checkpoint (`{name: (dtype, global shape)}`), this rank's live
         storage for each name (`rl_sync.bind.Binder` builds them from rules); called whenever
         the group forms or is repaired."""
@@ -68,10 +69,16 @@ class EngineHooks(Protocol):
 
 
 _SIDES: dict[str, tuple[str, str, str]] = {
-    "trainer": ("_rl_sync_trainer_entries", "rl_sync_sources",
-                "rl_sync_sources() -> {name: DTensor | Sharded | Tensor} (actors.hooks.TrainerHooks)"),
-    "worker": ("_rl_sync_worker_entries", "rl_sync_destinations",
-               "rl_sync_destinations(checkpoint) -> {name: Destination} (actors.hooks.WorkerHooks)"),
+    "trainer": (
+        "_rl_sync_trainer_entries",
+        "rl_sync_sources",
+        "rl_sync_sources() -> {name: DTensor | Sharded | Tensor} (actors.hooks.TrainerHooks)",
+    ),
+    "worker": (
+        "_rl_sync_worker_entries",
+        "rl_sync_destinations",
+        "rl_sync_destinations(checkpoint) -> {name: Destination} (actors.hooks.WorkerHooks)",
+    ),
 }
 """Per side: the method its mixin provides, the hook it needs, and how that hook reads."""
 
@@ -83,7 +90,9 @@ def check_hooks(handle: ActorHandle, side: Literal["trainer", "worker"], label: 
     mixin, hook, usage = _SIDES[side]
     methods, name = set(dir(handle)), handle._ray_actor_creation_function_descriptor.class_name
     if mixin not in methods:
-        raise TypeError(f"{label}: {name} is asked to be a {side} but does not inherit the {side} mixin "
-                        f"(actors.Sync{side.title()}Mixin)")
+        raise TypeError(
+            f"{label}: {name} is asked to be a {side} but does not inherit the {side} mixin "
+            f"(actors.Sync{side.title()}Mixin)"
+        )
     if hook not in methods:
         raise TypeError(f"{label}: {name} must define {usage}")

@@ -43,8 +43,9 @@ class ActorMember:
     def describe(self, side: str, first: int, side_size: int, options: DescribeOptions, reply: Rendezvous | None):
         return self.handle._rl_sync_describe.remote(side, first, side_size, options)
 
-    def connect(self, inits: Sequence[bytes], plan, bind_host: str | None, devices: Sequence[str],
-                reply: Rendezvous | None):
+    def connect(
+        self, inits: Sequence[bytes], plan, bind_host: str | None, devices: Sequence[str], reply: Rendezvous | None
+    ):
         return self.handle._rl_sync_connect.remote(inits[0], plan, bind_host, devices[0])
 
     def run(self, blob: bytes, version: int, reply: Rendezvous | None):
@@ -93,12 +94,14 @@ class ServiceMember:
         if side != "worker":
             raise ValueError(f"{self.label}: a vLLM engine service can only be a worker, not a {side}")
         self.double_buffer = options.double_buffer
-        request = DescribeRequest(first, side_size, dict(options.checkpoint), dict(options.sharded), self.double_buffer,
-                                  reply)
+        request = DescribeRequest(
+            first, side_size, dict(options.checkpoint), dict(options.sharded), self.double_buffer, reply
+        )
         return self.handle._rl_sync_service_describe.remote(encode(request), options.group)
 
-    def connect(self, inits: Sequence[bytes], plan, bind_host: str | None, devices: Sequence[str],
-                reply: Rendezvous | None):
+    def connect(
+        self, inits: Sequence[bytes], plan, bind_host: str | None, devices: Sequence[str], reply: Rendezvous | None
+    ):
         return self.handle._rl_sync_service_connect.remote(tuple(inits), plan, bind_host, encode(reply))
 
     def run(self, blob: bytes, version: int, reply: Rendezvous | None):
@@ -165,8 +168,10 @@ def failed(what: str, failures: list[tuple], members: int, timeout_s: float) -> 
     member refused its input that way (bad input stays a caller's error, whichever rank found
     it), `SyncError` otherwise; the message names each member and why, and the members' own
     tracebacks are its `__cause__` (`RemoteTraceback`)."""
-    lines = [f"{m.label}: " + (failure_reason(e) if e is not None else f"no answer within {timeout_s:.0f} s")
-             for m, e in failures]
+    lines = [
+        f"{m.label}: " + (failure_reason(e) if e is not None else f"no answer within {timeout_s:.0f} s")
+        for m, e in failures
+    ]
     message = f"{what} failed on {len(failures)} of {members} members:\n  " + "\n  ".join(lines)
     error = _error_like([getattr(e, "cause", None) for _, e in failures], len(failures))(message)
     remote = [f"{m.label}: {remote_text(e)}" for m, e in failures if e is not None]

@@ -24,8 +24,12 @@ class RoundMetrics:
     def __init__(self, group: str):
         tags = ("group", "mode")
         self.group = group
-        self.seconds = metrics.Histogram("rl_sync_round_seconds", "Seconds per weight-sync round",
-                                         boundaries=[0.01, 0.05, 0.1, 0.5, 1, 5, 30], tag_keys=tags)
+        self.seconds = metrics.Histogram(
+            "rl_sync_round_seconds",
+            "Seconds per weight-sync round",
+            boundaries=[0.01, 0.05, 0.1, 0.5, 1, 5, 30],
+            tag_keys=tags,
+        )
         self.received = metrics.Counter("rl_sync_round_bytes", "Bytes received by inference workers", tag_keys=tags)
         self.sent = metrics.Counter("rl_sync_wire_bytes", "Bytes sent on the wire", tag_keys=tags)
         self.version = metrics.Gauge("rl_sync_version", "Last weight version applied everywhere", tag_keys=("group",))

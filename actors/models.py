@@ -44,14 +44,24 @@ class HFTrainer(SyncTrainerMixin):
     """A trainer rank: a `transformers` causal LM from a config (random init, no download),
     every decoder layer and the root `fully_shard`-ed over the trainers' Gloo group."""
 
-    def __init__(self, rank: int, size: int, config: Mapping[str, Any], init_method: str, seed: int = 0,
-                 norm_noise: float = 0.1, dtype: str = "float32"):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        config: Mapping[str, Any],
+        init_method: str,
+        seed: int = 0,
+        norm_noise: float = 0.1,
+        dtype: str = "float32",
+    ):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
 
         self.rank, self.size = rank, size
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=120)
+        )
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_config(hf_config(config)).to(getattr(torch, dtype))
         with torch.no_grad():
@@ -99,9 +109,17 @@ class EngineWorker(SyncWorkerMixin):
     `fp8_block`: keep projections and experts block-quantized FP8 in blocks of this size;
     `dtype`: every other weight's (and the forward's) dtype."""
 
-    def __init__(self, rank: int, par: Parallel, config: Mapping[str, Any], init_method: str,
-                 rules: Iterable[Rule] = (), load_hook=None, fp8_block: tuple[int, int] | None = None,
-                 dtype: str = "float32"):
+    def __init__(
+        self,
+        rank: int,
+        par: Parallel,
+        config: Mapping[str, Any],
+        init_method: str,
+        rules: Iterable[Rule] = (),
+        load_hook=None,
+        fp8_block: tuple[int, int] | None = None,
+        dtype: str = "float32",
+    ):
         self.rank, self.par = rank, par
         self.cfg = ModelConfig.from_hf(hf_config(config))
         if fp8_block is not None:
@@ -110,8 +128,9 @@ class EngineWorker(SyncWorkerMixin):
         self.binder = Binder(self.cfg, par, tuple(rules))
         self.load_hook = load_hook
         self.fallback_calls = 0
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=par.size,
-                                timeout=timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=par.size, timeout=timedelta(seconds=120)
+        )
         self.groups = {}
         for e in range(par.engines):
             for s in range(par.pp):

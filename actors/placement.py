@@ -35,8 +35,17 @@ class SyncPlacement:
     gpus: float
 
     @classmethod
-    def create(cls, trainers: int, engines: int, tp: int, *, cpus: float = 1.0, gpus: float = 0.0,
-               strategy: str = "PACK", timeout_s: float = 120.0) -> SyncPlacement:
+    def create(
+        cls,
+        trainers: int,
+        engines: int,
+        tp: int,
+        *,
+        cpus: float = 1.0,
+        gpus: float = 0.0,
+        strategy: str = "PACK",
+        timeout_s: float = 120.0,
+    ) -> SyncPlacement:
         """Reserve one bundle per trainer and per inference rank; waits up to `timeout_s`."""
         if trainers <= 0 or engines <= 0 or tp <= 0:
             raise ValueError(f"need trainers, engines and tp > 0, got {trainers}, {engines}, {tp}")
@@ -47,8 +56,10 @@ class SyncPlacement:
         if len(ready) != 2:
             for pg in (train_pg, infer_pg):
                 remove_placement_group(pg)
-            raise TimeoutError(f"placement groups for {trainers} trainers and {engines}x{tp} workers were not "
-                               f"ready within {timeout_s:.0f} s: the cluster lacks {bundle} per bundle")
+            raise TimeoutError(
+                f"placement groups for {trainers} trainers and {engines}x{tp} workers were not "
+                f"ready within {timeout_s:.0f} s: the cluster lacks {bundle} per bundle"
+            )
         return cls(train_pg, infer_pg, trainers, engines, tp, cpus, gpus)
 
     def _options(self, pg: PlacementGroup, index: int) -> dict:

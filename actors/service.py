@@ -67,7 +67,9 @@ class _ServiceHost:
         self._rl_sync_versions = [None] * driver.ranks
         return driver.describe(decode(DescribeRequest, request))
 
-    def _rl_sync_service_connect(self, inits: tuple[bytes, ...], plan: bytes, bind_host: str | None, reply: bytes) -> None:
+    def _rl_sync_service_connect(
+        self, inits: tuple[bytes, ...], plan: bytes, bind_host: str | None, reply: bytes
+    ) -> None:
         self._rl_sync_driver().connect(ConnectRequest(tuple(inits), plan, bind_host, decode(Rendezvous, reply)))
 
     def _rl_sync_service_run(self, request: bytes, live: bool) -> list[bytes]:
@@ -143,12 +145,22 @@ class VllmService:
         self.host, self.ranks = host, ranks
 
     @classmethod
-    def launch(cls, model: str, tp: int = 1, *, llm_kwargs: dict[str, Any] | None = None,
-               actor_options: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-               timeout_s: float = 300.0) -> VllmService:
+    def launch(
+        cls,
+        model: str,
+        tp: int = 1,
+        *,
+        llm_kwargs: dict[str, Any] | None = None,
+        actor_options: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 300.0,
+    ) -> VllmService:
         """Start a `VllmServiceActor` building the engine; bounded by `timeout_s`."""
-        host = ray.remote(VllmServiceActor).options(**(actor_options or {"num_cpus": 1})).remote(
-            model, tp, dict(llm_kwargs or {}), env)
+        host = (
+            ray.remote(VllmServiceActor)
+            .options(**(actor_options or {"num_cpus": 1}))
+            .remote(model, tp, dict(llm_kwargs or {}), env)
+        )
         try:
             ray.get(host._rl_sync_service_ping.remote(), timeout=timeout_s)
         except BaseException:

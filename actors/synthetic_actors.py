@@ -43,6 +43,7 @@ def trainer_build(specs: Sequence[TensorSpec], device: str = "cpu", seed: int = 
                     local.normal_(generator=gen)
                 out[spec.name] = Sharded(local, spec.src, spec.shape)
         return out
+
     return build
 
 
@@ -62,4 +63,5 @@ def worker_build(specs: Sequence[TensorSpec], num_trainers: int, device: str = "
             view = None if box is None else fill(box.sizes, dtype=dtype, device=device)
             out[spec.name] = Destination(view, layout, spec.shape, dtype, block=tuple(spec.block))
         return out
+
     return build

@@ -58,8 +58,10 @@ class VllmWorkerMixin(SyncWorkerMixin):
         """vLLM's post-load processing for what changed, then a fresh prefix cache."""
         self._rl_sync_vllm.after_update(names)
         if not self.rl_sync_llm().reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache (requests are running); weights changed, so "
-                               "cached prefixes would be stale: finish or abort requests before pushing")
+            raise RuntimeError(
+                "vLLM refused to reset its prefix cache (requests are running); weights changed, so "
+                "cached prefixes would be stale: finish or abort requests before pushing"
+            )
 
     def rl_sync_write_modes(self) -> dict[str, str]:
         return self._rl_sync_vllm.write_modes()
@@ -75,10 +77,18 @@ def completions(llm, prompts: Sequence[Sequence[int]], sampling: dict[str, Any])
     out = []
     for output in outputs:
         completion = output.outputs[0]
-        logprobs = None if completion.logprobs is None else [
-            step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
-        out.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
-                    "samples": [list(c.token_ids) for c in output.outputs]})
+        logprobs = (
+            None
+            if completion.logprobs is None
+            else [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
+        )
+        out.append(
+            {
+                "tokens": list(completion.token_ids),
+                "logprobs": logprobs,
+                "samples": [list(c.token_ids) for c in output.outputs],
+            }
+        )
     return out
 
 
@@ -97,8 +107,14 @@ class VllmRankActor(VllmWorkerMixin):
     at once and `stop` releases it. `env` adds environment variables (e.g.
     `GLOO_SOCKET_IFNAME`)."""
 
-    def __init__(self, tp_rank: int, tp_size: int, host: str | None = None, env: dict[str, str] | None = None,
-                 timeout_s: float = 120.0):
+    def __init__(
+        self,
+        tp_rank: int,
+        tp_size: int,
+        host: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 120.0,
+    ):
         self.tp_rank, self.tp_size, self.llm, self.timeout_s = tp_rank, tp_size, None, timeout_s
         self.host = host or ray.util.get_node_ip_address()
         os.environ.update(env or {})
@@ -109,9 +125,15 @@ class VllmRankActor(VllmWorkerMixin):
         import torch.distributed as dist
 
         sock = _listen(self.host)
-        self._store = dist.TCPStore(self.host, sock.getsockname()[1], self.tp_size, is_master=True,
-                                    wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s),
-                                    master_listen_fd=sock.fileno())
+        self._store = dist.TCPStore(
+            self.host,
+            sock.getsockname()[1],
+            self.tp_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.timeout_s),
+            master_listen_fd=sock.fileno(),
+        )
         sock.detach()
         return self.host, self._store.port
 
@@ -128,11 +150,23 @@ class VllmRankActor(VllmWorkerMixin):
         """Build this rank's `LLM` (every rank of the engine at once)."""
         from vllm import LLM
 
-        os.environ.update({"RANK": str(self.tp_rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(self.tp_size),
-                           "MASTER_ADDR": address[0], "MASTER_PORT": str(address[1]),
-                           "TORCHELASTIC_USE_AGENT_STORE": "True", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-        self.llm = LLM(model=model, tensor_parallel_size=self.tp_size, distributed_executor_backend="external_launcher",
-                       **llm_kwargs)
+        os.environ.update(
+            {
+                "RANK": str(self.tp_rank),
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": str(self.tp_size),
+                "MASTER_ADDR": address[0],
+                "MASTER_PORT": str(address[1]),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            }
+        )
+        self.llm = LLM(
+            model=model,
+            tensor_parallel_size=self.tp_size,
+            distributed_executor_backend="external_launcher",
+            **llm_kwargs,
+        )
 
     def rl_sync_llm(self):
         return self.llm
@@ -158,9 +192,17 @@ class VllmEngine:
         self.ranks = ranks
 
     @classmethod
-    def launch(cls, model: str, tp: int = 1, *, llm_kwargs: dict[str, Any] | None = None,
-               actor_options: Sequence[dict[str, Any]] | None = None, host: str | None = None,
-               env: dict[str, str] | None = None, timeout_s: float = 300.0) -> VllmEngine:
+    def launch(
+        cls,
+        model: str,
+        tp: int = 1,
+        *,
+        llm_kwargs: dict[str, Any] | None = None,
+        actor_options: Sequence[dict[str, Any]] | None = None,
+        host: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 300.0,
+    ) -> VllmEngine:
         """Start the ranks (`actor_options[i]` are rank i's Ray options, e.g. a placement
         group bundle) and build the engine on all of them; bounded by `timeout_s`."""
         Rank = ray.remote(VllmRankActor)

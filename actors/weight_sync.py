@@ -21,8 +21,8 @@ from ray.actor import ActorHandle
 from rich.console import Console
 
 from rl_sync.config.push_args import check_push_args, check_version
-from rl_sync.wire.stats import RoundStats, SyncSummary
 from rl_sync.config.sync import SyncConfig, check_seconds
+from rl_sync.wire.stats import RoundStats, SyncSummary
 
 from .calls import RemoteTraceback, SyncError, remote_text
 from .coordinator import Coordinator
@@ -46,8 +46,10 @@ def _unwrap(ref, budget_s: float, unknown: str = ""):
     try:
         return ray.get(ref, timeout=budget_s + SLACK_S)
     except ray.exceptions.GetTimeoutError:
-        raise SyncError(f"the coordinator did not answer within {budget_s + SLACK_S:.0f} s (the call's budget of "
-                        f"{budget_s:.0f} s plus {SLACK_S:.0f} s){unknown}") from None
+        raise SyncError(
+            f"the coordinator did not answer within {budget_s + SLACK_S:.0f} s (the call's budget of "
+            f"{budget_s:.0f} s plus {SLACK_S:.0f} s){unknown}"
+        ) from None
     except ray.exceptions.RayTaskError as exc:
         cause, remote = exc.cause, RemoteTraceback(remote_text(exc))
         if isinstance(cause, (ValueError, TypeError, SyncError)):
@@ -57,8 +59,10 @@ def _unwrap(ref, budget_s: float, unknown: str = ""):
 
 def _in_doubt(version: int | None) -> str:
     which = "the next version" if version is None else f"version {version}"
-    return (f"; whether {which} was applied is unknown: versions() says what each worker holds, and the next push "
-            "repairs the group if it must")
+    return (
+        f"; whether {which} was applied is unknown: versions() says what each worker holds, and the next push "
+        "repairs the group if it must"
+    )
 
 
 def _budget(timeout_s, default: float, what: str) -> float:
@@ -92,7 +96,9 @@ class WeightSync:
         return self.coordinator
 
     @classmethod
-    def create(cls, trainers: list, workers: list, config: SyncConfig | None = None, *, progress: bool = True) -> WeightSync:
+    def create(
+        cls, trainers: list, workers: list, config: SyncConfig | None = None, *, progress: bool = True
+    ) -> WeightSync:
         """Start a coordinator, plan, and connect every rank (bounded by `init_timeout_s`);
         `progress` shows a spinner on the driver's terminal meanwhile. The coordinator runs on
         the driver's node: a node that drops off the network then takes ranks out of the round,
@@ -104,8 +110,14 @@ class WeightSync:
         Membership.of(trainers, workers)  # bad entries are refused here, before any actor is reached
         coordinator = ray.remote(Coordinator).options(num_cpus=0, **_beside_driver()).remote(trainers, workers, config)
         try:
-            with Console(stderr=True).status(f"rl-sync: planning and connecting {len(trainers)} trainers and "
-                                             f"{len(workers)} workers", spinner="dots") if progress else nullcontext():
+            with (
+                Console(stderr=True).status(
+                    f"rl-sync: planning and connecting {len(trainers)} trainers and {len(workers)} workers",
+                    spinner="dots",
+                )
+                if progress
+                else nullcontext()
+            ):
                 summary = _unwrap(coordinator.setup.remote(config.init_budget_s), config.init_budget_s)
         except BaseException:
             _discard(coordinator, config)
@@ -113,8 +125,14 @@ class WeightSync:
         log.info("rl-sync group %r: %s", config.name, summary)
         return cls(coordinator, config, summary)
 
-    def push(self, version: int | None = None, names: list[str] | None = None, mode: str | None = None, *,
-             timeout_s: float | None = None) -> RoundStats:
+    def push(
+        self,
+        version: int | None = None,
+        names: list[str] | None = None,
+        mode: str | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> RoundStats:
         """Move the trainers' current weights into every worker; returns the round's statistics
         (also logged, and recorded as Ray metrics by the coordinator).
 
@@ -153,8 +171,10 @@ class WeightSync:
         if isinstance(index, bool) or not isinstance(index, int):
             raise TypeError(f"replace_worker: index must be an int, got {index!r}")
         if not isinstance(handle, (ActorHandle, VllmService)):
-            raise TypeError(f"replace_worker: the new worker must be a Ray actor handle or a VllmService, got "
-                            f"{type(handle).__name__} {handle!r:.60}")
+            raise TypeError(
+                f"replace_worker: the new worker must be a Ray actor handle or a VllmService, got "
+                f"{type(handle).__name__} {handle!r:.60}"
+            )
         if isinstance(handle, ActorHandle):
             check_hooks(handle, "worker", f"replace_worker: worker {index}")
         _unwrap(self._open().replace_worker.remote(index, handle), self.config.init_timeout_s)

@@ -21,11 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from rl_sync.transport import nh  # noqa: E402
-from rl_sync.transport.digest import Digester  # noqa: E402
+from rl_sync.transport import nh
+from rl_sync.transport.digest import Digester
 
 
 def timed(fn, device: torch.device, repeat: int) -> float:
@@ -45,14 +45,17 @@ def timed(fn, device: torch.device, repeat: int) -> float:
 def cases(buf: torch.Tensor, device: torch.device) -> dict:
     digester = Digester("keyed", b"k" * 32, label=b"bench")
     out = torch.empty_like(buf)
-    rows = {"copy (reference)": lambda: out.copy_(buf),
-            "keyed tag (what a round runs)": lambda: digester.tag(0, 1, 0, [buf], float("inf"))}
+    rows = {
+        "copy (reference)": lambda: out.copy_(buf),
+        "keyed tag (what a round runs)": lambda: digester.tag(0, 1, 0, [buf], float("inf")),
+    }
     if device.type == "cuda":
         key = nh.nh_key(b"k" * 32, device)
         words = buf.view(torch.int32).view(-1, nh.BLOCK_WORDS)
         rows["NH, Triton kernel"] = lambda: nh.nh_compress(buf, key)
-        rows["NH, torch fallback (64 MiB steps)"] = lambda: [nh._nh_torch(words[i:i + 65536], key)
-                                                          for i in range(0, words.shape[0], 65536)]
+        rows["NH, torch fallback (64 MiB steps)"] = lambda: [
+            nh._nh_torch(words[i : i + 65536], key) for i in range(0, words.shape[0], 65536)
+        ]
     else:
         view = memoryview(buf.numpy())
         rows["CRC-32 (zlib)"] = lambda: zlib.crc32(view)

@@ -21,12 +21,11 @@ import time
 
 import ray
 import torch
+from gpu_common import median_round, pair, show, specs_8b, specs_small, start_ray
 from torch.multiprocessing.reductions import reduce_tensor
 
-from gpu_common import median_round, pair, show, specs_8b, specs_small, start_ray
-
-from actors import WeightSync  # noqa: E402
-from rl_sync.config.sync import SyncConfig  # noqa: E402
+from actors import WeightSync
+from rl_sync.config.sync import SyncConfig
 
 
 def copy_floor(nbytes: int, repeat: int) -> float:
@@ -68,8 +67,11 @@ ALLOCATORS = {"classic": {}, "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandab
 
 def bench(specs, repeat: int, allocator: str) -> dict:
     pg, trainer, worker = pair(specs, same_gpu=True, env=ALLOCATORS[allocator])
-    sync = WeightSync.create([trainer], [worker], SyncConfig(rendezvous_host="127.0.0.1", bind_host="127.0.0.1",
-                                                              bucket_bytes=1 << 30, round_timeout_s=600))
+    sync = WeightSync.create(
+        [trainer],
+        [worker],
+        SyncConfig(rendezvous_host="127.0.0.1", bind_host="127.0.0.1", bucket_bytes=1 << 30, round_timeout_s=600),
+    )
     assert sync.summary.cuda_ipc, "expected colocated CUDA IPC"
     sync.push()
     result = median_round(sync, repeat)
@@ -92,16 +94,52 @@ def main() -> None:
     big = specs_8b()
     total = sum(s.nbytes for s in big)
     floor = copy_floor(total, args.repeat)
-    results = {f"{label}, {alloc}": bench(specs, args.repeat, alloc) for alloc in args.allocators.split(",")
-               for label, specs in (("8B shapes", big), ("30k small", specs_small(total, 30000)))}
-    rows = [["device-to-device copy (floor)", "1", f"{total / 1e9:.2f}", f"{floor * 1e3:.1f}", "-", f"{total / floor / 1e9:.0f}", "1.00", "-"]]
+    results = {
+        f"{label}, {alloc}": bench(specs, args.repeat, alloc)
+        for alloc in args.allocators.split(",")
+        for label, specs in (("8B shapes", big), ("30k small", specs_small(total, 30000)))
+    }
+    rows = [
+        [
+            "device-to-device copy (floor)",
+            "1",
+            f"{total / 1e9:.2f}",
+            f"{floor * 1e3:.1f}",
+            "-",
+            f"{total / floor / 1e9:.0f}",
+            "1.00",
+            "-",
+        ]
+    ]
     for label, r in results.items():
-        rows.append([f"rl-sync colocated, {label}", f"{r['tensors']:,}", f"{r['bytes'] / 1e9:.2f}", f"{r['rank_s'] * 1e3:.1f}",
-                     f"{r['round_s'] * 1e3:.1f}", f"{r['bytes'] / r['rank_s'] / 1e9:.0f}", f"{r['rank_s'] / floor:.2f}",
-                     f"{r['naive_s'] * 1e3:.1f}"])
-    show(f"Colocated CUDA-IPC sync on {torch.cuda.get_device_name()} (median of {args.repeat})",
-         ["case", "tensors", "GB", "handover ms", "round ms (with Ray RPC)", "GB/s", "x copy floor", "naive per-tensor ms"],
-         rows, "gpu_bench", {"floor_s": floor, "bytes": total, **results})
+        rows.append(
+            [
+                f"rl-sync colocated, {label}",
+                f"{r['tensors']:,}",
+                f"{r['bytes'] / 1e9:.2f}",
+                f"{r['rank_s'] * 1e3:.1f}",
+                f"{r['round_s'] * 1e3:.1f}",
+                f"{r['bytes'] / r['rank_s'] / 1e9:.0f}",
+                f"{r['rank_s'] / floor:.2f}",
+                f"{r['naive_s'] * 1e3:.1f}",
+            ]
+        )
+    show(
+        f"Colocated CUDA-IPC sync on {torch.cuda.get_device_name()} (median of {args.repeat})",
+        [
+            "case",
+            "tensors",
+            "GB",
+            "handover ms",
+            "round ms (with Ray RPC)",
+            "GB/s",
+            "x copy floor",
+            "naive per-tensor ms",
+        ],
+        rows,
+        "gpu_bench",
+        {"floor_s": floor, "bytes": total, **results},
+    )
 
 
 if __name__ == "__main__":

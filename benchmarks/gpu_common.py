@@ -19,18 +19,22 @@ sys.path.insert(0, str(ROOT))
 
 from actors.ready import InferenceWorker, TrainerActor  # noqa: E402
 from actors.synthetic_actors import trainer_build, worker_build  # noqa: E402
-from rl_sync.planning.layout import Layout, Mesh, Replicate  # noqa: E402
-from rl_sync.planning.plan import TensorSpec  # noqa: E402
 from rl_sync.models.config import ModelConfig, Parallel  # noqa: E402
 from rl_sync.models.synthetic import TrainerParallel, model_specs  # noqa: E402
+from rl_sync.planning.layout import Layout, Mesh, Replicate  # noqa: E402
+from rl_sync.planning.plan import TensorSpec  # noqa: E402
 
-LLAMA_8B = ModelConfig(family="llama", layers=32, hidden=4096, intermediate=14336, vocab=128256, heads=32, kv_heads=8,
-                       head_dim=128)
+LLAMA_8B = ModelConfig(
+    family="llama", layers=32, hidden=4096, intermediate=14336, vocab=128256, heads=32, kv_heads=8, head_dim=128
+)
 
 
 def start_ray() -> None:
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}})
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}},
+    )
 
 
 def specs_8b(fp8_block: tuple[int, int] | None = None) -> list[TensorSpec]:
@@ -61,13 +65,22 @@ def pair(specs, same_gpu: bool, env: dict | None = None):
     gpus = 0.5 if same_gpu else 1
 
     def opts(bundle: int) -> dict:
-        return {"num_gpus": gpus, "num_cpus": 0.5, **({"runtime_env": {"env_vars": env}} if env else {}),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
+        return {
+            "num_gpus": gpus,
+            "num_cpus": 0.5,
+            **({"runtime_env": {"env_vars": env}} if env else {}),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+        }
 
     Trainer, Worker = ray.remote(TrainerActor), ray.remote(InferenceWorker)
     trainer = Trainer.options(**opts(0)).remote(0, 1, trainer_build(specs, "cuda"))
     worker = Worker.options(**opts(0 if same_gpu else 1)).remote(0, 1, worker_build(specs, 1, "cuda"))
-    ray.get([trainer.call.remote(lambda self: torch.cuda.synchronize()), worker.call.remote(lambda self: torch.cuda.synchronize())])
+    ray.get(
+        [
+            trainer.call.remote(lambda self: torch.cuda.synchronize()),
+            worker.call.remote(lambda self: torch.cuda.synchronize()),
+        ]
+    )
     return pg, trainer, worker
 
 
@@ -75,8 +88,11 @@ def median_round(sync, repeat: int, **push) -> dict:
     rounds = [sync.push(**push) for _ in range(repeat)]
     rank_s = [max(r.seconds for r in s.ranks) for s in rounds]
     mid = sorted(rounds, key=lambda s: s.seconds)[len(rounds) // 2]
-    return {"round_s": statistics.median(s.seconds for s in rounds), "rank_s": statistics.median(rank_s),
-            "bytes": mid.worker_received_bytes}
+    return {
+        "round_s": statistics.median(s.seconds for s in rounds),
+        "rank_s": statistics.median(rank_s),
+        "bytes": mid.worker_received_bytes,
+    }
 
 
 def show(title: str, columns: list[str], rows: list[list[str]], name: str, raw: dict) -> None:

@@ -24,18 +24,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from rl_sync.config.load import load_config  # noqa: E402
-from rl_sync.planning.plan import TensorSpec, plan_model  # noqa: E402
-from rl_sync.planning.schedule import build_schedule  # noqa: E402
-from rl_sync.planning.simulate import LinkModel, predict  # noqa: E402
-from tests.multihost.netns import NetnsCluster  # noqa: E402
-from tests.multihost.scenarios import LINK_MODEL, RELAY_MODEL  # noqa: E402
+from rl_sync.config.load import load_config
+from rl_sync.planning.plan import TensorSpec, plan_model
+from rl_sync.planning.schedule import build_schedule
+from rl_sync.planning.simulate import LinkModel, predict
+from tests.multihost.netns import NetnsCluster
+from tests.multihost.scenarios import LINK_MODEL, RELAY_MODEL
 
-LINKS = {"loopback": dict(placement="one_node"), "veth": dict(placement="separate", gpus_per_node=2),
-         "1 Gbit/s": dict(placement="separate", gpus_per_node=2, node_nic_gbs=0.125)}
+LINKS = {
+    "loopback": dict(placement="one_node"),
+    "veth": dict(placement="separate", gpus_per_node=2),
+    "1 Gbit/s": dict(placement="separate", gpus_per_node=2, node_nic_gbs=0.125),
+}
 """How each scenario's link changes the CPU host's link model."""
 
 
@@ -58,16 +61,34 @@ def predicted_relay(relay: str) -> str:
 
 
 def relay_table(result: dict) -> Table:
-    table = Table(title="32 MiB bf16, 2 FSDP trainers on node 0 -> 4 TP1 replicas on node 1 behind 1 Gbit/s, "
-                        "medians of 3 (sparse: 1% changed)")
-    for column in ("relay", "mode", "ran", "seconds", "predicted", "MB from the busiest trainer",
-                   "MB from the busiest worker", "bit-exact"):
+    table = Table(
+        title="32 MiB bf16, 2 FSDP trainers on node 0 -> 4 TP1 replicas on node 1 behind 1 Gbit/s, "
+        "medians of 3 (sparse: 1% changed)"
+    )
+    for column in (
+        "relay",
+        "mode",
+        "ran",
+        "seconds",
+        "predicted",
+        "MB from the busiest trainer",
+        "MB from the busiest worker",
+        "bit-exact",
+    ):
         table.add_column(column, justify="right")
     for relay, rows in result.items():
         for mode in ("m2n", "sparse"):
             row = rows[mode]
-            table.add_row(relay, mode, row["ran"], f"{row['seconds']:.3f}", predicted_relay(relay) if mode == "m2n" else "",
-                          f"{row['trainer_bytes'] / 1e6:.2f}", f"{row['worker_bytes'] / 1e6:.2f}", str(row["exact"]))
+            table.add_row(
+                relay,
+                mode,
+                row["ran"],
+                f"{row['seconds']:.3f}",
+                predicted_relay(relay) if mode == "m2n" else "",
+                f"{row['trainer_bytes'] / 1e6:.2f}",
+                f"{row['worker_bytes'] / 1e6:.2f}",
+                str(row["exact"]),
+            )
     table.caption = "\n".join(f"relay={relay}: {rows['summary']}" for relay, rows in result.items())
     return table
 
@@ -84,14 +105,28 @@ def main() -> int:
             return 0
         result = cluster.run_driver(["tests.multihost.scenarios", "links"], timeout_s=1200)
     table = Table(title="64 MiB bf16, 2 FSDP trainers -> TP2 engine, medians of 3 (sparse/auto: 1% changed)")
-    for column in ("link", "mode", "ran", "seconds", "predicted", "MB into the busiest worker", "transfers by encoding"):
+    for column in (
+        "link",
+        "mode",
+        "ran",
+        "seconds",
+        "predicted",
+        "MB into the busiest worker",
+        "transfers by encoding",
+    ):
         table.add_column(column, justify="right")
     reasons = []
     for link, rows in result.items():
         for mode, row in rows.items():
-            table.add_row(link, mode, row["ran"], f"{row['seconds']:.3f}", predicted(link) if mode == "m2n" else "",
-                          f"{row['worker_bytes'] / 1e6:.2f}",
-                          ", ".join(f"{k} {v}" for k, v in row["encodings"].items()))
+            table.add_row(
+                link,
+                mode,
+                row["ran"],
+                f"{row['seconds']:.3f}",
+                predicted(link) if mode == "m2n" else "",
+                f"{row['worker_bytes'] / 1e6:.2f}",
+                ", ".join(f"{k} {v}" for k, v in row["encodings"].items()),
+            )
             if mode == "auto":
                 reasons.append(f"{link}: {row['reason']}")
     table.caption = "\n".join(reasons)

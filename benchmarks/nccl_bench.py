@@ -18,12 +18,11 @@ import statistics
 
 import ray
 import torch
-
 from gpu_common import median_round, pair, show, specs_8b, start_ray
 
-from actors import WeightSync  # noqa: E402
-from rl_sync.engine.runner import deadline_in  # noqa: E402
-from rl_sync.config.sync import SyncConfig  # noqa: E402
+from actors import WeightSync
+from rl_sync.config.sync import SyncConfig
+from rl_sync.engine.runner import deadline_in
 
 
 def _open(actor, rank: int, uid, nbytes: int) -> None:
@@ -73,8 +72,15 @@ def main() -> None:
     raw_rate = raw_bytes / raw_s
     results = {}
     for integrity in args.integrity.split(","):
-        config = SyncConfig(transport="nccl", colocate="off", bucket_bytes=1 << 30, rendezvous_host="127.0.0.1",
-                            bind_host="127.0.0.1", round_timeout_s=600, integrity=integrity)
+        config = SyncConfig(
+            transport="nccl",
+            colocate="off",
+            bucket_bytes=1 << 30,
+            rendezvous_host="127.0.0.1",
+            bind_host="127.0.0.1",
+            round_timeout_s=600,
+            integrity=integrity,
+        )
         sync = WeightSync.create([trainer], [worker], config)
         sync.push()
         results[f"rl-sync M2N, integrity={integrity}"] = median_round(sync, args.repeat, mode="m2n")
@@ -82,17 +88,38 @@ def main() -> None:
             results["broadcast baseline"] = median_round(sync, args.repeat, mode="broadcast")
         sync.close()
     ray.util.remove_placement_group(pg)
-    rows = [["raw NCCL send/recv (4 GiB)", f"{raw_bytes / 1e9:.2f}", f"{raw_s * 1e3:.1f}", "-", f"{raw_rate / 1e9:.0f}", "1.00"]]
+    rows = [
+        [
+            "raw NCCL send/recv (4 GiB)",
+            f"{raw_bytes / 1e9:.2f}",
+            f"{raw_s * 1e3:.1f}",
+            "-",
+            f"{raw_rate / 1e9:.0f}",
+            "1.00",
+        ]
+    ]
     for label, r in results.items():
         rate = r["bytes"] / r["rank_s"]
-        rows.append([label, f"{r['bytes'] / 1e9:.2f}", f"{r['rank_s'] * 1e3:.1f}", f"{r['round_s'] * 1e3:.1f}",
-                     f"{rate / 1e9:.0f}", f"{rate / raw_rate:.2f}"])
+        rows.append(
+            [
+                label,
+                f"{r['bytes'] / 1e9:.2f}",
+                f"{r['rank_s'] * 1e3:.1f}",
+                f"{r['round_s'] * 1e3:.1f}",
+                f"{rate / 1e9:.0f}",
+                f"{rate / raw_rate:.2f}",
+            ]
+        )
     m2n, bcast = next(iter(results.values())), results.get("broadcast baseline")
     ratio = f"; broadcast / M2N time: {bcast['rank_s'] / m2n['rank_s']:.2f}x" if bcast else ""
-    show(f"NCCL between two {torch.cuda.get_device_name() if torch.cuda.is_available() else 'GPUs'}s: 16 GB bf16, 8B shapes "
-         f"(median of {args.repeat}){ratio}",
-         ["case", "GB into the worker", "transfer ms", "round ms (with Ray RPC)", "GB/s per receiving GPU", "x raw p2p"],
-         rows, "nccl_bench", {"raw_s": raw_s, "raw_bytes": raw_bytes, **results})
+    show(
+        f"NCCL between two {torch.cuda.get_device_name() if torch.cuda.is_available() else 'GPUs'}s: 16 GB bf16, 8B shapes "
+        f"(median of {args.repeat}){ratio}",
+        ["case", "GB into the worker", "transfer ms", "round ms (with Ray RPC)", "GB/s per receiving GPU", "x raw p2p"],
+        rows,
+        "nccl_bench",
+        {"raw_s": raw_s, "raw_bytes": raw_bytes, **results},
+    )
 
 
 if __name__ == "__main__":

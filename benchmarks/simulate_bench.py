@@ -19,16 +19,18 @@ from rich.table import Table
 from actors.bench import BenchConfig, run
 from actors.cluster import connect
 from rl_sync.config.load import load_config
+from rl_sync.models.config import ModelConfig, Parallel
+from rl_sync.models.synthetic import TrainerParallel, model_specs
 from rl_sync.planning.plan import plan_model
 from rl_sync.planning.schedule import build_schedule
 from rl_sync.planning.simulate import LinkModel, predict
-from rl_sync.models.config import ModelConfig, Parallel
-from rl_sync.models.synthetic import TrainerParallel, model_specs
 
-SMALL = ModelConfig(family="llama", layers=4, hidden=512, intermediate=1536, vocab=32000, heads=8, kv_heads=8,
-                    head_dim=64)
-LARGE = ModelConfig(family="llama", layers=8, hidden=768, intermediate=2048, vocab=32000, heads=12, kv_heads=12,
-                    head_dim=64)
+SMALL = ModelConfig(
+    family="llama", layers=4, hidden=512, intermediate=1536, vocab=32000, heads=8, kv_heads=8, head_dim=64
+)
+LARGE = ModelConfig(
+    family="llama", layers=8, hidden=768, intermediate=2048, vocab=32000, heads=12, kv_heads=12, head_dim=64
+)
 CONFIGS = [  # (name, model, trainers, engines, tp)
     ("46M, 2 -> 1 x TP2", SMALL, 2, 1, 2),
     ("46M, 2 -> 2 x TP1", SMALL, 2, 2, 1),
@@ -50,15 +52,25 @@ def main() -> None:
         out.add_column(column, justify="right")
     connect(None)
     for name, model, t, e, tp in CONFIGS:
-        cfg = BenchConfig(model=model, trainer=TrainerParallel(ranks=t),
-                          inference=Parallel(engines=e, tp=tp), modes=("m2n",),
-                          repeat=args.repeat)
+        cfg = BenchConfig(
+            model=model,
+            trainer=TrainerParallel(ranks=t),
+            inference=Parallel(engines=e, tp=tp),
+            modes=("m2n",),
+            repeat=args.repeat,
+        )
         specs = model_specs(cfg.model, cfg.trainer, cfg.inference)
         prediction = predict(build_schedule(plan_model(specs), cfg.sync.bucket_bytes), links, t)
         rounds = run(replace(cfg), Console(quiet=True))["m2n"]
         measured = statistics.median(r.seconds for r in rounds)
-        out.add_row(name, f"{rounds[0].worker_received_bytes / 1e6:.1f}", f"{measured:.3f}", f"{prediction.seconds:.3f}",
-                    f"{prediction.seconds / measured - 1:+.0%}", prediction.bottleneck)
+        out.add_row(
+            name,
+            f"{rounds[0].worker_received_bytes / 1e6:.1f}",
+            f"{measured:.3f}",
+            f"{prediction.seconds:.3f}",
+            f"{prediction.seconds / measured - 1:+.0%}",
+            prediction.bottleneck,
+        )
     console.print(out)
 
 

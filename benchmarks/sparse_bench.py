@@ -60,9 +60,11 @@ def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int =
     copy_s = _timed(lambda: [l.copy_(b) for l, b in zip(live, base)], device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     kind = "fused Triton" if device.type == "cuda" and not reference else "torch"
-    table = Table(title=f"sparse codec ({kind}) on {name}: "
-                        f"{total_bytes / 2**30:.0f} GiB bf16 in {tensors} tensors; copy {copy_s * 1e3:.2f} ms "
-                        f"({total_bytes / copy_s / 1e9:.0f} GB/s)")
+    table = Table(
+        title=f"sparse codec ({kind}) on {name}: "
+        f"{total_bytes / 2**30:.0f} GiB bf16 in {tensors} tensors; copy {copy_s * 1e3:.2f} ms "
+        f"({total_bytes / copy_s / 1e9:.0f} GB/s)"
+    )
     for column in ("density", "encoding", "wire / dense", "diff+encode ms", "decode+apply ms", "total / copy"):
         table.add_column(column, justify="right")
     boxes = [(i, (0,), (n,)) for i in range(tensors)]
@@ -75,7 +77,9 @@ def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int =
             cur.append(c)
         ks = [int(sparse_codec.changed(c, b).sum()) for c, b in zip(cur, base)]
         codes = [choose(n, k, 2, allow_dense=True) for k in ks]
-        blocks = [torch.empty(encoded_nbytes(code, n, k, 2), dtype=torch.uint8, device=device) for code, k in zip(codes, ks)]
+        blocks = [
+            torch.empty(encoded_nbytes(code, n, k, 2), dtype=torch.uint8, device=device) for code, k in zip(codes, ks)
+        ]
 
         def encode_all():  # as a sparse round does: the bucket's changes, the encodings, the baseline update
             found = sparse_codec.BucketChanges(list(zip(cur, baseline)), boxes)
@@ -97,8 +101,14 @@ def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int =
         apply_s = _timed(apply_all, device, setup=reset(live))
         assert all(torch.equal(t.view(torch.int16), c.view(torch.int16)) for t, c in zip(live + baseline, cur + cur))
         wire = sum(b.numel() for b in blocks)
-        table.add_row(f"{density:.1%}", NAMES[codes[0]], f"{wire / total_bytes:.2%}", f"{encode_s * 1e3:.2f}",
-                      f"{apply_s * 1e3:.2f}", f"{(encode_s + apply_s) / copy_s:.1f}x")
+        table.add_row(
+            f"{density:.1%}",
+            NAMES[codes[0]],
+            f"{wire / total_bytes:.2%}",
+            f"{encode_s * 1e3:.2f}",
+            f"{apply_s * 1e3:.2f}",
+            f"{(encode_s + apply_s) / copy_s:.1f}x",
+        )
     return table
 
 
@@ -112,23 +122,38 @@ def e2e_table(repeat: int) -> Table:
     from rl_sync.models.config import ModelConfig, Parallel
     from rl_sync.models.synthetic import TrainerParallel, model_specs
 
-    shape = ModelConfig(family="llama", layers=4, hidden=512, intermediate=1536, vocab=32000, heads=8, kv_heads=8,
-                        head_dim=64)
+    shape = ModelConfig(
+        family="llama", layers=4, hidden=512, intermediate=1536, vocab=32000, heads=8, kv_heads=8, head_dim=64
+    )
     specs = model_specs(shape, TrainerParallel(ranks=2), Parallel(tp=2))
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
     Trainer, Worker = ray.remote(num_cpus=0.25)(TrainerActor), ray.remote(num_cpus=0.25)(InferenceWorker)
     trainers = [Trainer.remote(i, 2, trainer_build(specs)) for i in range(2)]
     workers = [Worker.remote(j, 2, worker_build(specs, 2)) for j in range(2)]
-    sync = WeightSync.create(trainers, workers, SyncConfig(transport="gloo", rendezvous_host="127.0.0.1",
-                                                           bind_host="127.0.0.1", bucket_bytes=64 << 20))
+    sync = WeightSync.create(
+        trainers,
+        workers,
+        SyncConfig(transport="gloo", rendezvous_host="127.0.0.1", bind_host="127.0.0.1", bucket_bytes=64 << 20),
+    )
     sync.push(mode="auto")
     params = sum(s.nbytes for s in specs) / 2
-    table = Table(title=f"CPU / Gloo, {params / 1e6:.0f}M bf16 parameters, 2 FSDP trainers -> TP2: sparse vs dense, and auto's choice")
-    for column in ("density", "transfers indices/blocked/bitmap/dense", "sparse wire", "dense wire", "wire ratio",
-                   "sparse s", "dense s", "auto ran"):
+    table = Table(
+        title=f"CPU / Gloo, {params / 1e6:.0f}M bf16 parameters, 2 FSDP trainers -> TP2: sparse vs dense, and auto's choice"
+    )
+    for column in (
+        "density",
+        "transfers indices/blocked/bitmap/dense",
+        "sparse wire",
+        "dense wire",
+        "wire ratio",
+        "sparse s",
+        "dense s",
+        "auto ran",
+    ):
         table.add_column(column, justify="right")
     reasons = []
     for density in DENSITIES:
+
         def perturb(actor, d=density):
             gen = torch.Generator().manual_seed(int(d * 1e6))
             for s in actor.held.values():
@@ -148,9 +173,16 @@ def e2e_table(repeat: int) -> Table:
         auto = sync.push(mode="auto")
         reasons.append(f"{density:.1%}: ran {auto.mode} in {auto.seconds:.3f} s; {auto.reason}")
         counts = "/".join(str(mix.get(NAMES[c], 0)) for c in (INDICES, BLOCKED, BITMAP, DENSE))
-        table.add_row(f"{density:.1%}", counts, f"{wire / 1e6:.2f} MB", f"{dense_wire / 1e6:.2f} MB",
-                      f"{wire / dense_wire:.2%}", f"{statistics.median(sparse_s):.3f}", f"{statistics.median(dense_s):.3f}",
-                      auto.mode)
+        table.add_row(
+            f"{density:.1%}",
+            counts,
+            f"{wire / 1e6:.2f} MB",
+            f"{dense_wire / 1e6:.2f} MB",
+            f"{wire / dense_wire:.2%}",
+            f"{statistics.median(sparse_s):.3f}",
+            f"{statistics.median(dense_s):.3f}",
+            auto.mode,
+        )
     table.caption = "auto, after each density's rounds:\n" + "\n".join(reasons)
     sync.close()
     ray.shutdown()

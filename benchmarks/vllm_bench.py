@@ -32,27 +32,42 @@ import time
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local benchmark: Ray stays on loopback
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import ray
+import torch
+from rich.console import Console
+from rich.table import Table
 
-from actors import WeightSync  # noqa: E402
-from actors.cluster import free_init_url  # noqa: E402
-from actors.models import HFTrainer  # noqa: E402
-from actors.vllm import VllmEngine  # noqa: E402
-from rl_sync.rendezvous import StoreServer, new_secret  # noqa: E402
-from rl_sync.config.sync import SyncConfig  # noqa: E402
-from rl_sync.transport.gloo import GlooTransport  # noqa: E402
-from rl_sync.vllm.checkpoint import write_checkpoint  # noqa: E402
+from actors import WeightSync
+from actors.cluster import free_init_url
+from actors.models import HFTrainer
+from actors.vllm import VllmEngine
+from rl_sync.config.sync import SyncConfig
+from rl_sync.rendezvous import StoreServer, new_secret
+from rl_sync.transport.gloo import GlooTransport
+from rl_sync.vllm.checkpoint import write_checkpoint
 
 if __name__ != "__main__":
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-QWEN2_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
-                 num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True, rms_norm_eps=1e-6)
-LLM_KWARGS = dict(skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
-                  max_model_len=128, seed=0)
+QWEN2_05B = dict(
+    model_type="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
+LLM_KWARGS = dict(
+    skip_tokenizer_init=True,
+    dtype="bfloat16",
+    enforce_eager=True,
+    kv_cache_memory_bytes=64 << 20,
+    max_model_len=128,
+    seed=0,
+)
 PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3, 4, 5, 6, 7, 8]]
 
 
@@ -63,8 +78,17 @@ def _gathered(trainer) -> dict | None:
 
 
 def _join(actor, rank: int, size: int, host: str, port: int, secret: bytes) -> None:
-    actor.baseline = GlooTransport(rank, size, host, port, secret, bind_host=host, prefix="baseline", timeout_s=300,
-                                   broadcast_ranks=list(range(size)))
+    actor.baseline = GlooTransport(
+        rank,
+        size,
+        host,
+        port,
+        secret,
+        bind_host=host,
+        prefix="baseline",
+        timeout_s=300,
+        broadcast_ranks=list(range(size)),
+    )
 
 
 def _send(trainer, names_shapes: list) -> None:
@@ -110,14 +134,27 @@ def run(layers: int, rounds: int, tp: int) -> dict:
     trainers = [Trainer.remote(i, 2, config, url) for i in range(2)]
     state = ray.get([t.full_state.remote() for t in trainers])[0]
     params = sum(v.numel() for v in state.values())
-    path = write_checkpoint(tempfile.mkdtemp(prefix="rl-sync-bench-"), config, {k: torch.zeros_like(v) for k, v in state.items()})
+    path = write_checkpoint(
+        tempfile.mkdtemp(prefix="rl-sync-bench-"), config, {k: torch.zeros_like(v) for k, v in state.items()}
+    )
     del state
-    engine = VllmEngine.launch(path, tp=tp, llm_kwargs=LLM_KWARGS, host=host, env={"GLOO_SOCKET_IFNAME": "lo"},
-                               actor_options=[{"num_cpus": 0.1}] * tp)
+    engine = VllmEngine.launch(
+        path,
+        tp=tp,
+        llm_kwargs=LLM_KWARGS,
+        host=host,
+        env={"GLOO_SOCKET_IFNAME": "lo"},
+        actor_options=[{"num_cpus": 0.1}] * tp,
+    )
     try:
-        sync = WeightSync.create(trainers, engine.ranks, SyncConfig(rendezvous_host=host, bind_host=host,
-                                                                    bucket_bytes=64 << 20, init_timeout_s=300,
-                                                                    round_timeout_s=300), progress=False)
+        sync = WeightSync.create(
+            trainers,
+            engine.ranks,
+            SyncConfig(
+                rendezvous_host=host, bind_host=host, bucket_bytes=64 << 20, init_timeout_s=300, round_timeout_s=300
+            ),
+            progress=False,
+        )
         m2n, m2n_bytes = [], []
         for _ in range(rounds):
             stats = sync.push()
@@ -126,8 +163,10 @@ def run(layers: int, rounds: int, tp: int) -> dict:
         after_m2n = engine.generate(PROMPTS, max_tokens=4, temperature=0.0, logprobs=1)
         sync.close()
 
-        names_shapes = [(n, tuple(p.shape)) for n, p in ray.get(trainers[0].call.remote(
-            lambda t: [(n, p) for n, p in t.model.named_parameters()]))]
+        names_shapes = [
+            (n, tuple(p.shape))
+            for n, p in ray.get(trainers[0].call.remote(lambda t: [(n, p) for n, p in t.model.named_parameters()]))
+        ]
         secret = new_secret()
         store = _store(host, secret)
         members = trainers[:1] + engine.ranks
@@ -145,8 +184,14 @@ def run(layers: int, rounds: int, tp: int) -> dict:
         engine.shutdown()
         for t in trainers:
             ray.kill(t)
-    return {"params": params, "m2n": m2n, "m2n_bytes": m2n_bytes, "baseline": baseline, "baseline_bytes": base_bytes,
-            "same_tokens": [o["tokens"] for o in after_m2n] == [o["tokens"] for o in after_baseline]}
+    return {
+        "params": params,
+        "m2n": m2n,
+        "m2n_bytes": m2n_bytes,
+        "baseline": baseline,
+        "baseline_bytes": base_bytes,
+        "same_tokens": [o["tokens"] for o in after_m2n] == [o["tokens"] for o in after_baseline],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,21 +200,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tp", type=int, default=2)
     args = parser.parse_args(argv)
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
+    )
     result = run(args.layers, args.rounds, args.tp)
-    table = Table(title=f"vLLM TP{args.tp}, Qwen2-0.5B shapes x {args.layers} layers, {result['params'] / 1e6:.0f}M "
-                        f"parameters, 2 FSDP2 trainers (fp32) -> bf16 engine, Gloo on loopback")
+    table = Table(
+        title=f"vLLM TP{args.tp}, Qwen2-0.5B shapes x {args.layers} layers, {result['params'] / 1e6:.0f}M "
+        f"parameters, 2 FSDP2 trainers (fp32) -> bf16 engine, Gloo on loopback"
+    )
     for column in ("method", "seconds per update (median, min-max)", "MB into each vLLM rank"):
         table.add_column(column)
-    for name, seconds, received in (("rl-sync m2n", result["m2n"], result["m2n_bytes"]),
-                                    ("gather + broadcast + load_weights", result["baseline"], result["baseline_bytes"])):
-        table.add_row(name, f"{statistics.median(seconds):.3f} ({min(seconds):.3f}-{max(seconds):.3f})",
-                      ", ".join(f"{b / 1e6:.1f}" for b in received))
+    for name, seconds, received in (
+        ("rl-sync m2n", result["m2n"], result["m2n_bytes"]),
+        ("gather + broadcast + load_weights", result["baseline"], result["baseline_bytes"]),
+    ):
+        table.add_row(
+            name,
+            f"{statistics.median(seconds):.3f} ({min(seconds):.3f}-{max(seconds):.3f})",
+            ", ".join(f"{b / 1e6:.1f}" for b in received),
+        )
     Console().print(table)
     speedup = statistics.median(result["baseline"]) / statistics.median(result["m2n"])
-    print(f"speed-up {speedup:.2f}x; bytes per rank {result['m2n_bytes'][0] / result['baseline_bytes'][0]:.3f} of the "
-          f"baseline's; same greedy tokens after both: {result['same_tokens']}")
+    print(
+        f"speed-up {speedup:.2f}x; bytes per rank {result['m2n_bytes'][0] / result['baseline_bytes'][0]:.3f} of the "
+        f"baseline's; same greedy tokens after both: {result['same_tokens']}"
+    )
     ray.shutdown()
     return 0
 

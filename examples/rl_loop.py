@@ -27,14 +27,13 @@ import ray
 import torch
 
 from actors import WeightSync
-from actors.cluster import connect
-from actors.cluster import free_init_url
+from actors.cluster import connect, free_init_url
 from actors.demo import DemoModel
 from actors.models import EngineWorker, HFTrainer, hf_config
 from actors.placement import SyncPlacement
 from rl_sync.config.load import load_config
-from rl_sync.models.config import Parallel
 from rl_sync.config.sync import SyncConfig
+from rl_sync.models.config import Parallel
 
 if __name__ != "__main__":  # imported (a test, a notebook): actors receive these functions by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -44,9 +43,17 @@ if __name__ != "__main__":  # imported (a test, a notebook): actors receive thes
 class LoopConfig:
     """One RL run (see configs/rl_loop.yaml)."""
 
-    model: DemoModel = field(default_factory=lambda: DemoModel(vocab_size=16, hidden_size=64, intermediate_size=128,
-                                                               num_hidden_layers=2, num_attention_heads=4,
-                                                               num_key_value_heads=2, max_position_embeddings=32))
+    model: DemoModel = field(
+        default_factory=lambda: DemoModel(
+            vocab_size=16,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    )
     learners: int = 2
     tensor_parallel: int = 2
     iterations: int = 60
@@ -95,8 +102,10 @@ class LearnerGroup:
     def __init__(self, cfg: LoopConfig, placement: SyncPlacement, url: str):
         Learner = ray.remote(HFTrainer)
         config = hf_config(asdict(cfg.model)).to_dict()
-        self.actors = [Learner.options(**placement.trainer(i)).remote(i, cfg.learners, config, url, seed=cfg.seed)
-                       for i in range(cfg.learners)]
+        self.actors = [
+            Learner.options(**placement.trainer(i)).remote(i, cfg.learners, config, url, seed=cfg.seed)
+            for i in range(cfg.learners)
+        ]
 
     def update(self, tokens: torch.Tensor, advantages: torch.Tensor, prompt_len: int, lr: float) -> float:
         return ray.get([a.call.remote(grpo_step, tokens, advantages, prompt_len, lr) for a in self.actors])[0]
@@ -109,8 +118,10 @@ class EnvRunnerGroup:
         Worker = ray.remote(EngineWorker)
         self.par = Parallel(tp=cfg.tensor_parallel)
         config = hf_config(asdict(cfg.model)).to_dict()
-        self.actors = [Worker.options(**placement.worker(0, t)).remote(t, self.par, config, url)
-                       for t in range(cfg.tensor_parallel)]
+        self.actors = [
+            Worker.options(**placement.worker(0, t)).remote(t, self.par, config, url)
+            for t in range(cfg.tensor_parallel)
+        ]
 
     def sample(self, prompts: torch.Tensor, length: int, seed: int, temperature: float) -> dict:
         return ray.get([a.call.remote(generate, prompts, length, seed, temperature) for a in self.actors])[0]
@@ -134,16 +145,25 @@ def train(cfg: LoopConfig, log=print) -> list[dict]:
         sync.push(mode=cfg.mode)
         gen = torch.Generator().manual_seed(cfg.seed)
         for it in range(1, cfg.iterations + 1):
-            prompts = torch.randint(0, cfg.model.vocab_size, (cfg.prompts, 1), generator=gen).repeat_interleave(cfg.group, 0)
+            prompts = torch.randint(0, cfg.model.vocab_size, (cfg.prompts, 1), generator=gen).repeat_interleave(
+                cfg.group, 0
+            )
             batch = runners.sample(prompts, cfg.length, cfg.seed * 100_000 + it, cfg.temperature)
             reward = rewards(batch["tokens"], cfg.length, cfg.model.vocab_size)
             grouped = reward.view(cfg.prompts, cfg.group)
             advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
             loss = learners.update(batch["tokens"], advantages, prompts.shape[1], cfg.lr)
             stats = sync.push(mode=cfg.mode)
-            record = {"iteration": it, "reward": round(reward.mean().item(), 4), "loss": round(loss, 4),
-                      "rollout_version": batch["version"], "learner_version": stats.version,
-                      "sync_mode": stats.mode, "sync_bytes": stats.sent_bytes, "sync_s": round(stats.seconds, 4)}
+            record = {
+                "iteration": it,
+                "reward": round(reward.mean().item(), 4),
+                "loss": round(loss, 4),
+                "rollout_version": batch["version"],
+                "learner_version": stats.version,
+                "sync_mode": stats.mode,
+                "sync_bytes": stats.sent_bytes,
+                "sync_s": round(stats.seconds, 4),
+            }
             history.append(record)
             log(json.dumps(record))
         sync.close()
@@ -164,7 +184,7 @@ def run(argv: list[str] | None, doc: str, config_type: type, train_loop, example
     cfg = load_config(args.config, config_type, overrides)
     connect(args.address)
     history = train_loop(cfg)
-    first, last = history[: max(1, len(history) // 5)], history[-max(1, len(history) // 5):]
+    first, last = history[: max(1, len(history) // 5)], history[-max(1, len(history) // 5) :]
     start, end = (sum(r["reward"] for r in h) / len(h) for h in (first, last))
     print(f"mean reward: first {len(first)} iterations {start:.3f}, last {len(last)} iterations {end:.3f}")
     return 0

@@ -29,15 +29,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rl_loop import LearnerGroup, rewards, run  # noqa: E402  (the learners and the reward are the same)
+from rl_loop import LearnerGroup, rewards, run
 
-from actors import VllmEngine, WeightSync  # noqa: E402
-from actors.cluster import free_init_url  # noqa: E402
-from actors.demo import DemoModel  # noqa: E402
-from actors.models import hf_config  # noqa: E402
-from actors.placement import SyncPlacement  # noqa: E402
-from rl_sync.config.sync import SyncConfig  # noqa: E402
-from rl_sync.vllm.checkpoint import write_checkpoint  # noqa: E402
+from actors import VllmEngine, WeightSync
+from actors.cluster import free_init_url
+from actors.demo import DemoModel
+from actors.models import hf_config
+from actors.placement import SyncPlacement
+from rl_sync.config.sync import SyncConfig
+from rl_sync.vllm.checkpoint import write_checkpoint
 
 if __name__ != "__main__":  # imported (a test): actors receive these functions by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -49,9 +49,18 @@ ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llam
 class VllmLoopConfig:
     """One RL run with vLLM rollouts (see configs/rl_loop_vllm.yaml)."""
 
-    model: DemoModel = field(default_factory=lambda: DemoModel(
-        model_type="qwen2", vocab_size=16, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    model: DemoModel = field(
+        default_factory=lambda: DemoModel(
+            model_type="qwen2",
+            vocab_size=16,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
     learners: int = 2
     tensor_parallel: int = 2
     iterations: int = 40
@@ -64,8 +73,14 @@ class VllmLoopConfig:
     mode: str = "auto"
     seed: int = 0
     cpus_per_actor: float = 0.25
-    llm: dict[str, Any] = field(default_factory=lambda: {
-        "dtype": "bfloat16", "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_model_len": 64})
+    llm: dict[str, Any] = field(
+        default_factory=lambda: {
+            "dtype": "bfloat16",
+            "enforce_eager": True,
+            "kv_cache_memory_bytes": 64 << 20,
+            "max_model_len": 64,
+        }
+    )
     """Extra `vllm.LLM` arguments (the engine runs without a tokenizer on token-id prompts)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment of the engine's rank actors (e.g. GLOO_SOCKET_IFNAME)."""
@@ -79,8 +94,9 @@ def _hf_dict(model: DemoModel) -> dict:
 
 def sample(engine: VllmEngine, prompts: torch.Tensor, cfg: VllmLoopConfig, seed: int) -> torch.Tensor:
     """`group` completions of `length` tokens per prompt, as (prompts * group, 1 + length) token ids."""
-    outputs = engine.generate(prompts.tolist(), n=cfg.group, max_tokens=cfg.length, temperature=cfg.temperature,
-                              seed=seed, ignore_eos=True)
+    outputs = engine.generate(
+        prompts.tolist(), n=cfg.group, max_tokens=cfg.length, temperature=cfg.temperature, seed=seed, ignore_eos=True
+    )
     rows = [p + c for p, out in zip(prompts.tolist(), outputs) for c in out["samples"]]
     return torch.tensor(rows)
 
@@ -94,9 +110,14 @@ def train(cfg: VllmLoopConfig, log=print) -> list[dict]:
     try:
         state = ray.get([a.full_state.remote() for a in learners.actors])[0]
         path = write_checkpoint(tempfile.mkdtemp(prefix="rl-sync-policy-"), _hf_dict(cfg.model), state)
-        engine = VllmEngine.launch(path, tp=cfg.tensor_parallel, llm_kwargs={**cfg.llm, "skip_tokenizer_init": True},
-                                   actor_options=[placement.worker(0, t) for t in range(cfg.tensor_parallel)],
-                                   host=host, env=cfg.env)
+        engine = VllmEngine.launch(
+            path,
+            tp=cfg.tensor_parallel,
+            llm_kwargs={**cfg.llm, "skip_tokenizer_init": True},
+            actor_options=[placement.worker(0, t) for t in range(cfg.tensor_parallel)],
+            host=host,
+            env=cfg.env,
+        )
         sync = WeightSync.create(learners.actors, engine.ranks, cfg.sync)
         sync.push(mode=cfg.mode)
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -109,9 +130,16 @@ def train(cfg: VllmLoopConfig, log=print) -> list[dict]:
             advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
             loss = learners.update(tokens, advantages, 1, cfg.lr)
             stats = sync.push(mode=cfg.mode)
-            record = {"iteration": it, "reward": round(reward.mean().item(), 4), "loss": round(loss, 4),
-                      "rollout_version": rollout_version, "learner_version": stats.version, "sync_mode": stats.mode,
-                      "sync_bytes": stats.sent_bytes, "sync_s": round(stats.seconds, 4)}
+            record = {
+                "iteration": it,
+                "reward": round(reward.mean().item(), 4),
+                "loss": round(loss, 4),
+                "rollout_version": rollout_version,
+                "learner_version": stats.version,
+                "sync_mode": stats.mode,
+                "sync_bytes": stats.sent_bytes,
+                "sync_s": round(stats.seconds, 4),
+            }
             history.append(record)
             log(json.dumps(record))
         sync.close()

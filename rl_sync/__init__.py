@@ -9,14 +9,28 @@ The planner's own entry points (`plan_model`, `build_schedule`, `TensorSpec`)
 are for tools built on it."""
 
 from .bind import Binder, Rule
-from .planning.layout import Box, Layout, Mesh, Replicate, Shard
+from .config.sync import SyncConfig
 from .models import ModelConfig, Parallel
+from .planning.layout import Box, Layout, Mesh, Replicate, Shard
 from .planning.plan import TensorSpec, plan_model, plan_reshard
 from .planning.schedule import build_schedule
 from .storage import Destination, Sharded
-from .config.sync import SyncConfig
 
 __all__ = [
-    "Binder", "Box", "Destination", "Layout", "Mesh", "ModelConfig", "Parallel", "Replicate", "Rule", "Shard", "Sharded",
-    "SyncConfig", "TensorSpec", "build_schedule", "plan_model", "plan_reshard",
+    "Binder",
+    "Box",
+    "Destination",
+    "Layout",
+    "Mesh",
+    "ModelConfig",
+    "Parallel",
+    "Replicate",
+    "Rule",
+    "Shard",
+    "Sharded",
+    "SyncConfig",
+    "TensorSpec",
+    "build_schedule",
+    "plan_model",
+    "plan_reshard",
 ]

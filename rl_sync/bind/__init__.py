@@ -3,4 +3,4 @@
 from .binder import Binder, Binding
 from .rules import BUILTIN, DENSE_RULES, FUSED, MOE_RULES, Rule
 
-__all__ = ["BUILTIN", "Binder", "Binding", "DENSE_RULES", "FUSED", "MOE_RULES", "Rule"]
+__all__ = ["BUILTIN", "DENSE_RULES", "FUSED", "MOE_RULES", "Binder", "Binding", "Rule"]

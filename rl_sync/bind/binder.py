@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..planning.layout import Box, Layout, Mesh, Replicate, Shard
 from ..models.config import ModelConfig, Parallel
+from ..planning.layout import Box, Layout, Mesh, Replicate, Shard
 from ..planning.quant import LIVE_SCALE_SUFFIX, dest_scale_layout, grid_shape, scale_name
 from ..storage import Destination
 from .rules import BUILTIN, FUSED, MLA_PLAIN_Q_RULES, QUANTIZED, Rule
@@ -106,8 +106,9 @@ class Binder:
         layout = None if found is None else self.layout(found[0], found[1], tuple(shape))
         if layout is None:
             why = "no rule matches it" if found is None else f"its rule {found[0].pattern!r} falls back"
-            raise ValueError(f"{self.cfg.family} checkpoint tensor {name!r} (shape {tuple(shape)}) has no destination "
-                             f"layout: {why}")
+            raise ValueError(
+                f"{self.cfg.family} checkpoint tensor {name!r} (shape {tuple(shape)}) has no destination layout: {why}"
+            )
         return layout
 
     def quantized(self, rule: Rule, groups: dict[str, str]) -> bool:
@@ -152,8 +153,13 @@ class Binder:
             return Layout(self._mesh(stages, tp_ranks=[owner]), lead + (Replicate(),))
         return Layout(self._mesh(stages), lead + (Shard(0 if split == "expert_column" else 1),))
 
-    def bind(self, checkpoint: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], params: Mapping[str, torch.Tensor],
-             rank: int, allow_fallback: bool = False) -> Binding:
+    def bind(
+        self,
+        checkpoint: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+        params: Mapping[str, torch.Tensor],
+        rank: int,
+        allow_fallback: bool = False,
+    ) -> Binding:
         """Destinations for every checkpoint name on worker side rank `rank` (see module docstring)."""
         entries, fallbacks = [], []
         for name, (dtype, shape) in checkpoint.items():
@@ -164,10 +170,14 @@ class Binder:
                 continue
             rule, groups = found
             box = layout.local_box(tuple(shape), rank)
-            entries.append(_Entry(name, tuple(shape), dtype, rule, groups, layout, self._target(rule, groups, rank), box))
+            entries.append(
+                _Entry(name, tuple(shape), dtype, rule, groups, layout, self._target(rule, groups, rank), box)
+            )
         if fallbacks and not allow_fallback:
-            raise ValueError(f"worker rank {rank}: no rule binds {len(fallbacks)} checkpoint tensors "
-                             f"{fallbacks[:8]}; add rules or give the worker a fallback hook")
+            raise ValueError(
+                f"worker rank {rank}: no rule binds {len(fallbacks)} checkpoint tensors "
+                f"{fallbacks[:8]}; add rules or give the worker a fallback hook"
+            )
         destinations = self._destinations(entries, params, rank)
         for name in fallbacks:
             dtype, shape = checkpoint[name]
@@ -182,15 +192,19 @@ class Binder:
             return "lm_head.weight"  # tied embeddings: the last stage's copy is its head
         return target
 
-    def _destinations(self, entries: list[_Entry], params: Mapping[str, torch.Tensor], rank: int) -> dict[str, Destination]:
+    def _destinations(
+        self, entries: list[_Entry], params: Mapping[str, torch.Tensor], rank: int
+    ) -> dict[str, Destination]:
         offsets = _slot_offsets(entries)
         out = {}
         for e in entries:
             view, quantized = None, self._quantized(e)
             if e.box is not None:
                 if e.target not in params:
-                    raise ValueError(f"worker rank {rank}: checkpoint tensor {e.name!r} binds to live parameter "
-                                     f"{e.target!r}, which this rank does not hold")
+                    raise ValueError(
+                        f"worker rank {rank}: checkpoint tensor {e.name!r} binds to live parameter "
+                        f"{e.target!r}, which this rank does not hold"
+                    )
                 view = self._view(e, params[e.target], offsets.get(e.name, 0), rank, e.box, quantized)
             if quantized:
                 out[e.name] = Destination(view, e.layout, e.shape, torch.float8_e4m3fn, block=self.cfg.fp8_block)
@@ -212,19 +226,24 @@ class Binder:
         box, view = layout.local_box(grid, rank), None
         if box is not None:
             if slot_offset % block[0]:
-                raise ValueError(f"{what}: its slot starts at row {slot_offset} of {e.target!r}, not on a "
-                                 f"{block[0]}-row block boundary; every fused slot must hold whole blocks")
+                raise ValueError(
+                    f"{what}: its slot starts at row {slot_offset} of {e.target!r}, not on a "
+                    f"{block[0]}-row block boundary; every fused slot must hold whole blocks"
+                )
             target = e.target + LIVE_SCALE_SUFFIX
             if target not in params:
                 raise ValueError(f"{what}: {e.target!r} is FP8 but this rank holds no {target!r} for its scales")
             view = self._view(e, params[target], slot_offset // block[0], rank, box, True)
         return Destination(view, layout, grid, torch.float32)
 
-    def _view(self, e: _Entry, param: torch.Tensor, slot_offset: int, rank: int, box: Box,
-              quantized: bool) -> torch.Tensor:
+    def _view(
+        self, e: _Entry, param: torch.Tensor, slot_offset: int, rank: int, box: Box, quantized: bool
+    ) -> torch.Tensor:
         if param.dtype != e.dtype and not quantized:
-            raise ValueError(f"worker rank {rank}: {e.name!r} is {e.dtype} in the checkpoint but live parameter "
-                             f"{e.target!r} is {param.dtype}; a cast needs a fallback rule")
+            raise ValueError(
+                f"worker rank {rank}: {e.name!r} is {e.dtype} in the checkpoint but live parameter "
+                f"{e.target!r} is {param.dtype}; a cast needs a fallback rule"
+            )
         view = param
         if e.rule.expert is not None:
             expert = int(_fmt(e.rule.expert, e.groups))
@@ -235,8 +254,10 @@ class Binder:
         elif e.rule.split == "vocab":
             view = view.narrow(0, 0, box.sizes[0])
         if tuple(view.shape) != box.sizes:
-            raise ValueError(f"worker rank {rank}: {e.name!r} needs a {box.sizes} box here but live parameter "
-                             f"{e.target!r} (shape {tuple(param.shape)}) gives {tuple(view.shape)}")
+            raise ValueError(
+                f"worker rank {rank}: {e.name!r} needs a {box.sizes} box here but live parameter "
+                f"{e.target!r} (shape {tuple(param.shape)}) gives {tuple(view.shape)}"
+            )
         return view
 
 

@@ -88,7 +88,7 @@ def _stride(d: int, pieces: Sequence[Piece], grid, at: dict) -> int | None:
     if len(grid[d]) == 1:
         return 0
     corner = tuple(intervals[0] for intervals in grid)
-    step = corner[:d] + (grid[d][1],) + corner[d + 1:]
+    step = corner[:d] + (grid[d][1],) + corner[d + 1 :]
     delta, moved = at[step].dst.offset - at[corner].dst.offset, grid[d][1][0] - grid[d][0][0]
     return delta // moved if delta % moved == 0 else None
 
@@ -136,8 +136,12 @@ def _matches(layout: Layout, shape: tuple[int, ...], boxes: Sequence[Box | None]
 
 def _sharded_candidates(shape: tuple[int, ...], boxes: Sequence[Box | None], holders: list[int]) -> list[Layout]:
     full = Box((0,) * len(shape), shape)
-    dims = {d for r in holders for d in range(len(shape))
-            if (boxes[r].offsets[d], boxes[r].sizes[d]) != (full.offsets[d], full.sizes[d])}
+    dims = {
+        d
+        for r in holders
+        for d in range(len(shape))
+        if (boxes[r].offsets[d], boxes[r].sizes[d]) != (full.offsets[d], full.sizes[d])
+    }
     if len(dims) != 1:
         return []
     dim = dims.pop()
@@ -171,7 +175,9 @@ def infer_layout(shape: Sequence[int], boxes: Sequence[Box | None]) -> Layout | 
     return None
 
 
-def find_cuts(shape: Sequence[int], boxes: Sequence[Sequence[Box]], forbidden: Collection[int] = ()) -> tuple[int, list[int]] | None:
+def find_cuts(
+    shape: Sequence[int], boxes: Sequence[Sequence[Box]], forbidden: Collection[int] = ()
+) -> tuple[int, list[int]] | None:
     """A dim and the fewest cuts along it that leave each rank's boxes (`boxes[r]`) able to form
     one box per part: no box straddles a cut, and a cut lies in every gap a rank leaves along
     that dim (gate and up rows of one TP rank inside a fused gate|up tensor). Dims in

@@ -68,12 +68,28 @@ DENSE_RULES: tuple[Rule, ...] = (
     Rule(r"model\.embed_tokens\.weight", "model.embed_tokens.weight", "vocab"),
     Rule(r"lm_head\.weight", "lm_head.weight", "vocab"),
     Rule(r"model\.norm\.weight", "model.norm.weight", "replicated"),
-    Rule(L + r"\.(?P<norm>input_layernorm|post_attention_layernorm)\.weight", "model.layers.{layer}.{norm}.weight", "replicated"),
-    Rule(L + r"\.self_attn\.q_proj\.(?P<p>weight|bias)", "model.layers.{layer}.self_attn.qkv_proj.{p}", "column", slot="q"),
-    Rule(L + r"\.self_attn\.(?P<s>k|v)_proj\.(?P<p>weight|bias)", "model.layers.{layer}.self_attn.qkv_proj.{p}", "kv", slot="{s}"),
+    Rule(
+        L + r"\.(?P<norm>input_layernorm|post_attention_layernorm)\.weight",
+        "model.layers.{layer}.{norm}.weight",
+        "replicated",
+    ),
+    Rule(
+        L + r"\.self_attn\.q_proj\.(?P<p>weight|bias)",
+        "model.layers.{layer}.self_attn.qkv_proj.{p}",
+        "column",
+        slot="q",
+    ),
+    Rule(
+        L + r"\.self_attn\.(?P<s>k|v)_proj\.(?P<p>weight|bias)",
+        "model.layers.{layer}.self_attn.qkv_proj.{p}",
+        "kv",
+        slot="{s}",
+    ),
     Rule(L + r"\.self_attn\.(?P<n>q_norm|k_norm)\.weight", "model.layers.{layer}.self_attn.{n}.weight", "replicated"),
     Rule(L + r"\.self_attn\.o_proj\.weight", "model.layers.{layer}.self_attn.o_proj.weight", "row"),
-    Rule(L + r"\.mlp\.(?P<s>gate|up)_proj\.weight", "model.layers.{layer}.mlp.gate_up_proj.weight", "column", slot="{s}"),
+    Rule(
+        L + r"\.mlp\.(?P<s>gate|up)_proj\.weight", "model.layers.{layer}.mlp.gate_up_proj.weight", "column", slot="{s}"
+    ),
     Rule(L + r"\.mlp\.down_proj\.weight", "model.layers.{layer}.mlp.down_proj.weight", "row"),
 )
 """Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms) dense models."""
@@ -82,53 +98,106 @@ MOE_RULES: tuple[Rule, ...] = (
     Rule(L + r"\.(?:mlp|block_sparse_moe)\.gate\.weight", "model.layers.{layer}.mlp.gate.weight", "replicated"),
     Rule(L + r"\.mlp\.experts\.gate_up_proj", "model.layers.{layer}.mlp.experts.w13_weight", "experts", tp_dim=None),
     Rule(L + r"\.mlp\.experts\.down_proj", "model.layers.{layer}.mlp.experts.w2_weight", "experts", tp_dim=2),
-    Rule(L + r"\.mlp\.experts\.(?P<e>\d+)\.(?P<s>gate|up)_proj\.weight", "model.layers.{layer}.mlp.experts.w13_weight",
-         "expert_column", slot="{s}", expert="{e}"),
-    Rule(L + r"\.mlp\.experts\.(?P<e>\d+)\.down_proj\.weight", "model.layers.{layer}.mlp.experts.w2_weight",
-         "expert_row", expert="{e}"),
-    Rule(L + r"\.block_sparse_moe\.experts\.(?P<e>\d+)\.w1\.weight", "model.layers.{layer}.mlp.experts.w13_weight",
-         "expert_column", slot="gate", expert="{e}"),
-    Rule(L + r"\.block_sparse_moe\.experts\.(?P<e>\d+)\.w3\.weight", "model.layers.{layer}.mlp.experts.w13_weight",
-         "expert_column", slot="up", expert="{e}"),
-    Rule(L + r"\.block_sparse_moe\.experts\.(?P<e>\d+)\.w2\.weight", "model.layers.{layer}.mlp.experts.w2_weight",
-         "expert_row", expert="{e}"),
+    Rule(
+        L + r"\.mlp\.experts\.(?P<e>\d+)\.(?P<s>gate|up)_proj\.weight",
+        "model.layers.{layer}.mlp.experts.w13_weight",
+        "expert_column",
+        slot="{s}",
+        expert="{e}",
+    ),
+    Rule(
+        L + r"\.mlp\.experts\.(?P<e>\d+)\.down_proj\.weight",
+        "model.layers.{layer}.mlp.experts.w2_weight",
+        "expert_row",
+        expert="{e}",
+    ),
+    Rule(
+        L + r"\.block_sparse_moe\.experts\.(?P<e>\d+)\.w1\.weight",
+        "model.layers.{layer}.mlp.experts.w13_weight",
+        "expert_column",
+        slot="gate",
+        expert="{e}",
+    ),
+    Rule(
+        L + r"\.block_sparse_moe\.experts\.(?P<e>\d+)\.w3\.weight",
+        "model.layers.{layer}.mlp.experts.w13_weight",
+        "expert_column",
+        slot="up",
+        expert="{e}",
+    ),
+    Rule(
+        L + r"\.block_sparse_moe\.experts\.(?P<e>\d+)\.w2\.weight",
+        "model.layers.{layer}.mlp.experts.w2_weight",
+        "expert_row",
+        expert="{e}",
+    ),
 )
 """Qwen3-MoE and Mixtral: routers, stacked (transformers 5) and per-expert (checkpoint files) experts."""
 
 MLA_RULES: tuple[Rule, ...] = (
-    Rule(L + r"\.self_attn\.q_a_proj\.weight", "model.layers.{layer}.self_attn.fused_qkv_a_proj.weight", "replicated",
-         slot="q_a"),
-    Rule(L + r"\.self_attn\.kv_a_proj_with_mqa\.weight", "model.layers.{layer}.self_attn.fused_qkv_a_proj.weight",
-         "replicated", slot="kv_a"),
-    Rule(L + r"\.self_attn\.(?P<n>q_a_layernorm|kv_a_layernorm)\.weight", "model.layers.{layer}.self_attn.{n}.weight",
-         "replicated"),
-    Rule(L + r"\.self_attn\.(?P<n>q_b_proj|q_proj|kv_b_proj)\.weight", "model.layers.{layer}.self_attn.{n}.weight",
-         "column"),
-    Rule(L + r"\.mlp\.gate\.e_score_correction_bias", "model.layers.{layer}.mlp.gate.e_score_correction_bias",
-         "replicated"),
+    Rule(
+        L + r"\.self_attn\.q_a_proj\.weight",
+        "model.layers.{layer}.self_attn.fused_qkv_a_proj.weight",
+        "replicated",
+        slot="q_a",
+    ),
+    Rule(
+        L + r"\.self_attn\.kv_a_proj_with_mqa\.weight",
+        "model.layers.{layer}.self_attn.fused_qkv_a_proj.weight",
+        "replicated",
+        slot="kv_a",
+    ),
+    Rule(
+        L + r"\.self_attn\.(?P<n>q_a_layernorm|kv_a_layernorm)\.weight",
+        "model.layers.{layer}.self_attn.{n}.weight",
+        "replicated",
+    ),
+    Rule(
+        L + r"\.self_attn\.(?P<n>q_b_proj|q_proj|kv_b_proj)\.weight",
+        "model.layers.{layer}.self_attn.{n}.weight",
+        "column",
+    ),
+    Rule(
+        L + r"\.mlp\.gate\.e_score_correction_bias",
+        "model.layers.{layer}.mlp.gate.e_score_correction_bias",
+        "replicated",
+    ),
 )
 """DeepSeek-V3 / Kimi-K2 multi-head latent attention, as vLLM holds it: `q_a_proj` and
 `kv_a_proj_with_mqa` fused into a replicated `fused_qkv_a_proj`, the up-projections column
 parallel (`o_proj` is the dense row rule), and the router's score-correction bias (fp32)."""
 
 MLA_PLAIN_Q_RULES: tuple[Rule, ...] = (
-    Rule(L + r"\.self_attn\.kv_a_proj_with_mqa\.weight", "model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight",
-         "replicated"),
+    Rule(
+        L + r"\.self_attn\.kv_a_proj_with_mqa\.weight",
+        "model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight",
+        "replicated",
+    ),
 )
 """MLA without query compression (`q_lora_rank` 0): vLLM keeps `kv_a_proj_with_mqa` unfused
 (`Binder` puts these before `MLA_RULES`)."""
 
 SHARED_RULES: tuple[Rule, ...] = (
-    Rule(L + r"\.mlp\.shared_experts\.(?P<s>gate|up)_proj\.weight",
-         "model.layers.{layer}.mlp.shared_experts.gate_up_proj.weight", "column", slot="{s}"),
-    Rule(L + r"\.mlp\.shared_experts\.down_proj\.weight", "model.layers.{layer}.mlp.shared_experts.down_proj.weight",
-         "row"),
+    Rule(
+        L + r"\.mlp\.shared_experts\.(?P<s>gate|up)_proj\.weight",
+        "model.layers.{layer}.mlp.shared_experts.gate_up_proj.weight",
+        "column",
+        slot="{s}",
+    ),
+    Rule(
+        L + r"\.mlp\.shared_experts\.down_proj\.weight",
+        "model.layers.{layer}.mlp.shared_experts.down_proj.weight",
+        "row",
+    ),
 )
 """DeepSeek-V3 shared experts: one TP-sharded MLP (vLLM replicates them only under
 sequence-parallel MoE, data-parallel attention, which these rules do not model)."""
 
 BUILTIN: dict[str, tuple[Rule, ...]] = {
-    "llama": DENSE_RULES, "qwen2": DENSE_RULES, "qwen3": DENSE_RULES,
-    "qwen3_moe": MOE_RULES + DENSE_RULES, "mixtral": MOE_RULES + DENSE_RULES,
+    "llama": DENSE_RULES,
+    "qwen2": DENSE_RULES,
+    "qwen3": DENSE_RULES,
+    "qwen3_moe": MOE_RULES + DENSE_RULES,
+    "mixtral": MOE_RULES + DENSE_RULES,
     "deepseek_v3": MLA_RULES + SHARED_RULES + MOE_RULES + DENSE_RULES,
 }

@@ -91,8 +91,9 @@ class SyncConfig:
         _text("name", self.name)
         for field, options in CHOICES.items():
             if getattr(self, field) not in options:
-                raise ValueError(f"SyncConfig.{field} must be one of {', '.join(map(repr, options))}, "
-                                 f"got {getattr(self, field)!r}")
+                raise ValueError(
+                    f"SyncConfig.{field} must be one of {', '.join(map(repr, options))}, got {getattr(self, field)!r}"
+                )
         for field in ("double_buffer", "auto_repair"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"SyncConfig.{field} must be True or False, got {getattr(self, field)!r}")
@@ -110,8 +111,14 @@ class SyncConfig:
 MAX_BUCKET_BYTES = 1 << 40
 """1 TiB: far above any device's memory; bounds the sizes the planner multiplies."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-CHOICES = {"transport": get_args(Transport), "colocate": get_args(Colocate), "mode": get_args(Mode),
-           "relay": get_args(Relay), "sparse_baseline": get_args(BaselineDevice), "integrity": get_args(Integrity)}
+CHOICES = {
+    "transport": get_args(Transport),
+    "colocate": get_args(Colocate),
+    "mode": get_args(Mode),
+    "relay": get_args(Relay),
+    "sparse_baseline": get_args(BaselineDevice),
+    "integrity": get_args(Integrity),
+}
 """The allowed values of each choice field, read off the `Literal` types above."""
 
 

@@ -58,9 +58,11 @@ def check_disjoint(views: Mapping[str, torch.Tensor], rank: int) -> None:
         group.sort(key=lambda item: item[1].data_ptr())
         for i, (name, view) in enumerate(group):
             end = _extent(view)[1]
-            for other, other_view in group[i + 1:]:
+            for other, other_view in group[i + 1 :]:
                 if other_view.data_ptr() >= end:
                     break
                 if _overlap(view, other_view):
-                    raise ValueError(f"worker rank {rank}: destinations {name!r} and {other!r} share memory (their "
-                                     "views overlap); each element may have one writer")
+                    raise ValueError(
+                        f"worker rank {rank}: destinations {name!r} and {other!r} share memory (their "
+                        "views overlap); each element may have one writer"
+                    )

@@ -39,8 +39,7 @@ def _kernel():
         triton, tl = _triton()
 
         @triton.jit
-        def copy_blocks(src_tab, dst_tab, words_tab, block_region, block_start,
-                        BLOCK: tl.constexpr):  # type: ignore[name-defined]  # Triton's marker, not a type
+        def copy_blocks(src_tab, dst_tab, words_tab, block_region, block_start, BLOCK: tl.constexpr):  # type: ignore[name-defined]  # Triton's marker, not a type
             pid = tl.program_id(0)
             region = tl.load(block_region + pid)
             start = tl.load(block_start + pid)
@@ -75,9 +74,13 @@ class BatchedCopy:
         counts = [-(-w // WORDS_PER_BLOCK) for w in words]
         region = torch.repeat_interleave(torch.arange(len(words)), torch.tensor(counts))
         start = torch.cat([torch.arange(c) * WORDS_PER_BLOCK for c in counts])
-        cpu = (torch.tensor([s.data_ptr() for s in srcs], dtype=torch.int64),
-               torch.tensor([d.data_ptr() for d in dsts], dtype=torch.int64),
-               torch.tensor(words, dtype=torch.int64), region.to(torch.int32), start.to(torch.int64))
+        cpu = (
+            torch.tensor([s.data_ptr() for s in srcs], dtype=torch.int64),
+            torch.tensor([d.data_ptr() for d in dsts], dtype=torch.int64),
+            torch.tensor(words, dtype=torch.int64),
+            region.to(torch.int32),
+            start.to(torch.int64),
+        )
         tables = tuple(t.to(device) for t in cpu)
         return cls(tables, int(region.numel()), list(dsts) + list(srcs))
 

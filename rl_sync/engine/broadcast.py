@@ -107,7 +107,11 @@ def run_broadcast(
         if not regions:
             continue
         buf = staging.get(1, nbytes) if rank == ROOT or is_worker else None
-        views = {t: _region_endpoint(buf, r, plan.specs[t].shape, dtypes[t]) for t, r in regions.items()} if buf is not None else {}
+        views = (
+            {t: _region_endpoint(buf, r, plan.specs[t].shape, dtypes[t]) for t, r in regions.items()}
+            if buf is not None
+            else {}
+        )
         if index in mine:
             io = BucketIO(lambda _b, t: sources[t], lambda _b, t: views[t], dtypes)
             ops = compile_bucket(mine[index], io, staging.get(0, staging_need(mine[index], io)))

@@ -42,7 +42,6 @@ from ..planning.quant import AMAX_FLOOR, FP8_MAX, amax_exchange, grid_shape, sca
 from ..transport.base import Transport
 from .endpoint import Endpoint
 
-
 MAX_SUBSETS = 4
 """CUDA graphs kept per stage: the full round's plus recent tensor subsets'."""
 
@@ -54,8 +53,9 @@ def kernels():
     return quantize_triton
 
 
-def _padded(x: torch.Tensor, box: Box, block: tuple[int, int],
-            scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
+def _padded(
+    x: torch.Tensor, box: Box, block: tuple[int, int], scratch: torch.Tensor | None = None
+) -> tuple[torch.Tensor, tuple[int, int]]:
     """`x` (the global `box`) in fp32, zero-padded to whole blocks of its last two dims, as a
     `[..., rows, bn, cols, bk]` tensor (in `scratch` when given: reusing memory spares the
     page faults of a fresh allocation, which cost more than the arithmetic on a CPU), and
@@ -65,8 +65,11 @@ def _padded(x: torch.Tensor, box: Box, block: tuple[int, int],
     (bn, bk), top, left = block, r0 % block[0], c0 % block[1]
     rows, cols = -(-(top + nr) // bn), -(-(left + nc) // bk)
     shape = tuple(x.shape[:lead]) + (rows * bn, cols * bk)
-    padded = torch.empty(shape, dtype=torch.float32, device=x.device) if scratch is None else \
-        scratch[: math.prod(shape)].view(shape)
+    padded = (
+        torch.empty(shape, dtype=torch.float32, device=x.device)
+        if scratch is None
+        else scratch[: math.prod(shape)].view(shape)
+    )
     if top or left or nr != rows * bn or nc != cols * bk:
         padded.zero_()
     padded[..., top : top + nr, left : left + nc] = x
@@ -78,7 +81,9 @@ def padded_numel(box: Box, block: tuple[int, int]) -> int:
     return math.prod(touched_blocks(box, block).sizes) * block[0] * block[1]
 
 
-def partial_amax(x: torch.Tensor, box: Box, block: tuple[int, int], scratch: torch.Tensor | None = None) -> torch.Tensor:
+def partial_amax(
+    x: torch.Tensor, box: Box, block: tuple[int, int], scratch: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp32 max of |x| over each block `box` touches (over its part of a block it cuts): the
     larger of the block's maximum and its negated minimum (reduced along columns, then rows:
     no |x| copy, contiguous reductions first)."""
@@ -93,12 +98,20 @@ def scales_from(amax: torch.Tensor) -> torch.Tensor:
     return amax.clamp(min=AMAX_FLOOR) / torch.full_like(amax, FP8_MAX)
 
 
-def quantize_into(out: torch.Tensor, x: torch.Tensor, box: Box, block: tuple[int, int], scales: torch.Tensor,
-                  scratch: torch.Tensor | None = None) -> None:
+def quantize_into(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    box: Box,
+    block: tuple[int, int],
+    scales: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+) -> None:
     """Write FP8 `x * (1 / scale)` into `out`; `scales` covers the blocks `box` touches."""
     blocks, (top, left) = _padded(x, box, block, scratch)
     blocks.mul_((1.0 / scales)[..., :, None, :, None])
-    q = blocks.view(tuple(blocks.shape[:-4]) + (blocks.shape[-4] * blocks.shape[-3], blocks.shape[-2] * blocks.shape[-1]))
+    q = blocks.view(
+        tuple(blocks.shape[:-4]) + (blocks.shape[-4] * blocks.shape[-3], blocks.shape[-2] * blocks.shape[-1])
+    )
     out.copy_(q[..., top : top + out.shape[-2], left : left + out.shape[-1]])
 
 
@@ -187,8 +200,9 @@ class QuantStage:
         self._graphs(sources, None)
         return out
 
-    def run(self, sources: Mapping[str, Endpoint], transport: Transport, deadline: float,
-            wanted: Collection[int] | None) -> None:
+    def run(
+        self, sources: Mapping[str, Endpoint], transport: Transport, deadline: float, wanted: Collection[int] | None
+    ) -> None:
         """Quantize this round's tensors into the buffers `endpoints(sources)` handed out."""
         items = self._items(wanted)
         if not items:
@@ -226,8 +240,9 @@ class QuantStage:
             for item in items.values():
                 item.amax.copy_(scales_from(item.amax))
 
-    def _graphs(self, sources: Mapping[str, Endpoint],
-                wanted: Collection[int] | None) -> tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None:
+    def _graphs(
+        self, sources: Mapping[str, Endpoint], wanted: Collection[int] | None
+    ) -> tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None:
         """CUDA graphs of the two device steps (block maxima; scales and FP8 values), captured
         once per tensor subset while the shards stay the same (the full round's when the
         endpoints are made): one launch each per round, however many tensors (per-tensor
@@ -250,14 +265,16 @@ class QuantStage:
                 inverse = 1.0 / self._grid
                 for item in items.values():
                     cells = inverse[item.start : item.start + item.touched.numel].view(item.touched.sizes)
-                    triton.quantize_blocks(sources[item.name].tensor, item.box.offsets[-2:], item.block, cells,
-                                           item.values)
+                    triton.quantize_blocks(
+                        sources[item.name].tensor, item.box.offsets[-2:], item.block, cells, item.values
+                    )
 
             self._launches[key] = (_captured(maxima), _captured(quantize))
         return self._launches[key]
 
-    def _trade(self, items: Mapping[int, _Quantized], transport: Transport, deadline: float,
-               wanted: Collection[int] | None) -> None:
+    def _trade(
+        self, items: Mapping[int, _Quantized], transport: Transport, deadline: float, wanted: Collection[int] | None
+    ) -> None:
         """Send partial amaxes of cut blocks and keep the maximum of what arrives."""
         sends: dict[int, list[torch.Tensor]] = {}
         recvs: dict[int, list[tuple[torch.Tensor, int]]] = {}
@@ -272,10 +289,13 @@ class QuantStage:
         if not sends and not recvs:
             return
         out = [(peer, torch.cat(parts).view(torch.uint8)) for peer, parts in sorted(sends.items())]
-        into = {peer: torch.empty(sum(n for _, n in parts), dtype=torch.float32, device=transport.device)
-                for peer, parts in sorted(recvs.items())}
-        pending = transport.post(out, [(peer, buf.view(torch.uint8)) for peer, buf in into.items()],
-                                 label="amax exchange (FP8 block scales)")
+        into = {
+            peer: torch.empty(sum(n for _, n in parts), dtype=torch.float32, device=transport.device)
+            for peer, parts in sorted(recvs.items())
+        }
+        pending = transport.post(
+            out, [(peer, buf.view(torch.uint8)) for peer, buf in into.items()], label="amax exchange (FP8 block scales)"
+        )
         pending.wait(deadline)
         transport.complete(deadline)
         for peer, parts in recvs.items():

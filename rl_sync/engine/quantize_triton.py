@@ -36,8 +36,23 @@ def _block(n, k, top, left, BN: tl.constexpr, BK: tl.constexpr, WIDTH: tl.conste
 
 
 @triton.jit
-def _amax_kernel(x, out, n, k, top, left, s_l, s_r, s_c, R, C, BN: tl.constexpr, BK: tl.constexpr,
-                 STEP: tl.constexpr, WIDTH: tl.constexpr):
+def _amax_kernel(
+    x,
+    out,
+    n,
+    k,
+    top,
+    left,
+    s_l,
+    s_r,
+    s_c,
+    R,
+    C,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    STEP: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
     row0, col0, r_lo, r_hi, c, col_ok = _block(n, k, top, left, BN, BK, WIDTH)
     lead = tl.program_id(2).to(tl.int64)
     start = x + lead * s_l + row0 * s_r + col0 * s_c
@@ -55,8 +70,27 @@ def _amax_kernel(x, out, n, k, top, left, s_l, s_r, s_c, R, C, BN: tl.constexpr,
 
 
 @triton.jit
-def _quantize_kernel(x, inv, q, n, k, top, left, s_l, s_r, s_c, q_l, q_r, q_c, R, C, BN: tl.constexpr,
-                     BK: tl.constexpr, STEP: tl.constexpr, WIDTH: tl.constexpr):
+def _quantize_kernel(
+    x,
+    inv,
+    q,
+    n,
+    k,
+    top,
+    left,
+    s_l,
+    s_r,
+    s_c,
+    q_l,
+    q_r,
+    q_c,
+    R,
+    C,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    STEP: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
     row0, col0, r_lo, r_hi, c, col_ok = _block(n, k, top, left, BN, BK, WIDTH)
     lead = tl.program_id(2).to(tl.int64)
     scale = tl.load(inv + (lead * R + tl.program_id(1)) * C + tl.program_id(0))
@@ -77,9 +111,22 @@ def _launch(kernel, x: torch.Tensor, grid_shape: tuple[int, ...], offsets: tuple
     x3 = _as_3d(x)
     (bn, bk), (top, left) = block, (offsets[0] % block[0], offsets[1] % block[1])
     R, C = grid_shape[-2], grid_shape[-1]
-    kernel[(C, R, x3.shape[0])](x3, *args[:-1], x3.shape[1], x3.shape[2], top, left, *x3.stride(), *args[-1], R, C,
-                                BN=bn, BK=bk, STEP=min(ROWS_PER_STEP, triton.next_power_of_2(bn)),
-                                WIDTH=triton.next_power_of_2(bk))
+    kernel[(C, R, x3.shape[0])](
+        x3,
+        *args[:-1],
+        x3.shape[1],
+        x3.shape[2],
+        top,
+        left,
+        *x3.stride(),
+        *args[-1],
+        R,
+        C,
+        BN=bn,
+        BK=bk,
+        STEP=min(ROWS_PER_STEP, triton.next_power_of_2(bn)),
+        WIDTH=triton.next_power_of_2(bk),
+    )
 
 
 def block_amax(x: torch.Tensor, offsets: tuple[int, int], block: tuple[int, int], out: torch.Tensor) -> None:
@@ -88,8 +135,9 @@ def block_amax(x: torch.Tensor, offsets: tuple[int, int], block: tuple[int, int]
     _launch(_amax_kernel, x, tuple(out.shape), offsets, block, out, ())
 
 
-def quantize_blocks(x: torch.Tensor, offsets: tuple[int, int], block: tuple[int, int], inv: torch.Tensor,
-                    q: torch.Tensor) -> None:
+def quantize_blocks(
+    x: torch.Tensor, offsets: tuple[int, int], block: tuple[int, int], inv: torch.Tensor, q: torch.Tensor
+) -> None:
     """`q` (FP8, the shape of `x`) = `x * inv` per block, `inv` the touched grid's 1 / scale."""
     q3 = _as_3d(q)
     assert q3.data_ptr() == q.data_ptr(), "FP8 buffers are allocated contiguous"

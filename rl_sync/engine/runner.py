@@ -158,8 +158,12 @@ def _storage(side: str, msg: Message, io: BucketIO) -> Callable[[int, int], Endp
 
 def staging_need(bucket: RankBucket, io: BucketIO) -> int:
     """Bytes of staging `bucket` needs on this rank."""
-    staged = [m for side, messages in (("send", bucket.sends), ("recv", bucket.recvs)) for m in messages
-              if _staged(m, _storage(side, m, io), bucket.index, io.dtypes)]
+    staged = [
+        m
+        for side, messages in (("send", bucket.sends), ("recv", bucket.recvs))
+        for m in messages
+        if _staged(m, _storage(side, m, io), bucket.index, io.dtypes)
+    ]
     return sum(_aligned(m.nbytes) for m in staged)
 
 
@@ -187,7 +191,7 @@ def compile_bucket(bucket: RankBucket, io: BucketIO, buf: torch.Tensor) -> Bucke
                 assert direct is not None  # not staged: one contiguous box
                 target = direct
                 ops.counters.zero_copy_bytes += msg.nbytes
-            (ops.sends if side == "send" else ops.recvs).append((msg.peer, target))  # noqa: B018
+            (ops.sends if side == "send" else ops.recvs).append((msg.peer, target))
     for seg in bucket.local:
         dst = io.dest(bucket.index, seg.tensor).view(seg.offsets, seg.sizes)
         src = io.source(bucket.index, seg.tensor).view(seg.offsets, seg.sizes)
@@ -240,7 +244,9 @@ class BucketError(RuntimeError):
     """A bucket failed on this rank; the message names the bucket and its tensors."""
 
 
-def run_program(program: Program, transport: Transport, deadline: float, *, names: Sequence[str], context: str) -> Counters:
+def run_program(
+    program: Program, transport: Transport, deadline: float, *, names: Sequence[str], context: str
+) -> Counters:
     """Replay a compiled round, bucket k+1 packed while bucket k is in flight."""
     counters, previous, where = Counters(), None, "before the first bucket"
     try:
@@ -271,8 +277,12 @@ def run_program(program: Program, transport: Transport, deadline: float, *, name
 
 
 def describe_bucket(bucket: RankBucket, names: Sequence[str]) -> str:
-    tensors = sorted({s.tensor for m in bucket.sends + bucket.recvs for s in m.segments} | {s.tensor for s in bucket.local})
-    shown = ", ".join(repr(names[t]) for t in tensors[:4]) + (f" and {len(tensors) - 4} more" if len(tensors) > 4 else "")
+    tensors = sorted(
+        {s.tensor for m in bucket.sends + bucket.recvs for s in m.segments} | {s.tensor for s in bucket.local}
+    )
+    shown = ", ".join(repr(names[t]) for t in tensors[:4]) + (
+        f" and {len(tensors) - 4} more" if len(tensors) > 4 else ""
+    )
     return f"bucket {bucket.index} (tensors {shown})"
 
 

@@ -21,15 +21,15 @@ from collections.abc import Mapping
 
 import torch
 
-from ..wire.messages import InitInfo, RankStats, RoundInfo
 from ..planning.parts import parse_part
-from ..wire.plan_info import PlanInfo
 from ..planning.quant import is_scale_name, scale_name, scaled_name
 from ..planning.schedule import RankSchedule
 from ..rendezvous import derive
 from ..transport.base import Transport
 from ..transport.digest import Digester, DigestTransport
 from ..transport.registry import join
+from ..wire.messages import InitInfo, RankStats, RoundInfo
+from ..wire.plan_info import PlanInfo
 from .broadcast import ROOT, BroadcastStaging, gather_schedule, run_broadcast
 from .endpoint import Endpoint
 from .quantize import QuantStage
@@ -42,8 +42,14 @@ MAX_PROGRAMS = 4
 
 def join_group(info: InitInfo, bind_host: str, device: torch.device) -> Transport:
     """Join the group `info` describes with the transport it names, from its rendezvous message."""
-    return join(info.transport, info.rendezvous, info, bind_host=bind_host, device=device,
-                broadcast_ranks=sorted({ROOT, *info.worker_ranks}))
+    return join(
+        info.transport,
+        info.rendezvous,
+        info,
+        bind_host=bind_host,
+        device=device,
+        broadcast_ranks=sorted({ROOT, *info.worker_ranks}),
+    )
 
 
 def checked(transport: Transport, info: InitInfo) -> Transport:
@@ -124,10 +130,14 @@ class RankSession:
             if endpoint is None and side == "source":
                 endpoint = part_endpoint(endpoints, spec.name)
             if endpoint is None:
-                raise ValueError(f"rank {self.rank}: the plan needs {side} tensor {spec.name!r} here, but it was not provided")
+                raise ValueError(
+                    f"rank {self.rank}: the plan needs {side} tensor {spec.name!r} here, but it was not provided"
+                )
             if endpoint.origin != box.offsets or tuple(endpoint.tensor.shape) != box.sizes:
-                raise ValueError(f"rank {self.rank}: {side} tensor {spec.name!r} covers {tuple(endpoint.tensor.shape)} at "
-                                 f"{endpoint.origin}, the plan expects {box}")
+                raise ValueError(
+                    f"rank {self.rank}: {side} tensor {spec.name!r} covers {tuple(endpoint.tensor.shape)} at "
+                    f"{endpoint.origin}, the plan expects {box}"
+                )
             out[i] = endpoint
         return out
 
@@ -150,12 +160,23 @@ class RankSession:
             raise BucketError(f"rank {self.rank}, {context}: {type(exc).__name__}: {exc}") from exc
         sparse = counters if isinstance(counters, SparseCounters) else SparseCounters()
         return RankStats(
-            rank=self.rank, role=self.role, version=round_info.version, mode=round_info.mode,
-            seconds=time.perf_counter() - start, sent_bytes=counters.sent_bytes,
-            received_bytes=counters.received_bytes, zero_copy_bytes=counters.zero_copy_bytes,
-            staged_bytes=counters.staged_bytes, local_bytes=counters.local_bytes, messages=counters.messages,
-            buckets=counters.buckets, staging_bytes=self.staging_bytes, baseline_bytes=self.baseline_bytes,
-            dense_bytes=sparse.dense_bytes, changed_elements=sparse.changed, encodings=sparse.encodings,
+            rank=self.rank,
+            role=self.role,
+            version=round_info.version,
+            mode=round_info.mode,
+            seconds=time.perf_counter() - start,
+            sent_bytes=counters.sent_bytes,
+            received_bytes=counters.received_bytes,
+            zero_copy_bytes=counters.zero_copy_bytes,
+            staged_bytes=counters.staged_bytes,
+            local_bytes=counters.local_bytes,
+            messages=counters.messages,
+            buckets=counters.buckets,
+            staging_bytes=self.staging_bytes,
+            baseline_bytes=self.baseline_bytes,
+            dense_bytes=sparse.dense_bytes,
+            changed_elements=sparse.changed,
+            encodings=sparse.encodings,
         )
 
     @property
@@ -170,7 +191,9 @@ class RankSession:
         deadline = deadline_in(round_info.timeout_s)
         unknown = [n for n in round_info.names or () if n not in self.plan.index]
         if unknown:
-            raise ValueError(f"rank {self.rank}: round {round_info.version} names tensors {unknown[:4]} the plan does not hold")
+            raise ValueError(
+                f"rank {self.rank}: round {round_info.version} names tensors {unknown[:4]} the plan does not hold"
+            )
         wanted = None if round_info.names is None else self._paired({self.plan.index[n] for n in round_info.names})
         if self.quant is not None:
             shards, sources = sources, self.quant.endpoints(sources)
@@ -179,11 +202,22 @@ class RankSession:
             return self._run_sparse(round_info, wanted, sources, dests, deadline, context)
         if round_info.mode == "broadcast":
             src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
-            counters = run_broadcast(self._gather_schedule(), self.plan, self.rank, src, dst, self.dtypes,
-                                     self.transport, self.broadcast_staging, deadline, wanted)
+            counters = run_broadcast(
+                self._gather_schedule(),
+                self.plan,
+                self.rank,
+                src,
+                dst,
+                self.dtypes,
+                self.transport,
+                self.broadcast_staging,
+                deadline,
+                wanted,
+            )
         else:
-            counters = run_program(self._program(wanted, sources, dests), self.transport, deadline, names=self.names,
-                                   context=context)
+            counters = run_program(
+                self._program(wanted, sources, dests), self.transport, deadline, names=self.names, context=context
+            )
         if round_info.baseline:
             self._refresh_baselines(self._indices(sources, "source"), wanted)
         return counters
@@ -202,7 +236,9 @@ class RankSession:
     def _refresh_baselines(self, src: dict[int, Endpoint], wanted: tuple[int, ...] | None) -> None:
         """After a dense round: the last synced values are the current ones."""
         if self.baselines is None:
-            self.baselines = {i: Endpoint(self._baseline_like(e.tensor, self.dtypes[i]), e.origin) for i, e in src.items()}
+            self.baselines = {
+                i: Endpoint(self._baseline_like(e.tensor, self.dtypes[i]), e.origin) for i, e in src.items()
+            }
         for i, endpoint in src.items():
             if wanted is None or i in wanted:
                 self.baselines[i].tensor.copy_(endpoint.tensor, non_blocking=True)
@@ -215,14 +251,20 @@ class RankSession:
             return torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
         return torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
 
-    def _run_sparse(self, round_info: RoundInfo, wanted, sources, dests, deadline: float, context: str) -> SparseCounters:
+    def _run_sparse(
+        self, round_info: RoundInfo, wanted, sources, dests, deadline: float, context: str
+    ) -> SparseCounters:
         src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
         if src and self.baselines is None:
-            raise ValueError(f"rank {self.rank}: a {round_info.mode} round needs the baselines a dense round leaves; "
-                             "the coordinator runs the first round dense")
+            raise ValueError(
+                f"rank {self.rank}: a {round_info.mode} round needs the baselines a dense round leaves; "
+                "the coordinator runs the first round dense"
+            )
         mine = self._slice(wanted)
         forwards = frozenset(m.relay for b in mine.buckets for m in b.sends if m.relay is not None)
-        io = SparseIO(src, self.baselines or {}, dst, self.dtypes, allow_dense=round_info.mode == "auto", forwards=forwards)
+        io = SparseIO(
+            src, self.baselines or {}, dst, self.dtypes, allow_dense=round_info.mode == "auto", forwards=forwards
+        )
         counters = SparseCounters()
         for bucket in mine.buckets:
             run_sparse_bucket(bucket, io, self.transport, deadline, counters, self.names)

@@ -15,11 +15,11 @@ from typing import NamedTuple, Protocol, TypeGuard, cast
 
 import torch
 
-from ..wire.dtypes import dtype_name
 from ..planning.layout import Layout, Mesh
+from ..storage import Destination, Sharded
+from ..wire.dtypes import dtype_name
 from ..wire.messages import TensorReport
 from ..wire.plan_info import LayoutInfo
-from ..storage import Destination, Sharded
 from .aliasing import check_disjoint
 from .endpoint import Endpoint
 
@@ -34,8 +34,16 @@ class Entries(NamedTuple):
     """By checkpoint name; a tensor of which the rank holds nothing has none."""
 
 
-def _entry(name: str, local: torch.Tensor | None, dtype: torch.dtype, layout: Layout, shape: tuple[int, ...],
-           rank: int, side: str, block: tuple[int, ...] = ()):
+def _entry(
+    name: str,
+    local: torch.Tensor | None,
+    dtype: torch.dtype,
+    layout: Layout,
+    shape: tuple[int, ...],
+    rank: int,
+    side: str,
+    block: tuple[int, ...] = (),
+):
     report = TensorReport(name, dtype_name(dtype), tuple(shape), LayoutInfo.of(layout), tuple(block))
     box = layout.local_box(shape, rank)
     if box is None:
@@ -72,8 +80,10 @@ def local_tensor(value: object, name: str = "", rank: int = 0) -> torch.Tensor:
         return value.to_local()
     if isinstance(value, torch.Tensor):
         return value
-    raise TypeError(f"trainer rank {rank}: tensor {name!r} is a {type(value).__name__}; expected a DTensor, "
-                    "a Sharded or a torch.Tensor")
+    raise TypeError(
+        f"trainer rank {rank}: tensor {name!r} is a {type(value).__name__}; expected a DTensor, "
+        "a Sharded or a torch.Tensor"
+    )
 
 
 def _layout(value: object, num_trainers: int) -> Layout:
@@ -101,7 +111,9 @@ def worker_entries(destinations: Mapping[str, Destination], rank: int) -> Entrie
     reports, endpoints = [], {}
     for name, dest in destinations.items():
         if not isinstance(dest, Destination):
-            raise TypeError(f"worker rank {rank}: destination {name!r} is a {type(dest).__name__}; expected a Destination")
+            raise TypeError(
+                f"worker rank {rank}: destination {name!r} is a {type(dest).__name__}; expected a Destination"
+            )
         # detached: rounds write in place, which autograd refuses on a leaf that requires grad
         view = None if dest.local is None else dest.local.detach()
         report, endpoint = _entry(name, view, dest.dtype, dest.layout, tuple(dest.shape), rank, "worker", dest.block)

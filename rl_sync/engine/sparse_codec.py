@@ -145,13 +145,18 @@ def encode(code: int, changes: Changes, out: torch.Tensor) -> torch.Tensor | Non
     return values
 
 
-def decode(code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decode(
+    code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(positions, values, ok) of one transfer; `ok` is a 0-dim bool tensor (no host sync here).
     Dense transfers return no positions: `apply` copies them whole."""
     at = _checked_layout(code, k, n, dtype, block)
     if code == DENSE:
-        return torch.empty(0, dtype=torch.long, device=block.device), block[: dtype.itemsize * n].view(dtype), \
-            torch.ones((), dtype=torch.bool, device=block.device)
+        return (
+            torch.empty(0, dtype=torch.long, device=block.device),
+            block[: dtype.itemsize * n].view(dtype),
+            torch.ones((), dtype=torch.bool, device=block.device),
+        )
     values = block[at.values : at.values + dtype.itemsize * k].view(dtype)
     if code == INDICES:
         index = block[: 4 * k].view(torch.int32).long()
@@ -253,14 +258,16 @@ class _Fused:
         """Which launch it joins: (element width, both boxes on the vectorized path)."""
         return self.cur.bits.element_size(), self.cur.fast and self.base.fast
 
-    def row(self, values: int = 0, index: int = 0, kind: int = -1, update: bool = False, bitmap: int = 0,
-            blocks: int = 0) -> list[int]:
+    def row(
+        self, values: int = 0, index: int = 0, kind: int = -1, update: bool = False, bitmap: int = 0, blocks: int = 0
+    ) -> list[int]:
         """Its `sparse_triton.SEND_*` table row (`kind` -1: no values written)."""
         return [*self._head, values, index, kind, int(update), bitmap, blocks]
 
 
-def _launch_by_key(kernel, rows: dict[tuple[int, bool], list[tuple[int, list[int]]]], device: torch.device,
-                   *args) -> None:
+def _launch_by_key(
+    kernel, rows: dict[tuple[int, bool], list[tuple[int, list[int]]]], device: torch.device, *args
+) -> None:
     """One launch of `kernel(table, firsts, boxes, total, key, *args)` per key of `rows`
     ((width, fast) -> [(programs, row)])."""
     for key, group in rows.items():
@@ -337,7 +344,9 @@ class BucketChanges:
                 self.pairs[i][1].copy_(cur)
             return
         at, kernels = payload_layout(code, box.n, k, cur.element_size()), _kernels()
-        row = dict(values=kernels.element_offset(out[at.values :].view(as_bits(cur).dtype)), kind=kernels.INDEX_KIND[code])
+        row = dict(
+            values=kernels.element_offset(out[at.values :].view(as_bits(cur).dtype)), kind=kernels.INDEX_KIND[code]
+        )
         if code == BITMAP:
             row.update(bitmap=out.data_ptr())
         else:
@@ -407,12 +416,19 @@ class BucketReceiver:
         self._kept: list[torch.Tensor] = []  # the table holds their addresses
         self._entries = 0
 
-    def add(self, slot: int, code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor,
-            view: torch.Tensor) -> None:
+    def add(
+        self, slot: int, code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor, view: torch.Tensor
+    ) -> None:
         at = _checked_layout(code, k, n, dtype, block)
         dest = None
-        if code in (BITMAP, BLOCKED) and n and _on_kernel_device(view) and block.device == view.device \
-                and view.dtype == dtype and dtype.itemsize <= 8:
+        if (
+            code in (BITMAP, BLOCKED)
+            and n
+            and _on_kernel_device(view)
+            and block.device == view.device
+            and view.dtype == dtype
+            and dtype.itemsize <= 8
+        ):
             dest = _kernels().as_2d(view, as_bits(view))
         if dest is None:
             index, values, ok = decode(code, k, n, dtype, block)
@@ -436,8 +452,9 @@ class BucketReceiver:
     def _launch(self, kernel, code: int, *args, key: tuple[int, bool] | None = None) -> None:
         """`kernel` over the rows of `code` (and `key`): the others get no programs."""
         kernels = _kernels()
-        firsts, total = kernels.programs([m if c == code and key in (None, k) else 0 for c, k, m, _ in self._rows],
-                                         self.device)
+        firsts, total = kernels.programs(
+            [m if c == code and key in (None, k) else 0 for c, k, m, _ in self._rows], self.device
+        )
         if total:
             kernel(self._table, firsts, len(self._rows), total, *([key] if key else []), *args)
 

@@ -41,7 +41,7 @@ class SparseCounters(Counters):
 
     dense_bytes: int = 0
     changed: int = 0
-    encodings: dict[str, int] = field(default_factory=lambda: {name: 0 for name in NAMES.values()})
+    encodings: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NAMES.values(), 0))
 
 
 @dataclass(frozen=True)
@@ -66,13 +66,24 @@ def _wire(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _find_changes(sends: Sequence[Message], io: SparseIO) -> sparse_codec.BucketChanges:
     """The changes of every segment this rank sends from its sources in the bucket, in message order."""
     segments = [seg for msg in sends if msg.relay is None for seg in msg.segments]
-    pairs = [(_wire(io.sources[seg.tensor].view(seg.offsets, seg.sizes), io.dtypes[seg.tensor]),
-              io.baselines[seg.tensor].view(seg.offsets, seg.sizes)) for seg in segments]
+    pairs = [
+        (
+            _wire(io.sources[seg.tensor].view(seg.offsets, seg.sizes), io.dtypes[seg.tensor]),
+            io.baselines[seg.tensor].view(seg.offsets, seg.sizes),
+        )
+        for seg in segments
+    ]
     return sparse_codec.BucketChanges(pairs, [(seg.tensor, tuple(seg.offsets), tuple(seg.sizes)) for seg in segments])
 
 
-def _encode_message(msg: Message, found: sparse_codec.BucketChanges, first: int, io: SparseIO,
-                    counters: SparseCounters, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _encode_message(
+    msg: Message,
+    found: sparse_codec.BucketChanges,
+    first: int,
+    io: SparseIO,
+    counters: SparseCounters,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, payload) of one message, whose segments are `found`'s boxes from `first` on."""
     header, blocks, total = [], [], 0
     for i, seg in enumerate(msg.segments, start=first):
@@ -113,8 +124,14 @@ def _exchange(transport: Transport, sends, recvs, deadline: float, label: str) -
         transport.complete(deadline)
 
 
-def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, deadline: float, counters: SparseCounters,
-                      names: Sequence[str]) -> None:
+def run_sparse_bucket(
+    bucket: RankBucket,
+    io: SparseIO,
+    transport: Transport,
+    deadline: float,
+    counters: SparseCounters,
+    names: Sequence[str],
+) -> None:
     """Headers, then payloads, then validate-all-then-apply (see the module docstring)."""
     device = transport.device
     found = _find_changes(bucket.sends, io)
@@ -125,12 +142,25 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
     encoded = [next(fresh) if m.relay is None else io.kept.pop(m.relay) for m in bucket.sends]
     headers_in = [torch.empty(2 * len(m.segments), dtype=torch.int64, device=device) for m in bucket.recvs]
     where = describe_bucket(bucket, names)
-    _exchange(transport, [(m.peer, h.view(torch.uint8)) for m, (h, _) in zip(bucket.sends, encoded)],
-              [(m.peer, h.view(torch.uint8)) for m, h in zip(bucket.recvs, headers_in)], deadline, f"{where} (headers)")
-    layouts = [_payload_sizes(m, h.tolist(), io, f"{where}, message from rank {m.peer}") for m, h in zip(bucket.recvs, headers_in)]
+    _exchange(
+        transport,
+        [(m.peer, h.view(torch.uint8)) for m, (h, _) in zip(bucket.sends, encoded)],
+        [(m.peer, h.view(torch.uint8)) for m, h in zip(bucket.recvs, headers_in)],
+        deadline,
+        f"{where} (headers)",
+    )
+    layouts = [
+        _payload_sizes(m, h.tolist(), io, f"{where}, message from rank {m.peer}")
+        for m, h in zip(bucket.recvs, headers_in)
+    ]
     payloads_in = [torch.empty(sum(b[3] for b in blocks), dtype=torch.uint8, device=device) for blocks in layouts]
-    _exchange(transport, [(m.peer, p) for m, (_, p) in zip(bucket.sends, encoded)],
-              [(m.peer, p) for m, p in zip(bucket.recvs, payloads_in)], deadline, where)
+    _exchange(
+        transport,
+        [(m.peer, p) for m, (_, p) in zip(bucket.sends, encoded)],
+        [(m.peer, p) for m, p in zip(bucket.recvs, payloads_in)],
+        deadline,
+        where,
+    )
     found.advance()  # the baselines, while the receivers decode
     for msg, header, payload in zip(bucket.recvs, headers_in, payloads_in):
         if msg.relay in io.forwards:
@@ -140,14 +170,23 @@ def run_sparse_bucket(bucket: RankBucket, io: SparseIO, transport: Transport, de
     for msg, blocks, payload in zip(bucket.recvs, layouts, payloads_in):
         for seg, (code, k, start, size) in zip(msg.segments, blocks):
             n = seg.nbytes // io.dtypes[seg.tensor].itemsize
-            received.add(len(segments), code, k, n, io.dtypes[seg.tensor], payload[start : start + size],
-                         io.dests[seg.tensor].view(seg.offsets, seg.sizes))
+            received.add(
+                len(segments),
+                code,
+                k,
+                n,
+                io.dtypes[seg.tensor],
+                payload[start : start + size],
+                io.dests[seg.tensor].view(seg.offsets, seg.sizes),
+            )
             segments.append(seg)
     bad = received.bad() if segments else []  # the bucket's one host sync
     if bad:
-        raise BucketError(f"rank {transport.rank}, {where}: malformed sparse payload for tensors "
-                          f"{[names[segments[i].tensor] for i in bad][:4]} (index out of range, out of order, or "
-                          "bitmap count mismatch); nothing of this bucket was written")
+        raise BucketError(
+            f"rank {transport.rank}, {where}: malformed sparse payload for tensors "
+            f"{[names[segments[i].tensor] for i in bad][:4]} (index out of range, out of order, or "
+            "bitmap count mismatch); nothing of this bucket was written"
+        )
     received.write()
     for seg in bucket.local:
         cur = io.sources[seg.tensor].view(seg.offsets, seg.sizes)

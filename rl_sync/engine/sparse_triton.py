@@ -55,13 +55,34 @@ INDEX_KIND = {BITMAP: NONE.value, INDICES: INT32_INDEX.value, BLOCKED: UINT16_OF
 
 BOX_COLS, BOX_ROW_STRIDE, BOX_COL_STRIDE, BOX_CONTIGUOUS = (tl.constexpr(c) for c in range(1, 5))
 """A box's columns after its start (`Strided2D.columns`)."""
-(SEND_CUR, SEND_BASE, SEND_N, SEND_SLOT, SEND_VALUES, SEND_INDEX, SEND_INDEX_KIND, SEND_UPDATE, SEND_BITMAP_OUT,
- SEND_BLOCKS_OUT) = (tl.constexpr(c) for c in (0, 5, *range(10, 18)))
+(
+    SEND_CUR,
+    SEND_BASE,
+    SEND_N,
+    SEND_SLOT,
+    SEND_VALUES,
+    SEND_INDEX,
+    SEND_INDEX_KIND,
+    SEND_UPDATE,
+    SEND_BITMAP_OUT,
+    SEND_BLOCKS_OUT,
+) = (tl.constexpr(c) for c in (0, 5, *range(10, 18)))
 SEND_COLUMNS = 18
 """A sender row: source box (5 columns), baseline box (5), n, tile slot, values (element offset),
 index pointer, index kind, update the baseline, wire bitmap and block counts pointers (0: none)."""
-(RECV_WORDS, RECV_OFFSETS, RECV_VALUES, RECV_DEST, RECV_N, RECV_K, RECV_FLAG, RECV_FIRST, RECV_M, RECV_COUNTS,
- RECV_LIMIT) = (tl.constexpr(c) for c in (0, 1, 2, 3, *range(8, 15)))
+(
+    RECV_WORDS,
+    RECV_OFFSETS,
+    RECV_VALUES,
+    RECV_DEST,
+    RECV_N,
+    RECV_K,
+    RECV_FLAG,
+    RECV_FIRST,
+    RECV_M,
+    RECV_COUNTS,
+    RECV_LIMIT,
+) = (tl.constexpr(c) for c in (0, 1, 2, 3, *range(8, 15)))
 RECV_COLUMNS = 15
 """A receiver row: bitmap words and in-block offsets pointers, values (element offset), live box (5
 columns), n, k, flag slot, first count slot, counts, block counts pointer (0: tile counts), limit."""
@@ -183,7 +204,9 @@ def _at(row, first, start, local, anchor, FAST: tl.constexpr, ALIGN: tl.constexp
         offsets = i
     else:
         cols = tl.load(row + first + BOX_COLS)
-        offsets = (i // cols) * tl.load(row + first + BOX_ROW_STRIDE) + (i % cols) * tl.load(row + first + BOX_COL_STRIDE)
+        offsets = (i // cols) * tl.load(row + first + BOX_ROW_STRIDE) + (i % cols) * tl.load(
+            row + first + BOX_COL_STRIDE
+        )
     return anchor + box + offsets
 
 
@@ -251,8 +274,18 @@ def _next_mark(word, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _diff_kernel(table, firsts, boxes, words, counts, anchor, FAST: tl.constexpr, ALIGN: tl.constexpr,
-                 TILE: tl.constexpr, COLUMNS: tl.constexpr):
+def _diff_kernel(
+    table,
+    firsts,
+    boxes,
+    words,
+    counts,
+    anchor,
+    FAST: tl.constexpr,
+    ALIGN: tl.constexpr,
+    TILE: tl.constexpr,
+    COLUMNS: tl.constexpr,
+):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + SEND_N)
@@ -268,8 +301,9 @@ def _diff_kernel(table, firsts, boxes, words, counts, anchor, FAST: tl.constexpr
 
 
 @triton.jit
-def _emit(row, anchor, start, local, at, hit, kind, update, FAST: tl.constexpr, ALIGN: tl.constexpr,
-          BLOCK: tl.constexpr):
+def _emit(
+    row, anchor, start, local, at, hit, kind, update, FAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr
+):
     """Compact's writes for the marks `hit` at tile offsets `local`: value (and index) at `at`,
     and the baseline when `update`."""
     v = tl.load(_at(row, SEND_CUR, start, local, anchor, FAST, ALIGN), mask=hit)
@@ -280,12 +314,29 @@ def _emit(row, anchor, start, local, at, hit, kind, update, FAST: tl.constexpr, 
     if kind == INT32_INDEX:
         tl.store(_ptr(row, SEND_INDEX, tl.int32) + at, start.to(tl.int32) + local, mask=hit)
     if kind == UINT16_OFFSET:
-        tl.store(_ptr(row, SEND_INDEX, tl.int16) + at, (((start % BLOCK).to(tl.int32) + local) & 0xFFFF).to(tl.int16), mask=hit)
+        tl.store(
+            _ptr(row, SEND_INDEX, tl.int16) + at,
+            (((start % BLOCK).to(tl.int32) + local) & 0xFFFF).to(tl.int16),
+            mask=hit,
+        )
 
 
 @triton.jit
-def _compact_kernel(table, firsts, boxes, words, starts, blocks, anchor, FAST: tl.constexpr, ALIGN: tl.constexpr,
-                    TILE: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr, ROUNDS: tl.constexpr):
+def _compact_kernel(
+    table,
+    firsts,
+    boxes,
+    words,
+    starts,
+    blocks,
+    anchor,
+    FAST: tl.constexpr,
+    ALIGN: tl.constexpr,
+    TILE: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROUNDS: tl.constexpr,
+):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + SEND_N)
@@ -298,17 +349,22 @@ def _compact_kernel(table, firsts, boxes, words, starts, blocks, anchor, FAST: t
     update = tl.load(row + SEND_UPDATE) != 0
     if rounds <= ROUNDS:
         marks = word
-        for r in range(0, rounds):
+        for r in range(rounds):
             hit, local, marks = _next_mark(marks, TILE // 32)
             _emit(row, anchor, start, local, tile_start + first + r, hit, kind, update, FAST, ALIGN, BLOCK)
     else:
         hit, local, at = _marked(word)
         _emit(row, anchor, start, local, tile_start + at, hit, kind, update, FAST, ALIGN, BLOCK)
     if tl.load(row + SEND_BITMAP_OUT) != 0:
-        tl.store(_ptr(row, SEND_BITMAP_OUT, tl.int32) + t * (TILE // 32) + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True),
-                 mask=left > 0)
+        tl.store(
+            _ptr(row, SEND_BITMAP_OUT, tl.int32) + t * (TILE // 32) + tl.arange(0, TILE // 32),
+            word.to(tl.int32, bitcast=True),
+            mask=left > 0,
+        )
     if (tl.load(row + SEND_BLOCKS_OUT) != 0) & (t % (BLOCK // TILE) == 0):
-        tl.store(_ptr(row, SEND_BLOCKS_OUT, tl.int32) + t // (BLOCK // TILE), tl.load(blocks + (slot + t) // (BLOCK // TILE)))
+        tl.store(
+            _ptr(row, SEND_BLOCKS_OUT, tl.int32) + t // (BLOCK // TILE), tl.load(blocks + (slot + t) // (BLOCK // TILE))
+        )
 
 
 @triton.jit
@@ -319,7 +375,9 @@ def _bitmap_counts_kernel(table, firsts, boxes, counts, flags, TILE: tl.constexp
     _, _, left = _tile(t, n, TILE)
     words = _ptr(row, RECV_WORDS, tl.int32)
     tl.store(counts + tl.load(row + RECV_FIRST) + t, tl.sum(_popc(_words(words, t, left, TILE)).to(tl.int32), axis=0))
-    raw = tl.load(words + t * (TILE // 32) + tl.arange(0, TILE // 32), mask=left > 0, other=0).to(tl.uint32, bitcast=True)
+    raw = tl.load(words + t * (TILE // 32) + tl.arange(0, TILE // 32), mask=left > 0, other=0).to(
+        tl.uint32, bitcast=True
+    )
     wire_bits = left + ((n + 7) // 8 * 8 - n)
     stray = raw & ~_low_bits(left) & _low_bits(wire_bits)
     tl.atomic_max(flags + tl.load(row + RECV_FLAG), tl.max((stray != 0).to(tl.int32), axis=0))
@@ -350,8 +408,18 @@ def _scan_kernel(table, counts, starts, flags, CHUNK: tl.constexpr, COLUMNS: tl.
 
 
 @triton.jit
-def _expand_kernel(table, firsts, boxes, starts, anchor, FAST: tl.constexpr, ALIGN: tl.constexpr, TILE: tl.constexpr,
-                   COLUMNS: tl.constexpr, ROUNDS: tl.constexpr):
+def _expand_kernel(
+    table,
+    firsts,
+    boxes,
+    starts,
+    anchor,
+    FAST: tl.constexpr,
+    ALIGN: tl.constexpr,
+    TILE: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    ROUNDS: tl.constexpr,
+):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + RECV_N)
@@ -362,10 +430,12 @@ def _expand_kernel(table, firsts, boxes, starts, anchor, FAST: tl.constexpr, ALI
     k = tl.load(row + RECV_K)
     values = anchor + tl.load(row + RECV_VALUES)
     if rounds <= ROUNDS:
-        for r in range(0, rounds):
+        for r in range(rounds):
             hit, local, marks = _next_mark(marks, TILE // 32)
             hit = hit & (first + r < k)
-            tl.store(_at(row, RECV_DEST, start, local, anchor, FAST, ALIGN), tl.load(values + first + r, mask=hit), mask=hit)
+            tl.store(
+                _at(row, RECV_DEST, start, local, anchor, FAST, ALIGN), tl.load(values + first + r, mask=hit), mask=hit
+            )
     else:
         hit, local, at = _marked(marks)
         at += tl.load(starts + tl.load(row + RECV_FIRST) + t)
@@ -393,8 +463,9 @@ def _block_count(row, b, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _blocked_check_kernel(table, firsts, boxes, starts, flags, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                          COLUMNS: tl.constexpr):
+def _blocked_check_kernel(
+    table, firsts, boxes, starts, flags, CHUNK: tl.constexpr, BLOCK: tl.constexpr, COLUMNS: tl.constexpr
+):
     box, b = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + RECV_N)
@@ -406,8 +477,18 @@ def _blocked_check_kernel(table, firsts, boxes, starts, flags, CHUNK: tl.constex
 
 
 @triton.jit
-def _blocked_apply_kernel(table, firsts, boxes, starts, anchor, FAST: tl.constexpr, ALIGN: tl.constexpr,
-                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, COLUMNS: tl.constexpr):
+def _blocked_apply_kernel(
+    table,
+    firsts,
+    boxes,
+    starts,
+    anchor,
+    FAST: tl.constexpr,
+    ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    COLUMNS: tl.constexpr,
+):
     box, b = _box(firsts, boxes)
     row = table + box * COLUMNS
     for j in range(0, _block_count(row, b, BLOCK), CHUNK):
@@ -420,26 +501,54 @@ def _fast(width: int, fast: bool, device: torch.device) -> dict:
     return dict(anchor=anchor(device, width), FAST=fast, ALIGN=16 // width)
 
 
-def diff(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool],
-         words: torch.Tensor, counts: torch.Tensor) -> None:
+def diff(
+    table: torch.Tensor,
+    firsts: torch.Tensor,
+    boxes: int,
+    total: int,
+    key: tuple[int, bool],
+    words: torch.Tensor,
+    counts: torch.Tensor,
+) -> None:
     """For each `SEND_*` row (elements of `key`'s width; `key`'s flag: every box `fast`): its
     bitmap words and tile counts, at its slot of `words` / `counts`; bits past `n` are zero."""
-    _diff_kernel[(total,)](table, firsts, boxes, words, counts, **_fast(*key, words.device), TILE=TILE,
-                           COLUMNS=SEND_COLUMNS)
+    _diff_kernel[(total,)](
+        table, firsts, boxes, words, counts, **_fast(*key, words.device), TILE=TILE, COLUMNS=SEND_COLUMNS
+    )
 
 
-def compact(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool],
-            words: torch.Tensor, starts: torch.Tensor, blocks: torch.Tensor) -> None:
+def compact(
+    table: torch.Tensor,
+    firsts: torch.Tensor,
+    boxes: int,
+    total: int,
+    key: tuple[int, bool],
+    words: torch.Tensor,
+    starts: torch.Tensor,
+    blocks: torch.Tensor,
+) -> None:
     """For each `SEND_*` row: the marked elements at their positions (`starts` of its slot, made
     relative to its first tile), their indices, the wire bitmap and wire block counts, and the
     baseline update, as its payload columns ask (values at element offset `SEND_VALUES` unless
     `SEND_INDEX_KIND` is -1)."""
-    _compact_kernel[(total,)](table, firsts, boxes, words, starts, blocks, **_fast(*key, words.device), TILE=TILE,
-                              COLUMNS=SEND_COLUMNS, BLOCK=BLOCK, ROUNDS=ROUNDS)
+    _compact_kernel[(total,)](
+        table,
+        firsts,
+        boxes,
+        words,
+        starts,
+        blocks,
+        **_fast(*key, words.device),
+        TILE=TILE,
+        COLUMNS=SEND_COLUMNS,
+        BLOCK=BLOCK,
+        ROUNDS=ROUNDS,
+    )
 
 
-def bitmap_counts(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, counts: torch.Tensor,
-                  flags: torch.Tensor) -> None:
+def bitmap_counts(
+    table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, counts: torch.Tensor, flags: torch.Tensor
+) -> None:
     """Tile counts of each received bitmap (`RECV_*` rows) at its `first` in `counts`; flags stray bits."""
     _bitmap_counts_kernel[(total,)](table, firsts, boxes, counts, flags, TILE=TILE, COLUMNS=RECV_COLUMNS)
 
@@ -449,22 +558,26 @@ def scan(table: torch.Tensor, boxes: int, counts: torch.Tensor, starts: torch.Te
     _scan_kernel[(boxes,)](table, counts, starts, flags, CHUNK=CHUNK, COLUMNS=RECV_COLUMNS)
 
 
-def expand(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool],
-           starts: torch.Tensor) -> None:
+def expand(
+    table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool], starts: torch.Tensor
+) -> None:
     """Write each validated bitmap row's values into its marked elements, in order."""
-    _expand_kernel[(total,)](table, firsts, boxes, starts, **_fast(*key, starts.device), TILE=TILE,
-                             COLUMNS=RECV_COLUMNS, ROUNDS=ROUNDS)
+    _expand_kernel[(total,)](
+        table, firsts, boxes, starts, **_fast(*key, starts.device), TILE=TILE, COLUMNS=RECV_COLUMNS, ROUNDS=ROUNDS
+    )
 
 
-def blocked_check(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, starts: torch.Tensor,
-                  flags: torch.Tensor) -> None:
+def blocked_check(
+    table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, starts: torch.Tensor, flags: torch.Tensor
+) -> None:
     """Flag blocked rows whose offsets are not strictly increasing inside the box."""
-    _blocked_check_kernel[(total,)](table, firsts, boxes, starts, flags, CHUNK=CHUNK, BLOCK=BLOCK,
-                                    COLUMNS=RECV_COLUMNS)
+    _blocked_check_kernel[(total,)](table, firsts, boxes, starts, flags, CHUNK=CHUNK, BLOCK=BLOCK, COLUMNS=RECV_COLUMNS)
 
 
-def blocked_apply(table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool],
-                  starts: torch.Tensor) -> None:
+def blocked_apply(
+    table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool], starts: torch.Tensor
+) -> None:
     """Write each validated blocked row's values at its offsets."""
-    _blocked_apply_kernel[(total,)](table, firsts, boxes, starts, **_fast(*key, starts.device), CHUNK=CHUNK,
-                                    BLOCK=BLOCK, COLUMNS=RECV_COLUMNS)
+    _blocked_apply_kernel[(total,)](
+        table, firsts, boxes, starts, **_fast(*key, starts.device), CHUNK=CHUNK, BLOCK=BLOCK, COLUMNS=RECV_COLUMNS
+    )

@@ -20,8 +20,13 @@ from typing import Any, Literal
 Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3"]
 
 HF_FAMILIES: dict[str, Family] = {
-    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
-    "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
 }
 """Hugging Face `model_type` -> the family whose binding rules serve it (Kimi-K2 is DeepSeek-V3-shaped)."""
 
@@ -87,8 +92,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.family not in typing.get_args(Family):
-            raise ValueError(f"ModelConfig.family must be one of {', '.join(typing.get_args(Family))}, "
-                             f"got {self.family!r}")
+            raise ValueError(
+                f"ModelConfig.family must be one of {', '.join(typing.get_args(Family))}, got {self.family!r}"
+            )
         for name in ("layers", "hidden", "vocab", "heads", "intermediate"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -98,12 +104,16 @@ class ModelConfig:
         if self.experts and self.moe_intermediate <= 0:
             raise ValueError("ModelConfig.moe_intermediate must be > 0 when experts > 0")
         if self.attention == "gqa" and (self.kv_heads <= 0 or self.head_dim <= 0):
-            raise ValueError(f"ModelConfig.kv_heads and head_dim must be > 0 for {self.family}, "
-                             f"got {self.kv_heads} and {self.head_dim}")
+            raise ValueError(
+                f"ModelConfig.kv_heads and head_dim must be > 0 for {self.family}, "
+                f"got {self.kv_heads} and {self.head_dim}"
+            )
         mla = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         if self.attention == "mla" and any(getattr(self, name) <= 0 for name in mla):
-            raise ValueError(f"ModelConfig: deepseek_v3 (MLA) needs {', '.join(mla)} > 0, got "
-                             f"{', '.join(str(getattr(self, name)) for name in mla)}")
+            raise ValueError(
+                f"ModelConfig: deepseek_v3 (MLA) needs {', '.join(mla)} > 0, got "
+                f"{', '.join(str(getattr(self, name)) for name in mla)}"
+            )
 
     @property
     def attention(self) -> Literal["gqa", "mla"]:
@@ -114,17 +124,28 @@ class ModelConfig:
     def from_hf(cls, cfg: Any) -> ModelConfig:
         family = HF_FAMILIES.get(cfg.model_type)
         if family is None:
-            raise ValueError(f"model_type {cfg.model_type!r} has no built-in rules; expected one of "
-                             f"{', '.join(HF_FAMILIES)}")
-        experts = (getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
-                   or getattr(cfg, "n_routed_experts", None) or 0)
+            raise ValueError(
+                f"model_type {cfg.model_type!r} has no built-in rules; expected one of {', '.join(HF_FAMILIES)}"
+            )
+        experts = (
+            getattr(cfg, "num_experts", None)
+            or getattr(cfg, "num_local_experts", None)
+            or getattr(cfg, "n_routed_experts", None)
+            or 0
+        )
         return cls(
-            family=family, vocab=cfg.vocab_size, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
-            heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+            family=family,
+            vocab=cfg.vocab_size,
+            hidden=cfg.hidden_size,
+            layers=cfg.num_hidden_layers,
+            heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            intermediate=cfg.intermediate_size, rms_eps=cfg.rms_norm_eps,
+            intermediate=cfg.intermediate_size,
+            rms_eps=cfg.rms_norm_eps,
             rope_theta=getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"],
-            experts=experts, top_k=getattr(cfg, "num_experts_per_tok", 0) or 0,
+            experts=experts,
+            top_k=getattr(cfg, "num_experts_per_tok", 0) or 0,
             moe_intermediate=getattr(cfg, "moe_intermediate_size", None) or (cfg.intermediate_size if experts else 0),
             norm_topk_prob=getattr(cfg, "norm_topk_prob", family == "mixtral"),
             shared_experts=getattr(cfg, "n_shared_experts", None) or 0,
@@ -134,7 +155,8 @@ class ModelConfig:
             qk_nope_head_dim=getattr(cfg, "qk_nope_head_dim", None) or 0,
             qk_rope_head_dim=getattr(cfg, "qk_rope_head_dim", None) or 0,
             v_head_dim=getattr(cfg, "v_head_dim", None) or 0,
-            qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
+            qkv_bias=family == "qwen2",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             fp8_block=_fp8_block(getattr(cfg, "quantization_config", None)),
         )
@@ -147,8 +169,10 @@ def _fp8_block(quantization: Any) -> tuple[int, int] | None:
     quantization = dict(quantization)
     block = quantization.get("weight_block_size")
     if quantization.get("quant_method") != "fp8" or not block:
-        raise ValueError(f"quantization_config {quantization} is not supported; expected quant_method 'fp8' with a "
-                         "weight_block_size (block-quantized FP8)")
+        raise ValueError(
+            f"quantization_config {quantization} is not supported; expected quant_method 'fp8' with a "
+            "weight_block_size (block-quantized FP8)"
+        )
     return int(block[0]), int(block[1])
 
 
@@ -198,6 +222,8 @@ class Parallel:
         asserts the same)."""
         padded = -(-vocab // self.vocab_pad) * self.vocab_pad
         if padded % self.tp:
-            raise ValueError(f"vocabulary {vocab} pads to {padded} rows (a multiple of {self.vocab_pad}), which "
-                             f"tp {self.tp} does not divide; vLLM refuses it too: pick a tp that divides {padded}")
+            raise ValueError(
+                f"vocabulary {vocab} pads to {padded} rows (a multiple of {self.vocab_pad}), which "
+                f"tp {self.tp} does not divide; vLLM refuses it too: pick a tp that divides {padded}"
+            )
         return padded

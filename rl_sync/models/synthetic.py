@@ -123,8 +123,9 @@ def _attention(m: ModelConfig, prefix: str) -> Iterator[tuple[str, tuple[int, ..
     yield f"{prefix}.o_proj.weight", (h, q)
 
 
-def _mlp(prefix: str, hidden: int, inter: int,
-         names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> Iterator[tuple[str, tuple[int, ...]]]:
+def _mlp(
+    prefix: str, hidden: int, inter: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+) -> Iterator[tuple[str, tuple[int, ...]]]:
     gate, up, down = names
     yield f"{prefix}.{gate}.weight", (inter, hidden)
     yield f"{prefix}.{up}.weight", (inter, hidden)
@@ -147,12 +148,16 @@ def _layer(m: ModelConfig, i: int) -> Iterator[CheckpointTensor]:
     if m.family == "deepseek_v3":
         yield CheckpointTensor(f"{block}.gate.e_score_correction_bias", (m.experts,), "float32", buffer=True)
     if m.shared_experts:
-        yield from (CheckpointTensor(name, shape, m.dtype)
-                    for name, shape in _mlp(f"{block}.shared_experts", h, m.shared_experts * m.moe_intermediate))
+        yield from (
+            CheckpointTensor(name, shape, m.dtype)
+            for name, shape in _mlp(f"{block}.shared_experts", h, m.shared_experts * m.moe_intermediate)
+        )
     names = ("w1", "w3", "w2") if m.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     for e in range(m.experts):
-        yield from (CheckpointTensor(name, shape, m.dtype, e)
-                    for name, shape in _mlp(f"{block}.experts.{e}", h, m.moe_intermediate, names))
+        yield from (
+            CheckpointTensor(name, shape, m.dtype, e)
+            for name, shape in _mlp(f"{block}.experts.{e}", h, m.moe_intermediate, names)
+        )
 
 
 def checkpoint_tensors(model: ModelConfig) -> Iterator[CheckpointTensor]:
@@ -174,8 +179,13 @@ def _specs(t: CheckpointTensor, src: Layout, dst: Layout, block: tuple[int, int]
         return
     what = f"tensor {t.name!r}"
     yield TensorSpec(t.name, FP8_DTYPE, t.shape, src, dst, block)
-    yield TensorSpec(scale_name(t.name), SCALE_DTYPE, grid_shape(t.shape, block, what),
-                     source_scale_layout(src, t.shape, block, what), dest_scale_layout(dst, t.shape, block, what))
+    yield TensorSpec(
+        scale_name(t.name),
+        SCALE_DTYPE,
+        grid_shape(t.shape, block, what),
+        source_scale_layout(src, t.shape, block, what),
+        dest_scale_layout(dst, t.shape, block, what),
+    )
 
 
 def model_specs(model: ModelConfig, trainer: TrainerParallel, inference: Parallel) -> list[TensorSpec]:

@@ -33,13 +33,23 @@ from .config import ModelConfig, Parallel
 class TPModel:
     """Parameters (`params`, by inference name) and the forward pass of one worker rank."""
 
-    def __init__(self, cfg: ModelConfig, par: Parallel, rank: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        par: Parallel,
+        rank: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
         if cfg.attention != "gqa" or cfg.shared_experts:
-            raise ValueError(f"TPModel has no forward for {cfg.family} (MLA attention, shared experts); bind such a "
-                             "model into vLLM (actors.vllm.VllmEngine) instead")
+            raise ValueError(
+                f"TPModel has no forward for {cfg.family} (MLA attention, shared experts); bind such a "
+                "model into vLLM (actors.vllm.VllmEngine) instead"
+            )
         if cfg.heads % par.tp or (cfg.kv_heads % par.tp and par.tp % cfg.kv_heads):
-            raise ValueError(f"tp {par.tp} must divide heads {cfg.heads} and divide or be a multiple of kv_heads {cfg.kv_heads}")
+            raise ValueError(
+                f"tp {par.tp} must divide heads {cfg.heads} and divide or be a multiple of kv_heads {cfg.kv_heads}"
+            )
         self.cfg, self.par, self.rank = cfg, par, rank
         self.engine, self.stage, self.tp_rank = par.coords(rank)
         self.dtype, self.device = dtype, torch.device(device)
@@ -153,7 +163,9 @@ class TPModel:
     def _attention(self, p: str, x: torch.Tensor, group) -> torch.Tensor:
         cfg, d = self.cfg, self.cfg.head_dim
         b, t, _ = x.shape
-        qkv = F.linear(x, self.weight(f"{p}.self_attn.qkv_proj.weight"), self.params.get(f"{p}.self_attn.qkv_proj.bias"))
+        qkv = F.linear(
+            x, self.weight(f"{p}.self_attn.qkv_proj.weight"), self.params.get(f"{p}.self_attn.qkv_proj.bias")
+        )
         q, k, v = qkv.split([self.q_local * d, self.kv_local * d, self.kv_local * d], dim=-1)
         q, k, v = (z.view(b, t, -1, d) for z in (q, k, v))
         if cfg.qk_norm:

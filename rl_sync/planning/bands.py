@@ -66,7 +66,13 @@ def _clip(template: Template, lo: int, hi: int) -> Band:
     src, dst, offsets, sizes = template.src[keep], template.dst[keep], offsets[keep], sizes[keep]
     numel = sizes.prod(axis=1)
     return Band(
-        lo, hi, src, dst, offsets, sizes, numel,
+        lo,
+        hi,
+        src,
+        dst,
+        offsets,
+        sizes,
+        numel,
         sum_by(src, numel, len(template.send_numel)),
         sum_by(dst, numel, len(template.recv_numel)),
     )

@@ -47,9 +47,16 @@ class Shard:
             )
         if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block < 0:
             raise ValueError(f"Shard block must be a non-negative int (0: torch.chunk sizes), got {self.block!r}")
-        if not isinstance(self.grid, int) or isinstance(self.grid, bool) or self.grid < 0 or (self.grid and not self.block):
-            raise ValueError(f"Shard grid must be a non-negative int, and needs a block size, got grid={self.grid!r} "
-                             f"with block={self.block!r}")
+        if (
+            not isinstance(self.grid, int)
+            or isinstance(self.grid, bool)
+            or self.grid < 0
+            or (self.grid and not self.block)
+        ):
+            raise ValueError(
+                f"Shard grid must be a non-negative int, and needs a block size, got grid={self.grid!r} "
+                f"with block={self.block!r}"
+            )
 
     def __str__(self) -> str:
         if self.grid:
@@ -175,7 +182,7 @@ class Mesh:
     and expert groups whose ranks are not contiguous.
     """
 
-    __slots__ = ("shape", "ranks", "_index", "_hash")
+    __slots__ = ("_hash", "_index", "ranks", "shape")
     shape: tuple[int, ...]
     ranks: tuple[int, ...]
     _index: dict[int, int] | None
@@ -336,8 +343,11 @@ class Layout:
                     f"whose size {shape[placement.dim]} must be the {-(-placement.grid // placement.block)} blocks "
                     f"of {placement.block} in {placement.grid}"
                 )
-            if placement.block and not placement.grid and (
-                    len(sharing) > 1 or placement.block * self.mesh.shape[axis] < shape[placement.dim]):
+            if (
+                placement.block
+                and not placement.grid
+                and (len(sharing) > 1 or placement.block * self.mesh.shape[axis] < shape[placement.dim])
+            ):
                 raise ValueError(
                     f"{what}: {placement} on mesh axis {axis} must be the only axis sharding dim "
                     f"{placement.dim} and cover its {shape[placement.dim]} rows (block x axis size >= size)"

@@ -57,13 +57,16 @@ def check_parts(base: str, shape: Sequence[int], layout: Layout, parts: Iterable
     if not 0 <= dim < len(shape):
         raise ValueError(f"tensor {base!r}: cut along dim {dim}, past its shape {tuple(shape)}")
     if dim in sharded_dims(layout):
-        raise ValueError(f"tensor {base!r}: workers cut it along dim {dim}, which the trainers shard ({layout}); "
-                         "send it from a layout that keeps that dim whole")
+        raise ValueError(
+            f"tensor {base!r}: workers cut it along dim {dim}, which the trainers shard ({layout}); "
+            "send it from a layout that keeps that dim whole"
+        )
     cursor = 0
     for _, start, stop in parts:
         if start != cursor or stop <= start:
-            raise ValueError(f"tensor {base!r}: parts {[p[1:] for p in parts]} along dim {dim} do not tile "
-                             f"[0, {shape[dim]})")
+            raise ValueError(
+                f"tensor {base!r}: parts {[p[1:] for p in parts]} along dim {dim} do not tile [0, {shape[dim]})"
+            )
         cursor = stop
     if cursor != shape[dim]:
         raise ValueError(f"tensor {base!r}: parts along dim {dim} end at {cursor}, the tensor at {shape[dim]}")

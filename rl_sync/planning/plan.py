@@ -188,8 +188,10 @@ def join_specs(sources: Sequence[SideSpec], destinations: Sequence[SideSpec]) ->
         if other is None:
             raise ValueError(f"tensor {spec.name!r}: the source declares it but no destination binds it")
         if tuple(spec.shape) != tuple(other.shape):
-            raise ValueError(f"tensor {spec.name!r}: source shape {tuple(spec.shape)!r} and destination shape "
-                             f"{tuple(other.shape)!r} disagree")
+            raise ValueError(
+                f"tensor {spec.name!r}: source shape {tuple(spec.shape)!r} and destination shape "
+                f"{tuple(other.shape)!r} disagree"
+            )
         if other.block:
             joined.extend(quantized_specs(spec, other, dst_by_name.get(scale_name(spec.name))))
             seen.add(scale_name(spec.name))
@@ -207,24 +209,34 @@ def quantized_specs(src: SideSpec, dst: SideSpec, scales: SideSpec | None) -> li
     what, shape = f"tensor {src.name!r}", tuple(src.shape)
     block = check_block(tuple(dst.block), what)
     if parse_part(src.name) is not None:
-        raise ValueError(f"{what}: the destination binds a part of a tensor block-quantized; FP8 destinations "
-                         "take whole checkpoint tensors")
+        raise ValueError(
+            f"{what}: the destination binds a part of a tensor block-quantized; FP8 destinations "
+            "take whole checkpoint tensors"
+        )
     if src.dtype not in CASTABLE:
-        raise ValueError(f"{what}: the destination keeps it as block-quantized {FP8_DTYPE}, which needs a "
-                         f"floating-point source ({', '.join(sorted(CASTABLE))}); the trainers hold {src.dtype}")
+        raise ValueError(
+            f"{what}: the destination keeps it as block-quantized {FP8_DTYPE}, which needs a "
+            f"floating-point source ({', '.join(sorted(CASTABLE))}); the trainers hold {src.dtype}"
+        )
     if dst.dtype != FP8_DTYPE:
         raise ValueError(f"{what}: a block-quantized destination must be {FP8_DTYPE}, got {dst.dtype}")
     grid = grid_shape(shape, block, what)
     if scales is None or tuple(scales.shape) != grid or scales.dtype != SCALE_DTYPE:
         seen = "nothing" if scales is None else f"{scales.dtype} {tuple(scales.shape)}"
-        raise ValueError(f"{what}: the destination keeps it block-quantized in {block} blocks, so it must bind "
-                         f"{scale_name(src.name)!r} as {SCALE_DTYPE} {grid}; it binds {seen}")
+        raise ValueError(
+            f"{what}: the destination keeps it block-quantized in {block} blocks, so it must bind "
+            f"{scale_name(src.name)!r} as {SCALE_DTYPE} {grid}; it binds {seen}"
+        )
     expected = dest_scale_layout(dst.layout, shape, block, what)
     if scales.layout != expected:
-        raise ValueError(f"{what}: the destination lays its scales out as {scales.layout}; its values' layout "
-                         f"{dst.layout} gives {expected}")
-    return [TensorSpec(src.name, FP8_DTYPE, shape, src.layout, dst.layout, block),
-            TensorSpec(scales.name, SCALE_DTYPE, grid, source_scale_layout(src.layout, shape, block, what), expected)]
+        raise ValueError(
+            f"{what}: the destination lays its scales out as {scales.layout}; its values' layout "
+            f"{dst.layout} gives {expected}"
+        )
+    return [
+        TensorSpec(src.name, FP8_DTYPE, shape, src.layout, dst.layout, block),
+        TensorSpec(scales.name, SCALE_DTYPE, grid, source_scale_layout(src.layout, shape, block, what), expected),
+    ]
 
 
 @dataclass(frozen=True)

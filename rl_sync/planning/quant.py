@@ -79,8 +79,10 @@ def _block_of(shape: tuple[int, ...], block: tuple[int, int], dim: int) -> int:
 def _check_single_axis(layout: Layout, dim: int, what: str) -> None:
     axes = [p for p in layout.placements if isinstance(p, Shard) and p.dim == dim]
     if len(axes) > 1:
-        raise ValueError(f"{what}: {layout} shards quantized dim {dim} over {len(axes)} mesh axes; block "
-                         "quantization takes one axis per dim")
+        raise ValueError(
+            f"{what}: {layout} shards quantized dim {dim} over {len(axes)} mesh axes; block "
+            "quantization takes one axis per dim"
+        )
 
 
 def source_scale_layout(layout: Layout, shape: tuple[int, ...], block: tuple[int, int], what: str) -> Layout:
@@ -93,8 +95,10 @@ def source_scale_layout(layout: Layout, shape: tuple[int, ...], block: tuple[int
             placements.append(p)
             continue
         if p.block or p.grid:
-            raise ValueError(f"{what}: the trainers shard quantized dim {p.dim} as {p}; quantized tensors take "
-                             "torch.chunk shards (Shard(dim)) or replicas")
+            raise ValueError(
+                f"{what}: the trainers shard quantized dim {p.dim} as {p}; quantized tensors take "
+                "torch.chunk shards (Shard(dim)) or replicas"
+            )
         _check_single_axis(layout, p.dim, what)
         placements.append(Shard(p.dim, b, shape[p.dim]))
     return Layout(layout.mesh, tuple(placements))
@@ -114,10 +118,12 @@ def dest_scale_layout(layout: Layout, shape: tuple[int, ...], block: tuple[int, 
         if p.grid:
             raise ValueError(f"{what}: the destination lays dim {p.dim} out as {p}, a scale grid; expected its data")
         piece = p.block or -(-n // parts)
-        if p.block and piece % b or not p.block and piece % b and parts > 1 and piece < n:
-            raise ValueError(f"{what}: the destination splits dim {p.dim} (size {n}) into shards of {piece} over "
-                             f"{parts} ranks, which is not a multiple of the quantization block {b}; expected shards "
-                             f"of whole {b}-blocks (choose a block size that divides {piece}, or another TP size)")
+        if (p.block and piece % b) or (not p.block and piece % b and parts > 1 and piece < n):
+            raise ValueError(
+                f"{what}: the destination splits dim {p.dim} (size {n}) into shards of {piece} over "
+                f"{parts} ranks, which is not a multiple of the quantization block {b}; expected shards "
+                f"of whole {b}-blocks (choose a block size that divides {piece}, or another TP size)"
+            )
         placements.append(Shard(p.dim, b, n) if not p.block else Shard(p.dim, p.block // b))
     return Layout(layout.mesh, tuple(placements))
 

@@ -147,8 +147,11 @@ def rank_loads(routed: ModelPlan, relay: Relay | None) -> tuple[dict[int, int], 
 def busiest(loads: tuple[dict[int, int], dict[int, int]]) -> tuple[int, int]:
     """(rank, bytes) of the rank whose link carries the most in one direction."""
     send, recv = loads
-    return max(((rank, max(send.get(rank, 0), recv.get(rank, 0))) for rank in set(send) | set(recv)),
-               key=lambda item: (item[1], -item[0]), default=(-1, 0))
+    return max(
+        ((rank, max(send.get(rank, 0), recv.get(rank, 0))) for rank in set(send) | set(recv)),
+        key=lambda item: (item[1], -item[0]),
+        default=(-1, 0),
+    )
 
 
 RELAY_MARGIN = 0.8
@@ -165,8 +168,10 @@ def relay_pays(plan: ModelPlan, relayed: ModelPlan, relay: Relay, buckets: int) 
     rank, direct = busiest(rank_loads(plan, None))
     via, relayed_bytes = busiest(rank_loads(relayed, relay))
     tail = relayed_bytes * (1 + (relay.replicas - 1) / max(1, buckets))
-    why = (f"busiest link {_size(direct)} (rank {rank}) sent directly, {_size(relayed_bytes)} (rank {via}) relayed over "
-           f"{relay.replicas} replicas plus a {relay.replicas - 1}-bucket tail")
+    why = (
+        f"busiest link {_size(direct)} (rank {rank}) sent directly, {_size(relayed_bytes)} (rank {via}) relayed over "
+        f"{relay.replicas} replicas plus a {relay.replicas - 1}-bucket tail"
+    )
     return tail < RELAY_MARGIN * direct, why
 
 

@@ -17,13 +17,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .plan import PlanStats, plan_model
-from ..wire.plan_info import PlanInfo
-from .schedule import Schedule, build_schedule
-from .simulate import LinkModel, Prediction, predict
 from ..models.config import ModelConfig, Parallel
 from ..models.synthetic import TrainerParallel, model_specs
 from ..wire.codec import decode, encode
+from ..wire.plan_info import PlanInfo
+from .plan import PlanStats, plan_model
+from .schedule import Schedule, build_schedule
+from .simulate import LinkModel, Prediction, predict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,8 +85,9 @@ def _rss_bytes() -> int:
 STEPS = ("model specs", "plan + statistics", "schedule", "encode", "decode + rebuild on a rank", "expand its slice")
 
 
-def plan_report(cfg: PlanReportConfig, step: Callable[[str], None] = lambda name: None,
-                links: LinkModel | None = None) -> PlanReport:
+def plan_report(
+    cfg: PlanReportConfig, step: Callable[[str], None] = lambda name: None, links: LinkModel | None = None
+) -> PlanReport:
     """Plan `cfg`'s model as the coordinator would, then expand the busiest rank, and predict
     the round under `links` if given.
 
@@ -158,25 +159,51 @@ def format_report(name: str, r: PlanReport) -> str:
         ("plan + stats", f"{r.plan_seconds:.3f} s"),
         ("schedule", f"{r.schedule_seconds:.3f} s ({r.buckets} buckets)"),
         ("total", f"{r.total_seconds:.3f} s"),
-        ("peak memory", f"{r.peak_rss_bytes / 2**20:,.0f} MiB RSS ({r.added_rss_bytes / 2**20:,.0f} MiB added by planning)"),
-        ("plan message", f"{r.message_bytes / 2**20:.2f} MiB to every rank ({r.uncompressed_message_bytes / 2**20:.2f} MiB uncompressed)"),
-        ("rank expansion", f"rank {r.slice_rank}: decode + rebuild {r.decode_seconds:.3f} s, "
-                           f"own slice {r.slice_seconds:.3f} s, {r.slice_segments:,} segments"),
+        (
+            "peak memory",
+            f"{r.peak_rss_bytes / 2**20:,.0f} MiB RSS ({r.added_rss_bytes / 2**20:,.0f} MiB added by planning)",
+        ),
+        (
+            "plan message",
+            f"{r.message_bytes / 2**20:.2f} MiB to every rank ({r.uncompressed_message_bytes / 2**20:.2f} MiB uncompressed)",
+        ),
+        (
+            "rank expansion",
+            f"rank {r.slice_rank}: decode + rebuild {r.decode_seconds:.3f} s, "
+            f"own slice {r.slice_seconds:.3f} s, {r.slice_segments:,} segments",
+        ),
         ("transfers", f"{s.num_transfers:,} ({_gb(s.total_bytes)} on the wire)"),
         ("send per rank", f"max {_gb(send[-1])}, min {_gb(send[0])}, over {len(send)} ranks"),
         ("recv per rank", f"max {_gb(recv[-1])}, min {_gb(recv[0])}, over {len(recv)} ranks"),
-        ("transfer counts", f"max sent {max(s.send_counts.values(), default=0):,}, "
-                            f"max received {max(s.recv_counts.values(), default=0):,}"),
+        (
+            "transfer counts",
+            f"max sent {max(s.send_counts.values(), default=0):,}, "
+            f"max received {max(s.recv_counts.values(), default=0):,}",
+        ),
         ("busiest source", f"{_gb(s.busiest_source_bytes)} = {s.busiest_over_bound:.3f} x lower bound"),
-        ("broadcast would", f"move {_gb(s.broadcast_bytes)} ({s.broadcast_bytes / max(1, s.total_bytes):.1f}x), "
-                            f"{_gb(s.broadcast_recv_bytes)} into the busiest worker"),
+        (
+            "broadcast would",
+            f"move {_gb(s.broadcast_bytes)} ({s.broadcast_bytes / max(1, s.total_bytes):.1f}x), "
+            f"{_gb(s.broadcast_recv_bytes)} into the busiest worker",
+        ),
     ]
     if r.prediction:
-        rows.append(("predicted round", f"{r.prediction.seconds:.3f} s over {len(r.prediction.bucket_seconds)} buckets, "
-                                        f"direct; bottleneck {r.prediction.bottleneck}"))
+        rows.append(
+            (
+                "predicted round",
+                f"{r.prediction.seconds:.3f} s over {len(r.prediction.bucket_seconds)} buckets, "
+                f"direct; bottleneck {r.prediction.bottleneck}",
+            )
+        )
         relayed = r.relay_prediction
-        rows.append(("relayed round", "no tensor is replicated over engine replicas" if relayed is None else
-                      f"{relayed.seconds:.3f} s over {len(relayed.bucket_seconds)} buckets, relayed through "
-                      f"{r.replicas} replicas; bottleneck {relayed.bottleneck}"))
+        rows.append(
+            (
+                "relayed round",
+                "no tensor is replicated over engine replicas"
+                if relayed is None
+                else f"{relayed.seconds:.3f} s over {len(relayed.bucket_seconds)} buckets, relayed through "
+                f"{r.replicas} replicas; bottleneck {relayed.bottleneck}",
+            )
+        )
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

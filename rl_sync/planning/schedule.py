@@ -36,6 +36,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import get_args
+
 import numpy as np
 
 from ..config.sync import Relay, either
@@ -95,8 +96,14 @@ class RankSchedule:
 class Schedule:
     """Buckets over a `ModelPlan`; `rank_slice(rank)` gives one rank its part."""
 
-    def __init__(self, plan: ModelPlan, bucket_bytes: int, coalesce_bytes: int, cuts: tuple[int, ...] | None = None,
-                 relay: bool = False):
+    def __init__(
+        self,
+        plan: ModelPlan,
+        bucket_bytes: int,
+        coalesce_bytes: int,
+        cuts: tuple[int, ...] | None = None,
+        relay: bool = False,
+    ):
         if bucket_bytes <= 0 or coalesce_bytes < 0:
             raise ValueError(
                 f"bucket_bytes must be > 0 and coalesce_bytes >= 0, got {bucket_bytes} and {coalesce_bytes}"
@@ -116,7 +123,9 @@ class Schedule:
         routed = self.routed
         forwarded = self._forward_factor(np.arange(len(routed)))[:, 0].tolist()
         keys = list(zip(routed.tensor_template.tolist(), routed.itemsizes.tolist(), forwarded))
-        counts = {key: band_count(routed.templates[key[0]], key[1] * key[2], bucket_bytes) for key in dict.fromkeys(keys)}
+        counts = {
+            key: band_count(routed.templates[key[0]], key[1] * key[2], bucket_bytes) for key in dict.fromkeys(keys)
+        }
         _check_slabs(sum(counts[key] for key in keys), bucket_bytes)
         cache: dict[tuple[int, int, int], tuple[Band, ...]] = {}
         for key in counts:  # a relayed tensor's bands counted twice: its receivers forward as much again
@@ -158,7 +167,9 @@ class Schedule:
         for template, tensors in self.routed.groups():
             for size in np.unique(self.routed.itemsizes[tensors]).tolist():
                 group = tensors[self.routed.itemsizes[tensors] == size]
-                table = np.concatenate([self.routed.rank_table(group, "src"), self.routed.rank_table(group, "dst")], axis=1)
+                table = np.concatenate(
+                    [self.routed.rank_table(group, "src"), self.routed.rank_table(group, "dst")], axis=1
+                )
                 forwarded = self._forward_factor(group)
                 for b, band in enumerate(self.bands[int(group[0])]):
                     load = np.concatenate([band.send_numel, band.recv_numel]) * size
@@ -218,7 +229,10 @@ class Schedule:
         for _, tensor, band_index, src_pos, dst_pos in slabs:
             spec, size = self.routed.specs[tensor], int(self.routed.itemsizes[tensor])
             band = self.bands[tensor][band_index]
-            for side, pos, peers, out in (("src", src_pos, spec.dst.mesh, sends), ("dst", dst_pos, spec.src.mesh, recvs)):
+            for side, pos, peers, out in (
+                ("src", src_pos, spec.dst.mesh, sends),
+                ("dst", dst_pos, spec.src.mesh, recvs),
+            ):
                 if pos is not None:
                     for peer, offsets, sizes, numel in band.transfers(side, pos):
                         key = (peers.ranks[peer], bool(self.relayed[tensor]))
@@ -231,13 +245,19 @@ class Schedule:
         t = self.routed.templates[self.routed.tensor_template[tensor]]
         rows = np.nonzero((t.local_src == src_pos) & (t.local_dst == dst_pos))[0].tolist()
         return [
-            Segment(tensor, tuple(t.local_offsets[j].tolist()), tuple(t.local_sizes[j].tolist()),
-                    int(t.local_sizes[j].prod()) * size, 0)
+            Segment(
+                tensor,
+                tuple(t.local_offsets[j].tolist()),
+                tuple(t.local_sizes[j].tolist()),
+                int(t.local_sizes[j].prod()) * size,
+                0,
+            )
             for j in rows
         ]
 
-    def _messages(self, by_key: dict[tuple[int, bool], list[_BoxEntry]],
-                  bucket: int | None = None) -> tuple[Message, ...]:
+    def _messages(
+        self, by_key: dict[tuple[int, bool], list[_BoxEntry]], bucket: int | None = None
+    ) -> tuple[Message, ...]:
         """Messages per (peer, relayed): relayed boxes never share a message with others, and
         received ones (`bucket` given) are keyed for forwarding in reception order."""
         messages: list[Message] = []
@@ -274,8 +294,13 @@ def merge_buckets(*lists: Sequence[RankBucket]) -> tuple[RankBucket, ...]:
     merged: dict[int, RankBucket] = {}
     for bucket in (b for buckets in lists for b in buckets):
         have = merged.get(bucket.index)
-        merged[bucket.index] = bucket if have is None else RankBucket(
-            bucket.index, have.sends + bucket.sends, have.recvs + bucket.recvs, have.local + bucket.local)
+        merged[bucket.index] = (
+            bucket
+            if have is None
+            else RankBucket(
+                bucket.index, have.sends + bucket.sends, have.recvs + bucket.recvs, have.local + bucket.local
+            )
+        )
     return tuple(merged[i] for i in sorted(merged))
 
 
@@ -349,8 +374,10 @@ with 256 MiB buckets and 484,733 with 16 MiB ones."""
 
 def _check_slabs(slabs: int, bucket_bytes: int) -> None:
     if slabs > MAX_SLABS:
-        raise ValueError(f"bucket_bytes={bucket_bytes} cuts this plan into {slabs} (tensor, row band) slabs, more "
-                         f"than the {MAX_SLABS} a schedule may hold; raise bucket_bytes")
+        raise ValueError(
+            f"bucket_bytes={bucket_bytes} cuts this plan into {slabs} (tensor, row band) slabs, more "
+            f"than the {MAX_SLABS} a schedule may hold; raise bucket_bytes"
+        )
 
 
 def _packed(peer: int, entries: list[_BoxEntry]) -> Message:
@@ -362,8 +389,9 @@ def _packed(peer: int, entries: list[_BoxEntry]) -> Message:
     return Message(peer, cursor, tuple(segments))
 
 
-def build_schedule(plan: ModelPlan, bucket_bytes: int = 256 << 20, coalesce_bytes: int = 1 << 20,
-                   relay: Relay = "off") -> Schedule:
+def build_schedule(
+    plan: ModelPlan, bucket_bytes: int = 256 << 20, coalesce_bytes: int = 1 << 20, relay: Relay = "off"
+) -> Schedule:
     """Cut `plan` into buckets of at most `bucket_bytes` per rank (see module doc); `relay`:
     among engine replicas (`rl_sync.planning.relay`) never, always (refused when nothing can), or when
     `relay_pays` says it shortens the round. `Schedule.relay_choice` says what was chosen and why."""
@@ -374,10 +402,14 @@ def build_schedule(plan: ModelPlan, bucket_bytes: int = 256 << 20, coalesce_byte
     relayed = Schedule(plan, bucket_bytes, coalesce_bytes, relay=True)
     if relayed.relay is None:
         if relay == "on":
-            raise ValueError("relay='on' needs destination tensors replicated over two or more engine replicas "
-                             "(mesh dim 0 Replicate, one engine per index) and workers apart from the trainers; "
-                             "this plan has none")
-        return _chosen(Schedule(plan, bucket_bytes, coalesce_bytes), "direct: no tensor is replicated over engine replicas")
+            raise ValueError(
+                "relay='on' needs destination tensors replicated over two or more engine replicas "
+                "(mesh dim 0 Replicate, one engine per index) and workers apart from the trainers; "
+                "this plan has none"
+            )
+        return _chosen(
+            Schedule(plan, bucket_bytes, coalesce_bytes), "direct: no tensor is replicated over engine replicas"
+        )
     if relay == "on":  # the byte model's figures for the summary only: no direct schedule to weigh against
         _, why = relay_pays(plan, relayed.routed, relayed.relay, len(relayed.cuts) - 1)
         return _chosen(relayed, "relay: asked for (relay='on'); " + why)

@@ -63,11 +63,15 @@ class LinkModel:
 
     def __post_init__(self) -> None:
         if self.gpus_per_node <= 0 or self.nvlink_gbs <= 0 or self.nic_gbs <= 0:
-            raise ValueError(f"LinkModel needs gpus_per_node, nvlink_gbs and nic_gbs > 0, got {self.gpus_per_node}, "
-                             f"{self.nvlink_gbs} and {self.nic_gbs}")
+            raise ValueError(
+                f"LinkModel needs gpus_per_node, nvlink_gbs and nic_gbs > 0, got {self.gpus_per_node}, "
+                f"{self.nvlink_gbs} and {self.nic_gbs}"
+            )
         if self.latency_us < 0 or self.host_gbs < 0 or self.node_nic_gbs < 0:
-            raise ValueError(f"LinkModel needs latency_us, host_gbs and node_nic_gbs >= 0, got {self.latency_us}, "
-                             f"{self.host_gbs} and {self.node_nic_gbs}")
+            raise ValueError(
+                f"LinkModel needs latency_us, host_gbs and node_nic_gbs >= 0, got {self.latency_us}, "
+                f"{self.host_gbs} and {self.node_nic_gbs}"
+            )
         if self.placement not in get_args(Placement):
             raise ValueError(f"LinkModel.placement must be {either(get_args(Placement))}, got {self.placement!r}")
 
@@ -110,9 +114,15 @@ def transfer_table(schedule: Schedule) -> TransferTable:
         src_table, dst_table = plan.rank_table(tensors, "src"), plan.rank_table(tensors, "dst")
         for b, band in enumerate(schedule.bands[int(tensors[0])]):
             buckets = np.searchsorted(schedule.cuts, schedule.slab_start[tensors] + b, side="right") - 1
-            for part, value in zip(out, (np.repeat(buckets, len(band.src)), src_table[:, band.src].ravel(),
-                                         dst_table[:, band.dst].ravel(),
-                                         np.outer(plan.itemsizes[tensors], band.numel).ravel())):
+            for part, value in zip(
+                out,
+                (
+                    np.repeat(buckets, len(band.src)),
+                    src_table[:, band.src].ravel(),
+                    dst_table[:, band.dst].ravel(),
+                    np.outer(plan.itemsizes[tensors], band.numel).ravel(),
+                ),
+            ):
                 part.append(value)
             relayed.append(np.repeat(schedule.relayed[tensors], len(band.src)))
     if not out[0]:
@@ -150,8 +160,9 @@ def predict(schedule: Schedule, links: LinkModel, trainer_ranks: int) -> Predict
     load = load.reshape(buckets, ranks, len(LINKS))
     rate = np.array([links.nvlink_gbs, links.nvlink_gbs, links.nic_gbs, links.nic_gbs]) * 1e9
     pairs = np.unique((bucket * ranks + src) * ranks + dst)  # one message per peer, bucket and direction
-    messages = _sum_at(pairs // ranks, 1, buckets * ranks) + _sum_at(pairs // (ranks * ranks) * ranks + pairs % ranks, 1,
-                                                                    buckets * ranks)
+    messages = _sum_at(pairs // ranks, 1, buckets * ranks) + _sum_at(
+        pairs // (ranks * ranks) * ranks + pairs % ranks, 1, buckets * ranks
+    )
     messages = messages.reshape(buckets, ranks)
     link_time = load / rate
     rank_time = link_time.max(axis=2) + messages * links.latency_us * 1e-6
@@ -161,8 +172,14 @@ def predict(schedule: Schedule, links: LinkModel, trainer_ranks: int) -> Predict
         host = _sum_at(bucket * nodes + node_of[dst], nbytes, buckets * nodes).reshape(buckets, nodes)
         candidates.append((host / (links.host_gbs * 1e9), np.full(host.shape, -1), "node"))
     if links.node_nic_gbs:
-        out, into = ((_sum_at(bucket[remote] * nodes + node_of[side[remote]], nbytes[remote], buckets * nodes)
-                      .reshape(buckets, nodes)) for side in (src, dst))
+        out, into = (
+            (
+                _sum_at(bucket[remote] * nodes + node_of[side[remote]], nbytes[remote], buckets * nodes).reshape(
+                    buckets, nodes
+                )
+            )
+            for side in (src, dst)
+        )
         nic = np.stack([out, into], axis=2)
         candidates.append((nic.max(axis=2) / (links.node_nic_gbs * 1e9), nic.argmax(axis=2) + 2, "node"))
     return _combine(candidates)

@@ -22,6 +22,8 @@ def interface_address(name: str) -> str:
             packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
         except OSError as exc:
             names = ", ".join(sorted(n for _, n in socket.if_nameindex()))
-            raise ValueError(f"SyncConfig.interface {name!r} has no IPv4 address on {socket.gethostname()} "
-                             f"({exc.strerror}); interfaces here: {names}") from None
+            raise ValueError(
+                f"SyncConfig.interface {name!r} has no IPv4 address on {socket.gethostname()} "
+                f"({exc.strerror}); interfaces here: {names}"
+            ) from None
     return socket.inet_ntoa(packed[20:24])

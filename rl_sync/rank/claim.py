@@ -52,9 +52,11 @@ class Claim:
         if held is not None and held.token == tag.token:
             return False
         if held is not None and alive(held.owner):
-            raise ValueError(f"this actor is already in {held}, which is still open: an actor belongs to one sync "
-                             f"group at a time; close that group first (WeightSync.close), or put every worker in "
-                             f"one group ({tag} was refused)")
+            raise ValueError(
+                f"this actor is already in {held}, which is still open: an actor belongs to one sync "
+                f"group at a time; close that group first (WeightSync.close), or put every worker in "
+                f"one group ({tag} was refused)"
+            )
         self.tag = tag
         return True
 

@@ -21,11 +21,11 @@ import torch
 
 from ..engine.session import RankSession
 from ..engine.sources import Entries
-from ..wire.messages import InitInfo, RankStats, RoundInfo, RankReport
-from ..wire.plan_info import PlanInfo
 from ..transport.cuda_ipc import IpcExport, IpcTransport, device_uuid
 from ..transport.nccl import new_unique_id
 from ..wire.codec import decode, encode
+from ..wire.messages import InitInfo, RankReport, RankStats, RoundInfo
+from ..wire.plan_info import PlanInfo
 from .address import interface_address
 from .claim import Claim, GroupTag
 from .side import DescribeOptions, Side
@@ -59,8 +59,9 @@ class Participant:
         does not play, so the session keeps replaying its compiled round."""
         return self._rl_sync_entries(side).endpoints if side in (self._rl_sync_sides or {}) else _NONE
 
-    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int,
-                          options: DescribeOptions | None = None) -> bytes:
+    def _rl_sync_describe(
+        self, side: str, side_rank: int, side_size: int, options: DescribeOptions | None = None
+    ) -> bytes:
         """Report this side's tensors. `options.group` names the group asking; a rank held by
         another live group refuses (`rl_sync.rank.claim`), and joining a new group first drops
         all an earlier one left. A worker's options also carry the trainers' checkpoint, the
@@ -126,8 +127,10 @@ class Participant:
         session = self._rl_sync_session
         transport = None if session is None else session.joined
         if not isinstance(transport, IpcTransport):
-            raise TypeError(f"{type(self).__name__}: this rank did not join its group through 'cuda_ipc', so it has "
-                            "no colocated worker memory to map")
+            raise TypeError(
+                f"{type(self).__name__}: this rank did not join its group through 'cuda_ipc', so it has "
+                "no colocated worker memory to map"
+            )
         transport.remap(decode(IpcExport, ipc))
 
     def _rl_sync_run(self, round_blob: bytes) -> bytes:

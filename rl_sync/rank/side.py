@@ -43,9 +43,10 @@ class DescribeOptions:
         if not isinstance(self.double_buffer, bool):
             raise TypeError(f"DescribeOptions.double_buffer must be True or False, got {self.double_buffer!r}")
         for name, entry in self.checkpoint.items():
-            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
-                    and _dims(entry[1])):
-                raise TypeError(f"DescribeOptions.checkpoint[{name!r}] must be (dtype name, shape tuple), got {entry!r}")
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and _dims(entry[1])):
+                raise TypeError(
+                    f"DescribeOptions.checkpoint[{name!r}] must be (dtype name, shape tuple), got {entry!r}"
+                )
         for name, dims in self.sharded.items():
             if not _dims(dims):
                 raise TypeError(f"DescribeOptions.sharded[{name!r}] must be a tuple of dims, got {dims!r}")

@@ -44,15 +44,24 @@ class TrainerRank(Participant):
     def _rl_sync_trainer_entries(self, rank: int, size: int, options: DescribeOptions) -> Entries:
         sources = getattr(self, "rl_sync_sources", None)
         if sources is None:
-            raise TypeError(f"{type(self).__name__} must define rl_sync_sources() -> {{name: DTensor | Sharded | Tensor}}")
+            raise TypeError(
+                f"{type(self).__name__} must define rl_sync_sources() -> {{name: DTensor | Sharded | Tensor}}"
+            )
         tensors = sources()
         if not isinstance(tensors, Mapping):
-            raise TypeError(f"{type(self).__name__}.rl_sync_sources() must return a mapping of name to tensor, got "
-                            f"{type(tensors).__name__}")
+            raise TypeError(
+                f"{type(self).__name__}.rl_sync_sources() must return a mapping of name to tensor, got "
+                f"{type(tensors).__name__}"
+            )
         cache, shards = self._rl_sync_source_cache, _geometry(tensors)
-        if (cache is not None and cache.sources is tensors and cache.side == (rank, size)
-                and len(cache.tensors) == len(tensors) and all(map(operator.is_, tensors.values(), cache.tensors))
-                and shards == cache.geometry):
+        if (
+            cache is not None
+            and cache.sources is tensors
+            and cache.side == (rank, size)
+            and len(cache.tensors) == len(tensors)
+            and all(map(operator.is_, tensors.values(), cache.tensors))
+            and shards == cache.geometry
+        ):
             return cache.entries
         entries = trainer_entries(tensors, rank, size)
         self._rl_sync_source_cache = SourceCache(tensors, (rank, size), list(tensors.values()), shards, entries)

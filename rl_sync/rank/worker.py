@@ -31,11 +31,11 @@ import torch
 from ..engine import sparse_codec
 from ..engine.endpoint import Endpoint
 from ..engine.sources import Entries, worker_entries
-from ..wire.messages import RankStats, RoundInfo
 from ..sparse.encodings import INDICES
 from ..storage import geometry, owner
 from ..transport.cuda_ipc import WorkerExport
 from ..wire.codec import encode
+from ..wire.messages import RankStats, RoundInfo
 from .participant import Participant
 from .side import DescribeOptions
 
@@ -65,8 +65,9 @@ class WorkerRank(Participant):
     """The subclass's hook taking `(name, tensor)` of each fallback a round delivered (see the
     module docstring): required when any name is bound as a fallback."""
 
-    def _rl_sync_describe(self, side: str, side_rank: int, side_size: int,
-                          options: DescribeOptions | None = None) -> bytes:
+    def _rl_sync_describe(
+        self, side: str, side_rank: int, side_size: int, options: DescribeOptions | None = None
+    ) -> bytes:
         if side == "worker":
             self._rl_sync_forget_moved()
             self._rl_sync_cached = None  # every group, and every repair, binds anew: storage may have moved
@@ -91,17 +92,24 @@ class WorkerRank(Participant):
         if self._rl_sync_cached is None:
             destinations = getattr(self, "rl_sync_destinations", None)
             if destinations is None:
-                raise TypeError(f"{type(self).__name__} must define rl_sync_destinations(checkpoint) -> {{name: Destination}}")
+                raise TypeError(
+                    f"{type(self).__name__} must define rl_sync_destinations(checkpoint) -> {{name: Destination}}"
+                )
             checkpoint = {n: (getattr(torch, d), tuple(s)) for n, (d, s) in options.checkpoint.items()}
             bound = destinations(checkpoint)
             self._rl_sync_fallbacks = tuple(n for n, d in bound.items() if d.fallback)
             if self._rl_sync_fallbacks and not hasattr(self, "rl_sync_load_fallbacks"):
-                raise ValueError(f"worker rank {rank}: {len(self._rl_sync_fallbacks)} tensors fall back "
-                                 f"({list(self._rl_sync_fallbacks)[:8]}) but {type(self).__name__} defines no "
-                                 "rl_sync_load_fallbacks(pairs) hook")
+                raise ValueError(
+                    f"worker rank {rank}: {len(self._rl_sync_fallbacks)} tensors fall back "
+                    f"({list(self._rl_sync_fallbacks)[:8]}) but {type(self).__name__} defines no "
+                    "rl_sync_load_fallbacks(pairs) hook"
+                )
             reports, endpoints = worker_entries(bound, rank)
-            self._rl_sync_owners = tuple(BoundOwner(name, owner(d.local), geometry(owner(d.local)))
-                                         for name, d in bound.items() if d.local is not None and not d.fallback)
+            self._rl_sync_owners = tuple(
+                BoundOwner(name, owner(d.local), geometry(owner(d.local)))
+                for name, d in bound.items()
+                if d.local is not None and not d.fallback
+            )
             if options.double_buffer:
                 endpoints = self._rl_sync_shadowed(endpoints)
             self._rl_sync_cached = Entries(reports, endpoints)
@@ -137,10 +145,12 @@ class WorkerRank(Participant):
             name, tensor = moved[0]
             assert self._rl_sync_sides is not None  # storage is bound only in a group
             rank = self._rl_sync_sides["worker"].rank
-            raise ValueError(f"worker rank {rank}: the storage bound for {name!r} moved since the group bound it "
-                             f"(now shape {tuple(tensor.shape)}, strides {tensor.stride()}, {tensor.dtype}; the "
-                             "engine reallocated or resized its weights); nothing was written, and the next push "
-                             "binds the new storage (with auto_repair) or call repair()")
+            raise ValueError(
+                f"worker rank {rank}: the storage bound for {name!r} moved since the group bound it "
+                f"(now shape {tuple(tensor.shape)}, strides {tensor.stride()}, {tensor.dtype}; the "
+                "engine reallocated or resized its weights); nothing was written, and the next push "
+                "binds the new storage (with auto_repair) or call repair()"
+            )
 
     def _rl_sync_before_round(self, round_info: RoundInfo) -> None:
         super()._rl_sync_before_round(round_info)
@@ -170,7 +180,9 @@ class WorkerRank(Participant):
     def _rl_sync_commit(self, version: int) -> None:
         """Double buffering: the round completed everywhere; copy it into the live weights."""
         if self._rl_sync_shadow:
-            torch._foreach_copy_([live for live, _ in self._rl_sync_shadow], [shadow for _, shadow in self._rl_sync_shadow])
+            torch._foreach_copy_(
+                [live for live, _ in self._rl_sync_shadow], [shadow for _, shadow in self._rl_sync_shadow]
+            )
         self._rl_sync_updated(self._rl_sync_round_names)
         self._rl_sync_version = version
 

@@ -47,14 +47,15 @@ def new_secret() -> bytes:
 
 def derive(secret: bytes, purpose: bytes, *context: bytes) -> bytes:
     """A key for one purpose, from the group secret (HMAC-SHA256 as a PRF)."""
-    return hmac.new(secret, purpose + b"".join(struct.pack(">I", len(c)) + c for c in context),
-                    hashlib.sha256).digest()
+    return hmac.new(secret, purpose + b"".join(struct.pack(">I", len(c)) + c for c in context), hashlib.sha256).digest()
 
 
 def check_secret(secret: bytes) -> bytes:
     if not isinstance(secret, bytes) or len(secret) != SECRET_BYTES:
-        raise ValueError(f"the group secret must be {SECRET_BYTES} bytes, got "
-                         f"{len(secret) if isinstance(secret, bytes) else type(secret).__name__}")
+        raise ValueError(
+            f"the group secret must be {SECRET_BYTES} bytes, got "
+            f"{len(secret) if isinstance(secret, bytes) else type(secret).__name__}"
+        )
     return secret
 
 

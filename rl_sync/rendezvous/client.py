@@ -104,7 +104,7 @@ def _connect(host: str, port: int, secret: bytes, deadline: float) -> tuple[sock
                 return sock.dup(), sealer
         except AuthError:
             raise
-        except (ConnectionError, socket.timeout):
+        except (TimeoutError, ConnectionError):
             time.sleep(min(delay, max(left, 0)))
             delay = min(2 * delay, 1.0)
 
@@ -129,4 +129,3 @@ def _read(sock: socket.socket, n: int) -> bytes:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
-

@@ -109,7 +109,7 @@ class StoreServer:
         hello = await reader.readexactly(len(HELLO) + NONCE)
         if hello[: len(HELLO)] != HELLO:
             raise AuthError("not an rl-sync store client")
-        cn, sn = hello[len(HELLO):], os.urandom(NONCE)
+        cn, sn = hello[len(HELLO) :], os.urandom(NONCE)
         writer.write(sn + proof(self._secret, b"server", cn, sn))
         await writer.drain()
         answer = await reader.readexactly(MAC)
@@ -139,8 +139,9 @@ class StoreServer:
         if op in ("get", "wait"):
             keys = [_key(request[1])] if op == "get" else [_key(k) for k in request[1]]
             async with self._changed:
-                await asyncio.wait_for(self._changed.wait_for(lambda: all(k in self._data for k in keys)),
-                                       _wait_s(request[2]))
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: all(k in self._data for k in keys)), _wait_s(request[2])
+                )
             return self._data[keys[0]] if op == "get" else None
         if op == "check":
             return all(_key(k) in self._data for k in request[1])
@@ -171,4 +172,3 @@ def _wait_s(value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_WAIT_S:
         raise ValueError(f"a store wait takes (0, {MAX_WAIT_S:.0f}] seconds, got {value!r}")
     return float(value)
-

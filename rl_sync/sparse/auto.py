@@ -85,15 +85,22 @@ class AutoPolicy:
         sparse = self.rate["sparse"] * dense_bytes
         if "dense" not in self.rate:
             if sparse < MIN_DECIDING_S:
-                return Choice("sparse", f"a sparse round takes {sparse * 1e3:.1f} ms, under the "
-                                        f"{MIN_DECIDING_S * 1e3:.0f} ms where timings decide")
-            return Choice("dense", f"measuring the dense engine (sparse {sparse:.3f} s predicted, no dense round "
-                                   "measured)")
+                return Choice(
+                    "sparse",
+                    f"a sparse round takes {sparse * 1e3:.1f} ms, under the "
+                    f"{MIN_DECIDING_S * 1e3:.0f} ms where timings decide",
+                )
+            return Choice(
+                "dense", f"measuring the dense engine (sparse {sparse:.3f} s predicted, no dense round measured)"
+            )
         dense = self.rate["dense"] * dense_bytes
         figures = f"sparse {sparse:.3f} s against dense {dense:.3f} s predicted (the last sparse round sent {self.wire:.1%} of dense)"
         if dense < MIN_DECIDING_S:
-            return Choice("sparse", f"a dense round would take {dense * 1e3:.1f} ms, under the {MIN_DECIDING_S * 1e3:.0f} "
-                                    "ms where timings decide; each transfer takes its smallest encoding")
+            return Choice(
+                "sparse",
+                f"a dense round would take {dense * 1e3:.1f} ms, under the {MIN_DECIDING_S * 1e3:.0f} "
+                "ms where timings decide; each transfer takes its smallest encoding",
+            )
         if sparse <= dense:
             return Choice("sparse", figures)
         if self.dense_streak >= PROBE_EVERY:

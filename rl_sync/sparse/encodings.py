@@ -56,7 +56,9 @@ def payload_layout(code: int, n: int, k: int, itemsize: int) -> PayloadLayout:
         return PayloadLayout(head, _up(head), values, values + _up(itemsize * k))
     if code == DENSE:
         return PayloadLayout(0, 0, 0, _up(itemsize * n))
-    raise ValueError(f"unknown sparse encoding code {code!r}; expected 0 (indices), 1 (bitmap), 2 (dense) or 3 (blocked)")
+    raise ValueError(
+        f"unknown sparse encoding code {code!r}; expected 0 (indices), 1 (bitmap), 2 (dense) or 3 (blocked)"
+    )
 
 
 def encoded_nbytes(code: int, n: int, k: int, itemsize: int) -> int:

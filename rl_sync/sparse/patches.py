@@ -36,8 +36,10 @@ def check_patch(patch: SparseWeightPatch, dtype: str, shape: tuple[int, ...]) ->
     if not isinstance(patch.indices, torch.Tensor) or not isinstance(patch.values, torch.Tensor):
         raise ValueError(f"{what}: indices and values must be tensors")
     if patch.indices.ndim != 1 or patch.values.ndim != 1 or patch.indices.numel() != patch.values.numel():
-        raise ValueError(f"{what}: indices and values must be 1-D and of one length, got {tuple(patch.indices.shape)} "
-                         f"and {tuple(patch.values.shape)}")
+        raise ValueError(
+            f"{what}: indices and values must be 1-D and of one length, got {tuple(patch.indices.shape)} "
+            f"and {tuple(patch.values.shape)}"
+        )
     if patch.indices.dtype.is_floating_point or patch.indices.dtype == torch.bool:
         raise ValueError(f"{what}: indices must be integers, got {patch.indices.dtype}")
     if str(patch.values.dtype).removeprefix("torch.") != dtype:
@@ -45,8 +47,9 @@ def check_patch(patch: SparseWeightPatch, dtype: str, shape: tuple[int, ...]) ->
     index = patch.indices.to("cpu", torch.int64)
     numel = math.prod(shape)
     if index.numel() and (int(index.min()) < 0 or int(index.max()) >= numel):
-        raise ValueError(f"{what}: indices must lie in [0, {numel}) for shape {shape}, got "
-                         f"[{int(index.min())}, {int(index.max())}]")
+        raise ValueError(
+            f"{what}: indices must lie in [0, {numel}) for shape {shape}, got [{int(index.min())}, {int(index.max())}]"
+        )
     order = torch.argsort(index, stable=True)
     index, values = index[order], patch.values.to("cpu")[order]
     if index.numel() > 1 and bool((index[1:] == index[:-1]).any()):
@@ -54,7 +57,9 @@ def check_patch(patch: SparseWeightPatch, dtype: str, shape: tuple[int, ...]) ->
     return index, values
 
 
-def route_patch(index: torch.Tensor, values: torch.Tensor, shape: tuple[int, ...], box: Box) -> tuple[torch.Tensor, torch.Tensor]:
+def route_patch(
+    index: torch.Tensor, values: torch.Tensor, shape: tuple[int, ...], box: Box
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The part of a checked patch inside `box`, as flat indices local to the box (sorted)."""
     rest, coords = index, []
     for size in reversed(shape):

@@ -38,7 +38,7 @@ Ops = Sequence[tuple[int, torch.Tensor]]
 def check_ops(ops: Ops, world_size: int, rank: int, what: str) -> None:
     """Refuse a peer outside the group, or a buffer that is not contiguous bytes."""
     for peer, buf in ops:
-        if not 0 <= peer < world_size or peer == rank and world_size > 1:
+        if not 0 <= peer < world_size or (peer == rank and world_size > 1):
             raise ValueError(f"rank {rank}: {what} peer {peer} is not another rank of a group of {world_size}")
         if buf.dtype != torch.uint8 or not buf.is_contiguous():
             raise ValueError(f"rank {rank}: {what} buffers must be contiguous uint8, got {buf.dtype}")

@@ -44,6 +44,7 @@ Typical use::
     exported.begin(); t.begin_round(); ...; t.end_round(); exported.end()     # a round
     t.close(); exported.close()
 """
+
 from __future__ import annotations
 
 import bisect
@@ -119,7 +120,9 @@ def _runtime():
     try:
         from cupy.cuda import runtime
     except ImportError as exc:
-        raise IpcUnavailable(f"colocated CUDA IPC needs CuPy: pip install 'rl-sync[cuda12]' or '[cuda13]' ({exc})") from None
+        raise IpcUnavailable(
+            f"colocated CUDA IPC needs CuPy: pip install 'rl-sync[cuda12]' or '[cuda13]' ({exc})"
+        ) from None
     return runtime
 
 
@@ -154,8 +157,11 @@ def _swappable(exported: list[Backing], device: torch.device) -> list[Backing]:
     own expandable segments (a VMM allocator's, which may release and re-map at the same
     addresses, as sleep modes do). A cudaMalloc allocation, or PyTorch's expandable memory under
     a live tensor, is never released while the group holds the tensor."""
-    torch_owned = [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()
-                   if s.get("is_expandable") and s["device"] == device.index]
+    torch_owned = [
+        (s["address"], s["address"] + s["total_size"])
+        for s in torch.cuda.memory_snapshot()
+        if s.get("is_expandable") and s["device"] == device.index
+    ]
     return [b for b in exported if b.kind == "vmm" and not any(lo <= b.base < hi for lo, hi in torch_owned)]
 
 
@@ -180,11 +186,19 @@ class WorkerExport:
         self.ready.record(torch.cuda.current_stream(device))
         self.done.record(torch.cuda.current_stream(device))
         self.device = device
-        tensors = tuple(IpcTensor(name, *where[name], tuple(v.shape), tuple(v.stride()), dtype_name(v.dtype))
-                        for name, v in views.items())
-        self.export = IpcExport(device_uuid(device), exported, tensors, bytes(self.ready.ipc_handle()),
-                                bytes(self.done.ipc_handle()), self.offer.path if self.offer else "",
-                                self.offer.token if self.offer else b"")
+        tensors = tuple(
+            IpcTensor(name, *where[name], tuple(v.shape), tuple(v.stride()), dtype_name(v.dtype))
+            for name, v in views.items()
+        )
+        self.export = IpcExport(
+            device_uuid(device),
+            exported,
+            tensors,
+            bytes(self.ready.ipc_handle()),
+            bytes(self.done.ipc_handle()),
+            self.offer.path if self.offer else "",
+            self.offer.token if self.offer else b"",
+        )
 
     @staticmethod
     def _region(region: list[Backing], fds: list[int]) -> IpcRegion:
@@ -220,7 +234,9 @@ class MappedDestinations:
     def __init__(self, export: IpcExport, device: torch.device, timeout_s: float):
         device = torch.device(device)
         if device_uuid(device) != export.device_uuid:
-            raise ValueError(f"colocated worker memory is on GPU {export.device_uuid}, this trainer is on {device_uuid(device)}")
+            raise ValueError(
+                f"colocated worker memory is on GPU {export.device_uuid}, this trainer is on {device_uuid(device)}"
+            )
         self.device, self.opened, self.ranges = device, [], []
         try:
             bases = self._map(export, timeout_s)
@@ -240,7 +256,7 @@ class MappedDestinations:
                 self.opened.append(_runtime().ipcOpenMemHandle(region.handle))
                 ptr = self.opened[-1]
             else:
-                mine, fds = fds[:len(region.chunks)], fds[len(region.chunks):]
+                mine, fds = fds[: len(region.chunks)], fds[len(region.chunks) :]
                 try:
                     self.ranges.append(map_fds(mine, region.chunks, self.device.index))
                 except BaseException:
@@ -280,11 +296,18 @@ class IpcTransport(Transport):
         self.remap(export)
 
     @classmethod
-    def join(cls, info, rendezvous: IpcRendezvous, *, bind_host: str, device: torch.device,
-             broadcast_ranks: Sequence[int]) -> IpcTransport:
+    def join(
+        cls, info, rendezvous: IpcRendezvous, *, bind_host: str, device: torch.device, broadcast_ranks: Sequence[int]
+    ) -> IpcTransport:
         """Join the trainers' group, then map the worker's export (aborting the group if that fails)."""
-        group = join(rendezvous.group, rendezvous.group_rendezvous, info, bind_host=bind_host, device=device,
-                     broadcast_ranks=broadcast_ranks)
+        group = join(
+            rendezvous.group,
+            rendezvous.group_rendezvous,
+            info,
+            bind_host=bind_host,
+            device=device,
+            broadcast_ranks=broadcast_ranks,
+        )
         try:
             return cls(group, rendezvous.export, device, info.timeout_s)
         except BaseException:
@@ -304,8 +327,10 @@ class IpcTransport(Transport):
 
     def _mapping(self) -> MappedDestinations:
         if self.mapped is None:
-            raise RuntimeError(f"rank {self.rank}: the colocated worker's memory is not mapped (closed, or its last "
-                               "export failed to map)")
+            raise RuntimeError(
+                f"rank {self.rank}: the colocated worker's memory is not mapped (closed, or its last "
+                "export failed to map)"
+            )
         return self.mapped
 
     def destinations(self) -> Mapping[str, torch.Tensor]:

@@ -55,8 +55,9 @@ def driver() -> Any:
     try:
         from cuda.bindings import driver as cu
     except ImportError as exc:
-        raise IpcUnavailable(f"colocated CUDA IPC needs cuda-bindings: pip install 'rl-sync[cuda12]' or "
-                             f"'[cuda13]' ({exc})") from None
+        raise IpcUnavailable(
+            f"colocated CUDA IPC needs cuda-bindings: pip install 'rl-sync[cuda12]' or '[cuda13]' ({exc})"
+        ) from None
     return cu
 
 
@@ -87,17 +88,21 @@ def backing(ptr: int, what: str) -> Backing:
     if _attr(ptr, "IS_LEGACY_CUDA_IPC_CAPABLE"):
         return Backing("legacy", _attr(ptr, "RANGE_START_ADDR"), _attr(ptr, "RANGE_SIZE"), buffer_id(ptr))
     if _attr(ptr, "MEMPOOL_HANDLE"):
-        raise IpcUnavailable(f"{what} is in a stream-ordered CUDA memory pool (cudaMallocAsync, e.g. "
-                             f"PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), which colocated IPC does not map")
+        raise IpcUnavailable(
+            f"{what} is in a stream-ordered CUDA memory pool (cudaMallocAsync, e.g. "
+            f"PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), which colocated IPC does not map"
+        )
     cu = driver()
     err, base, size = cu.cuMemGetAddressRange(ptr)  # a VMM address: the one mapping that holds it
     if err != cu.CUresult.CUDA_SUCCESS or not size:
         raise IpcUnavailable(f"{what} is in CUDA memory that neither a cudaIpcMemHandle nor a VMM export can share")
     types = _attr(ptr, "ALLOWED_HANDLE_TYPES") or 0
     if not types & int(cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR):
-        raise IpcUnavailable(f"{what} is in CUDA VMM memory (cuMemCreate) allocated without a POSIX file-descriptor "
-                             f"handle type (allowed handle types: {types}), as vLLM's sleep-mode allocator allocates; "
-                             f"no other process can map it")
+        raise IpcUnavailable(
+            f"{what} is in CUDA VMM memory (cuMemCreate) allocated without a POSIX file-descriptor "
+            f"handle type (allowed handle types: {types}), as vLLM's sleep-mode allocator allocates; "
+            f"no other process can map it"
+        )
     return Backing("vmm", int(base), int(size), buffer_id(ptr))
 
 

@@ -192,16 +192,20 @@ class DigestTransport(Transport):
             return
         self._seal(sent, received, deadline)
         expected = _by_peer((t.peer, t) for t in received)
-        outgoing = [(peer, self._tag_tensor(b"".join(t.tag for t in ts)))
-                    for peer, ts in _by_peer((t.peer, t) for t in sent).items()]
-        incoming = [(peer, torch.empty(TAG_BYTES * len(ts), dtype=torch.uint8, device=self.device))
-                    for peer, ts in expected.items()]
+        outgoing = [
+            (peer, self._tag_tensor(b"".join(t.tag for t in ts)))
+            for peer, ts in _by_peer((t.peer, t) for t in sent).items()
+        ]
+        incoming = [
+            (peer, torch.empty(TAG_BYTES * len(ts), dtype=torch.uint8, device=self.device))
+            for peer, ts in expected.items()
+        ]
         self.inner.post(outgoing, incoming, label="digests").wait(deadline)
         self.inner.finish(deadline)
         for (peer, buf), transfers in zip(incoming, expected.values()):
             got = bytes(buf.cpu().numpy())
             for i, transfer in enumerate(transfers):
-                if not hmac.compare_digest(got[TAG_BYTES * i: TAG_BYTES * (i + 1)], transfer.tag):
+                if not hmac.compare_digest(got[TAG_BYTES * i : TAG_BYTES * (i + 1)], transfer.tag):
                     self._fail(f"{transfer.label or 'a bucket'} from rank {peer} (transfer {transfer.seq})")
 
     def _seal(self, sent: list[_Transfer], received: list[_Transfer], deadline: float) -> None:
@@ -213,7 +217,7 @@ class DigestTransport(Transport):
         host = torch.cat([t.words for t in pending]).cpu().numpy()
         start = 0
         for t in pending:
-            words = host[start:start + t.words.numel()]
+            words = host[start : start + t.words.numel()]
             start += t.words.numel()
             t.tag, t.words = self.digester.seal(t.src, t.dst, t.seq, t.lengths, [memoryview(words)]), None
 
@@ -231,8 +235,10 @@ class DigestTransport(Transport):
             self._fail(f"broadcast {seq} from rank {root}")
 
     def _fail(self, what: str) -> None:
-        raise IntegrityError(f"rank {self.rank}: {what} failed its {self.digester.mode} digest: altered or corrupted "
-                             "on the way; nothing of this round counts")
+        raise IntegrityError(
+            f"rank {self.rank}: {what} failed its {self.digester.mode} digest: altered or corrupted "
+            "on the way; nothing of this round counts"
+        )
 
     def barrier(self, deadline: float) -> None:
         self.inner.barrier(deadline)
@@ -252,4 +258,3 @@ class DigestTransport(Transport):
     def abort(self) -> None:
         self._sent, self._received = [], []
         self.inner.abort()
-

@@ -80,7 +80,7 @@ class FdOffer:
 
     def _send(self, conn: socket.socket) -> None:
         for start in range(0, len(self.fds), BATCH):
-            batch = self.fds[start:start + BATCH]
+            batch = self.fds[start : start + BATCH]
             socket.send_fds(conn, [struct.pack("!I", len(batch))], batch)
         conn.recv(1)  # the receiver's acknowledgement: every descriptor arrived
 

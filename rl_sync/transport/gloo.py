@@ -109,10 +109,20 @@ class GlooTransport(Transport):
         self._closed = False
 
     @classmethod
-    def join(cls, info, rendezvous: GlooRendezvous, *, bind_host: str, device: torch.device,
-             broadcast_ranks: Sequence[int]) -> GlooTransport:
-        return cls(info.rank, info.world_size, rendezvous.store_host, rendezvous.store_port, info.secret,
-                   bind_host=bind_host, prefix=info.prefix, timeout_s=info.timeout_s, broadcast_ranks=broadcast_ranks)
+    def join(
+        cls, info, rendezvous: GlooRendezvous, *, bind_host: str, device: torch.device, broadcast_ranks: Sequence[int]
+    ) -> GlooTransport:
+        return cls(
+            info.rank,
+            info.world_size,
+            rendezvous.store_host,
+            rendezvous.store_port,
+            info.secret,
+            bind_host=bind_host,
+            prefix=info.prefix,
+            timeout_s=info.timeout_s,
+            broadcast_ranks=broadcast_ranks,
+        )
 
     def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
         check_ops(sends, self.world_size, self.rank, "send")
@@ -131,8 +141,11 @@ class GlooTransport(Transport):
             raise ValueError(f"rank {self.rank} is not in the broadcast group {self.bcast_ranks}")
         opts = dist.BroadcastOptions()
         opts.rootRank = self.bcast_ranks.index(root)
-        _finished(self.bcast.broadcast([buf], opts), remaining(deadline, f"rank {self.rank}: broadcast"),
-                  f"rank {self.rank}: broadcast")
+        _finished(
+            self.bcast.broadcast([buf], opts),
+            remaining(deadline, f"rank {self.rank}: broadcast"),
+            f"rank {self.rank}: broadcast",
+        )
 
     def barrier(self, deadline: float) -> None:
         _finished(self.pg.barrier(), remaining(deadline, f"rank {self.rank}: barrier"), f"rank {self.rank}: barrier")

@@ -33,8 +33,9 @@ class LocalTransport(Transport):
         self.rank, self.world_size, self.device = 0, 1, torch.device(device)
 
     @classmethod
-    def join(cls, info, rendezvous: LocalRendezvous, *, bind_host: str, device: torch.device,
-             broadcast_ranks: Sequence[int]) -> LocalTransport:
+    def join(
+        cls, info, rendezvous: LocalRendezvous, *, bind_host: str, device: torch.device, broadcast_ranks: Sequence[int]
+    ) -> LocalTransport:
         if info.world_size != 1:
             raise ValueError(f"transport 'local' joins one-rank groups only; this group has {info.world_size} ranks")
         return cls(device)

@@ -40,8 +40,7 @@ def _nccl():
         from cupy.cuda import nccl
     except ImportError as exc:
         raise ValueError(
-            "the NCCL transport needs CuPy with NCCL: pip install 'rl-sync[cuda12]' or 'rl-sync[cuda13]' "
-            f"({exc})"
+            f"the NCCL transport needs CuPy with NCCL: pip install 'rl-sync[cuda12]' or 'rl-sync[cuda13]' ({exc})"
         ) from None
     return nccl
 
@@ -80,8 +79,10 @@ class NcclRendezvous:
         for name in ("unique_id", "broadcast_id"):
             value = getattr(self, name)
             if len(value) != UNIQUE_ID_BYTES or not all(0 <= x < 256 for x in value):
-                raise ValueError(f"NcclRendezvous.{name} must be {UNIQUE_ID_BYTES} ints in [0, 256) (new_unique_id), "
-                                 f"got {len(value)} ints")
+                raise ValueError(
+                    f"NcclRendezvous.{name} must be {UNIQUE_ID_BYTES} ints in [0, 256) (new_unique_id), "
+                    f"got {len(value)} ints"
+                )
 
 
 class _NcclPending(Pending):
@@ -115,20 +116,28 @@ class NcclTransport(Transport):
         self.bcast_ranks = list(broadcast_ranks)
         self.bcast = None
         if rank in self.bcast_ranks and broadcast_id is not None:
-            self.bcast = nccl.NcclCommunicator(len(self.bcast_ranks), _comm_id(nccl, broadcast_id),
-                                               self.bcast_ranks.index(rank))
+            self.bcast = nccl.NcclCommunicator(
+                len(self.bcast_ranks), _comm_id(nccl, broadcast_id), self.bcast_ranks.index(rank)
+            )
         self._last: torch.cuda.Event | None = None
         self._closed = False
 
     @classmethod
-    def join(cls, info, rendezvous: NcclRendezvous, *, bind_host: str, device: torch.device,
-             broadcast_ranks: Sequence[int]) -> NcclTransport:
+    def join(
+        cls, info, rendezvous: NcclRendezvous, *, bind_host: str, device: torch.device, broadcast_ranks: Sequence[int]
+    ) -> NcclTransport:
         """NCCL takes its network interface from `NCCL_SOCKET_IFNAME` alone: `info.interface` sets
         it, unless the process already did."""
         if info.interface:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", info.interface)
-        return cls(info.rank, info.world_size, rendezvous.unique_id, device, broadcast_ranks=broadcast_ranks,
-                   broadcast_id=rendezvous.broadcast_id)
+        return cls(
+            info.rank,
+            info.world_size,
+            rendezvous.unique_id,
+            device,
+            broadcast_ranks=broadcast_ranks,
+            broadcast_id=rendezvous.broadcast_id,
+        )
 
     def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
         nccl = _nccl()
@@ -156,8 +165,14 @@ class NcclTransport(Transport):
         if self.bcast is None:
             raise ValueError(f"rank {self.rank} is not in the broadcast group {self.bcast_ranks}")
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self.bcast.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), nccl.NCCL_UINT8,
-                             self.bcast_ranks.index(root), self.stream.cuda_stream)
+        self.bcast.broadcast(
+            buf.data_ptr(),
+            buf.data_ptr(),
+            buf.numel(),
+            nccl.NCCL_UINT8,
+            self.bcast_ranks.index(root),
+            self.stream.cuda_stream,
+        )
         done = torch.cuda.Event()
         done.record(self.stream)
         self._last = done
@@ -168,7 +183,9 @@ class NcclTransport(Transport):
         token = torch.zeros(1, dtype=torch.uint8, device=self.device)
         nccl = _nccl()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self.comm.allReduce(token.data_ptr(), token.data_ptr(), 1, nccl.NCCL_UINT8, nccl.NCCL_SUM, self.stream.cuda_stream)
+        self.comm.allReduce(
+            token.data_ptr(), token.data_ptr(), 1, nccl.NCCL_UINT8, nccl.NCCL_SUM, self.stream.cuda_stream
+        )
         done = torch.cuda.Event()
         done.record(self.stream)
         self._last = done
@@ -181,7 +198,9 @@ class NcclTransport(Transport):
             while not self._last.query():
                 if time.monotonic() > deadline:
                     self.abort()
-                    raise TimeoutError(f"rank {self.rank}: NCCL transfers did not complete in time; communicator aborted")
+                    raise TimeoutError(
+                        f"rank {self.rank}: NCCL transfers did not complete in time; communicator aborted"
+                    )
                 time.sleep(POLL_S)
             self._last = None
         torch.cuda.current_stream(self.device).synchronize()

@@ -66,7 +66,7 @@ def nh_reduce(buf: torch.Tensor, keys: list[torch.Tensor]) -> torch.Tensor:
 def nh_compress(buf: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """NH of `buf` (uint8, on `key`'s device): `LANES` int64 words per block, in block order."""
     full = buf.numel() // BLOCK_BYTES * BLOCK_BYTES
-    parts = [_blocks(buf[start:min(full, start + CHUNK_BYTES)], key) for start in range(0, full, CHUNK_BYTES)]
+    parts = [_blocks(buf[start : min(full, start + CHUNK_BYTES)], key) for start in range(0, full, CHUNK_BYTES)]
     if full < buf.numel():
         tail = torch.zeros(BLOCK_BYTES, dtype=torch.uint8, device=buf.device)
         tail[: buf.numel() - full] = buf[full:]
@@ -83,8 +83,9 @@ def _blocks(chunk: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         blocks = words.shape[0]
         out = torch.empty(blocks * LANES, dtype=torch.int64, device=chunk.device)
         grid = (-(-blocks // BLOCKS_PER_PROGRAM),)
-        _kernel()[grid](words, key, out, blocks, WORDS=BLOCK_WORDS, LANES=LANES, PER_PROGRAM=BLOCKS_PER_PROGRAM,
-                        num_warps=8)
+        _kernel()[grid](
+            words, key, out, blocks, WORDS=BLOCK_WORDS, LANES=LANES, PER_PROGRAM=BLOCKS_PER_PROGRAM, num_warps=8
+        )
         return out
     return _nh_torch(words, key)
 
@@ -94,7 +95,7 @@ def _nh_torch(rows: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     words = rows.to(torch.int64) & _MASK32
     lanes = []
     for lane in range(LANES):
-        mixed = (words + key[4 * lane: 4 * lane + BLOCK_WORDS]) & _MASK32
+        mixed = (words + key[4 * lane : 4 * lane + BLOCK_WORDS]) & _MASK32
         lanes.append((mixed[:, 0::2] * mixed[:, 1::2]).sum(dim=1))
     return torch.stack(lanes, dim=1).flatten()
 
@@ -116,8 +117,9 @@ def _kernel():
             return None
 
         @triton.jit
-        def nh_blocks(words_ptr, key_ptr, out_ptr, blocks, WORDS: tl.constexpr, LANES: tl.constexpr,
-                      PER_PROGRAM: tl.constexpr):
+        def nh_blocks(
+            words_ptr, key_ptr, out_ptr, blocks, WORDS: tl.constexpr, LANES: tl.constexpr, PER_PROGRAM: tl.constexpr
+        ):
             row = tl.program_id(0).to(tl.int64) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)
             column = tl.arange(0, WORDS)
             mask = (row < blocks)[:, None]

@@ -43,8 +43,9 @@ class Joinable(Protocol):
     """Its rendezvous message: a frozen wire dataclass."""
 
     @classmethod
-    def join(cls, info: InitInfo, rendezvous: Any, *, bind_host: str, device: torch.device,
-             broadcast_ranks: Sequence[int]) -> Transport:
+    def join(
+        cls, info: InitInfo, rendezvous: Any, *, bind_host: str, device: torch.device, broadcast_ranks: Sequence[int]
+    ) -> Transport:
         """Join the group `info` describes as its rank, from a decoded `rendezvous_type` message
         (`broadcast_ranks`: the ranks of the broadcast baseline's group)."""
         ...
@@ -72,9 +73,21 @@ def transport_class(name: str) -> Joinable:
     return getattr(importlib.import_module(module), cls)
 
 
-def join(name: str, rendezvous: bytes, info: InitInfo, *, bind_host: str, device: torch.device,
-         broadcast_ranks: Sequence[int]) -> Transport:
+def join(
+    name: str,
+    rendezvous: bytes,
+    info: InitInfo,
+    *,
+    bind_host: str,
+    device: torch.device,
+    broadcast_ranks: Sequence[int],
+) -> Transport:
     """Join the group `info` describes with transport `name`, from its encoded rendezvous message."""
     cls = transport_class(name)
-    return cls.join(info, decode(cls.rendezvous_type, rendezvous), bind_host=bind_host, device=device,
-                    broadcast_ranks=broadcast_ranks)
+    return cls.join(
+        info,
+        decode(cls.rendezvous_type, rendezvous),
+        bind_host=bind_host,
+        device=device,
+        broadcast_ranks=broadcast_ranks,
+    )

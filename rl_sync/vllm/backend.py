@@ -30,8 +30,17 @@ from ..rank import WorkerRank
 from ..rank.side import DescribeOptions
 from ..wire.codec import decode
 from .rank import VllmDestinations, engine_rank
-from .service import (ERROR, CloseRequest, ConnectRequest, DescribeRequest, Rendezvous, RoundRequest, reply_key,
-                      store_client, unpack)
+from .service import (
+    ERROR,
+    CloseRequest,
+    ConnectRequest,
+    DescribeRequest,
+    Rendezvous,
+    RoundRequest,
+    reply_key,
+    store_client,
+    unpack,
+)
 
 
 @dataclass(kw_only=True)
@@ -105,19 +114,27 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
             close = decode(CloseRequest, payload)
             self._answer(close.reply, op, close.tag, lambda: self._close(close.abort))
         else:
-            raise ValueError(f"rl_sync weight transfer: init_weight_transfer_engine takes describe, connect or close, "
-                             f"got {op!r}")
+            raise ValueError(
+                f"rl_sync weight transfer: init_weight_transfer_engine takes describe, connect or close, got {op!r}"
+            )
 
     def _describe(self, request: DescribeRequest) -> bytes:
         where = engine_rank()
         if self.rank is not None:
             self.rank._rl_sync_close(abort=True)
         destinations = VllmDestinations(self.model, self.vllm_config)
-        self.rank = ServiceRank(destinations, request.first + where.rank, request.side_size,
-                                {k: list(v) for k, v in request.sharded.items()}, "")
-        options = DescribeOptions(checkpoint={n: (d, tuple(s)) for n, (d, s) in request.checkpoint.items()},
-                                  sharded={n: tuple(d) for n, d in request.sharded.items()},
-                                  double_buffer=request.double_buffer)
+        self.rank = ServiceRank(
+            destinations,
+            request.first + where.rank,
+            request.side_size,
+            {k: list(v) for k, v in request.sharded.items()},
+            "",
+        )
+        options = DescribeOptions(
+            checkpoint={n: (d, tuple(s)) for n, (d, s) in request.checkpoint.items()},
+            sharded={n: tuple(d) for n, d in request.sharded.items()},
+            double_buffer=request.double_buffer,
+        )
         return self.rank._rl_sync_describe("worker", request.first + where.rank, request.side_size, options)
 
     def _connect(self, request: ConnectRequest) -> bytes:
@@ -138,7 +155,9 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
 
     def _described(self) -> ServiceRank:
         if self.rank is None:
-            raise RuntimeError("rl_sync weight transfer: connect or run before describe; the driver must describe first")
+            raise RuntimeError(
+                "rl_sync weight transfer: connect or run before describe; the driver must describe first"
+            )
         return self.rank
 
     def start_weight_update(self) -> None:

@@ -97,15 +97,24 @@ class VllmBinding:
         return tuple(r.name for r in self.reports if r.mode == "fallback")
 
     @classmethod
-    def build(cls, model: torch.nn.Module, model_config, checkpoint: Checkpoint, where: EngineRank,
-              engines: int = 1, sharded: Mapping[str, Sequence[int]] | None = None) -> VllmBinding:
+    def build(
+        cls,
+        model: torch.nn.Module,
+        model_config,
+        checkpoint: Checkpoint,
+        where: EngineRank,
+        engines: int = 1,
+        sharded: Mapping[str, Sequence[int]] | None = None,
+    ) -> VllmBinding:
         """Resolve every checkpoint name on this rank (collective over the engine's ranks).
         `sharded[name]`: dims the trainers shard (never cut into parts)."""
         probe = probe_loads(model, checkpoint, model_config.dtype)
         if probe.errors:
             name, error = next(iter(probe.errors.items()))
-            raise ValueError(f"vLLM rank {where.rank}: checkpoint tensor {name!r} is refused by vLLM's loader "
-                             f"({error}); the engine's model has no parameter for it")
+            raise ValueError(
+                f"vLLM rank {where.rank}: checkpoint tensor {name!r} is refused by vLLM's loader "
+                f"({error}); the engine's model has no parameter for it"
+            )
         gathered = where.exchange(local_report(probe, checkpoint))
         entries, fallback, unmerged = plan_entries(checkpoint, gathered, probe.pieces, sharded or {}, where.rank)
         resolver = _Resolver(model, probe, gathered, [e for e in entries if e.base not in fallback])
@@ -133,8 +142,11 @@ class _Resolver:
         fallback = set(fallback)
         while True:
             modules = {id(m) for name in fallback for p in params_of[name] for m in self._modules_of_param(p)}
-            grown = {n for n, params in params_of.items()
-                     if any(id(m) in modules for p in params for m in self._modules_of_param(p))}
+            grown = {
+                n
+                for n, params in params_of.items()
+                if any(id(m) in modules for p in params for m in self._modules_of_param(p))
+            }
             if grown <= fallback:
                 return fallback
             fallback |= grown
@@ -152,7 +164,9 @@ class _Resolver:
                 continue
             owners = self._modules_of_param(param)
             modes[param] = param_mode(owners, self.live[param], self.probe.forms[param])
-            if modes[param][0] == "reload" and not any(_attr_of(m, self.live[param]) in _module_forms(m) for m in owners):
+            if modes[param][0] == "reload" and not any(
+                _attr_of(m, self.live[param]) in _module_forms(m) for m in owners
+            ):
                 modes[param] = ("direct", "used as stored (vLLM's processing leaves it alone)")
         return modes
 
@@ -184,12 +198,16 @@ class _Resolver:
                 live = module._parameters.get(attr)
                 if live is None or covered.get(id(live), 0) >= math.prod(form.shape) or _same_form(live, form):
                     continue
-                bad |= {e.base for e, merged in self._mine()
-                        if any(m is module for m in self._modules_of_param(merged.param))}
+                bad |= {
+                    e.base
+                    for e, merged in self._mine()
+                    if any(m is module for m in self._modules_of_param(merged.param))
+                }
         return bad
 
-    def finish(self, checkpoint: Checkpoint, fallback: set[str], model_config, where: EngineRank,
-               engines: int) -> VllmBinding:
+    def finish(
+        self, checkpoint: Checkpoint, fallback: set[str], model_config, where: EngineRank, engines: int
+    ) -> VllmBinding:
         """Destinations, per-name reports and the post-round processor."""
         dtype = model_config.dtype
         modes = self._modes()
@@ -208,17 +226,36 @@ class _Resolver:
                 param_dtype = live.dtype
                 if mode == "reload":
                     modules_of[entry.name] = self._modules_of_param(param)
-            destinations[entry.name] = Destination(view, lift(entry.layout, engines, where.size), entry.shape, param_dtype)
-            reports.append(ParamReport(entry.name, None if entry.merged is None else entry.merged.param, mode,
-                                       reason, 0 if view is None else view.numel() * view.element_size()))
+            destinations[entry.name] = Destination(
+                view, lift(entry.layout, engines, where.size), entry.shape, param_dtype
+            )
+            reports.append(
+                ParamReport(
+                    entry.name,
+                    None if entry.merged is None else entry.merged.param,
+                    mode,
+                    reason,
+                    0 if view is None else view.numel() * view.element_size(),
+                )
+            )
         whole = lift(Layout(Mesh.from_ranks(list(range(where.size))), (Replicate(),)), engines, where.size)
         for name in sorted(fallback):
             shape = tuple(checkpoint[name][1])
             destinations[name] = Destination(torch.empty(shape, dtype=dtype), whole, shape, dtype, fallback=True)
-            reports.append(ParamReport(name, None, "fallback", "vLLM's loader takes it (whole tensor)",
-                                       math.prod(shape) * dtype.itemsize))
-        processor = Processor(self.model, dtype, model_config, buffers, modules_of,
-                              _fallback_modules(self, fallback), _attention_layers(self.model))
+            reports.append(
+                ParamReport(
+                    name, None, "fallback", "vLLM's loader takes it (whole tensor)", math.prod(shape) * dtype.itemsize
+                )
+            )
+        processor = Processor(
+            self.model,
+            dtype,
+            model_config,
+            buffers,
+            modules_of,
+            _fallback_modules(self, fallback),
+            _attention_layers(self.model),
+        )
         return VllmBinding(destinations, reports, processor)
 
 

@@ -18,8 +18,9 @@ from collections.abc import Mapping
 import torch
 
 
-def write_checkpoint(directory: str, config: Mapping, state: Mapping[str, torch.Tensor],
-                     dtype: torch.dtype = torch.bfloat16) -> str:
+def write_checkpoint(
+    directory: str, config: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16
+) -> str:
     """`config.json` and every tensor of `state` cast to `dtype` (round to nearest even, as
     rl-sync casts on the wire) in one safetensors file; returns `directory`."""
     from safetensors.torch import save_file
@@ -27,5 +28,7 @@ def write_checkpoint(directory: str, config: Mapping, state: Mapping[str, torch.
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(dict(config), f)
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in state.items()}, os.path.join(directory, "model.safetensors"))
+    save_file(
+        {k: v.detach().to(dtype).contiguous() for k, v in state.items()}, os.path.join(directory, "model.safetensors")
+    )
     return directory

@@ -27,7 +27,17 @@ from dataclasses import replace
 from typing import Protocol
 
 from ..wire.codec import encode
-from .service import ERROR, CloseRequest, ConnectRequest, DescribeRequest, Rendezvous, RoundRequest, pack, reply_key, store_client
+from .service import (
+    ERROR,
+    CloseRequest,
+    ConnectRequest,
+    DescribeRequest,
+    Rendezvous,
+    RoundRequest,
+    pack,
+    reply_key,
+    store_client,
+)
 
 
 class EngineControl(Protocol):
@@ -56,8 +66,10 @@ class LlmControl:
 
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache (requests are running); the weights changed, so "
-                               "cached prefixes would be stale: finish or abort requests before pushing")
+            raise RuntimeError(
+                "vLLM refused to reset its prefix cache (requests are running); the weights changed, so "
+                "cached prefixes would be stale: finish or abort requests before pushing"
+            )
 
 
 class HttpControl:
@@ -74,8 +86,9 @@ class HttpControl:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 response.read()
         except urllib.error.HTTPError as exc:
-            raise RuntimeError(f"vLLM at {self.url}: POST {route} answered {exc.code}: "
-                               f"{exc.read().decode(errors='replace')[:2000]}") from None
+            raise RuntimeError(
+                f"vLLM at {self.url}: POST {route} answered {exc.code}: {exc.read().decode(errors='replace')[:2000]}"
+            ) from None
 
     def init(self, info: dict) -> None:
         self._post("/init_weight_transfer_engine", {"init_info": info})
@@ -113,7 +126,7 @@ class ServiceDriver:
                     continue
                 store.delete_key(key)
                 if value.startswith(ERROR):
-                    errors.append(f"vLLM rank {rank}: {value[len(ERROR):].decode(errors='replace')}")
+                    errors.append(f"vLLM rank {rank}: {value[len(ERROR) :].decode(errors='replace')}")
                 out.append(value)
         finally:
             store.close()

@@ -61,7 +61,9 @@ def local_report(probe: Probe, checkpoint: Mapping) -> dict[str, tuple]:
             out[name] = ("none", params, [])
         else:
             merged = merge_pieces(pieces)
-            out[name] = ("ok", params, [(merged.box.offsets, merged.box.sizes)]) if merged else ("pieces", params, boxes)
+            out[name] = (
+                ("ok", params, [(merged.box.offsets, merged.box.sizes)]) if merged else ("pieces", params, boxes)
+            )
     return out
 
 
@@ -75,8 +77,9 @@ def _whole(name: str, shape: tuple[int, ...], reports: list, pieces: Sequence[Pi
     return None if layout is None else Entry(name, name, shape, layout, merge_pieces(pieces) if pieces else None)
 
 
-def _parts(name: str, shape: tuple[int, ...], reports: list, pieces: Sequence[Piece],
-           forbidden: Collection[int]) -> list[Entry] | None:
+def _parts(
+    name: str, shape: tuple[int, ...], reports: list, pieces: Sequence[Piece], forbidden: Collection[int]
+) -> list[Entry] | None:
     """The entries of `name` cut into parts, or None; an entry whose local merge fails has
     `merged=None` while the rank holds pieces of it (`plan_entries` reports it)."""
     boxes = [[_box(raw) for raw in r[2]] for r in reports]
@@ -95,7 +98,9 @@ def _parts(name: str, shape: tuple[int, ...], reports: list, pieces: Sequence[Pi
         if layout is None:
             return None
         mine = [_shift(p, dim, start) for p in pieces if inside(p.src)]
-        entries.append(Entry(part_name(name, dim, start, stop), name, sub_shape, layout, merge_pieces(mine) if mine else None))
+        entries.append(
+            Entry(part_name(name, dim, start, stop), name, sub_shape, layout, merge_pieces(mine) if mine else None)
+        )
     return entries
 
 
@@ -111,8 +116,13 @@ def _keeps(entry: Entry, rank: int) -> bool:
     return box is not None and not box.is_empty()
 
 
-def plan_entries(checkpoint: Mapping, gathered: Sequence[Mapping], pieces: Mapping[str, Sequence[Piece]],
-                 sharded: Mapping[str, Collection[int]], rank: int) -> tuple[list[Entry], set[str], set[str]]:
+def plan_entries(
+    checkpoint: Mapping,
+    gathered: Sequence[Mapping],
+    pieces: Mapping[str, Sequence[Piece]],
+    sharded: Mapping[str, Collection[int]],
+    rank: int,
+) -> tuple[list[Entry], set[str], set[str]]:
     """(entries, names that fall back, names whose pieces this rank could not merge into the
     part everyone else expects); raises for a name no rank's loader writes."""
     entries: list[Entry] = []
@@ -122,8 +132,10 @@ def plan_entries(checkpoint: Mapping, gathered: Sequence[Mapping], pieces: Mappi
         reports = [g[name] for g in gathered]
         statuses = {r[0] for r in reports}
         if statuses == {"none"}:
-            raise ValueError(f"vLLM rank {rank}: checkpoint tensor {name!r} {shape} is written nowhere by vLLM's loader "
-                             f"on any of the engine's {len(gathered)} ranks; the engine's model has no parameter for it")
+            raise ValueError(
+                f"vLLM rank {rank}: checkpoint tensor {name!r} {shape} is written nowhere by vLLM's loader "
+                f"on any of the engine's {len(gathered)} ranks; the engine's model has no parameter for it"
+            )
         mine = list(pieces.get(name, []))
         found: list[Entry] | None = None
         if "unresolved" not in statuses:

@@ -55,6 +55,7 @@ def param_mode(owners: Sequence[torch.nn.Module], live: torch.Tensor, form: Para
     if processing:
         return "reload", f"vLLM processes it after loading ({', '.join(processing)} on {_platform()})"
     if (tuple(live.shape), tuple(live.stride()), live.dtype) != (form.shape, form.stride, form.dtype):
-        return "reload", (f"live parameter is {tuple(live.shape)} {live.dtype}, the loader fills "
-                          f"{form.shape} {form.dtype}")
+        return "reload", (
+            f"live parameter is {tuple(live.shape)} {live.dtype}, the loader fills {form.shape} {form.dtype}"
+        )
     return "direct", "used as stored"

@@ -127,7 +127,9 @@ class _Recorder(TorchDispatchMode):
             self.probe.unresolved[name] = "copies into a tensor that is not a parameter of the model"
             return
         if source is None:
-            self.probe.unresolved[name] = f"copies into {param} from a tensor derived from the checkpoint's (cast, transposed or reshaped)"
+            self.probe.unresolved[name] = (
+                f"copies into {param} from a tensor derived from the checkpoint's (cast, transposed or reshaped)"
+            )
             return
         found = _box_of(src, source[1])
         geometry = None if found is None else _dst_geometry(dst, *found)
@@ -160,15 +162,18 @@ def model_form(model: torch.nn.Module) -> Iterator[dict[str, ParamForm]]:
                 layer.register_buffer(name, buffer, persistent=name not in non_persistent)
 
 
-def probe_loads(model: torch.nn.Module, checkpoint: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                dtype: torch.dtype) -> Probe:
+def probe_loads(
+    model: torch.nn.Module, checkpoint: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], dtype: torch.dtype
+) -> Probe:
     """Run the model's loader on meta tensors of the checkpoint's shapes (in the engine's
     `dtype`, as the engine would load a checkpoint) and record where everything lands."""
     probe = Probe()
     with model_form(model) as forms:
         probe.forms = forms
         params = {storage_key(p): name for name, p in model.named_parameters()}
-        tensors = {name: torch.empty(tuple(shape), dtype=dtype, device="meta") for name, (_, shape) in checkpoint.items()}
+        tensors = {
+            name: torch.empty(tuple(shape), dtype=dtype, device="meta") for name, (_, shape) in checkpoint.items()
+        }
         recorder = _Recorder({storage_key(t): (n, tuple(t.shape)) for n, t in tensors.items()}, params, probe)
         with recorder:
             for name, tensor in tensors.items():

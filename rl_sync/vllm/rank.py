@@ -65,22 +65,33 @@ class VllmDestinations:
 
         return set_current_vllm_config(self.vllm_config)
 
-    def bind(self, checkpoint: Checkpoint, side_rank: int, side_size: int,
-             sharded: Mapping[str, Sequence[int]] | None = None) -> dict[str, Destination]:
+    def bind(
+        self, checkpoint: Checkpoint, side_rank: int, side_size: int, sharded: Mapping[str, Sequence[int]] | None = None
+    ) -> dict[str, Destination]:
         """Resolve every checkpoint name (collective over the engine's ranks; see the module
         docstring for how side ranks map to engines). `sharded[name]`: the dims the trainers
         shard, which a fused tensor is never cut along."""
         parallel = self.vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
-            raise ValueError(f"vLLM worker {side_rank}: pipeline parallel engines (size "
-                             f"{parallel.pipeline_parallel_size}) are not supported; use tensor parallelism")
+            raise ValueError(
+                f"vLLM worker {side_rank}: pipeline parallel engines (size "
+                f"{parallel.pipeline_parallel_size}) are not supported; use tensor parallelism"
+            )
         where = engine_rank()
         if side_size % where.size or side_rank % where.size != where.rank:
-            raise ValueError(f"vLLM worker {side_rank} of {side_size} is TP rank {where.rank} of {where.size}; pass "
-                             "the workers engine by engine, each engine's ranks in tensor-parallel order")
+            raise ValueError(
+                f"vLLM worker {side_rank} of {side_size} is TP rank {where.rank} of {where.size}; pass "
+                "the workers engine by engine, each engine's ranks in tensor-parallel order"
+            )
         with self._context():
-            self.binding = VllmBinding.build(self.model, self.vllm_config.model_config, checkpoint, where,
-                                             engines=side_size // where.size, sharded=sharded)
+            self.binding = VllmBinding.build(
+                self.model,
+                self.vllm_config.model_config,
+                checkpoint,
+                where,
+                engines=side_size // where.size,
+                sharded=sharded,
+            )
         return self.binding.destinations
 
     @property

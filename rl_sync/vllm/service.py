@@ -21,9 +21,9 @@ import base64
 from dataclasses import dataclass, field
 from typing import Literal, cast, get_args
 
+from ..config.sync import check_port, check_seconds
 from ..rendezvous import MemberStore
 from ..rendezvous.auth import check_secret
-from ..config.sync import check_port, check_seconds
 
 Op = Literal["describe", "connect", "run", "commit", "close"]
 ERROR = b"\x00rl-sync-error\x00"
@@ -94,8 +94,10 @@ def pack(op: Op, message: bytes) -> dict[str, str]:
 def unpack(info: dict) -> tuple[Op, bytes]:
     op, payload = info.get("op"), info.get("payload")
     if op not in get_args(Op) or not isinstance(payload, str):
-        raise ValueError(f"rl_sync weight transfer: expected {{'op': {'|'.join(get_args(Op))}, 'payload': "
-                         f"base64 str}}, got keys {sorted(info)}")
+        raise ValueError(
+            f"rl_sync weight transfer: expected {{'op': {'|'.join(get_args(Op))}, 'payload': "
+            f"base64 str}}, got keys {sorted(info)}"
+        )
     return cast(Op, op), base64.b64decode(payload, validate=True)
 
 

@@ -100,8 +100,15 @@ def _unpack(data: bytes, what: str, max_items: int) -> Any:
         return container
 
     try:
-        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=False, list_hook=counted, object_hook=counted,
-                               max_array_len=max_items, max_map_len=max_items)
+        return msgpack.unpackb(
+            bytes(data),
+            raw=False,
+            strict_map_key=False,
+            list_hook=counted,
+            object_hook=counted,
+            max_array_len=max_items,
+            max_map_len=max_items,
+        )
     except _TooMany:
         raise ValueError(f"{what}: message holds more than {max_items} items") from None
     except Exception as exc:  # msgpack raises several types on malformed input

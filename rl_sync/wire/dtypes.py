@@ -51,8 +51,10 @@ def check_cast(name: str, src: str, dst: str) -> None:
     dtype, or two of `CASTABLE` (quantized and integer destinations need the source's own dtype)."""
     if src == dst or (src in CASTABLE and dst in CASTABLE):
         return
-    raise ValueError(f"tensor {name!r}: source dtype {src!r} and destination dtype {dst!r} disagree; senders cast "
-                     f"only between {sorted(CASTABLE)}, so send {dst!r} or bind a destination of dtype {src!r}")
+    raise ValueError(
+        f"tensor {name!r}: source dtype {src!r} and destination dtype {dst!r} disagree; senders cast "
+        f"only between {sorted(CASTABLE)}, so send {dst!r} or bind a destination of dtype {src!r}"
+    )
 
 
 def dtype_name(dtype: object) -> str:

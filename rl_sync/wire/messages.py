@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .plan_info import LayoutInfo
-from ..rendezvous.auth import check_secret
 from ..config.sync import BaselineDevice, Integrity, Mode, check_seconds
+from ..rendezvous.auth import check_secret
 from ..transport.registry import check_name
+from .plan_info import LayoutInfo
 
 TransportName = Literal["gloo", "nccl", "local"]
 """The transports a group's ranks connect with (the summary's `transport`); a colocated trainer's

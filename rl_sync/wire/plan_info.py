@@ -45,11 +45,17 @@ class LayoutInfo:
         return cls(layout.mesh.shape, layout.mesh.ranks, codes, blocks, grids)
 
     def to_layout(self) -> Layout:
-        if any(code < -1 for code in self.placements) or not len(self.blocks) == len(self.grids) == len(self.placements):
-            raise ValueError(f"placement codes must be -1 (Replicate) or a dim >= 0, one block and grid each, "
-                             f"got {self.placements}, {self.blocks} and {self.grids}")
-        placements = tuple(Replicate() if code == -1 else Shard(code, block, grid)
-                           for code, block, grid in zip(self.placements, self.blocks, self.grids))
+        if any(code < -1 for code in self.placements) or not len(self.blocks) == len(self.grids) == len(
+            self.placements
+        ):
+            raise ValueError(
+                f"placement codes must be -1 (Replicate) or a dim >= 0, one block and grid each, "
+                f"got {self.placements}, {self.blocks} and {self.grids}"
+            )
+        placements = tuple(
+            Replicate() if code == -1 else Shard(code, block, grid)
+            for code, block, grid in zip(self.placements, self.blocks, self.grids)
+        )
         return Layout(Mesh(self.mesh_shape, ranks=self.ranks), placements)
 
 
@@ -118,7 +124,8 @@ class PlanInfo:
         specs = [
             TensorSpec(name, self.dtypes[d], self.shapes[s], layouts[src], layouts[dst], blocks.get(i, ()))
             for i, (name, d, s, src, dst) in enumerate(
-                zip(self.names, self.dtype_index, self.shape_index, self.src_index, self.dst_index))
+                zip(self.names, self.dtype_index, self.shape_index, self.src_index, self.dst_index)
+            )
         ]
         return Schedule(ModelPlan(specs, self.colocated), self.bucket_bytes, self.coalesce_bytes, self.cuts, self.relay)
 

@@ -41,9 +41,9 @@ class ActorPool:
 
     def take(self, remote_class, args: list[tuple]) -> list:
         idle = self.idle.setdefault(remote_class, [])
-        reused = [idle.pop() for _ in args[:len(idle)]]
+        reused = [idle.pop() for _ in args[: len(idle)]]
         pending = [actor.call.remote(_reinitialise, *a) for actor, a in zip(reused, args)]
-        actors = reused + [remote_class.remote(*a) for a in args[len(reused):]]  # before waiting: ranks rendezvous
+        actors = reused + [remote_class.remote(*a) for a in args[len(reused) :]]  # before waiting: ranks rendezvous
         ray.get(pending, timeout=120)
         return actors
 
@@ -70,8 +70,9 @@ class Group:
     def __init__(self, recipes, num_trainers: int, num_workers: int, worker_recipes=None, **config):
         self.recipes = recipes
         self.trainers = POOL.take(Trainer, [(i, num_trainers, trainer_build(recipes)) for i in range(num_trainers)])
-        self.workers = POOL.take(Worker, [(j, num_workers, worker_build(worker_recipes or recipes))
-                                          for j in range(num_workers)])
+        self.workers = POOL.take(
+            Worker, [(j, num_workers, worker_build(worker_recipes or recipes)) for j in range(num_workers)]
+        )
         self.sync = None
         self.config = loopback_config(**config)
 
@@ -101,4 +102,6 @@ class Group:
             for name, value in want.items():
                 if names is not None and name not in names:
                     continue
-                assert torch.equal(tensors[name], as_bytes(value)), f"worker {j}: tensor {name} differs at version {version}"
+                assert torch.equal(tensors[name], as_bytes(value)), (
+                    f"worker {j}: tensor {name} differs at version {version}"
+                )

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import zlib
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +46,7 @@ def trainer_build(recipes):
             if box is not None:
                 out[r.name] = Sharded(full_value(r, 0)[_box_slices(box)].clone(), r.src, r.shape)
         return out
+
     return build
 
 
@@ -57,10 +57,14 @@ def worker_build(recipes):
             box = r.dst.local_box(r.shape, rank)
             view = None
             if box is not None:
-                view = torch.full(box.sizes, float("nan")).to(r.dtype) if r.dtype.is_floating_point else \
-                    torch.full(box.sizes, -7, dtype=r.dtype)
+                view = (
+                    torch.full(box.sizes, float("nan")).to(r.dtype)
+                    if r.dtype.is_floating_point
+                    else torch.full(box.sizes, -7, dtype=r.dtype)
+                )
             out[r.name] = Destination(view, r.dst, r.shape, r.dtype)
         return out
+
     return build
 
 

@@ -44,7 +44,7 @@ def raw_reply(host: str, port: int, payload: bytes) -> bytes:
                 if not chunk:
                     break
                 got += chunk
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             pass
         return got
 
@@ -90,8 +90,13 @@ def run_stranger(store_port: int, listeners) -> dict:
     """Run this file as an isolated stranger process against 127.0.0.1; its report."""
     import subprocess
 
-    run = subprocess.run([sys.executable, "-I", __file__, "127.0.0.1", str(store_port), *map(str, sorted(listeners))],
-                         capture_output=True, text=True, timeout=240, check=True)
+    run = subprocess.run(
+        [sys.executable, "-I", __file__, "127.0.0.1", str(store_port), *map(str, sorted(listeners))],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
     return json.loads(run.stdout)
 
 

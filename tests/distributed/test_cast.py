@@ -32,4 +32,6 @@ def test_fp32_trainers_cast_into_narrower_workers_in_every_mode(ray_session, wir
             sync.push(mode=mode)
             for j, tensors in enumerate(ray.get([w.call.remote(read_all) for w in g.workers])):
                 for name, value in expected(SOURCES, j, version).items():
-                    assert torch.equal(tensors[name], as_bytes(value.to(wire))), f"{mode}: worker {j} {name} at {version}"
+                    assert torch.equal(tensors[name], as_bytes(value.to(wire))), (
+                        f"{mode}: worker {j} {name} at {version}"
+                    )

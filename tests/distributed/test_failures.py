@@ -18,24 +18,36 @@ from .recipes import Recipe, expected, read_all, set_version, trainer_build, wor
 
 FSDP2 = Layout(Mesh((2,)), (Shard(0),))
 TP2 = Layout(Mesh((2,)), (Shard(1),))
-W = [Recipe("w", torch.bfloat16, (8, 6), FSDP2, TP2), Recipe("b", torch.float32, (6,), FSDP2, Layout.replicated(Mesh((2,))))]
+W = [
+    Recipe("w", torch.bfloat16, (8, 6), FSDP2, TP2),
+    Recipe("b", torch.float32, (6,), FSDP2, Layout.replicated(Mesh((2,)))),
+]
 
 
 def test_bad_push_arguments_are_refused_before_any_transfer_and_the_group_stays_whole(ray_session):
     with Group(W, 2, 2) as g:
-        with pytest.raises(ValueError, match=r"the rendezvous store cannot listen on 192.0.2.1:0 "
-                                             r"\(SyncConfig.rendezvous_host, with SyncConfig.rendezvous_port\): "):
+        with pytest.raises(
+            ValueError,
+            match=r"the rendezvous store cannot listen on 192.0.2.1:0 "
+            r"\(SyncConfig.rendezvous_host, with SyncConfig.rendezvous_port\): ",
+        ):
             WeightSync.create(g.trainers, g.workers, loopback_config(rendezvous_host="192.0.2.1"))
         with pytest.raises(ValueError, match=r"^trainers 0 and 1 are the same actor; pass each trainer once$"):
             WeightSync.create([g.trainers[0], g.trainers[0]], g.workers, g.config)
         with pytest.raises(TypeError, match=r"^worker 1 must be a Ray actor handle or a VllmService, got str 'w'$"):
             WeightSync.create(g.trainers, [g.workers[0], "w"], g.config)
-        with pytest.raises(ValueError, match=r"^a sync group needs at least one trainer and one worker, got 0 trainers "
-                                             r"and 2 workers$"):
+        with pytest.raises(
+            ValueError,
+            match=r"^a sync group needs at least one trainer and one worker, got 0 trainers "
+            r"and 2 workers$",
+        ):
             WeightSync.create([], g.workers, g.config)
         sync = g.connect()  # the failed create left nothing behind in the actors
-        with pytest.raises(TypeError, match=r"^replace_worker: the new worker must be a Ray actor handle or a "
-                                            r"VllmService, got str 'not an actor'$"):
+        with pytest.raises(
+            TypeError,
+            match=r"^replace_worker: the new worker must be a Ray actor handle or a "
+            r"VllmService, got str 'not an actor'$",
+        ):
             sync.replace_worker(0, "not an actor")
         with pytest.raises(ValueError, match=r"^workers 0 and 1 are the same actor; pass each worker once$"):
             sync.replace_worker(0, g.workers[1])
@@ -59,9 +71,18 @@ def test_bad_push_arguments_are_refused_before_any_transfer_and_the_group_stays_
 @pytest.mark.parametrize(
     "other, message",
     [
-        (Recipe("w", torch.float32, (8, 6), FSDP2, TP2), r"worker rank 3 resolved dtype float32, .* but worker rank 2 resolved dtype bfloat16"),
-        (Recipe("w", torch.bfloat16, (8, 7), FSDP2, Layout(Mesh((2,)), (Shard(1),))), r"worker rank 3 resolved dtype bfloat16, shape \(8, 7\)"),
-        (Recipe("w", torch.bfloat16, (8, 6), FSDP2, Layout(Mesh((2,)), (Shard(0),))), r"worker rank 3 .* layout Mesh\(\(2,\), start_rank=0\)\[S\(0\)\]"),
+        (
+            Recipe("w", torch.float32, (8, 6), FSDP2, TP2),
+            r"worker rank 3 resolved dtype float32, .* but worker rank 2 resolved dtype bfloat16",
+        ),
+        (
+            Recipe("w", torch.bfloat16, (8, 7), FSDP2, Layout(Mesh((2,)), (Shard(1),))),
+            r"worker rank 3 resolved dtype bfloat16, shape \(8, 7\)",
+        ),
+        (
+            Recipe("w", torch.bfloat16, (8, 6), FSDP2, Layout(Mesh((2,)), (Shard(0),))),
+            r"worker rank 3 .* layout Mesh\(\(2,\), start_rank=0\)\[S\(0\)\]",
+        ),
     ],
 )
 def test_workers_that_disagree_fail_init_naming_the_tensor(ray_session, other, message):
@@ -78,8 +99,11 @@ def test_workers_that_disagree_fail_init_naming_the_tensor(ray_session, other, m
 def test_trainer_and_worker_dtypes_must_be_a_float_cast(ray_session):
     worker_side = [Recipe("w", torch.float8_e4m3fn, (8, 6), FSDP2, TP2), W[1]]
     with Group(W, 2, 2, worker_recipes=worker_side) as g:
-        with pytest.raises(ValueError, match=r"tensor 'w': source dtype 'bfloat16' and destination dtype 'float8_e4m3fn' "
-                                             r"disagree; senders cast only between \['bfloat16', 'float16', 'float32', 'float64'\]"):
+        with pytest.raises(
+            ValueError,
+            match=r"tensor 'w': source dtype 'bfloat16' and destination dtype 'float8_e4m3fn' "
+            r"disagree; senders cast only between \['bfloat16', 'float16', 'float32', 'float64'\]",
+        ):
             g.connect()
 
 
@@ -95,7 +119,10 @@ def test_a_rank_that_raises_names_rank_round_and_tensor_and_nothing_hangs(ray_se
         assert elapsed < 4.0, f"peers should fail as soon as rank 0 aborts, not at their 4 s deadline ({elapsed:.1f} s)"
         text = str(info.value)
         assert "round 2 (m2n) failed on" in text
-        assert "trainer 0 (rank 0): BucketError: rank 0, round 2 (m2n): ValueError: rank 0: the plan needs source tensor 'w' here" in text
+        assert (
+            "trainer 0 (rank 0): BucketError: rank 0, round 2 (m2n): ValueError: rank 0: the plan needs source tensor 'w' here"
+            in text
+        )
         assert "worker 0 (rank 2): BucketError: rank 2, round 2 (m2n), bucket 0 (tensors 'w', 'b')" in text
         assert sync.versions() == [None, None]  # torn by the failed round
         ray.get(g.trainers[0].call.remote(lambda self: self.held.update(w=self.state.pop("w"))))
@@ -125,8 +152,10 @@ def test_a_source_moved_or_resized_in_place_is_seen_at_the_next_round(ray_sessio
         with pytest.raises(SyncError) as info:
             sync.push()
         assert time.monotonic() - start < 4.0, "the peers should fail when rank 0 aborts, not at their deadline"
-        assert ("trainer 0 (rank 0): ValueError: trainer rank 0: tensor 'w' holds local shape (2, 6) but its layout "
-                "Mesh((2,), start_rank=0)[S(0)] gives this rank the box") in str(info.value)
+        assert (
+            "trainer 0 (rank 0): ValueError: trainer rank 0: tensor 'w' holds local shape (2, 6) but its layout "
+            "Mesh((2,), start_rank=0)[S(0)] gives this rank the box"
+        ) in str(info.value)
 
 
 def test_a_rank_failing_before_its_round_starts_aborts_at_once(ray_session):
@@ -135,8 +164,11 @@ def test_a_rank_failing_before_its_round_starts_aborts_at_once(ray_session):
         sync.push()
         ray.get(g.trainers[1].call.remote(lambda self: setattr(self, "rl_sync_sources", lambda: None)))
         start = time.monotonic()
-        with pytest.raises(SyncError, match=r"trainer 1 \(rank 1\): TypeError: .*rl_sync_sources\(\) must return a "
-                                             r"mapping of name to tensor, got NoneType"):
+        with pytest.raises(
+            SyncError,
+            match=r"trainer 1 \(rank 1\): TypeError: .*rl_sync_sources\(\) must return a "
+            r"mapping of name to tensor, got NoneType",
+        ):
             sync.push()
         assert time.monotonic() - start < 4.0, "the peers should fail when rank 1 aborts, not at their deadline"
         ray.get(g.trainers[1].call.remote(lambda self: delattr(self, "rl_sync_sources")))
@@ -204,15 +236,21 @@ class _Dests:
 
 def test_an_actor_belongs_to_one_live_group_and_a_failed_create_leaves_nothing(ray_session):
     with Group(W, 2, 2) as g:
-        with pytest.raises(TypeError, match=r"InferenceWorker is asked to be a trainer but does not inherit the "
-                                            r"trainer mixin"):
+        with pytest.raises(
+            TypeError,
+            match=r"InferenceWorker is asked to be a trainer but does not inherit the "
+            r"trainer mixin",
+        ):
             WeightSync.create([g.workers[0], g.trainers[1]], [g.workers[1]], g.config)
         first = g.connect()  # worker 0 was not left recorded as a trainer
         g.step(1)
         first.push()
         g.check(1)
-        with pytest.raises(ValueError, match=r"this actor is already in sync group 'default' \([0-9a-f]{12}\), "
-                                             r"which is still open: an actor belongs to one sync group at a time"):
+        with pytest.raises(
+            ValueError,
+            match=r"this actor is already in sync group 'default' \([0-9a-f]{12}\), "
+            r"which is still open: an actor belongs to one sync group at a time",
+        ):
             WeightSync.create(g.trainers, g.workers, g.config)
         g.step(2)
         first.push()  # the refused group took nothing from the first one
@@ -235,8 +273,11 @@ def test_a_push_reported_failed_is_never_recorded_later_and_its_retry_is_taken(r
         ray.get(g.workers[1].call.remote(_slow_commits, 6.0))
         g.step(2)
         start = time.monotonic()
-        with pytest.raises(SyncError, match=r"round 2 \(m2n\) commit failed on 1 of 2 members:\n  worker 1 \(rank 3\): "
-                                            r"no answer within [23] s"):
+        with pytest.raises(
+            SyncError,
+            match=r"round 2 \(m2n\) commit failed on 1 of 2 members:\n  worker 1 \(rank 3\): "
+            r"no answer within [23] s",
+        ):
             sync.push(timeout_s=3.0)
         elapsed = time.monotonic() - start
         assert elapsed < 5.0, f"the push should end within its 3 s budget, took {elapsed:.1f} s"
@@ -262,9 +303,11 @@ def test_a_destination_the_engine_moved_fails_the_round_and_the_repair_binds_it_
         g.step(2)
         with pytest.raises(SyncError) as info:
             sync.push()
-        assert ("worker 1 (rank 3): ValueError: worker rank 1: the storage bound for 'w' moved since the group bound "
-                "it (now shape (8, 3), strides (3, 1), torch.bfloat16; the engine reallocated or resized its weights); "
-                "nothing was written") in str(info.value)
+        assert (
+            "worker 1 (rank 3): ValueError: worker rank 1: the storage bound for 'w' moved since the group bound "
+            "it (now shape (8, 3), strides (3, 1), torch.bfloat16; the engine reallocated or resized its weights); "
+            "nothing was written"
+        ) in str(info.value)
         assert sync.versions()[1] is None, "worker 1 wrote nothing; its moved weight holds what the engine put there"
         with pytest.raises(ValueError, match=r"push: tensors \['nope'\] were not declared at init"):
             sync.push(version=2, names=["nope"])

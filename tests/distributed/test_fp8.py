@@ -14,17 +14,23 @@ transformers = pytest.importorskip("transformers")
 from actors import WeightSync  # noqa: E402
 from actors.cluster import free_init_url  # noqa: E402
 from rl_sync.models.config import Parallel  # noqa: E402
-from rl_sync.sparse.patches import SparseWeightPatch  # noqa: E402
 from rl_sync.planning.quant import is_scale_name, scale_name, scaled_name  # noqa: E402
+from rl_sync.sparse.patches import SparseWeightPatch  # noqa: E402
 
 from ..unit.test_quant import bits, reference  # noqa: E402
 from .conftest import loopback_config  # noqa: E402
 from .harness import POOL  # noqa: E402
-
 from .test_models import Trainer, Worker  # noqa: E402  (the same classes: pooled actors are reused)
 
-SMALL = dict(vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
-             num_key_value_heads=2, max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=120,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 BLOCK = (4, 8)
 """Blocks small enough that 3 FSDP trainers cut them (32 rows: 11 + 11 + 10) and every TP2 slot
 holds whole ones (q 16 rows, k and v 4, gate and up 24, down and o inputs 24 and 16)."""
@@ -89,8 +95,10 @@ def _raise_one_amax(actor) -> None:
 def test_fsdp2_bf16_trainers_into_the_fp8_engine(ray_session, family, par):
     """qwen3_moe: two engine replicas, relayed (`SyncConfig.relay`): FP8 values and scales are
     forwarded by the first replica's workers, dense and sparse."""
-    extra = {"llama": {}, "qwen3_moe": dict(head_dim=4, num_experts=4, num_experts_per_tok=2,
-                                            moe_intermediate_size=16)}[family]
+    extra = {
+        "llama": {},
+        "qwen3_moe": dict(head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    }[family]
     config = transformers.AutoConfig.for_model(family, **SMALL, **extra).to_dict()
     url, wurl = free_init_url("127.0.0.1"), free_init_url("127.0.0.1")
     trainers = POOL.take(Trainer, [(i, 3, config, url, 0, 0.1, "bfloat16") for i in range(3)])
@@ -102,16 +110,24 @@ def test_fsdp2_bf16_trainers_into_the_fp8_engine(ray_session, family, par):
         kept, stats = _sync_and_check(sync, trainers, workers, "sparse", modes)  # dense: the first round
         if par.engines > 1:
             assert [r.sent_bytes > 0 for r in stats.ranks if r.role == "worker"] == [True] * par.tp + [False] * par.tp
-        bf16 = [sum(v.numel() * 2 for n, (_, v) in b.items() if not is_scale_name(n))
-                for b in ray.get([w.call.remote(_bound) for w in workers])]
+        bf16 = [
+            sum(v.numel() * 2 for n, (_, v) in b.items() if not is_scale_name(n))
+            for b in ray.get([w.call.remote(_bound) for w in workers])
+        ]
         received = [next(r.received_bytes for r in stats.ranks if r.rank == 3 + j) for j in range(par.size)]
-        print(f"{family}: bytes into each worker {received} (FP8 values + scales + unquantized) against "
-              f"{bf16} for a bf16 engine: {[round(r / b, 3) for r, b in zip(received, bf16)]}")
+        print(
+            f"{family}: bytes into each worker {received} (FP8 values + scales + unquantized) against "
+            f"{bf16} for a bf16 engine: {[round(r / b, 3) for r, b in zip(received, bf16)]}"
+        )
         assert received == kept
         first_error = _logits_error(trainers, workers, tokens)
         for step in range(3):
-            ray.get([t.train_step.remote(torch.randint(0, 120, (2, 12), generator=torch.Generator().manual_seed(step)))
-                     for t in trainers])
+            ray.get(
+                [
+                    t.train_step.remote(torch.randint(0, 120, (2, 12), generator=torch.Generator().manual_seed(step)))
+                    for t in trainers
+                ]
+            )
         _sync_and_check(sync, trainers, workers, "sparse", modes)
         error = _logits_error(trainers, workers, tokens)
         print(f"{family}: logits relative error {first_error:.4f} at init, {error:.4f} after 3 AdamW steps")
@@ -133,8 +149,11 @@ def test_fsdp2_bf16_trainers_into_the_fp8_engine(ray_session, family, par):
             full = ray.get([t.full_state.remote() for t in trainers])[0]
             for bound in ray.get([w.call.remote(_bound) for w in workers]):
                 _check(full, {n: v for n, v in bound.items() if scaled_name(n) in (q, "model.norm.weight")})
-            with pytest.raises(ValueError, match=rf"push_patches: \['{q}'\] are kept block-quantized \(FP8\) on the "
-                                                 r"workers; patches carry unquantized values"):
+            with pytest.raises(
+                ValueError,
+                match=rf"push_patches: \['{q}'\] are kept block-quantized \(FP8\) on the "
+                r"workers; patches carry unquantized values",
+            ):
                 sync.push_patches([SparseWeightPatch(q, torch.tensor([0]), torch.tensor([1.0]))])
         sync.close()
     finally:
@@ -149,12 +168,18 @@ def test_a_block_that_cuts_a_tp_shard_fails_init_and_writes_nothing(ray_session)
     trainers = POOL.take(Trainer, [(i, 2, config, url) for i in range(2)])
     workers = POOL.take(Worker, [(r, par, config, wurl, (), None, (5, 8)) for r in range(par.size)])
     try:
-        with pytest.raises(ValueError, match=r"worker rank 0: 'model.layers.0.self_attn.q_proj.weight': the destination "
-                                            r"splits dim 0 \(size 32\) into shards of 16 over 2 ranks, which is not a "
-                                            r"multiple of the quantization block 5"):
+        with pytest.raises(
+            ValueError,
+            match=r"worker rank 0: 'model.layers.0.self_attn.q_proj.weight': the destination "
+            r"splits dim 0 \(size 32\) into shards of 16 over 2 ranks, which is not a "
+            r"multiple of the quantization block 5",
+        ):
             WeightSync.create(trainers, workers, loopback_config())
-        weights = ray.get(workers[0].call.remote(
-            lambda self: self.model.params["model.layers.0.mlp.down_proj.weight"].view(torch.uint8)))
+        weights = ray.get(
+            workers[0].call.remote(
+                lambda self: self.model.params["model.layers.0.mlp.down_proj.weight"].view(torch.uint8)
+            )
+        )
         assert not weights.any()
     finally:
         POOL.give_back(Trainer, trainers)

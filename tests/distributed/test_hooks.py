@@ -56,14 +56,23 @@ def actors(ray_session):
 
 def test_missing_mixins_and_hooks_are_refused_on_the_driver_naming_actor_and_hook(actors):
     trainer, worker = actors(TrainerActor, 0, 1, _replicated), actors(InferenceWorker, 0, 1, _replicated)
-    with pytest.raises(TypeError, match=r"^trainer 0: NoSources must define rl_sync_sources\(\) -> \{name: DTensor \| "
-                                        r"Sharded \| Tensor\} \(actors.hooks.TrainerHooks\)$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^trainer 0: NoSources must define rl_sync_sources\(\) -> \{name: DTensor \| "
+        r"Sharded \| Tensor\} \(actors.hooks.TrainerHooks\)$",
+    ):
         WeightSync.create([actors(NoSources)], [worker], loopback_config(), progress=False)
-    with pytest.raises(TypeError, match=r"^worker 1: NoDestinations must define rl_sync_destinations\(checkpoint\) -> "
-                                        r"\{name: Destination\} \(actors.hooks.WorkerHooks\)$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^worker 1: NoDestinations must define rl_sync_destinations\(checkpoint\) -> "
+        r"\{name: Destination\} \(actors.hooks.WorkerHooks\)$",
+    ):
         WeightSync.create([trainer], [worker, actors(NoDestinations)], loopback_config(), progress=False)
-    with pytest.raises(TypeError, match=r"^worker 0: NotAWorker is asked to be a worker but does not inherit the "
-                                        r"worker mixin \(actors.SyncWorkerMixin\)$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^worker 0: NotAWorker is asked to be a worker but does not inherit the "
+        r"worker mixin \(actors.SyncWorkerMixin\)$",
+    ):
         WeightSync.create([trainer], [actors(NotAWorker)], loopback_config(), progress=False)
     unformed = WeightSync(None, loopback_config(), None)  # the check runs before the coordinator is asked
     with pytest.raises(TypeError, match=r"^replace_worker: worker 0: NotAWorker is asked to be a worker"):
@@ -72,8 +81,11 @@ def test_missing_mixins_and_hooks_are_refused_on_the_driver_naming_actor_and_hoo
 
 def test_a_rank_error_keeps_its_type_and_brings_its_traceback(actors):
     trainer, worker = actors(TrainerActor, 0, 1, _replicated), actors(Refusing, 0, 1, _replicated)
-    with pytest.raises(ValueError, match=r"^init \(bind workers\) failed on 1 of 1 members:\n  worker 0 \(rank 1\): "
-                                         r"ValueError: no room for these weights$") as info:
+    with pytest.raises(
+        ValueError,
+        match=r"^init \(bind workers\) failed on 1 of 1 members:\n  worker 0 \(rank 1\): "
+        r"ValueError: no room for these weights$",
+    ) as info:
         WeightSync.create([trainer], [worker], loopback_config(), progress=False)
     remote = info.value.__cause__
     assert isinstance(remote, RemoteTraceback)

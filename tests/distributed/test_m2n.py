@@ -23,8 +23,13 @@ def _model(src_col, src_row, dst_col, dst_row):
         Recipe("embed", torch.bfloat16, (96, 40), src_col, dst_col),
         Recipe("layers.0.qkv", torch.bfloat16, (120, 40), src_col, dst_col),
         Recipe("layers.0.o", torch.bfloat16, (40, 40), src_row, dst_row),
-        Recipe("layers.0.norm", torch.float32, (40,), Layout(src_col.mesh, (Shard(0),) * src_col.mesh.ndim),
-               Layout.replicated(dst_col.mesh)),
+        Recipe(
+            "layers.0.norm",
+            torch.float32,
+            (40,),
+            Layout(src_col.mesh, (Shard(0),) * src_col.mesh.ndim),
+            Layout.replicated(dst_col.mesh),
+        ),
         Recipe("step", torch.int64, (3,), Layout.replicated(src_col.mesh), Layout.replicated(dst_col.mesh)),
     ]
 
@@ -42,7 +47,6 @@ def test_fsdp_to_tensor_parallel_bit_exact_over_rounds(ray_session, mode):
         if mode == "m2n":
             per_worker = sum(r.received_bytes for r in stats.ranks if r.role == "worker")
             assert per_worker == sync.summary.plan_bytes
-
 
 
 HSDP = Layout(Mesh((2, 2)), (Replicate(), Shard(0)))
@@ -63,8 +67,10 @@ def test_hsdp_to_two_engines_of_tp2(ray_session):
 def test_one_d_to_two_d_and_back(ray_session):
     two_d = Layout(Mesh((2, 3)), (Shard(1), Shard(0)))
     one_d = Layout(Mesh((3,)), (Shard(1),))
-    forward = [Recipe("w", torch.float32, (13, 11), one_d, two_d), Recipe("v", torch.float32, (7,), Layout(Mesh((3,)), (Shard(0),)),
-                                                                       Layout(Mesh((2, 3)), (Shard(0), Shard(0))))]
+    forward = [
+        Recipe("w", torch.float32, (13, 11), one_d, two_d),
+        Recipe("v", torch.float32, (7,), Layout(Mesh((3,)), (Shard(0),)), Layout(Mesh((2, 3)), (Shard(0), Shard(0)))),
+    ]
     with Group(forward, 3, 6) as g:
         g.connect()
         g.step(1)
@@ -81,8 +87,11 @@ def test_one_d_to_two_d_and_back(ray_session):
 def test_uneven_shapes_and_empty_shards(ray_session):
     fsdp5 = Layout(Mesh((5,)), (Shard(0),))
     tp3 = Layout(Mesh((3,)), (Shard(1),))
-    recipes = [Recipe("odd", torch.bfloat16, (7, 5), fsdp5, tp3), Recipe("tiny", torch.float32, (3, 2), fsdp5, tp3),
-               Recipe("prime", torch.int32, (11,), fsdp5, Layout(Mesh((3,)), (Shard(0),)))]
+    recipes = [
+        Recipe("odd", torch.bfloat16, (7, 5), fsdp5, tp3),
+        Recipe("tiny", torch.float32, (3, 2), fsdp5, tp3),
+        Recipe("prime", torch.int32, (11,), fsdp5, Layout(Mesh((3,)), (Shard(0),))),
+    ]
     with Group(recipes, 5, 3) as g:
         g.connect()
         g.step(1)
@@ -106,9 +115,20 @@ def test_rounds_that_carry_a_subset_of_names(ray_session):
 def test_all_dtypes_travel_as_bytes(ray_session):
     fsdp2 = Layout(Mesh((2,)), (Shard(0),))
     tp2 = Layout(Mesh((2,)), (Shard(1),))
-    recipes = [Recipe(f"t_{d}".replace("torch.", ""), d, (6, 4), fsdp2, tp2)
-               for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64,
-                         torch.uint8, torch.bool, torch.float8_e4m3fn)]
+    recipes = [
+        Recipe(f"t_{d}".replace("torch.", ""), d, (6, 4), fsdp2, tp2)
+        for d in (
+            torch.bfloat16,
+            torch.float16,
+            torch.float32,
+            torch.float64,
+            torch.int8,
+            torch.int64,
+            torch.uint8,
+            torch.bool,
+            torch.float8_e4m3fn,
+        )
+    ]
     with Group(recipes, 2, 2) as g:
         g.connect()
         g.step(1)

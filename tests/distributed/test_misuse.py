@@ -92,8 +92,9 @@ class Driver:
 
     def none_sources(self) -> None:
         actor = self.g.trainers[1]
-        self.failing_push(lambda: ray.get(actor.call.remote(_break_sources)),
-                          lambda: ray.get(actor.call.remote(_mend_sources)))
+        self.failing_push(
+            lambda: ray.get(actor.call.remote(_break_sources)), lambda: ray.get(actor.call.remote(_mend_sources))
+        )
 
     def moved_storage(self, side: int) -> None:
         """A trainer's shard or a worker's weight given new storage: the first is followed; the
@@ -116,8 +117,10 @@ class Driver:
         """Every element of every tensor patched to the next version's values: applied on a
         group holding a full copy, refused (nothing written) on a broken or double-buffered one."""
         version = self.trained + 1
-        patches = [SparseWeightPatch(r.name, torch.arange(full_value(r, version).numel()),
-                                     full_value(r, version).reshape(-1)) for r in W]
+        patches = [
+            SparseWeightPatch(r.name, torch.arange(full_value(r, version).numel()), full_value(r, version).reshape(-1))
+            for r in W
+        ]
         try:
             applied = self.sync.push_patches(patches, version=version)
         except ValueError as exc:
@@ -142,7 +145,9 @@ class Driver:
             if version is None:
                 continue
             for name, value in expected(W, j, version).items():
-                assert torch.equal(got[j][name], as_bytes(value)), f"worker {j} reports version {version}, {name} differs"
+                assert torch.equal(got[j][name], as_bytes(value)), (
+                    f"worker {j} reports version {version}, {name} differs"
+                )
 
 
 ACTIONS = st.one_of(
@@ -161,8 +166,13 @@ EXPLORE = int(os.environ.get("RL_SYNC_MISUSE_EXAMPLES", "0"))
 """Examples to draw at random (e.g. 20); by default 3 fixed ones, so CI runs the same sequences."""
 
 
-@settings(max_examples=EXPLORE or 3, derandomize=not EXPLORE, database=None, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=EXPLORE or 3,
+    derandomize=not EXPLORE,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(actions=st.lists(ACTIONS, min_size=6, max_size=10), double_buffer=st.booleans())
 def test_random_misuse_never_reports_wrong_weights_or_waits_past_its_budget(ray_session, actions, double_buffer):
     with Group(W, 2, 2, init_timeout_s=10.0, round_timeout_s=4.0, double_buffer=double_buffer) as g:

@@ -52,7 +52,7 @@ def test_four_tp2_replicas_relay_bit_exact_in_every_mode(ray_session):
                 workers = [r for r in stats.ranks if r.role == "worker"]
                 forwarded = [r.sent_bytes for r in sorted(workers, key=lambda r: r.rank)]
                 kept = list(sync.summary.kept_bytes)
-                assert forwarded == kept[:2 * (REPLICAS - 1)] + [0, 0], "every replica but the last forwards its bytes"
+                assert forwarded == kept[: 2 * (REPLICAS - 1)] + [0, 0], "every replica but the last forwards its bytes"
                 assert [r.received_bytes for r in sorted(workers, key=lambda r: r.rank)] == kept
 
 
@@ -66,8 +66,9 @@ def test_a_dead_relaying_worker_fails_the_round_in_time_exposes_nothing_and_the_
     trainers = [Trainer.remote(i, 2, trainer_build(CHAIN)) for i in range(2)]
     workers = [Worker.remote(j, 3, worker_build(CHAIN)) for j in range(3)]
     try:
-        sync = WeightSync.create(trainers, workers, loopback_config(relay="on", double_buffer=True, round_timeout_s=5.0,
-                                                                    bucket_bytes=2048))
+        sync = WeightSync.create(
+            trainers, workers, loopback_config(relay="on", double_buffer=True, round_timeout_s=5.0, bucket_bytes=2048)
+        )
         _step(trainers, 1)
         sync.push()
         ray.get(workers[1].call.remote(lambda self: self.state.update(die=True)))
@@ -96,4 +97,6 @@ def _check(workers, indices, version: int) -> None:
     the last committed one)."""
     for j, got in zip(indices, ray.get([w.call.remote(read_all) for w in workers])):
         for name, value in expected(CHAIN, j, version).items():
-            assert torch.equal(got[name], value.reshape(-1).view(torch.uint8)), f"worker {j}: {name} at version {version}"
+            assert torch.equal(got[name], value.reshape(-1).view(torch.uint8)), (
+                f"worker {j}: {name} at version {version}"
+            )

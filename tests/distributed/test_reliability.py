@@ -19,8 +19,11 @@ from .recipes import Recipe, expected, read_all, set_version, trainer_build, wor
 
 FSDP2 = Layout(Mesh((2,)), (Shard(0),))
 TP2 = Layout(Mesh((2,)), (Shard(1),))
-RECIPES = [Recipe("w", torch.bfloat16, (64, 48), FSDP2, TP2), Recipe("v", torch.float32, (40, 16), FSDP2, TP2),
-           Recipe("n", torch.float32, (48,), FSDP2, Layout.replicated(Mesh((2,))))]
+RECIPES = [
+    Recipe("w", torch.bfloat16, (64, 48), FSDP2, TP2),
+    Recipe("v", torch.float32, (40, 16), FSDP2, TP2),
+    Recipe("n", torch.float32, (48,), FSDP2, Layout.replicated(Mesh((2,)))),
+]
 
 
 class MortalWorker(InferenceWorker):
@@ -35,7 +38,9 @@ class MortalWorker(InferenceWorker):
 def _check(workers, version: int) -> None:
     for j, got in enumerate(ray.get([w.call.remote(read_all) for w in workers])):
         for name, value in expected(RECIPES, j, version).items():
-            assert torch.equal(got[name], value.reshape(-1).view(torch.uint8)), f"worker {j}: {name} at version {version}"
+            assert torch.equal(got[name], value.reshape(-1).view(torch.uint8)), (
+                f"worker {j}: {name} at version {version}"
+            )
 
 
 @pytest.fixture
@@ -105,8 +110,11 @@ def test_double_buffered_workers_never_expose_a_partial_round(group):
     _check(workers, 1)  # live weights still hold version 1 in full
     assert sync.versions() == [1, 1]
     patch = SparseWeightPatch("n", torch.tensor([0]), torch.zeros(1))
-    with pytest.raises(ValueError, match=r"push_patches: not supported with double_buffer=True \(patches would reach "
-                                         r"the shadow copies only\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"push_patches: not supported with double_buffer=True \(patches would reach "
+        r"the shadow copies only\)",
+    ):
         sync.push_patches([patch])
     sync.close()
 

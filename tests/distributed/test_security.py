@@ -19,6 +19,7 @@ from .recipes import as_bytes, expected, read_all
 from .stranger import listening_ports, run_stranger
 from .test_failures import W
 
+
 def store_port(coordinator) -> int:
     return ray.get(coordinator.__ray_call__.remote(lambda c: (c._store.port, c._store.refused)))
 
@@ -37,7 +38,9 @@ def test_a_stranger_cannot_read_write_or_flood_the_group(ray_session):
         seen = run_stranger(port, gloo)
         assert seen["torch_client"].startswith("refused"), seen
         assert seen["junk_reply"] == "", "the store answered a stranger's junk"
-        assert seen["guessed_proof_reply_bytes"] == 64, "only the store's own proof (of the stranger's nonce) comes back"
+        assert seen["guessed_proof_reply_bytes"] == 64, (
+            "only the store's own proof (of the stranger's nonce) comes back"
+        )
         assert seen["store_flood"] > 0 and seen["listener_flood"] > 0, seen
         _, refused = store_port(sync.coordinator)
         assert refused - refused_before >= 3 + seen["store_flood"] // 2, f"the store refused {refused - refused_before}"
@@ -98,8 +101,10 @@ def test_a_byte_flipped_on_the_wire_fails_the_round_and_double_buffered_weights_
             sync.push()
         text = str(info.value)
         assert "round 2 (m2n) failed on" in text
-        assert ("worker 1 (rank 3): BucketError: rank 3, round 2 (m2n), completing the round: IntegrityError: rank 3: "
-                "bucket 0 (tensors 'w', 'b') from rank ") in text
+        assert (
+            "worker 1 (rank 3): BucketError: rank 3, round 2 (m2n), completing the round: IntegrityError: rank 3: "
+            "bucket 0 (tensors 'w', 'b') from rank "
+        ) in text
         assert f"failed its {integrity} digest: altered or corrupted on the way; nothing of this round counts" in text
         g.check(1)  # the live weights are still version 1, bit for bit
         assert sync.versions() == [1, 1]
@@ -141,8 +146,11 @@ def test_without_a_digest_the_same_flip_goes_unseen(ray_session):
         sync = g.connect()
         g.step(1)
         sync.push()
-        ray.get(g.workers[1].call.remote(lambda self: setattr(self._rl_sync_session, "transport",
-                                                              FlipOnce(self._rl_sync_session.transport))))
+        ray.get(
+            g.workers[1].call.remote(
+                lambda self: setattr(self._rl_sync_session, "transport", FlipOnce(self._rl_sync_session.transport))
+            )
+        )
         g.step(2)
         sync.push()
         got = ray.get(g.workers[1].call.remote(read_all))

@@ -61,14 +61,31 @@ def ray_head(tmp_path):
     ray = str(Path(sys.executable).parent / "ray")
     gcs, dashboard = _free_port(), _free_port()
     env = dict(os.environ, RAY_ADDRESS="", RAY_AUTH_MODE="token")
-    head = subprocess.Popen([ray, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-                             "--num-cpus=4", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                             f"--dashboard-port={dashboard}",
-                             # own ports for every agent, so the head never collides with the session's local Ray
-                             f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-                             f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-                             f"--ray-client-server-port={_free_port()}", "--disable-usage-stats"],
-                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    head = subprocess.Popen(
+        [
+            ray,
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            "--num-cpus=4",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            # own ports for every agent, so the head never collides with the session's local Ray
+            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--dashboard-agent-grpc-port={_free_port()}",
+            f"--metrics-export-port={_free_port()}",
+            f"--runtime-env-agent-port={_free_port()}",
+            f"--ray-client-server-port={_free_port()}",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_for_port(dashboard, 120)
         yield ray, f"http://127.0.0.1:{dashboard}"
@@ -89,9 +106,22 @@ def test_the_vllm_rl_loop_learns_when_submitted_as_a_ray_job(ray_head):
     """`ray job submit` of the vLLM GRPO loop (rollouts from a vLLM engine at TP2, a push every
     step): the job succeeds and its reward rises over 12 iterations."""
     ray, address = ray_head
-    command = [ray, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
-               sys.executable, "examples/rl_loop_vllm.py", "--config", "configs/rl_loop_vllm.yaml", "iterations=12",
-               "env.GLOO_SOCKET_IFNAME=lo"]
+    command = [
+        ray,
+        "job",
+        "submit",
+        "--address",
+        address,
+        "--working-dir",
+        str(ROOT),
+        "--",
+        sys.executable,
+        "examples/rl_loop_vllm.py",
+        "--config",
+        "configs/rl_loop_vllm.yaml",
+        "iterations=12",
+        "env.GLOO_SOCKET_IFNAME=lo",
+    ]
     env = dict(os.environ, RAY_ADDRESS="", RAY_AUTH_MODE="token")
     for _ in range(20):  # the head's job agent comes up a few seconds after `ray start` returns
         done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)

@@ -24,9 +24,19 @@ from actors.vllm import VllmEngine, VllmRankActor
 
 from .conftest import loopback_config
 from .harness import POOL
-from .vllm_oracle import (ENV, LLM_KWARGS, PROMPTS, SAMPLING, References, generate_http, hf_config, launch, launch_service,
-                          served, write_checkpoint)
-
+from .vllm_oracle import (
+    ENV,
+    LLM_KWARGS,
+    PROMPTS,
+    SAMPLING,
+    References,
+    generate_http,
+    hf_config,
+    launch,
+    launch_service,
+    served,
+    write_checkpoint,
+)
 
 
 class ExtraSourcesTrainer(HFTrainer):
@@ -113,13 +123,17 @@ def _unrelated_checkpoint(path, config: dict, trainers) -> str:
     return write_checkpoint(str(path), config, state)
 
 
-@pytest.mark.parametrize("family, tp, engines, modes", [
-    pytest.param("qwen2", 1, 2, ["m2n"] * 3, marks=pytest.mark.slow),  # 2 to 2.5 min: CI's 25 minutes
-    ("qwen2", 2, 1, ["sparse", "sparse", "auto"]),
-    ("qwen3_moe", 2, 1, ["m2n"] * 3),
-])
-def test_synced_engines_generate_what_a_fresh_engine_on_the_checkpoint_does(references, tp2, tmp_path, family, tp,
-                                                                            engines, modes):
+@pytest.mark.parametrize(
+    "family, tp, engines, modes",
+    [
+        pytest.param("qwen2", 1, 2, ["m2n"] * 3, marks=pytest.mark.slow),  # 2 to 2.5 min: CI's 25 minutes
+        ("qwen2", 2, 1, ["sparse", "sparse", "auto"]),
+        ("qwen3_moe", 2, 1, ["m2n"] * 3),
+    ],
+)
+def test_synced_engines_generate_what_a_fresh_engine_on_the_checkpoint_does(
+    references, tp2, tmp_path, family, tp, engines, modes
+):
     """Two replicas at TP1 share the trainers' sends; sparse and auto rounds (after the first,
     dense one) go into the same destinations, in place and into vLLM's loader-form buffers."""
     config = hf_config(family)
@@ -152,11 +166,10 @@ def test_synced_engines_generate_what_a_fresh_engine_on_the_checkpoint_does(refe
         POOL.give_back(Trainer, trainers)
 
 
-
-
 def _set(alter):
     def apply(trainer):
         trainer.alter = alter
+
     return apply
 
 
@@ -170,14 +183,23 @@ def qwen2_tp2(tp2, tmp_path_factory):
     POOL.give_back(Trainer, trainers)
 
 
-@pytest.mark.parametrize("alter, message", [
-    (lambda s: {**s, "model.layers.0.mlp.bogus.weight": torch.zeros(4, 4)},
-     r"vLLM rank \d: checkpoint tensor 'model.layers.0.mlp.bogus.weight' is refused by vLLM's loader"),
-    (lambda s: {**s, "model.norm.weight": torch.zeros(64)},
-     r"vLLM rank \d: checkpoint tensor 'model.norm.weight' is refused by vLLM's loader \(AssertionError: .*64"),
-    (lambda s: {**s, "model.norm.weight": torch.zeros(128, dtype=torch.int32)},
-     r"tensor 'model.norm.weight': source dtype 'int32' and destination dtype 'bfloat16' disagree"),
-])
+@pytest.mark.parametrize(
+    "alter, message",
+    [
+        (
+            lambda s: {**s, "model.layers.0.mlp.bogus.weight": torch.zeros(4, 4)},
+            r"vLLM rank \d: checkpoint tensor 'model.layers.0.mlp.bogus.weight' is refused by vLLM's loader",
+        ),
+        (
+            lambda s: {**s, "model.norm.weight": torch.zeros(64)},
+            r"vLLM rank \d: checkpoint tensor 'model.norm.weight' is refused by vLLM's loader \(AssertionError: .*64",
+        ),
+        (
+            lambda s: {**s, "model.norm.weight": torch.zeros(128, dtype=torch.int32)},
+            r"tensor 'model.norm.weight': source dtype 'int32' and destination dtype 'bfloat16' disagree",
+        ),
+    ],
+)
 def test_bad_checkpoints_fail_init_naming_the_tensor_and_write_nothing(qwen2_tp2, alter, message):
     _, trainers, engine = qwen2_tp2
     before = engine.generate(PROMPTS, **SAMPLING)
@@ -194,7 +216,9 @@ def test_ranks_that_disagree_fail_init_naming_the_tensor_and_rank(qwen2_tp2, tp2
     _, trainers, engine = qwen2_tp2
     tp2.set(1, disagree=True)
     try:
-        with pytest.raises(ValueError, match=r"inference workers disagree on tensor 'model.norm.weight': worker rank 3 "):
+        with pytest.raises(
+            ValueError, match=r"inference workers disagree on tensor 'model.norm.weight': worker rank 3 "
+        ):
             WeightSync.create(trainers, engine.ranks, loopback_config())
     finally:
         tp2.set(1, disagree=False)
@@ -215,8 +239,11 @@ def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_
         with pytest.raises(SyncError, match=r"round 2 \(m2n\) failed"):
             sync.push()
         assert time.monotonic() - start < 8.0 + 10.0, "the round outlived its timeout"
-        with pytest.raises(SyncError, match=r"worker 1 \(rank 3\): ActorDiedError.*\n.*launch the engine again and "
-                                             r"replace every one of its ranks"):
+        with pytest.raises(
+            SyncError,
+            match=r"worker 1 \(rank 3\): ActorDiedError.*\n.*launch the engine again and "
+            r"replace every one of its ranks",
+        ):
             sync.push()
         fresh = launch(init, 2)
         for j, rank in enumerate(fresh.ranks):

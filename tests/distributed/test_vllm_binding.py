@@ -24,24 +24,83 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-SMALL = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
-             rms_norm_eps=1e-6, torch_dtype="bfloat16")
+SMALL = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    torch_dtype="bfloat16",
+)
 MODELS = {
-    "qwen3-tied": ("Qwen3ForCausalLM", "qwen3", dict(intermediate_size=128, num_key_value_heads=2, head_dim=16,
-                                                     tie_word_embeddings=True), "params"),
-    "qwen2-kv1": ("Qwen2ForCausalLM", "qwen2", dict(intermediate_size=128, num_key_value_heads=1,
-                                                    tie_word_embeddings=False), "params"),
-    "llama-kv2": ("LlamaForCausalLM", "llama", dict(intermediate_size=128, num_key_value_heads=2, vocab_size=1030,
-                                                    tie_word_embeddings=False), "params"),
-    "qwen3-moe": ("Qwen3MoeForCausalLM", "qwen3_moe", dict(intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-                                                           num_experts_per_tok=2, num_key_value_heads=2, head_dim=16,
-                                                           tie_word_embeddings=False), "params"),
-    "mixtral": ("MixtralForCausalLM", "mixtral", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-                                                      num_key_value_heads=2, tie_word_embeddings=False), "saved"),
-    "deepseek-v3": ("DeepseekV3ForCausalLM", "deepseek_v3", dict(
-        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=1, topk_group=1, topk_method="noaux_tc", first_k_dense_replace=1, num_key_value_heads=4, q_lora_rank=32,
-        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, tie_word_embeddings=False), "saved"),
+    "qwen3-tied": (
+        "Qwen3ForCausalLM",
+        "qwen3",
+        dict(intermediate_size=128, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+        "params",
+    ),
+    "qwen2-kv1": (
+        "Qwen2ForCausalLM",
+        "qwen2",
+        dict(intermediate_size=128, num_key_value_heads=1, tie_word_embeddings=False),
+        "params",
+    ),
+    "llama-kv2": (
+        "LlamaForCausalLM",
+        "llama",
+        dict(intermediate_size=128, num_key_value_heads=2, vocab_size=1030, tie_word_embeddings=False),
+        "params",
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+        ),
+        "params",
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        "mixtral",
+        dict(
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        ),
+        "saved",
+    ),
+    "deepseek-v3": (
+        "DeepseekV3ForCausalLM",
+        "deepseek_v3",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            topk_method="noaux_tc",
+            first_k_dense_replace=1,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            tie_word_embeddings=False,
+        ),
+        "saved",
+    ),
 }
 EXPERT_PARALLEL = {"qwen3-moe-ep": "qwen3-moe", "deepseek-v3-ep": "deepseek-v3"}
 """The same checkpoints into an engine with `enable_expert_parallel`: whole experts per rank."""
@@ -67,7 +126,9 @@ def _checkpoint(directory: str, name: str) -> dict[str, torch.Tensor]:
         state = load_file(os.path.join(directory, "model.safetensors"))
     else:  # the names an FSDP2 trainer's named_parameters() gives (fused experts in transformers 5)
         state = {k: v.detach().clone() for k, v in model.named_parameters()}
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, os.path.join(directory, "model.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, os.path.join(directory, "model.safetensors")
+    )
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump({**config.to_dict(), "architectures": [architecture]}, f)
     return {k: v.float() for k, v in state.items()}
@@ -76,9 +137,17 @@ def _checkpoint(directory: str, name: str) -> dict[str, torch.Tensor]:
 def _config(directory: str, load_format: str, ep: bool = False):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=directory, skip_tokenizer_init=True, tensor_parallel_size=2, enforce_eager=True,
-                      load_format=load_format, dtype="bfloat16", max_model_len=256,
-                      distributed_executor_backend="mp", enable_expert_parallel=ep).create_engine_config()
+    return EngineArgs(
+        model=directory,
+        skip_tokenizer_init=True,
+        tensor_parallel_size=2,
+        enforce_eager=True,
+        load_format=load_format,
+        dtype="bfloat16",
+        max_model_len=256,
+        distributed_executor_backend="mp",
+        enable_expert_parallel=ep,
+    ).create_engine_config()
 
 
 def _build(directory: str, load_format: str, ep: bool = False):
@@ -94,8 +163,12 @@ def _build(directory: str, load_format: str, ep: bool = False):
 def _snapshot(model) -> dict[str, torch.Tensor]:
     out = {f"param {n}": p.detach().clone() for n, p in model.named_parameters()}
     out |= {f"buffer {n}": b.clone() for n, b in model.named_buffers()}
-    out |= {f"derived {n}.{a}": getattr(m, a).clone() for n, m in model.named_modules()
-            for a in ("W_UV", "W_UK_T") if isinstance(getattr(m, a, None), torch.Tensor)}
+    out |= {
+        f"derived {n}.{a}": getattr(m, a).clone()
+        for n, m in model.named_modules()
+        for a in ("W_UV", "W_UK_T")
+        if isinstance(getattr(m, a, None), torch.Tensor)
+    }
     return out
 
 
@@ -128,8 +201,10 @@ def _binder_disagrees(directory: str, checkpoint: dict, destinations: dict, ep: 
         found = binder.match(name)
         layout = None if found is None else binder.layout(found[0], found[1], shape)
         if layout is None:
-            if not (name.endswith(".mlp.experts.gate_up_proj") and any(parse_part(n) for n in destinations
-                                                                         if n.startswith(name + "@"))):
+            if not (
+                name.endswith(".mlp.experts.gate_up_proj")
+                and any(parse_part(n) for n in destinations if n.startswith(name + "@"))
+            ):
                 differ.append(f"{name}: the binder falls back")
             continue
         ours = {r: {b} for r in range(2) if (b := layout.local_box(shape, r)) is not None and b.numel}
@@ -138,8 +213,9 @@ def _binder_disagrees(directory: str, checkpoint: dict, destinations: dict, ep: 
     return differ
 
 
-def _bind_and_write(directory: str, state: dict[str, torch.Tensor], rank: int,
-                    ep: bool) -> tuple[dict, list[str], list[str]]:
+def _bind_and_write(
+    directory: str, state: dict[str, torch.Tensor], rank: int, ep: bool
+) -> tuple[dict, list[str], list[str]]:
     from vllm.config import set_current_vllm_config
 
     from rl_sync.planning.parts import parse_part
@@ -177,8 +253,13 @@ def _rank(rank: int, port: int, root: str, queue) -> None:
         states = {name: _checkpoint(os.path.join(root, name), name) for name in RUNS}
         # a MoE config, so vLLM also forms the expert group the MoE models need
         with set_current_vllm_config(_config(os.path.join(root, "qwen3-moe"), "dummy")):
-            init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
+            init_distributed_environment(
+                world_size=2,
+                rank=rank,
+                local_rank=rank,
+                backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
+            )
             initialize_model_parallel(2, 1)
         for name, state in states.items():
             ep = name in EXPERT_PARALLEL

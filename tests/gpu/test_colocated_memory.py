@@ -19,22 +19,25 @@ MIB = 1 << 20
 def vmm_worker(shareable: bool):
     """`builders.worker_build`, with the fused qkv slot in a two-chunk `VmmBuffer`, straddling
     the chunks; the other destinations stay in PyTorch's allocator."""
+
     def build(rank: int, size: int):
         out = builders.worker_build(rank, size)
         parts = builders.FUSED["qkv"]
         rows = sum(out[p].local.shape[0] for p in parts)
         buffer = VmmBuffer(64 * MIB, torch.cuda.current_device(), chunks=2, shareable=shareable)
         start = buffer.chunk - 64 * 1024
-        fused = buffer.tensor((start // 2 + rows * builders.HIDDEN,), torch.bfloat16)[start // 2:]
+        fused = buffer.tensor((start // 2 + rows * builders.HIDDEN,), torch.bfloat16)[start // 2 :]
         fused = fused.view(rows, builders.HIDDEN)
         fused.fill_(float("nan"))
         row = 0
         for p in parts:
             n = out[p].local.shape[0]
-            out[p] = builders.Destination(fused[row:row + n], builders.dst_layout(p, size), builders.SHAPES[p],
-                                          torch.bfloat16)
+            out[p] = builders.Destination(
+                fused[row : row + n], builders.dst_layout(p, size), builders.SHAPES[p], torch.bfloat16
+            )
             row += n
         return out
+
     return build
 
 
@@ -61,8 +64,11 @@ def _sleep_and_wake(actor) -> None:
 
 def _open_fds(actor) -> int:
     """Open descriptors other than sockets (Ray's own connections come and go)."""
-    return sum(not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
-               if os.path.exists(f"/proc/self/fd/{fd}"))
+    return sum(
+        not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        for fd in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{fd}")
+    )
 
 
 def _mappings(actor) -> list[tuple[int, int]]:
@@ -86,8 +92,14 @@ def test_expandable_segments_on_either_side_dense_and_sparse_bit_exact(gpu_ray, 
     from rl_sync.config.sync import SyncConfig
 
     ray = gpu_ray
-    pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True, trainer_env=EXPANDABLE if side != "worker" else None,
-                                  worker_env=EXPANDABLE if side != "trainer" else None)
+    pg, trainers, workers = pairs(
+        ray,
+        0.5,
+        1,
+        same_gpu=True,
+        trainer_env=EXPANDABLE if side != "worker" else None,
+        worker_env=EXPANDABLE if side != "trainer" else None,
+    )
     try:
         assert ray.get(workers[0].call.remote(_expandable)) == (side != "trainer")
         assert ray.get(trainers[0].call.remote(_expandable)) == (side != "worker")
@@ -141,7 +153,7 @@ def _qkv_untouched(actor) -> bool:
 POOL = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
 WHY = {
     "vmm without a shareable handle": r"destination '[qkv]_proj\.weight' is in CUDA VMM memory \(cuMemCreate\) "
-                                      r"allocated without a POSIX file-descriptor handle type \(allowed handle types: 0\)",
+    r"allocated without a POSIX file-descriptor handle type \(allowed handle types: 0\)",
     "cudaMallocAsync": r"destination '[\w.]+' is in a stream-ordered CUDA memory pool \(cudaMallocAsync",
 }
 
@@ -190,7 +202,9 @@ def test_fifty_groups_formed_and_closed_leave_no_descriptor_or_mapping_behind(gp
                 sync.close()
             assert ray.get(trainers[0].call.remote(_still_mapped, mapped)) == [], f"cycle {cycle}"
             counts.append(ray.get([a.call.remote(_open_fds) for a in actors]))
-        assert counts[49] == counts[0], f"open descriptors (trainer, worker) after repair 1 {counts[0]}, after 50 {counts[49]}"
+        assert counts[49] == counts[0], (
+            f"open descriptors (trainer, worker) after repair 1 {counts[0]}, after 50 {counts[49]}"
+        )
         assert all(last <= first for last, first in zip(counts[50], counts[0])), f"after close: {counts[50]}"
     finally:
         release(ray, pg, actors)

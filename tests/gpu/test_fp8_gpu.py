@@ -14,6 +14,7 @@ from ..unit.test_quant import LAYOUTS, _random, bits, push, reference
 from . import builders
 from .pairs import CONFIG, pairs, release
 
+
 @pytest.mark.parametrize("name, shape, src, dst, block", LAYOUTS, ids=[entry[0] for entry in LAYOUTS])
 def test_triton_quantizer_delivers_the_reference_for_every_layout(name, shape, src, dst, block):
     x = _random(shape, seed=7)
@@ -38,14 +39,19 @@ def test_a_nan_makes_its_block_nan_and_leaves_the_others_exact():
 def fp8_workers(block: tuple[int, int], replicated: bool):
     """`build(rank, size)`: every projection FP8 with its block scales, the norm in bf16, NaN until
     synced; TP shards (`builders.dst_layout`) or, `replicated`, whole tensors on every worker."""
+
     def build(rank: int, size: int) -> dict:
         out = {}
         for name, shape in builders.SHAPES.items():
             layout = Layout(Mesh((size,)), (Replicate(),)) if replicated else builders.dst_layout(name, size)
             box = layout.local_box(shape, rank)
             if len(shape) == 1:
-                out[name] = Destination(torch.full(box.sizes, float("nan"), dtype=torch.bfloat16, device="cuda"),
-                                        layout, shape, torch.bfloat16)
+                out[name] = Destination(
+                    torch.full(box.sizes, float("nan"), dtype=torch.bfloat16, device="cuda"),
+                    layout,
+                    shape,
+                    torch.bfloat16,
+                )
                 continue
             values = torch.full(box.sizes, float("nan"), device="cuda").to(torch.float8_e4m3fn)
             out[name] = Destination(values, layout, shape, torch.float8_e4m3fn, block=block)
@@ -53,6 +59,7 @@ def fp8_workers(block: tuple[int, int], replicated: bool):
             view = torch.full(scales.local_box(grid, rank).sizes, float("nan"), device="cuda")
             out[scale_name(name)] = Destination(view, scales, grid, torch.float32)
         return out
+
     return build
 
 
@@ -60,8 +67,11 @@ def _read(actor) -> dict:
     return {n: d.local.detach().cpu().contiguous().view(torch.uint8) for n, d in actor.held.items()}
 
 
-@pytest.mark.parametrize("count, block, replicated", [(1, (64, 64), False), (2, (96, 64), True)],
-                         ids=["one GPU", "two GPUs, trainers cutting blocks"])
+@pytest.mark.parametrize(
+    "count, block, replicated",
+    [(1, (64, 64), False), (2, (96, 64), True)],
+    ids=["one GPU", "two GPUs, trainers cutting blocks"],
+)
 def test_colocated_fp8_push_is_bit_exact(gpu_ray, count, block, replicated):
     """One trainer and one worker per GPU. On two GPUs the two trainers hold 128 rows each of
     every projection and the blocks are 96 rows, so the amax exchange runs over NCCL."""

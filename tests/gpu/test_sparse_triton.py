@@ -19,8 +19,9 @@ DTYPES = [torch.bfloat16, torch.float32, torch.uint8, torch.float64]
 def _reference(code: int, cur: torch.Tensor, base: torch.Tensor) -> tuple[int, torch.Tensor]:
     """Count and payload from the torch codec, on copies."""
     changes = sparse_codec.Changes(cur.clone(), base.clone())
-    out = torch.zeros(encoded_nbytes(code, cur.numel(), changes.count, cur.element_size()), dtype=torch.uint8,
-                      device=cur.device)
+    out = torch.zeros(
+        encoded_nbytes(code, cur.numel(), changes.count, cur.element_size()), dtype=torch.uint8, device=cur.device
+    )
     sparse_codec.encode(code, changes, out)
     return changes.count, out
 
@@ -62,10 +63,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 300), cols=st.sampled_from([1, 7, 4096, 70_001]), density=st.sampled_from([0, 0.001, 0.01, 0.1, 0.5, 1]),
-       code=st.sampled_from(CODES), dtype=st.sampled_from(DTYPES), strided_src=st.booleans(), strided_dst=st.booleans(),
-       seed=st.integers(0, 1000))
-def test_fused_codec_matches_the_reference_bit_for_bit(rows, cols, density, code, dtype, strided_src, strided_dst, seed):
+@given(
+    rows=st.integers(1, 300),
+    cols=st.sampled_from([1, 7, 4096, 70_001]),
+    density=st.sampled_from([0, 0.001, 0.01, 0.1, 0.5, 1]),
+    code=st.sampled_from(CODES),
+    dtype=st.sampled_from(DTYPES),
+    strided_src=st.booleans(),
+    strided_dst=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_fused_codec_matches_the_reference_bit_for_bit(
+    rows, cols, density, code, dtype, strided_src, strided_dst, seed
+):
     rows = min(rows, max(1, 600_000 // cols))
     cur, base = _pair(rows, cols, density, dtype, seed)
     k_ref, payload_ref = _reference(code, cur, base)
@@ -113,8 +123,9 @@ def test_counts_of_a_bucket_come_back_in_one_transfer(monkeypatch):
     assert found.counts == [sparse_codec.Changes(c, b).count for c, b in pairs]
 
 
-@pytest.mark.parametrize("case", ["out of order", "beyond the box", "count over a block", "negative count",
-                                  "counts not summing to k"])
+@pytest.mark.parametrize(
+    "case", ["out of order", "beyond the box", "count over a block", "negative count", "counts not summing to k"]
+)
 def test_malformed_blocked_payloads_are_refused_before_any_write(case):
     n, k = 200_000, 3
     blocks = -(-n // 65536)
@@ -153,10 +164,17 @@ def test_a_bucket_of_mixed_widths_and_encodings_round_trips_and_names_its_one_ba
     """Boxes of 1, 2, 4 and 8 bytes, bitmap and blocked, strided and not, in one bucket: the sender's
     launches group them by width; the receiver validates them together and reports exactly the
     slot whose payload was corrupted, having written nothing."""
-    specs = [(torch.uint8, BITMAP, 0.2), (torch.bfloat16, BLOCKED, 0.01), (torch.float32, BITMAP, 0.3),
-             (torch.float64, BLOCKED, 0.005), (torch.bfloat16, BITMAP, 0.1)]
+    specs = [
+        (torch.uint8, BITMAP, 0.2),
+        (torch.bfloat16, BLOCKED, 0.01),
+        (torch.float32, BITMAP, 0.3),
+        (torch.float64, BLOCKED, 0.005),
+        (torch.bfloat16, BITMAP, 0.1),
+    ]
     pairs = [_pair(40, 9000, density, dtype, seed) for seed, (dtype, _, density) in enumerate(specs)]
-    found = sparse_codec.BucketChanges([(c.clone(), b.clone()) for c, b in pairs], [(i, (0, 0), (40, 9000)) for i in range(5)])
+    found = sparse_codec.BucketChanges(
+        [(c.clone(), b.clone()) for c, b in pairs], [(i, (0, 0), (40, 9000)) for i in range(5)]
+    )
     payloads = []
     for i, ((dtype, code, _), (cur, base)) in enumerate(zip(specs, pairs)):
         k_ref, ref = _reference(code, cur, base)

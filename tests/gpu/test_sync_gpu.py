@@ -34,7 +34,6 @@ def test_m2n_over_nccl_between_gpus_bit_exact(gpu_ray):
         pytest.skip("needs 2 GPUs")
     from actors import WeightSync
     from rl_sync.config.sync import SyncConfig
-
     from tests.distributed.stranger import listening_ports, run_stranger
 
     ray = gpu_ray

@@ -24,10 +24,17 @@ class VmmBuffer:
         self.prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         self.prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         self.prop.location.id = device_index
-        self.prop.requestedHandleTypes = (cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-                                          if shareable else cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE)
-        granularity = _call("granularity", cu.cuMemGetAllocationGranularity(
-            self.prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+        self.prop.requestedHandleTypes = (
+            cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            if shareable
+            else cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        )
+        granularity = _call(
+            "granularity",
+            cu.cuMemGetAllocationGranularity(
+                self.prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+            ),
+        )
         self.chunk = -(-nbytes // chunks // granularity) * granularity
         self.nbytes, self.count, self.device_index = self.chunk * chunks, chunks, device_index
         self.base = int(_call("reserve", cu.cuMemAddressReserve(self.nbytes, 0, 0, 0)))
@@ -59,8 +66,9 @@ class VmmBuffer:
         import cupy
 
         memory = cupy.cuda.UnownedMemory(self.base, self.nbytes, owner=self, device_id=self.device_index)
-        raw = torch.as_tensor(cupy.ndarray((self.nbytes,), dtype=cupy.uint8,
-                                           memptr=cupy.cuda.MemoryPointer(memory, 0)), device="cuda")
+        raw = torch.as_tensor(
+            cupy.ndarray((self.nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0)), device="cuda"
+        )
         count = 1
         for n in shape:
             count *= n

@@ -31,8 +31,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 6380
-ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "PYTHONPATH": str(ROOT),
-       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "token",
+    "PYTHONPATH": str(ROOT),
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
+}
 """Inside the namespaces Ray may listen on every interface: they are the namespace's own
 (`tests/conftest.py` keeps the single-node session Ray on loopback with "0")."""
 
@@ -45,8 +49,9 @@ def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.Com
 class NetnsCluster:
     """`nodes` Ray nodes in their own network namespaces (see the module docstring)."""
 
-    def __init__(self, nodes: int, *, cpus_per_node: int = 4, subnet: int = 0, prefix: str | None = None,
-                 temp: str | None = None):
+    def __init__(
+        self, nodes: int, *, cpus_per_node: int = 4, subnet: int = 0, prefix: str | None = None, temp: str | None = None
+    ):
         """A new cluster; with `prefix` and `temp`, a handle on a running one (a driver's view)."""
         self.nodes, self.cpus = nodes, cpus_per_node
         self.prefix = prefix or f"rls{os.getpid() % 10000}s{subnet}"
@@ -110,10 +115,23 @@ class NetnsCluster:
 
     def start_node(self, node: int) -> None:
         """`ray start` in the node's namespace (the head for node 0), bounded in time."""
-        where = ["--head", f"--port={PORT}", "--include-dashboard=false"] if node == 0 else [f"--address={self.address}"]
-        cmd = ["ip", "netns", "exec", self.ns(node), str(Path(sys.executable).with_name("ray")), "start", *where,
-               f"--node-ip-address={self.ip(node)}", f"--num-cpus={self.cpus}", f'--resources={{"node{node}": 100}}',
-               "--disable-usage-stats", f"--temp-dir={self.temp}"]
+        where = (
+            ["--head", f"--port={PORT}", "--include-dashboard=false"] if node == 0 else [f"--address={self.address}"]
+        )
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            self.ns(node),
+            str(Path(sys.executable).with_name("ray")),
+            "start",
+            *where,
+            f"--node-ip-address={self.ip(node)}",
+            f"--num-cpus={self.cpus}",
+            f'--resources={{"node{node}": 100}}',
+            "--disable-usage-stats",
+            f"--temp-dir={self.temp}",
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **ENV})
         if done.returncode:
             raise RuntimeError(f"ray start on node {node} failed: {done.stderr[-2000:]}")
@@ -121,12 +139,32 @@ class NetnsCluster:
     def run_driver(self, args: list[str], timeout_s: float) -> dict:
         """`python -m args...` inside node 0's namespace, connected to this cluster; the last line
         it prints, as JSON."""
-        cmd = ["ip", "netns", "exec", self.ns(0), sys.executable, "-m", *args, "--address", self.address,
-               "--prefix", self.prefix, "--nodes", str(self.nodes), "--temp", str(self.temp), "--subnet", str(self.subnet)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **ENV},
-                              cwd=ROOT)
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            self.ns(0),
+            sys.executable,
+            "-m",
+            *args,
+            "--address",
+            self.address,
+            "--prefix",
+            self.prefix,
+            "--nodes",
+            str(self.nodes),
+            "--temp",
+            str(self.temp),
+            "--subnet",
+            str(self.subnet),
+        ]
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **ENV}, cwd=ROOT
+        )
         if done.returncode:
-            raise RuntimeError(f"driver {args} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+            raise RuntimeError(
+                f"driver {args} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+            )
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     def link(self, node: int, up: bool) -> None:
@@ -136,8 +174,22 @@ class NetnsCluster:
     def shape(self, node: int, rate: str) -> None:
         """Rate-limit what flows into node, on its bridge port (`tc tbf`; this kernel has no
         `netem` for added delay), e.g. rate='1gbit'."""
-        _ip("tc", "qdisc", "replace", "dev", f"{self.prefix}p{node}", "root", "tbf", "rate", rate, "burst", "64kb",
-            "latency", "500ms", ns=f"{self.prefix}br")
+        _ip(
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            f"{self.prefix}p{node}",
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            "64kb",
+            "latency",
+            "500ms",
+            ns=f"{self.prefix}br",
+        )
 
     def kill_node(self, node: int) -> None:
         """Kill every process in node's namespace (a node that stops dead)."""

@@ -22,8 +22,8 @@ import torch
 from actors import SyncError, WeightSync
 from actors.bench import perturb
 from actors.ready import InferenceWorker, TrainerActor
-from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
 from rl_sync.config.sync import Mode, SyncConfig
+from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
 from tests.distributed.recipes import (
     Recipe,
     as_bytes,
@@ -36,21 +36,31 @@ from tests.distributed.recipes import (
 from tests.distributed.stranger import listening_sockets
 
 FSDP2 = Layout(Mesh((2,)), (Shard(0),))
-RECIPES = [Recipe("w", torch.bfloat16, (64, 48), FSDP2, Layout(Mesh((2,)), (Shard(1),))),
-           Recipe("b", torch.float32, (48,), FSDP2, Layout(Mesh((2,)), (Replicate(),)))]
-REPLICAS = [Recipe("w", torch.bfloat16, (64, 48), FSDP2, Layout(Mesh((2, 2)), (Replicate(), Shard(1)))),
-            Recipe("b", torch.float32, (48,), FSDP2, Layout(Mesh((2, 2)), (Replicate(), Replicate())))]
+RECIPES = [
+    Recipe("w", torch.bfloat16, (64, 48), FSDP2, Layout(Mesh((2,)), (Shard(1),))),
+    Recipe("b", torch.float32, (48,), FSDP2, Layout(Mesh((2,)), (Replicate(),))),
+]
+REPLICAS = [
+    Recipe("w", torch.bfloat16, (64, 48), FSDP2, Layout(Mesh((2, 2)), (Replicate(), Shard(1)))),
+    Recipe("b", torch.float32, (48,), FSDP2, Layout(Mesh((2, 2)), (Replicate(), Replicate()))),
+]
 BIG = [Recipe("w", torch.float32, (1024, 2048), FSDP2, Layout(Mesh((2,)), (Shard(1),)))]
 """8 MiB: long enough on a rate-limited link to take the link down in the middle of a round."""
 
 
 def place(recipes, trainer_node: int, worker_nodes: list[int], workers_per_node: int):
     Trainer, Worker = ray.remote(TrainerActor), ray.remote(InferenceWorker)
-    trainers = [Trainer.options(num_cpus=0.1, resources={f"node{trainer_node}": 1}).remote(i, 2, trainer_build(recipes))
-                for i in range(2)]
+    trainers = [
+        Trainer.options(num_cpus=0.1, resources={f"node{trainer_node}": 1}).remote(i, 2, trainer_build(recipes))
+        for i in range(2)
+    ]
     size = len(worker_nodes) * workers_per_node
-    workers = [Worker.options(num_cpus=0.1, resources={f"node{worker_nodes[k // workers_per_node]}": 1})
-               .remote(k, size, worker_build(recipes)) for k in range(size)]
+    workers = [
+        Worker.options(num_cpus=0.1, resources={f"node{worker_nodes[k // workers_per_node]}": 1}).remote(
+            k, size, worker_build(recipes)
+        )
+        for k in range(size)
+    ]
     return trainers, workers
 
 
@@ -60,8 +70,11 @@ def step(trainers, recipes, version: int) -> None:
 
 def exact(workers, recipes, version: int) -> bool:
     got = ray.get([w.call.remote(read_all) for w in workers])
-    return all(torch.equal(tensors[n], as_bytes(v)) for j, tensors in enumerate(got)
-               for n, v in expected(recipes, j, version).items())
+    return all(
+        torch.equal(tensors[n], as_bytes(v))
+        for j, tensors in enumerate(got)
+        for n, v in expected(recipes, j, version).items()
+    )
 
 
 def config(**overrides) -> SyncConfig:
@@ -93,8 +106,14 @@ def two_node(args) -> dict:
         unknown = None
     except ValueError as exc:
         unknown = str(exc)
-    return {"exact": rounds, "store_host": store[0], "coordinator_node": store[1], "gloo_addresses": opened,
-            "transport": sync.summary.transport, "unknown_interface": unknown}
+    return {
+        "exact": rounds,
+        "store_host": store[0],
+        "coordinator_node": store[1],
+        "gloo_addresses": opened,
+        "transport": sync.summary.transport,
+        "unknown_interface": unknown,
+    }
 
 
 def replicas(args) -> dict:
@@ -112,15 +131,31 @@ def replicas(args) -> dict:
 
 
 def _bridge(args, node: int, up: bool) -> None:
-    subprocess.run(["ip", "netns", "exec", f"{args.prefix}br", "ip", "link", "set", f"{args.prefix}p{node}",
-                    "up" if up else "down"], check=True, timeout=30)
+    subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            f"{args.prefix}br",
+            "ip",
+            "link",
+            "set",
+            f"{args.prefix}p{node}",
+            "up" if up else "down",
+        ],
+        check=True,
+        timeout=30,
+    )
 
 
 def _shape(args, node: int, rate: str | None) -> None:
     """Rate-limit what flows into `node` (on its bridge port), or lift the limit."""
     port = f"{args.prefix}p{node}"
-    tc = ["tc", "qdisc", "replace", "dev", port, "root", "tbf", "rate", rate, "burst", "64kb", "latency", "500ms"] \
-        if rate else ["tc", "qdisc", "del", "dev", port, "root"]
+    tc = (
+        ["tc", "qdisc", "replace", "dev", port, "root", "tbf", "rate", rate, "burst", "64kb", "latency", "500ms"]
+        if rate
+        else ["tc", "qdisc", "del", "dev", port, "root"]
+    )
     subprocess.run(["ip", "netns", "exec", f"{args.prefix}br", *tc], check=True, timeout=30)
 
 
@@ -148,8 +183,13 @@ def link_down(args) -> dict:
     _shape(args, 1, None)
     step(trainers, BIG, 3)
     repaired = sync.push(version=3)
-    result = {**outcome, "repaired_version": repaired.version, "exact_after": exact(workers, BIG, 3),
-              "versions": sync.versions(), "coordinator_node": coordinator_node}
+    result = {
+        **outcome,
+        "repaired_version": repaired.version,
+        "exact_after": exact(workers, BIG, 3),
+        "versions": sync.versions(),
+        "coordinator_node": coordinator_node,
+    }
     sync.close()
     return result
 
@@ -204,8 +244,9 @@ def _until_dead(ip: str, timeout_s: float = 120.0) -> None:
 
 def _workers_on(recipes, node: int) -> list:
     Worker = ray.remote(InferenceWorker)
-    return [Worker.options(num_cpus=0.1, resources={f"node{node}": 1}).remote(k, 2, worker_build(recipes))
-            for k in range(2)]
+    return [
+        Worker.options(num_cpus=0.1, resources={f"node{node}": 1}).remote(k, 2, worker_build(recipes)) for k in range(2)
+    ]
 
 
 def _failure(sync, trainers, version: int) -> dict:
@@ -220,8 +261,9 @@ def _failure(sync, trainers, version: int) -> dict:
         return {"error": str(exc), "seconds": time.monotonic() - start}
 
 
-LINK_MODEL = [Recipe(f"layers.{i}.w", torch.bfloat16, (2048, 4096), FSDP2, Layout(Mesh((2,)), (Shard(1),)))
-              for i in range(4)]
+LINK_MODEL = [
+    Recipe(f"layers.{i}.w", torch.bfloat16, (2048, 4096), FSDP2, Layout(Mesh((2,)), (Shard(1),))) for i in range(4)
+]
 """64 MiB of bf16 in four tensors, FSDP2 -> TP2."""
 
 
@@ -244,8 +286,13 @@ def links(args) -> dict:
                     ray.get([t.call.remote(perturb, 0.01, seed) for t in trainers])
                 rounds.append(sync.push(mode=mode))
             mid = sorted(rounds, key=lambda r: r.seconds)[1]
-            rows[mode] = {"seconds": mid.seconds, "worker_bytes": mid.worker_received_bytes, "ran": mid.mode,
-                          "reason": mid.reason, "encodings": {k: v for r in mid.ranks for k, v in r.encodings.items() if v}}
+            rows[mode] = {
+                "seconds": mid.seconds,
+                "worker_bytes": mid.worker_received_bytes,
+                "ran": mid.mode,
+                "reason": mid.reason,
+                "encodings": {k: v for r in mid.ranks for k, v in r.encodings.items() if v},
+            }
         if rate:
             _shape(args, node, None)
         sync.close()
@@ -255,8 +302,10 @@ def links(args) -> dict:
     return out
 
 
-RELAY_MODEL = [Recipe(f"layers.{i}.w", torch.bfloat16, (1024, 4096), FSDP2,
-                      Layout(Mesh((4, 1)), (Replicate(), Shard(1)))) for i in range(4)]
+RELAY_MODEL = [
+    Recipe(f"layers.{i}.w", torch.bfloat16, (1024, 4096), FSDP2, Layout(Mesh((4, 1)), (Replicate(), Shard(1))))
+    for i in range(4)
+]
 """32 MiB of bf16 in four tensors, FSDP2 -> four TP1 engine replicas."""
 
 
@@ -269,7 +318,9 @@ def relay(args) -> dict:
     out, version = {}, 0
     try:
         for choice in ("off", "on"):
-            sync = WeightSync.create(trainers, workers, config(relay=choice, bucket_bytes=8 << 20, round_timeout_s=120.0))
+            sync = WeightSync.create(
+                trainers, workers, config(relay=choice, bucket_bytes=8 << 20, round_timeout_s=120.0)
+            )
             rows = {}
             for mode in ("m2n", "sparse"):
                 rounds, exacts = [], []
@@ -285,9 +336,13 @@ def relay(args) -> dict:
                     rounds.append(sync.push(version=version, mode=mode))
                     exacts.append(_hold_the_trainers_values(trainers, workers))
                 mid = sorted(rounds, key=lambda r: r.seconds)[1]
-                rows[mode] = {"seconds": mid.seconds, "ran": mid.mode, "exact": all(exacts),
-                              "trainer_bytes": max(r.sent_bytes for r in mid.ranks if r.role == "trainer"),
-                              "worker_bytes": max(r.sent_bytes for r in mid.ranks if r.role == "worker")}
+                rows[mode] = {
+                    "seconds": mid.seconds,
+                    "ran": mid.mode,
+                    "exact": all(exacts),
+                    "trainer_bytes": max(r.sent_bytes for r in mid.ranks if r.role == "trainer"),
+                    "worker_bytes": max(r.sent_bytes for r in mid.ranks if r.role == "worker"),
+                }
             rows["summary"] = sync.summary.relay
             sync.close()
             out[choice] = rows
@@ -300,11 +355,21 @@ def _hold_the_trainers_values(trainers, workers) -> bool:
     """Every worker (a whole replica) holds exactly the trainers' row shards, joined."""
     shards = ray.get([t.call.remote(lambda self: {n: s.local.clone() for n, s in self.held.items()}) for t in trainers])
     whole = {name: as_bytes(torch.cat([s[name] for s in shards])) for name in shards[0]}
-    return all(torch.equal(got[name], value) for got in ray.get([w.call.remote(read_all) for w in workers])
-               for name, value in whole.items())
+    return all(
+        torch.equal(got[name], value)
+        for got in ray.get([w.call.remote(read_all) for w in workers])
+        for name, value in whole.items()
+    )
 
 
-SCENARIOS = {"links": links, "relay": relay, "two_node": two_node, "replicas": replicas, "link_down": link_down, "nodes_stopped": nodes_stopped}
+SCENARIOS = {
+    "links": links,
+    "relay": relay,
+    "two_node": two_node,
+    "replicas": replicas,
+    "link_down": link_down,
+    "nodes_stopped": nodes_stopped,
+}
 
 
 def main() -> None:
@@ -316,8 +381,9 @@ def main() -> None:
     parser.add_argument("--temp", required=True)
     parser.add_argument("--subnet", type=int, required=True)
     args = parser.parse_args()
-    ray.init(address=args.address, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    ray.init(
+        address=args.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
+    )
     try:
         print(json.dumps(SCENARIOS[args.scenario](args)))
     finally:

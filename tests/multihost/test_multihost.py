@@ -34,9 +34,14 @@ def cluster3():
 def test_two_nodes_sync_bit_exact_over_the_node_addresses(cluster):
     seen = cluster.run_driver(["tests.multihost.scenarios", "two_node"], timeout_s=300)
     assert seen["exact"] == [True, True, True, True] and seen["transport"] == "gloo"  # the 4th by interface name
-    assert seen["unknown_interface"] is not None and "SyncConfig.interface 'nope0' has no IPv4 address" in \
-        seen["unknown_interface"] and "eth0" in seen["unknown_interface"], seen["unknown_interface"]
-    assert seen["store_host"] == seen["coordinator_node"] != "127.0.0.1", "the store binds the coordinator's node address"
+    assert (
+        seen["unknown_interface"] is not None
+        and "SyncConfig.interface 'nope0' has no IPv4 address" in seen["unknown_interface"]
+        and "eth0" in seen["unknown_interface"]
+    ), seen["unknown_interface"]
+    assert seen["store_host"] == seen["coordinator_node"] != "127.0.0.1", (
+        "the store binds the coordinator's node address"
+    )
     trainers, workers = seen["gloo_addresses"][:2], seen["gloo_addresses"][2:]
     assert trainers == [[cluster.ip(0)]] * 2 and workers == [[cluster.ip(1)]] * 2, seen["gloo_addresses"]
 
@@ -54,8 +59,11 @@ def test_a_link_down_mid_round_fails_in_time_and_the_next_push_repairs(cluster):
     assert seen["coordinator_node"] == cluster.ip(0), "the coordinator runs beside the driver"
     assert seen["error"] is not None and "round 2 (m2n) failed on" in seen["error"], seen
     assert seen["seconds"] < 4.0 + 20, f"the round failed {seen['seconds']:.1f} s after it started: {seen}"
-    named = {int(r) for group in re.findall(r"trainer \d \(rank \d\): .*?transfers with rank\(s\) \[([\d, ]+)\]", seen["error"])
-             for r in group.split(",")}
+    named = {
+        int(r)
+        for group in re.findall(r"trainer \d \(rank \d\): .*?transfers with rank\(s\) \[([\d, ]+)\]", seen["error"])
+        for r in group.split(",")
+    }
     assert named and named <= {2, 3}, f"the trainers name the workers behind the link: {seen['error']}"
     assert seen["repaired_version"] == 3 and seen["exact_after"] and seen["versions"] == [3, 3], seen
 

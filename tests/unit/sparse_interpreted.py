@@ -22,7 +22,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _pair(shape, dtype, density, seed):
     gen = torch.Generator().manual_seed(seed)
     base = (torch.randn(shape, generator=gen) * 10).to(dtype)
-    cur = torch.where(torch.rand(shape, generator=gen) < density, (torch.randn(shape, generator=gen) * 10).to(dtype), base)
+    cur = torch.where(
+        torch.rand(shape, generator=gen) < density, (torch.randn(shape, generator=gen) * 10).to(dtype), base
+    )
     if dtype == torch.bfloat16:
         cur.view(-1)[0], base.view(-1)[0] = -0.0, 0.0  # changed by its bits
     return cur, base
@@ -36,18 +38,25 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    cases = [((3, 70_000), torch.bfloat16, 0.01, BLOCKED, False), ((300, 70), torch.bfloat16, 0.2, BITMAP, True),
-             ((5000,), torch.float32, 0.001, INDICES, False), ((40, 90), torch.uint8, 0.5, DENSE, True),
-             ((130_000,), torch.float64, 0.004, BLOCKED, False)]
+    cases = [
+        ((3, 70_000), torch.bfloat16, 0.01, BLOCKED, False),
+        ((300, 70), torch.bfloat16, 0.2, BITMAP, True),
+        ((5000,), torch.float32, 0.001, INDICES, False),
+        ((40, 90), torch.uint8, 0.5, DENSE, True),
+        ((130_000,), torch.float64, 0.004, BLOCKED, False),
+    ]
     pairs = [_pair(shape, dtype, density, seed) for seed, (shape, dtype, density, _, _) in enumerate(cases)]
-    sources = [(_strided(c), _strided(b)) if strided else (c.clone(), b.clone())
-               for (c, b), (*_, strided) in zip(pairs, cases)]
+    sources = [
+        (_strided(c), _strided(b)) if strided else (c.clone(), b.clone()) for (c, b), (*_, strided) in zip(pairs, cases)
+    ]
     found = sparse_codec.BucketChanges(sources, [(i, (0,) * c.ndim, tuple(c.shape)) for i, (c, _) in enumerate(pairs)])
     payloads = []
     for i, ((cur, base), (_, _, _, code, _)) in enumerate(zip(pairs, cases)):
         reference = sparse_codec.Changes(cur, base.clone())
         assert found.counts[i] == reference.count, (i, found.counts[i], reference.count)
-        expected = torch.zeros(encoded_nbytes(code, cur.numel(), reference.count, cur.element_size()), dtype=torch.uint8)
+        expected = torch.zeros(
+            encoded_nbytes(code, cur.numel(), reference.count, cur.element_size()), dtype=torch.uint8
+        )
         sparse_codec.encode(code, reference, expected)
         payloads.append((torch.zeros_like(expected), expected))
         found.encode(i, code, payloads[-1][0])

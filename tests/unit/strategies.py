@@ -15,13 +15,16 @@ def shapes(draw, min_dims: int = 1, max_dims: int = 3) -> tuple[int, ...]:
 
 
 @st.composite
-def layouts(draw, shape: tuple[int, ...], start: int = 0, max_axes: int = 3, max_axis: int = 4,
-            blocks: bool = True) -> Layout:
+def layouts(
+    draw, shape: tuple[int, ...], start: int = 0, max_axes: int = 3, max_axis: int = 4, blocks: bool = True
+) -> Layout:
     """Random layouts for `shape`; with `blocks`, a dim sharded by one axis alone may use a
     (covering) fixed block size."""
     ndim = len(shape)
     mesh_shape = tuple(draw(st.lists(st.integers(1, max_axis), min_size=1, max_size=max_axes)))
-    placement = st.one_of(st.just(Replicate()), st.integers(0, max(0, ndim - 1)).map(Shard)) if ndim else st.just(Replicate())
+    placement = (
+        st.one_of(st.just(Replicate()), st.integers(0, max(0, ndim - 1)).map(Shard)) if ndim else st.just(Replicate())
+    )
     placements = list(draw(placement) for _ in mesh_shape)
     for axis, p in enumerate(placements):
         alone = sum(isinstance(q, Shard) and q.dim == getattr(p, "dim", -1) for q in placements) == 1

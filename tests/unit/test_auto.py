@@ -28,8 +28,10 @@ def test_without_a_dense_round_one_is_measured_unless_rounds_are_too_short_to_ti
     for _ in range(WARMUP):
         policy.record(RoundCost("sparse", 0.3, GB))
     choice = policy.choose(GB)
-    assert (choice.engine, choice.reason) == ("dense", "measuring the dense engine (sparse 0.300 s predicted, no "
-                                                       "dense round measured)")
+    assert (choice.engine, choice.reason) == (
+        "dense",
+        "measuring the dense engine (sparse 0.300 s predicted, no dense round measured)",
+    )
     quick = AutoPolicy()
     for _ in range(WARMUP):
         quick.record(RoundCost("sparse", 0.02, GB))
@@ -47,7 +49,9 @@ def test_the_faster_engine_is_chosen_with_the_predictions_as_the_reason():
 def test_rounds_too_short_to_time_stay_sparse():
     policy = _policy(dense_s=0.01, sparse_s=0.05)
     choice = policy.choose(GB)
-    assert choice.engine == "sparse" and f"under the {MIN_DECIDING_S * 1e3:.0f} ms where timings decide" in choice.reason
+    assert (
+        choice.engine == "sparse" and f"under the {MIN_DECIDING_S * 1e3:.0f} ms where timings decide" in choice.reason
+    )
 
 
 def test_after_a_run_of_dense_choices_one_sparse_round_measures_again():

@@ -12,19 +12,54 @@ from rl_sync.bind.rules import Rule  # noqa: E402
 from rl_sync.models.config import ModelConfig, Parallel  # noqa: E402
 from rl_sync.models.tp_model import TPModel  # noqa: E402
 
-QWEN3 = ModelConfig(family="qwen3", vocab=100, hidden=32, layers=2, heads=8, kv_heads=2, head_dim=4, intermediate=48,
-                    qk_norm=True, tie_embeddings=True)
-MOE = ModelConfig(family="qwen3_moe", vocab=100, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, intermediate=48,
-                  experts=4, top_k=2, moe_intermediate=16, qk_norm=True)
+QWEN3 = ModelConfig(
+    family="qwen3",
+    vocab=100,
+    hidden=32,
+    layers=2,
+    heads=8,
+    kv_heads=2,
+    head_dim=4,
+    intermediate=48,
+    qk_norm=True,
+    tie_embeddings=True,
+)
+MOE = ModelConfig(
+    family="qwen3_moe",
+    vocab=100,
+    hidden=32,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=8,
+    intermediate=48,
+    experts=4,
+    top_k=2,
+    moe_intermediate=16,
+    qk_norm=True,
+)
 
 
 def _checkpoint(cfg: ModelConfig, per_expert: bool = False) -> dict[str, torch.Tensor]:
     hf = {"qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig}[cfg.family]
-    extra = dict(num_experts=cfg.experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_intermediate) if cfg.experts else {}
-    model = transformers.AutoModelForCausalLM.from_config(hf(
-        vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate,
-        tie_word_embeddings=cfg.tie_embeddings, **extra))
+    extra = (
+        dict(num_experts=cfg.experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_intermediate)
+        if cfg.experts
+        else {}
+    )
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf(
+            vocab_size=cfg.vocab,
+            hidden_size=cfg.hidden,
+            num_hidden_layers=cfg.layers,
+            num_attention_heads=cfg.heads,
+            num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate_size=cfg.intermediate,
+            tie_word_embeddings=cfg.tie_embeddings,
+            **extra,
+        )
+    )
     state = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
     if per_expert:
         for name in [n for n in state if ".experts." in n]:
@@ -61,10 +96,16 @@ def test_fused_qkv_slots_follow_gqa_with_kv_heads_replicated_past_tp(tp):
         qkv = model.params["model.layers.1.self_attn.qkv_proj.weight"]
         q_rows = QWEN3.heads * d // tp
         head = t // (tp // kv) if tp > kv else None
-        k_rows = slice(head * d, (head + 1) * d) if head is not None else slice(t * kv * d // tp, (t + 1) * kv * d // tp)
-        want = torch.cat([state["model.layers.1.self_attn.q_proj.weight"][t * q_rows : (t + 1) * q_rows],
-                          state["model.layers.1.self_attn.k_proj.weight"][k_rows],
-                          state["model.layers.1.self_attn.v_proj.weight"][k_rows]])
+        k_rows = (
+            slice(head * d, (head + 1) * d) if head is not None else slice(t * kv * d // tp, (t + 1) * kv * d // tp)
+        )
+        want = torch.cat(
+            [
+                state["model.layers.1.self_attn.q_proj.weight"][t * q_rows : (t + 1) * q_rows],
+                state["model.layers.1.self_attn.k_proj.weight"][k_rows],
+                state["model.layers.1.self_attn.v_proj.weight"][k_rows],
+            ]
+        )
         assert torch.equal(qkv, want)
 
 
@@ -92,8 +133,12 @@ def test_experts_split_whole_over_ranks(per_expert):
     models = _bind_all(MOE, Parallel(tp=2, ep=True), state)
     w13 = models[1].params["model.layers.0.mlp.experts.w13_weight"]
     if per_expert:
-        want = torch.cat([state["model.layers.0.mlp.experts.3.gate_proj.weight"],
-                          state["model.layers.0.mlp.experts.3.up_proj.weight"]])
+        want = torch.cat(
+            [
+                state["model.layers.0.mlp.experts.3.gate_proj.weight"],
+                state["model.layers.0.mlp.experts.3.up_proj.weight"],
+            ]
+        )
     else:
         want = state["model.layers.0.mlp.experts.gate_up_proj"][3]
     assert torch.equal(w13[1], want)
@@ -103,7 +148,9 @@ def test_unbindable_names_are_listed_or_fall_back():
     state = _checkpoint(MOE)
     checkpoint = {n: (t.dtype, tuple(t.shape)) for n, t in state.items()}
     model = TPModel(MOE, Parallel(tp=2, ep=False), 0)
-    with pytest.raises(ValueError, match=r"no rule binds 2 checkpoint tensors \['model.layers.0.mlp.experts.gate_up_proj'"):
+    with pytest.raises(
+        ValueError, match=r"no rule binds 2 checkpoint tensors \['model.layers.0.mlp.experts.gate_up_proj'"
+    ):
         Binder(MOE, Parallel(tp=2)).bind(checkpoint, model.params, 0)
     binding = Binder(MOE, Parallel(tp=2)).bind(checkpoint, model.params, 0, allow_fallback=True)
     assert binding.fallbacks == ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.gate_up_proj")
@@ -114,7 +161,10 @@ def test_user_rules_come_first():
     rule = Rule(r"model\.norm\.weight", "model.layers.0.input_layernorm.weight", "replicated")
     model = TPModel(QWEN3, Parallel(), 0)
     binding = Binder(QWEN3, Parallel(), [rule]).bind({"model.norm.weight": (torch.float32, (32,))}, model.params, 0)
-    assert binding.destinations["model.norm.weight"].local.data_ptr() == model.params["model.layers.0.input_layernorm.weight"].data_ptr()
+    assert (
+        binding.destinations["model.norm.weight"].local.data_ptr()
+        == model.params["model.layers.0.input_layernorm.weight"].data_ptr()
+    )
 
 
 def test_dtype_mismatch_is_named():

@@ -15,8 +15,9 @@ from rl_sync.planning.report import PlanReportConfig
 CONFIGS = Path(__file__).parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["plan_dense_8b", "plan_qwen3_235b", "plan_kimi_k2", "plan_deepseek_v3",
-                                  "plan_llama_70b_fleet"])
+@pytest.mark.parametrize(
+    "name", ["plan_dense_8b", "plan_qwen3_235b", "plan_kimi_k2", "plan_deepseek_v3", "plan_llama_70b_fleet"]
+)
 def test_shipped_plan_configs_load(name):
     cfg = load_config(CONFIGS / f"{name}.yaml", PlanReportConfig)
     assert cfg.trainer.ranks > 0 and cfg.inference.engines > 0
@@ -47,7 +48,9 @@ def test_ill_typed_values_are_refused(tmp_path):
 
 def test_overrides_in_both_forms():
     assert parse_overrides(["a.b=1", "--c", "x", "--d-e=2.5"]) == [(["a", "b"], 1), (["c"], "x"), (["d_e"], 2.5)]
-    cfg = load_config(CONFIGS / "plan_dense_8b.yaml", PlanReportConfig, ["trainer.ranks=16", "--inference.engines", "4"])
+    cfg = load_config(
+        CONFIGS / "plan_dense_8b.yaml", PlanReportConfig, ["trainer.ranks=16", "--inference.engines", "4"]
+    )
     assert cfg.trainer.ranks == 16 and cfg.inference.engines == 4
     with pytest.raises(ValueError, match="cannot read override 'oops'"):
         parse_overrides(["oops"])
@@ -59,15 +62,24 @@ def test_off_on_yes_no_stay_strings_and_only_true_false_are_booleans(tmp_path):
     path = tmp_path / "sync.yaml"
     path.write_text("integrity: off\ncolocate: off\ndouble_buffer: true\nname: yes\n")
     cfg = load_config(path, SyncConfig, ["auto_repair=false"])
-    assert (cfg.integrity, cfg.colocate, cfg.double_buffer, cfg.name, cfg.auto_repair) == ("off", "off", True, "yes", False)
+    assert (cfg.integrity, cfg.colocate, cfg.double_buffer, cfg.name, cfg.auto_repair) == (
+        "off",
+        "off",
+        True,
+        "yes",
+        False,
+    )
 
 
 def test_an_interface_resolves_to_its_address_or_names_the_ones_there_are():
     from rl_sync.rank.address import interface_address
 
     assert interface_address("lo") == "127.0.0.1"
-    with pytest.raises(ValueError, match=r"^SyncConfig.interface 'nope0' has no IPv4 address on .* \(No such device\); "
-                                         r"interfaces here: .*\blo\b"):
+    with pytest.raises(
+        ValueError,
+        match=r"^SyncConfig.interface 'nope0' has no IPv4 address on .* \(No such device\); "
+        r"interfaces here: .*\blo\b",
+    ):
         interface_address("nope0")
 
 
@@ -83,17 +95,23 @@ def test_plan_command_predicts_a_round_on_given_links(capsys):
     0.0803 s plus 10 us per message."""
     assert main(["plan", str(CONFIGS / "plan_dense_8b.yaml"), "--links", str(CONFIGS / "links_h200_ib.yaml")]) == 0
     out = capsys.readouterr().out
-    assert ("predicted round  0.082 s over 16 buckets, direct; "
-            "bottleneck rank 0 NIC out (0.0815 s of 0.0815 s)") in out
+    assert ("predicted round  0.082 s over 16 buckets, direct; bottleneck rank 0 NIC out (0.0815 s of 0.0815 s)") in out
     assert "relayed round    0.094 s over 37 buckets, relayed through 2 replicas; bottleneck rank 8 NIC in" in out
 
 
 def test_plan_command_runs_without_importing_ray():
     """`rl-sync plan` needs no cluster: a fresh interpreter plans and never imports Ray."""
-    code = ("import sys; from actors.cli import main; code = main(['plan', sys.argv[1]]); "
-            "print('ray imported' if 'ray' in sys.modules else 'no ray'); sys.exit(code)")
-    done = subprocess.run([sys.executable, "-c", code, str(CONFIGS / "plan_dense_8b.yaml")], capture_output=True,
-                          text=True, timeout=120, cwd=Path(__file__).parents[2])
+    code = (
+        "import sys; from actors.cli import main; code = main(['plan', sys.argv[1]]); "
+        "print('ray imported' if 'ray' in sys.modules else 'no ray'); sys.exit(code)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(CONFIGS / "plan_dense_8b.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[2],
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("no ray")
 
@@ -109,12 +127,18 @@ def test_demo_config_takes_user_binding_rules(tmp_path):
     from actors.demo import DemoConfig
 
     path = tmp_path / "demo.yaml"
-    path.write_text((CONFIGS / "demo.yaml").read_text().replace(
-        "rules: []", "rules:\n  - {pattern: 'x\\\\.w', target: 'x.w', split: row}"))
+    path.write_text(
+        (CONFIGS / "demo.yaml")
+        .read_text()
+        .replace("rules: []", "rules:\n  - {pattern: 'x\\\\.w', target: 'x.w', split: row}")
+    )
     cfg = load_config(path, DemoConfig)
     assert cfg.rules[0].split == "row" and cfg.rules[0].pattern == r"x\\.w"
-    path.write_text((CONFIGS / "demo.yaml").read_text().replace(
-        "rules: []", "rules:\n  - {pattern: 'x', target: 'x', split: sideways}"))
+    path.write_text(
+        (CONFIGS / "demo.yaml")
+        .read_text()
+        .replace("rules: []", "rules:\n  - {pattern: 'x', target: 'x', split: sideways}")
+    )
     with pytest.raises(ValueError, match=r'wrong value type for field "rules'):
         load_config(path, DemoConfig)
 
@@ -125,9 +149,25 @@ def test_bench_chart_is_a_png(tmp_path):
     from rl_sync.wire.stats import RoundStats
 
     def rank(role, received):
-        return RankStats(rank=0, role=role, version=1, mode="m2n", seconds=0.1, sent_bytes=0, received_bytes=received,
-                         zero_copy_bytes=0, staged_bytes=0, local_bytes=0, messages=0, buckets=0, staging_bytes=0,
-                         baseline_bytes=0, dense_bytes=0, changed_elements=0, encodings={})
+        return RankStats(
+            rank=0,
+            role=role,
+            version=1,
+            mode="m2n",
+            seconds=0.1,
+            sent_bytes=0,
+            received_bytes=received,
+            zero_copy_bytes=0,
+            staged_bytes=0,
+            local_bytes=0,
+            messages=0,
+            buckets=0,
+            staging_bytes=0,
+            baseline_bytes=0,
+            dense_bytes=0,
+            changed_elements=0,
+            encodings={},
+        )
 
     rounds = {m: [RoundStats(v, m, 0.1 * v, (rank("worker", 10**6 * v),)) for v in (1, 2)] for m in ("m2n", "sparse")}
     chart(rounds, str(tmp_path / "b.png"))

@@ -19,11 +19,16 @@ def nh_reference(data: bytes, key: list[int]) -> list[int]:
     data += bytes(-len(data) % 1024)
     out = []
     for start in range(0, len(data), 1024):
-        words = struct.unpack("<256I", data[start:start + 1024])
+        words = struct.unpack("<256I", data[start : start + 1024])
         for lane in range(2):
-            k = key[4 * lane:4 * lane + 256]
-            total = sum(((words[2 * i] + k[2 * i]) % 2**32) * ((words[2 * i + 1] + k[2 * i + 1]) % 2**32)
-                        for i in range(128)) % 2**64
+            k = key[4 * lane : 4 * lane + 256]
+            total = (
+                sum(
+                    ((words[2 * i] + k[2 * i]) % 2**32) * ((words[2 * i + 1] + k[2 * i + 1]) % 2**32)
+                    for i in range(128)
+                )
+                % 2**64
+            )
             out.append(total - 2**64 if total >= 2**63 else total)
     return out
 
@@ -44,12 +49,18 @@ def test_tags_bind_key_peers_sequence_and_every_byte():
     tag = keyed.tag(0, 1, 0, bufs, D)
     flipped = bufs[0].clone()
     flipped[50] ^= 1
-    others = [Digester("keyed", b"j" * 32, label=b"g").tag(0, 1, 0, bufs, D), keyed.tag(1, 0, 0, bufs, D),
-              keyed.tag(0, 1, 1, bufs, D), keyed.tag(0, 1, 0, [flipped], D), Digester("keyed", b"k" * 32, label=b"h").tag(0, 1, 0, bufs, D),
-              Digester("checksum", b"k" * 32, label=b"g").tag(0, 1, 0, bufs, D)]
+    others = [
+        Digester("keyed", b"j" * 32, label=b"g").tag(0, 1, 0, bufs, D),
+        keyed.tag(1, 0, 0, bufs, D),
+        keyed.tag(0, 1, 1, bufs, D),
+        keyed.tag(0, 1, 0, [flipped], D),
+        Digester("keyed", b"k" * 32, label=b"h").tag(0, 1, 0, bufs, D),
+        Digester("checksum", b"k" * 32, label=b"g").tag(0, 1, 0, bufs, D),
+    ]
     assert len({tag, *others}) == 7
-    assert Digester("checksum", b"k" * 32, label=b"g").tag(0, 1, 0, bufs, D) == \
-        Digester("checksum", b"j" * 32, label=b"g").tag(0, 1, 0, bufs, D), "a checksum needs no secret"
+    assert Digester("checksum", b"k" * 32, label=b"g").tag(0, 1, 0, bufs, D) == Digester(
+        "checksum", b"j" * 32, label=b"g"
+    ).tag(0, 1, 0, bufs, D), "a checksum needs no secret"
 
 
 def test_a_flipped_byte_fails_the_bucket_naming_the_sender(served):  # noqa: F811
@@ -57,9 +68,13 @@ def test_a_flipped_byte_fails_the_bucket_naming_the_sender(served):  # noqa: F81
 
     server, secret = served
     digester = Digester("keyed", secret, label=b"t")
-    transports = in_threads(lambda r: DigestTransport(GlooTransport(r, 2, "127.0.0.1", server.port, secret,
-                                                                    bind_host="127.0.0.1", prefix="d", timeout_s=20),
-                                                      digester), 2)
+    transports = in_threads(
+        lambda r: DigestTransport(
+            GlooTransport(r, 2, "127.0.0.1", server.port, secret, bind_host="127.0.0.1", prefix="d", timeout_s=20),
+            digester,
+        ),
+        2,
+    )
     payload = torch.randint(0, 256, (5000,), dtype=torch.uint8)
     for flip in (False, True):
         out = torch.zeros_like(payload)
@@ -82,8 +97,10 @@ def test_a_flipped_byte_fails_the_bucket_naming_the_sender(served):  # noqa: F81
 
         result = in_threads(rank, 2)[1]
         if flip:
-            assert result == ("rank 1: bucket 3 from rank 0 (transfer 1) failed its keyed digest: altered or "
-                              "corrupted on the way; nothing of this round counts")
+            assert result == (
+                "rank 1: bucket 3 from rank 0 (transfer 1) failed its keyed digest: altered or "
+                "corrupted on the way; nothing of this round counts"
+            )
         else:
             assert result is True
     for t in transports:

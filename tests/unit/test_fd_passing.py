@@ -43,10 +43,12 @@ def test_every_descriptor_arrives_in_order_across_batches_and_the_offer_closes_i
 def test_another_process_receives_a_descriptor_and_writes_through_it():
     read, write = os.pipe()
     offer = FdOffer([write], timeout_s=30)
-    child = (f"import importlib.util, os; spec = importlib.util.spec_from_file_location('fdp', {fd_passing.__file__!r}); "
-             f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-             f"fd, = m.receive_fds({offer.path!r}, bytes.fromhex({offer.token.hex()!r}), 1, 30); "
-             f"os.write(fd, b'from the child'); os.close(fd)")
+    child = (
+        f"import importlib.util, os; spec = importlib.util.spec_from_file_location('fdp', {fd_passing.__file__!r}); "
+        f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+        f"fd, = m.receive_fds({offer.path!r}, bytes.fromhex({offer.token.hex()!r}), 1, 30); "
+        f"os.write(fd, b'from the child'); os.close(fd)"
+    )
     subprocess.run([sys.executable, "-I", "-c", child], check=True, timeout=60)  # no torch: the module alone
     assert offer.served.wait(5)
     offer.close()

@@ -14,21 +14,41 @@ from rl_sync.models.config import ModelConfig, Parallel, _fp8_block
 from rl_sync.models.tp_model import TPModel
 from rl_sync.planning.quant import scale_name
 
-LLAMA = ModelConfig(family="llama", vocab=128, hidden=256, layers=1, heads=8, kv_heads=2, head_dim=32, intermediate=512,
-                    fp8_block=(32, 64))
+LLAMA = ModelConfig(
+    family="llama",
+    vocab=128,
+    hidden=256,
+    layers=1,
+    heads=8,
+    kv_heads=2,
+    head_dim=32,
+    intermediate=512,
+    fp8_block=(32, 64),
+)
 L0 = "model.layers.0"
 
 
 def _checkpoint(cfg: ModelConfig) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     h, d, kv = cfg.hidden, cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    shapes = {"self_attn.q_proj.weight": (cfg.heads * d, h), "self_attn.k_proj.weight": (kv, h),
-              "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, cfg.heads * d),
-              "mlp.gate_proj.weight": (cfg.intermediate, h), "mlp.up_proj.weight": (cfg.intermediate, h),
-              "mlp.down_proj.weight": (h, cfg.intermediate), "input_layernorm.weight": (h,),
-              "post_attention_layernorm.weight": (h,)}
+    shapes = {
+        "self_attn.q_proj.weight": (cfg.heads * d, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, cfg.heads * d),
+        "mlp.gate_proj.weight": (cfg.intermediate, h),
+        "mlp.up_proj.weight": (cfg.intermediate, h),
+        "mlp.down_proj.weight": (h, cfg.intermediate),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+    }
     out = {f"{L0}.{n}": (torch.bfloat16, s) for n, s in shapes.items()}
-    out.update({"model.embed_tokens.weight": (torch.bfloat16, (cfg.vocab, h)),
-                "lm_head.weight": (torch.bfloat16, (cfg.vocab, h)), "model.norm.weight": (torch.bfloat16, (h,))})
+    out.update(
+        {
+            "model.embed_tokens.weight": (torch.bfloat16, (cfg.vocab, h)),
+            "lm_head.weight": (torch.bfloat16, (cfg.vocab, h)),
+            "model.norm.weight": (torch.bfloat16, (h,)),
+        }
+    )
     return out
 
 
@@ -69,15 +89,20 @@ def test_an_fp8_model_dequantizes_its_blocks():
 
 def test_a_fused_slot_that_does_not_start_on_a_block_is_refused():
     cfg = dataclasses.replace(LLAMA, fp8_block=(48, 64))  # q holds 256 rows: k starts mid-block
-    with pytest.raises(ValueError, match=r"worker rank 0: 'model.layers.0.self_attn.k_proj.weight': its slot starts at "
-                                         r"row 256 of 'model.layers.0.self_attn.qkv_proj.weight', not on a 48-row "
-                                         "block boundary; every fused slot must hold whole blocks"):
+    with pytest.raises(
+        ValueError,
+        match=r"worker rank 0: 'model.layers.0.self_attn.k_proj.weight': its slot starts at "
+        r"row 256 of 'model.layers.0.self_attn.qkv_proj.weight', not on a 48-row "
+        "block boundary; every fused slot must hold whole blocks",
+    ):
         Binder(cfg, Parallel(tp=1)).bind(_checkpoint(cfg), TPModel(cfg, Parallel(tp=1), 0).params, 0)
 
 
 def test_hugging_face_quantization_configs():
     assert _fp8_block({"quant_method": "fp8", "weight_block_size": [128, 128]}) == (128, 128)
     assert _fp8_block(None) is None
-    with pytest.raises(ValueError, match="quantization_config .* is not supported; expected quant_method 'fp8' "
-                                         "with a weight_block_size"):
+    with pytest.raises(
+        ValueError,
+        match="quantization_config .* is not supported; expected quant_method 'fp8' with a weight_block_size",
+    ):
         _fp8_block({"quant_method": "awq", "bits": 4})

@@ -23,7 +23,9 @@ def engine_layouts(draw):
     heads), or keep it on a subset of ranks only (experts)."""
     shape = draw(shapes(min_dims=1, max_dims=3))
     n = draw(st.integers(1, 8))
-    holders = sorted(draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n))) if draw(st.booleans()) else list(range(n))
+    holders = (
+        sorted(draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n))) if draw(st.booleans()) else list(range(n))
+    )
     dim = draw(st.integers(0, len(shape) - 1))
     kind = draw(st.sampled_from(["replicate", "shard", "block", "groups"]))
     if kind == "replicate":
@@ -93,8 +95,11 @@ def test_gate_and_up_of_whole_experts_merge_into_one_view():
 def test_tensor_parallel_gate_and_up_bands_do_not_merge():
     E, I, H = 2, 4, 3  # TP rank 1 of 2 inside each expert: rows [2, 4) of gate and of up
     w13 = torch.zeros(E, I, H)
-    pieces = [_piece("w13", Box((e, half * I + 2, 0), (1, 2, H)), w13, w13[e, half * 2 : half * 2 + 2].unsqueeze(0))
-              for e in range(E) for half in (0, 1)]
+    pieces = [
+        _piece("w13", Box((e, half * I + 2, 0), (1, 2, H)), w13, w13[e, half * 2 : half * 2 + 2].unsqueeze(0))
+        for e in range(E)
+        for half in (0, 1)
+    ]
     assert merge_pieces(pieces) is None
     assert merge_pieces([pieces[0], Piece("other", pieces[1].src, pieces[1].dst)]) is None, "two parameters"
     gate_rows = [p for p in pieces if p.src.offsets[1] < I]
@@ -124,7 +129,9 @@ def test_parts_must_tile_a_dim_the_trainers_keep_whole():
     check_parts("w", (4, 16), fsdp, [(1, 0, 8), (1, 8, 16)])
     with pytest.raises(ValueError, match=r"tensor 'w': workers cut it along dim 0, which the trainers shard"):
         check_parts("w", (4, 16), fsdp, [(0, 0, 2), (0, 2, 4)])
-    with pytest.raises(ValueError, match=r"tensor 'w': parts \[\(0, 8\), \(9, 16\)\] along dim 1 do not tile \[0, 16\)"):
+    with pytest.raises(
+        ValueError, match=r"tensor 'w': parts \[\(0, 8\), \(9, 16\)\] along dim 1 do not tile \[0, 16\)"
+    ):
         check_parts("w", (4, 16), fsdp, [(1, 0, 8), (1, 9, 16)])
     with pytest.raises(ValueError, match=r"tensor 'w': parts along dim 1 end at 12, the tensor at 16"):
         check_parts("w", (4, 16), fsdp, [(1, 0, 8), (1, 8, 12)])

@@ -132,6 +132,8 @@ def test_box_minus_and_intersect_cover_exactly(a, b):
     cells = set(itertools.product(*(range(o, o + s) for o, s in zip(outer.offsets, outer.sizes))))
     covered = [c for p in pieces for c in itertools.product(*(range(o, o + s) for o, s in zip(p.offsets, p.sizes)))]
     common = outer.intersect(inner)
-    inside = set(itertools.product(*(range(o, o + s) for o, s in zip(common.offsets, common.sizes)))) if common else set()
+    inside = (
+        set(itertools.product(*(range(o, o + s) for o, s in zip(common.offsets, common.sizes)))) if common else set()
+    )
     assert len(covered) == len(set(covered))
     assert set(covered) == cells - inside

@@ -130,12 +130,16 @@ def _spec(name="w", dtype="float32", shape=(4, 4), src=None, dst=None):
 @pytest.mark.parametrize(
     "specs, message",
     [
-        ([_spec(src=Layout(Mesh((2,)), (Shard(2),)))],
-         r"tensor 'w' source layout: Shard\(2\) on mesh axis 0 is past the tensor's rank 2"),
+        (
+            [_spec(src=Layout(Mesh((2,)), (Shard(2),)))],
+            r"tensor 'w' source layout: Shard\(2\) on mesh axis 0 is past the tensor's rank 2",
+        ),
         ([_spec(dtype="bfloat17")], r"tensor 'w': unknown dtype name 'bfloat17'"),
         ([_spec(), _spec()], r"tensor 'w': duplicate tensor name \(also at position 0\)"),
-        ([_spec(dst=Layout(Mesh((2,), start_rank=1), (Shard(1),)))],
-         r"tensor 'w': source mesh .* and destination mesh .* overlap at ranks \[1\]"),
+        (
+            [_spec(dst=Layout(Mesh((2,), start_rank=1), (Shard(1),)))],
+            r"tensor 'w': source mesh .* and destination mesh .* overlap at ranks \[1\]",
+        ),
         ([_spec(shape=(4, -1))], r"tensor 'w': shape must be a sequence of non-negative ints"),
     ],
 )
@@ -168,16 +172,34 @@ def test_a_synthetic_fp8_engine_plans_fp8_projections_and_their_scales():
     from rl_sync.models.config import ModelConfig, Parallel
     from rl_sync.models.synthetic import TrainerParallel, model_specs
 
-    model = ModelConfig(family="qwen3_moe", layers=2, first_dense_layers=1, hidden=256, intermediate=512, vocab=1000,
-                        heads=4, kv_heads=2, head_dim=128, experts=4, moe_intermediate=256, fp8_block=(128, 128))
+    model = ModelConfig(
+        family="qwen3_moe",
+        layers=2,
+        first_dense_layers=1,
+        hidden=256,
+        intermediate=512,
+        vocab=1000,
+        heads=4,
+        kv_heads=2,
+        head_dim=128,
+        experts=4,
+        moe_intermediate=256,
+        fp8_block=(128, 128),
+    )
     specs = model_specs(model, TrainerParallel(ranks=3), Parallel(tp=2, ep=True))
     by_name = {s.name: s for s in specs}
     q = by_name["model.layers.0.self_attn.q_proj.weight"]
     assert (q.dtype, q.block) == ("float8_e4m3fn", (128, 128))
     assert by_name["model.layers.0.self_attn.q_proj.weight::scale_inv"].shape == (4, 2)
     assert by_name["model.layers.1.mlp.experts.3.down_proj.weight"].dtype == "float8_e4m3fn"
-    assert {by_name[n].dtype for n in ("model.embed_tokens.weight", "model.layers.1.mlp.gate.weight",
-                                       "model.layers.0.input_layernorm.weight")} == {"bfloat16"}
+    assert {
+        by_name[n].dtype
+        for n in (
+            "model.embed_tokens.weight",
+            "model.layers.1.mlp.gate.weight",
+            "model.layers.0.input_layernorm.weight",
+        )
+    } == {"bfloat16"}
     stats = plan_model(specs).stats
     size = {"float8_e4m3fn": 1, "float32": 4, "bfloat16": 2}
     for worker in (3, 4):  # trainers are ranks 0-2: a worker receives every byte it keeps

@@ -108,8 +108,11 @@ def push(x: torch.Tensor, src: Layout, dst: Layout, block, wanted=None):
     hub, ranks = Hub(), src.mesh.ranks
     stages = {r: QuantStage(plan, plan.blocks, r) for r in ranks}
     transports = {r: ThreadTransport(hub, r, len(ranks), x.device) for r in ranks}
-    shards = {r: {"w": Endpoint(_box(x, b).clone(), b.offsets)} for r in ranks
-              if not (b := src.local_box(shape, r)).is_empty()}
+    shards = {
+        r: {"w": Endpoint(_box(x, b).clone(), b.offsets)}
+        for r in ranks
+        if not (b := src.local_box(shape, r)).is_empty()
+    }
     endpoints = {r: stages[r].endpoints(shards[r]) for r in shards}
     errors = []
 
@@ -125,8 +128,10 @@ def push(x: torch.Tensor, src: Layout, dst: Layout, block, wanted=None):
     for t in threads:
         t.join(60)
     assert not errors, errors
-    out = {"w": torch.full(shape, float("nan"), device=x.device).to(torch.float8_e4m3fn),
-           scale_name("w"): torch.full(grid_shape(shape, block), float("nan"), device=x.device)}
+    out = {
+        "w": torch.full(shape, float("nan"), device=x.device).to(torch.float8_e4m3fn),
+        scale_name("w"): torch.full(grid_shape(shape, block), float("nan"), device=x.device),
+    }
     for i, spec in enumerate(plan.specs):
         tensor_plan = plan.tensor_plan(i)
         for t in tensor_plan.transfers + tensor_plan.local_copies:
@@ -152,21 +157,44 @@ LAYOUTS = [
     # (name, shape, trainer layout, worker layout, block)
     ("FSDP3 uneven rows into TP2 columns", (1024, 300), fsdp(3), workers((2,), (Shard(0),), 3), (128, 128)),
     ("FSDP3 into TP4 rows", (300, 1024), fsdp(3), workers((4,), (Shard(1),), 3), (128, 128)),
-    ("FSDP2 x TP2 trainers into TP2 rows", (520, 256), Layout(Mesh((2, 2)), (Shard(0), Shard(1))),
-     workers((2,), (Shard(1),), 4), (128, 128)),
-    ("HSDP (2 replicas x 2) into 2 engines x TP2", (700, 512), Layout(Mesh((2, 2)), (Replicate(), Shard(0))),
-     workers((2, 2), (Replicate(), Shard(1)), 4), (128, 128)),
-    ("trainers cutting columns", (256, 1000), Layout(Mesh((3,)), (Shard(1),)), workers((2,), (Shard(0),), 3),
-     (128, 128)),
+    (
+        "FSDP2 x TP2 trainers into TP2 rows",
+        (520, 256),
+        Layout(Mesh((2, 2)), (Shard(0), Shard(1))),
+        workers((2,), (Shard(1),), 4),
+        (128, 128),
+    ),
+    (
+        "HSDP (2 replicas x 2) into 2 engines x TP2",
+        (700, 512),
+        Layout(Mesh((2, 2)), (Replicate(), Shard(0))),
+        workers((2, 2), (Replicate(), Shard(1)), 4),
+        (128, 128),
+    ),
+    (
+        "trainers cutting columns",
+        (256, 1000),
+        Layout(Mesh((3,)), (Shard(1),)),
+        workers((2,), (Shard(0),), 3),
+        (128, 128),
+    ),
     ("shards smaller than a block: 3 ranks share one", (40, 32), fsdp(7), workers((2,), (Shard(1),), 7), (16, 8)),
-    ("replicated trainers (DDP)", (300, 200), Layout.replicated(Mesh((2,))), workers((2,), (Shard(1),), 2),
-     (128, 100)),
-    ("GQA kv heads replicated over TP4", (256, 512), fsdp(3), workers((2, 2), (Shard(0), Replicate()), 3),
-     (128, 128)),
-    ("experts with EP, trainers sharding rows", (4, 256, 200), Layout(Mesh((2,)), (Shard(1),)),
-     workers((2,), (Shard(0),), 2), (128, 128)),
-    ("experts TP-sharded, trainers sharding experts", (3, 256, 260), fsdp(2), workers((2,), (Shard(1),), 2),
-     (128, 128)),
+    ("replicated trainers (DDP)", (300, 200), Layout.replicated(Mesh((2,))), workers((2,), (Shard(1),), 2), (128, 100)),
+    ("GQA kv heads replicated over TP4", (256, 512), fsdp(3), workers((2, 2), (Shard(0), Replicate()), 3), (128, 128)),
+    (
+        "experts with EP, trainers sharding rows",
+        (4, 256, 200),
+        Layout(Mesh((2,)), (Shard(1),)),
+        workers((2,), (Shard(0),), 2),
+        (128, 128),
+    ),
+    (
+        "experts TP-sharded, trainers sharding experts",
+        (3, 256, 260),
+        fsdp(2),
+        workers((2,), (Shard(1),), 2),
+        (128, 128),
+    ),
 ]
 
 
@@ -205,7 +233,11 @@ def test_a_rank_holding_nothing_of_a_quantized_tensor_quantizes_nothing():
 def test_the_exchange_is_only_between_ranks_sharing_a_cut_block():
     parts = amax_exchange((1000, 300), fsdp(3), (128, 128))
     assert [(p.sender, p.receiver, p.box) for p in parts] == [
-        (1, 0, Box((2, 0), (1, 3))), (0, 1, Box((2, 0), (1, 3))), (2, 1, Box((5, 0), (1, 3))), (1, 2, Box((5, 0), (1, 3)))]
+        (1, 0, Box((2, 0), (1, 3))),
+        (0, 1, Box((2, 0), (1, 3))),
+        (2, 1, Box((5, 0), (1, 3))),
+        (1, 2, Box((5, 0), (1, 3))),
+    ]
     assert amax_exchange((1024, 300), fsdp(4), (128, 128)) == ()
     _, transports = push(_random((1024, 256)), fsdp(4), workers((2,), (Shard(0),), 4), (128, 128))
     assert [t.posts for t in transports.values()] == [0, 0, 0, 0]
@@ -220,14 +252,20 @@ def test_vllm_quantizer_gives_the_same_values_and_scales():
 
 
 def test_destination_shards_that_cut_blocks_are_refused():
-    with pytest.raises(ValueError, match=r"w: the destination splits dim 0 \(size 1000\) into shards of 500 over 2 "
-                                         r"ranks, which is not a multiple of the quantization block 128"):
+    with pytest.raises(
+        ValueError,
+        match=r"w: the destination splits dim 0 \(size 1000\) into shards of 500 over 2 "
+        r"ranks, which is not a multiple of the quantization block 128",
+    ):
         dest_scale_layout(Layout(Mesh((2,)), (Shard(0),)), (1000, 512), (128, 128), "w")
 
 
 def test_fixed_size_destination_shards_must_be_whole_blocks():
-    with pytest.raises(ValueError, match=r"w: the destination splits dim 0 \(size 150\) into shards of 160 over 2 "
-                                         r"ranks, which is not a multiple of the quantization block 128"):
+    with pytest.raises(
+        ValueError,
+        match=r"w: the destination splits dim 0 \(size 150\) into shards of 160 over 2 "
+        r"ranks, which is not a multiple of the quantization block 128",
+    ):
         dest_scale_layout(Layout(Mesh((2,)), (Shard(0, 160),)), (150, 256), (128, 128), "w")
     scales = dest_scale_layout(Layout(Mesh((2,)), (Shard(0, 256),)), (300, 256), (128, 128), "w")
     assert scales.all_boxes((3, 2)) == [Box((0, 0), (2, 2)), Box((2, 0), (1, 2))]
@@ -235,13 +273,22 @@ def test_fixed_size_destination_shards_must_be_whole_blocks():
 
 def test_integer_sources_and_missing_scales_are_refused():
     shape, dst = (256, 256), workers((2,), (Shard(0),), 2)
-    with pytest.raises(ValueError, match="tensor 'w': the destination keeps it as block-quantized float8_e4m3fn, "
-                                         "which needs a floating-point source .* the trainers hold int32"):
+    with pytest.raises(
+        ValueError,
+        match="tensor 'w': the destination keeps it as block-quantized float8_e4m3fn, "
+        "which needs a floating-point source .* the trainers hold int32",
+    ):
         _plan(shape, fsdp(2), dst, (128, 128), dtype="int32")
     with pytest.raises(ValueError, match=r"so it must bind 'w::scale_inv' as float32 \(2, 2\); it binds nothing"):
-        join_specs([SideSpec("w", "bfloat16", shape, fsdp(2))],
-                   [SideSpec("w", "float8_e4m3fn", shape, dst, (128, 128))])
-    with pytest.raises(ValueError, match="tensor 'w@1:0:128': the destination binds a part of a tensor "
-                                         "block-quantized; FP8 destinations take whole checkpoint tensors"):
-        join_specs([SideSpec("w@1:0:128", "bfloat16", (256, 128), fsdp(2))],
-                   [SideSpec("w@1:0:128", "float8_e4m3fn", (256, 128), dst, (128, 128))])
+        join_specs(
+            [SideSpec("w", "bfloat16", shape, fsdp(2))], [SideSpec("w", "float8_e4m3fn", shape, dst, (128, 128))]
+        )
+    with pytest.raises(
+        ValueError,
+        match="tensor 'w@1:0:128': the destination binds a part of a tensor "
+        "block-quantized; FP8 destinations take whole checkpoint tensors",
+    ):
+        join_specs(
+            [SideSpec("w@1:0:128", "bfloat16", (256, 128), fsdp(2))],
+            [SideSpec("w@1:0:128", "float8_e4m3fn", (256, 128), dst, (128, 128))],
+        )

@@ -90,9 +90,13 @@ def test_moved_worker_memory_needs_a_full_dense_round_with_baselines_kept():
     assert _round(policy, "sparse")[0] == "sparse"
 
 
-ACTIONS = st.lists(st.one_of(
-    st.tuples(st.sampled_from(["m2n", "broadcast", "sparse", "auto"]), st.booleans(), st.booleans()),
-    st.sampled_from(["regrouped", "patched", "memory_moved"])), max_size=40)
+ACTIONS = st.lists(
+    st.one_of(
+        st.tuples(st.sampled_from(["m2n", "broadcast", "sparse", "auto"]), st.booleans(), st.booleans()),
+        st.sampled_from(["regrouped", "patched", "memory_moved"]),
+    ),
+    max_size=40,
+)
 
 
 @given(st.integers(0, 4), ACTIONS)

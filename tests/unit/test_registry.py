@@ -30,11 +30,23 @@ def test_the_messages_are_distinct_types():
 
 
 def test_a_one_rank_group_joins_the_local_transport():
-    info = InitInfo(rank=0, world_size=1, num_trainers=1, worker_ranks=(0,), transport="local",
-                    rendezvous=encode(LocalRendezvous()), prefix="p", timeout_s=5.0, sparse_baseline="device",
-                    integrity="off", interface="", secret=b"s" * 32)
-    joined = transport_class("local").join(info, LocalRendezvous(), bind_host="127.0.0.1", device=torch.device("cpu"),
-                                           broadcast_ranks=[0])
+    info = InitInfo(
+        rank=0,
+        world_size=1,
+        num_trainers=1,
+        worker_ranks=(0,),
+        transport="local",
+        rendezvous=encode(LocalRendezvous()),
+        prefix="p",
+        timeout_s=5.0,
+        sparse_baseline="device",
+        integrity="off",
+        interface="",
+        secret=b"s" * 32,
+    )
+    joined = transport_class("local").join(
+        info, LocalRendezvous(), bind_host="127.0.0.1", device=torch.device("cpu"), broadcast_ranks=[0]
+    )
     assert (joined.rank, joined.world_size) == (0, 1)
 
 

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
 from rl_sync.planning.plan import TensorSpec, plan_model
-from rl_sync.wire.plan_info import PlanInfo
 from rl_sync.planning.schedule import Schedule
 from rl_sync.wire.codec import decode, encode
+from rl_sync.wire.plan_info import PlanInfo
 
 from .strategies import layouts, shapes
 
@@ -24,8 +24,10 @@ def engines(sub: Layout, replicas: int, ranks: list[int]) -> Layout:
     """`sub` (one replica's layout over mesh ranks 0..n-1) over `replicas` engines: replica k's
     position i is rank `ranks[k * n + i]`."""
     n = sub.mesh.size
-    mesh = Mesh((replicas,) + sub.mesh.shape, ranks=[ranks[k * n + sub.mesh.ranks[i]] for k in range(replicas)
-                                                     for i in range(n)])
+    mesh = Mesh(
+        (replicas,) + sub.mesh.shape,
+        ranks=[ranks[k * n + sub.mesh.ranks[i]] for k in range(replicas) for i in range(n)],
+    )
     return Layout(mesh, (Replicate(),) + sub.placements)
 
 
@@ -46,7 +48,7 @@ def run(schedule: Schedule) -> dict:
     for r, mine in slices.items():
         for bucket in mine.buckets:
             by_index.setdefault(bucket.index, []).append((r, bucket))
-    edges, sent = set(), {r: 0 for r in ranks}
+    edges, sent = set(), dict.fromkeys(ranks, 0)
     for index in sorted(by_index):
         arriving, expected = [], []
         for r, bucket in by_index[index]:
@@ -88,8 +90,11 @@ def relayed_models(draw):
         sub = draw(layouts(shape, max_axes=2, max_axis=3, blocks=False))
         sub = Layout(Mesh(sub.mesh.shape, ranks=range(sub.mesh.size)), sub.placements)
         spare = draw(st.permutations(range(WORKERS, WORKERS + replicas * sub.mesh.size)))
-        dst = engines(sub, replicas, spare) if draw(st.booleans()) else engines(sub, replicas,
-                                                                                 range(WORKERS, WORKERS + 64))
+        dst = (
+            engines(sub, replicas, spare)
+            if draw(st.booleans())
+            else engines(sub, replicas, range(WORKERS, WORKERS + 64))
+        )
         specs.append(TensorSpec(f"t{i}", draw(st.sampled_from(["float32", "bfloat16"])), shape, src, dst))
     return specs
 
@@ -113,10 +118,12 @@ def test_relay_plans_deliver_every_box_once_from_holders_along_acyclic_chains(sp
     assert all(len(p) == 1 for p in peers.values()), "each worker forwards to one peer"
     direct = run(Schedule(plan, bucket_bytes, coalesce))
     trainers = {r for s in plan.specs for r in s.src.mesh.ranks}
-    into_entry = sum(t.numel * int(plan.itemsizes[i]) for i in relay.tensors
-                     for t in schedule.routed.tensor_plan(i).transfers)
-    assert (sum(direct["sent"][r] for r in trainers) - sum(out["sent"][r] for r in trainers)
-            == into_entry * (relay.replicas - 1)), "trainers send relayed boxes to one replica, not to each"
+    into_entry = sum(
+        t.numel * int(plan.itemsizes[i]) for i in relay.tensors for t in schedule.routed.tensor_plan(i).transfers
+    )
+    assert sum(direct["sent"][r] for r in trainers) - sum(out["sent"][r] for r in trainers) == into_entry * (
+        relay.replicas - 1
+    ), "trainers send relayed boxes to one replica, not to each"
 
 
 def test_chains_follow_mesh_positions_and_a_disagreeing_tensor_goes_direct():
@@ -124,8 +131,11 @@ def test_chains_follow_mesh_positions_and_a_disagreeing_tensor_goes_direct():
     tp2 = Layout(Mesh((2,)), (Shard(0),))
     first = engines(tp2, 3, list(range(2, 8)))
     swapped = engines(tp2, 3, [2, 3, 5, 4, 6, 7])  # replica 1's positions swapped: another chain map
-    specs = [TensorSpec("a", "float32", (8, 4), src, first), TensorSpec("b", "float32", (8, 4), src, swapped),
-             TensorSpec("c", "float32", (8,), src, Layout(Mesh((2,), start_rank=2), (Shard(0),)))]
+    specs = [
+        TensorSpec("a", "float32", (8, 4), src, first),
+        TensorSpec("b", "float32", (8, 4), src, swapped),
+        TensorSpec("c", "float32", (8,), src, Layout(Mesh((2,), start_rank=2), (Shard(0),))),
+    ]
     schedule = Schedule(plan_model(specs), 64, 0, relay=True)
     assert schedule.relay.chains == {2: (2, 4, 6), 3: (3, 5, 7)}
     assert schedule.relay.tensors == frozenset({0}), "b disagrees with a's chains, c has no replicas"
@@ -206,8 +216,13 @@ def test_subset_rounds_relay_exactly_their_tensors():
     schedule = Schedule(plan, 256, 64, relay=True)
     subset = {1, 3}
     slices = {r: schedule.rank_slice(r, subset) for r in range(8)}
-    assert {s.tensor for mine in slices.values() for b in mine.buckets for m in b.sends + b.recvs
-            for s in m.segments} == subset
-    sends = sorted(repr((b.index, r, m.peer, m.segments)) for r, mine in slices.items() for b in mine.buckets for m in b.sends)
-    recvs = sorted(repr((b.index, m.peer, r, m.segments)) for r, mine in slices.items() for b in mine.buckets for m in b.recvs)
+    assert {
+        s.tensor for mine in slices.values() for b in mine.buckets for m in b.sends + b.recvs for s in m.segments
+    } == subset
+    sends = sorted(
+        repr((b.index, r, m.peer, m.segments)) for r, mine in slices.items() for b in mine.buckets for m in b.sends
+    )
+    recvs = sorted(
+        repr((b.index, m.peer, r, m.segments)) for r, mine in slices.items() for b in mine.buckets for m in b.recvs
+    )
     assert sends == recvs

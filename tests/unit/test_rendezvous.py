@@ -47,8 +47,12 @@ def in_threads(fn, n: int) -> list:
 
 def test_gloo_forms_on_the_member_store_and_moves_bytes_exactly(served):
     server, secret = served
-    transports = in_threads(lambda r: GlooTransport(r, 2, "127.0.0.1", server.port, secret, bind_host="127.0.0.1",
-                                                    prefix="g", timeout_s=20), 2)
+    transports = in_threads(
+        lambda r: GlooTransport(
+            r, 2, "127.0.0.1", server.port, secret, bind_host="127.0.0.1", prefix="g", timeout_s=20
+        ),
+        2,
+    )
     payload, out = torch.randint(0, 256, (1000,), dtype=torch.uint8), torch.zeros(1000, dtype=torch.uint8)
     sent = transports[0].post([(1, payload)], [])
     got = transports[1].post([], [(0, out)])
@@ -61,7 +65,9 @@ def test_gloo_forms_on_the_member_store_and_moves_bytes_exactly(served):
 
 def test_a_client_without_the_secret_is_refused_and_learns_nothing(served):
     server, _ = served
-    with pytest.raises(AuthError, match=r"^the rendezvous store at \('127.0.0.1', \d+\) does not hold the group's secret$"):
+    with pytest.raises(
+        AuthError, match=r"^the rendezvous store at \('127.0.0.1', \d+\) does not hold the group's secret$"
+    ):
         MemberStore("127.0.0.1", server.port, new_secret(), timeout_s=5)
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(b"\x00" * 200)

@@ -57,8 +57,9 @@ def test_random_models_schedule_every_transfer_in_matching_order(data):
         src = data.draw(layouts(shape))
         dst = data.draw(layouts(shape, start=64))
         specs.append(TensorSpec(f"t{i}", data.draw(st.sampled_from(["float32", "bfloat16", "int8"])), shape, src, dst))
-    schedule = build_schedule(plan_model(specs), bucket_bytes=data.draw(st.integers(1, 2048)),
-                              coalesce_bytes=data.draw(st.integers(0, 512)))
+    schedule = build_schedule(
+        plan_model(specs), bucket_bytes=data.draw(st.integers(1, 2048)), coalesce_bytes=data.draw(st.integers(0, 512))
+    )
     check_schedule(schedule)
 
 

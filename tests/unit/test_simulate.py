@@ -18,8 +18,9 @@ def _schedule(tensors: int = 1, bucket_bytes: int = 1 << 20):
     workers (ranks 2, 3) each keep it whole: 0 and 1 each send 64 bytes to 2 and to 3."""
     src = Layout(Mesh((2,)), (Shard(0),))
     dst = Layout(Mesh((2,), start_rank=2), (Replicate(),))
-    return build_schedule(plan_model([TensorSpec(f"w{i}", "float32", (8, 4), src, dst) for i in range(tensors)]),
-                          bucket_bytes)
+    return build_schedule(
+        plan_model([TensorSpec(f"w{i}", "float32", (8, 4), src, dst) for i in range(tensors)]), bucket_bytes
+    )
 
 
 def test_every_rank_on_its_own_node_is_bound_by_its_nic():
@@ -105,10 +106,26 @@ def test_relay_trades_the_trainers_copies_for_a_pipeline_tail():
 def test_auto_relays_when_the_byte_model_says_it_pays():
     four = _replicas(4, 8, 256, "auto")
     assert four.relay is not None
-    assert four.relay_choice == ("relay: busiest link 2.0 kB (rank 0) sent directly, 1.0 kB (rank 2) relayed over 4 "
-                                 "replicas plus a 3-bucket tail")
+    assert four.relay_choice == (
+        "relay: busiest link 2.0 kB (rank 0) sent directly, 1.0 kB (rank 2) relayed over 4 "
+        "replicas plus a 3-bucket tail"
+    )
     two = _replicas(2, 8, 256, "auto")
     assert two.relay is None and two.relay_choice.startswith("direct: busiest link")
     with pytest.raises(ValueError, match=r"^relay='on' needs destination tensors replicated over two or more engine"):
-        build_schedule(plan_model([TensorSpec("w", "float32", (8, 4), Layout(Mesh((2,)), (Shard(0),)),
-                                              Layout(Mesh((1, 2), start_rank=2), (Replicate(), Shard(0))))]), 256, 0, "on")
+        build_schedule(
+            plan_model(
+                [
+                    TensorSpec(
+                        "w",
+                        "float32",
+                        (8, 4),
+                        Layout(Mesh((2,)), (Shard(0),)),
+                        Layout(Mesh((1, 2), start_rank=2), (Replicate(), Shard(0))),
+                    )
+                ]
+            ),
+            256,
+            0,
+            "on",
+        )

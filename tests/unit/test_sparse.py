@@ -23,9 +23,15 @@ def _round_trip(code: int, cur: torch.Tensor, base: torch.Tensor, live: torch.Te
 
 
 @settings(max_examples=200, deadline=None)
-@given(rows=st.integers(1, 9), cols=st.integers(1, 9), density=st.floats(0, 1), code=st.sampled_from([INDICES, BITMAP, DENSE, BLOCKED]),
-       dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.int8, torch.float16]), strided=st.booleans(),
-       seed=st.integers(0, 1000))
+@given(
+    rows=st.integers(1, 9),
+    cols=st.integers(1, 9),
+    density=st.floats(0, 1),
+    code=st.sampled_from([INDICES, BITMAP, DENSE, BLOCKED]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.int8, torch.float16]),
+    strided=st.booleans(),
+    seed=st.integers(0, 1000),
+)
 def test_every_encoding_round_trips_into_strided_live_views(rows, cols, density, code, dtype, strided, seed):
     gen = torch.Generator().manual_seed(seed)
     base = (torch.randn(rows, cols, generator=gen) * 10).to(dtype)
@@ -36,7 +42,9 @@ def test_every_encoding_round_trips_into_strided_live_views(rows, cols, density,
     live.copy_(base)
     out = _round_trip(code, cur, base, live)
     dense = torch.contiguous_format
-    assert torch.equal(out.clone(memory_format=dense).view(torch.uint8), cur.clone(memory_format=dense).view(torch.uint8))
+    assert torch.equal(
+        out.clone(memory_format=dense).view(torch.uint8), cur.clone(memory_format=dense).view(torch.uint8)
+    )
     if strided:
         assert (holder[0] == 0).all() and (holder[cols + 1 :] == 0).all()
 
@@ -101,12 +109,15 @@ def test_payload_size_must_match_its_header():
         sparse_codec.decode(INDICES, 3, 8, torch.float32, torch.zeros(8, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("code, k, n, message", [
-    (7, 1, 4, "encoding code 7 is not 0, 1, 2 or 3"),
-    (INDICES, 5, 4, "indices header claims 5 changed of 4 elements"),
-    (DENSE, 2, 4, "dense header claims 2 changed of 4 elements"),
-    (BITMAP, -1, 4, "bitmap header claims -1 changed of 4 elements"),
-])
+@pytest.mark.parametrize(
+    "code, k, n, message",
+    [
+        (7, 1, 4, "encoding code 7 is not 0, 1, 2 or 3"),
+        (INDICES, 5, 4, "indices header claims 5 changed of 4 elements"),
+        (DENSE, 2, 4, "dense header claims 2 changed of 4 elements"),
+        (BITMAP, -1, 4, "bitmap header claims -1 changed of 4 elements"),
+    ],
+)
 def test_headers_are_bounded_by_the_plan(code, k, n, message):
     with pytest.raises(ValueError, match=message):
         check_count(code, k, n, "segment")
@@ -122,14 +133,14 @@ def test_a_bucket_diffs_overlapping_boxes_against_the_baseline_it_started_with()
     baseline = base.clone()
     rows = [(0, 32), (0, 32), (16, 48)]
     codes = [BLOCKED, BITMAP, INDICES]
-    found = sparse_codec.BucketChanges([(cur[a:b], baseline[a:b]) for a, b in rows],
-                                       [(0, (a, 0), (b - a, 300)) for a, b in rows])
+    found = sparse_codec.BucketChanges(
+        [(cur[a:b], baseline[a:b]) for a, b in rows], [(0, (a, 0), (b - a, 300)) for a, b in rows]
+    )
     payloads = []
     for i, ((a, b), code) in enumerate(zip(rows, codes)):
         changes = sparse_codec.Changes(cur[a:b], base[a:b])
         assert found.counts[i] == changes.count
-        payloads.append(torch.zeros(encoded_nbytes(code, cur[a:b].numel(), changes.count, 2),
-                                    dtype=torch.uint8))
+        payloads.append(torch.zeros(encoded_nbytes(code, cur[a:b].numel(), changes.count, 2), dtype=torch.uint8))
         found.encode(i, code, payloads[-1])
         reference = torch.zeros_like(payloads[-1])
         sparse_codec.encode(code, changes, reference)

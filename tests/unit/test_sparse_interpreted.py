@@ -17,6 +17,11 @@ import pytest
 def test_the_kernels_match_the_torch_codec_under_the_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("sparse_interpreted.py"))], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("sparse_interpreted.py"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

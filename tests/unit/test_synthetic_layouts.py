@@ -37,8 +37,16 @@ TRAINERS = 2
 BASE = dict(vocab=1030, hidden=64, layers=3, heads=8, kv_heads=2, head_dim=8, intermediate=64)
 """vocab 1030 pads to 1088 = 64 x 17 (vLLM's rule), not to a multiple of 64 x tp."""
 MOE = dict(experts=8, top_k=2, moe_intermediate=64)
-MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, shared_experts=1,
-           first_dense_layers=1, **MOE)
+MLA = dict(
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    shared_experts=1,
+    first_dense_layers=1,
+    **MOE,
+)
 MODELS: dict[str, ModelConfig] = {
     "llama": ModelConfig(family="llama", **BASE),
     "qwen2": ModelConfig(family="qwen2", qkv_bias=True, **BASE),
@@ -99,8 +107,11 @@ def _vllm_box(name: str, shape: tuple[int, ...], cfg: ModelConfig, par: Parallel
         return _chunk(shape, 0, par.tp, t, -(-cfg.vocab // 64) * 64 // par.tp)
     module = parts[-2]
     if "experts" in parts and parts[parts.index("experts") + 1].isdigit() and par.ep:  # FusedMoE, linear placement
-        return Box((0,) * len(shape), shape) if int(parts[parts.index("experts") + 1]) // (cfg.experts // par.tp) == t \
+        return (
+            Box((0,) * len(shape), shape)
+            if int(parts[parts.index("experts") + 1]) // (cfg.experts // par.tp) == t
             else None
+        )
     if module in ("k_proj", "v_proj") and par.tp > cfg.kv_heads:  # QKVParallelLinear: a head per tp / kv ranks
         return _chunk(shape, 0, cfg.kv_heads, t // (par.tp // cfg.kv_heads))
     if module in _COLUMN or module in ("k_proj", "v_proj"):
@@ -167,8 +178,11 @@ def test_a_tensor_no_rule_binds_is_refused():
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 ANCHORS = {  # config: (tensors, GB into each worker)
-    "plan_kimi_k2": (139_583, 65.50), "plan_deepseek_v3": (90_427, 85.14), "plan_qwen3_235b": (36_945, 58.96),
-    "plan_llama_70b_fleet": (723, 17.64), "plan_dense_8b": (291, 4.02),
+    "plan_kimi_k2": (139_583, 65.50),
+    "plan_deepseek_v3": (90_427, 85.14),
+    "plan_qwen3_235b": (36_945, 58.96),
+    "plan_llama_70b_fleet": (723, 17.64),
+    "plan_dense_8b": (291, 4.02),
 }
 
 

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
 from rl_sync.planning.plan import TensorSpec, plan_model
-from rl_sync.wire.plan_info import PlanInfo
 from rl_sync.planning.schedule import build_schedule
 from rl_sync.wire.codec import SCHEMA_VERSION, decode, encode
+from rl_sync.wire.plan_info import PlanInfo
 
 from .strategies import layouts, shapes
 
@@ -105,8 +105,12 @@ def test_random_bytes_only_raise_value_error(data):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=5) | st.binary(max_size=5),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=5) | st.binary(max_size=5),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    )
+)
 def test_random_well_formed_msgpack_only_raises_value_error(body):
     for cls in (Sample, PlanInfo):
         with pytest.raises(ValueError):
@@ -119,8 +123,11 @@ def test_plan_info_round_trip_rebuilds_the_same_schedule(data):
     specs = []
     for i in range(data.draw(st.integers(1, 4))):
         shape = data.draw(shapes())
-        specs.append(TensorSpec(f"layers.{i}.w", "bfloat16", shape,
-                                data.draw(layouts(shape)), data.draw(layouts(shape, start=64))))
+        specs.append(
+            TensorSpec(
+                f"layers.{i}.w", "bfloat16", shape, data.draw(layouts(shape)), data.draw(layouts(shape, start=64))
+            )
+        )
     schedule = build_schedule(plan_model(specs), bucket_bytes=data.draw(st.integers(1, 4096)))
     rebuilt = decode(PlanInfo, encode(PlanInfo.from_schedule(schedule), compress=True)).to_schedule()
     assert rebuilt.plan.specs == schedule.plan.specs
@@ -165,11 +172,14 @@ def test_a_message_of_too_many_items_is_refused_before_it_is_built():
         decode(PlanInfo, msgpack.packb({"schema": 1, "type": "PlanInfo", "zlib": True, "body": bomb}))
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("shapes", [[1 << 63]], r"PlanInfo.shapes\[0\]: ints must fit int64, got 9223372036854775808"),
-    ("cuts", [0, 1 << 64 - 1], r"PlanInfo.cuts: ints must fit int64"),
-    ("bucket_bytes", 1 << 63, r"PlanInfo.bucket_bytes: ints must fit int64"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("shapes", [[1 << 63]], r"PlanInfo.shapes\[0\]: ints must fit int64, got 9223372036854775808"),
+        ("cuts", [0, 1 << 64 - 1], r"PlanInfo.cuts: ints must fit int64"),
+        ("bucket_bytes", 1 << 63, r"PlanInfo.bucket_bytes: ints must fit int64"),
+    ],
+)
 def test_ints_past_int64_are_refused_by_name(field, value, message):
     body = _plan_body()
     body[field] = value
@@ -177,12 +187,17 @@ def test_ints_past_int64_are_refused_by_name(field, value, message):
         decode(PlanInfo, _envelope(body, type_name="PlanInfo"))
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda b: b.update(shapes=[[1 << 62]]), r"shape \(4611686018427387904,\) holds more than 2\*\*48 elements"),
-    (lambda b: b["layouts"][1].update(ranks=[1, (1 << 62)]), r"mesh ranks must be ints in \[0, 1048576\)"),
-    (lambda b: b["layouts"][1].update(mesh_shape=[1 << 21], ranks=[]),
-     r"mesh shape \(2097152,\) holds 2097152 ranks, more than the 1048576"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda b: b.update(shapes=[[1 << 62]]), r"shape \(4611686018427387904,\) holds more than 2\*\*48 elements"),
+        (lambda b: b["layouts"][1].update(ranks=[1, (1 << 62)]), r"mesh ranks must be ints in \[0, 1048576\)"),
+        (
+            lambda b: b["layouts"][1].update(mesh_shape=[1 << 21], ranks=[]),
+            r"mesh shape \(2097152,\) holds 2097152 ranks, more than the 1048576",
+        ),
+    ],
+)
 def test_huge_shapes_and_ranks_are_refused_when_the_plan_is_rebuilt(mutate, message):
     body = _plan_body()
     mutate(body)
@@ -193,7 +208,10 @@ def test_huge_shapes_and_ranks_are_refused_when_the_plan_is_rebuilt(mutate, mess
 def test_a_schedule_of_too_many_slabs_is_refused_at_once():
     fsdp = Layout(Mesh((2,)), (Shard(0),))
     plan = plan_model([TensorSpec("w", "bfloat16", (1 << 24, 1), fsdp, Layout(Mesh((2,), start_rank=2), (Shard(0),)))])
-    with pytest.raises(ValueError, match=r"^bucket_bytes=1 cuts this plan into 16777216 \(tensor, row band\) slabs, "
-                                         r"more than the 524288 a schedule may hold; raise bucket_bytes$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^bucket_bytes=1 cuts this plan into 16777216 \(tensor, row band\) slabs, "
+        r"more than the 524288 a schedule may hold; raise bucket_bytes$",
+    ):
         build_schedule(plan, bucket_bytes=1)
     assert build_schedule(plan, bucket_bytes=1 << 20).num_buckets == 16  # 16 MiB per rank in 1 MiB bands
