@@ -8,7 +8,8 @@
 `--quantize` times one trainer rank's whole quantize step (block amax, scales, FP8 values) over
 every projection of the model, against one device copy of the same bf16 bytes in the same
 run. `--colocated` pushes Llama-3-8B shapes through CUDA IPC into a bf16 worker and into an FP8
-one, `--nccl` the same over NCCL between two GPUs. `--e2e` runs bf16 FSDP2 trainers into bf16 and into FP8 (128 x 128 blocks) engines.
+one, `--nccl` the same over NCCL between two GPUs. `--e2e` runs bf16 FSDP2 trainers into bf16 and into FP8
+(128 x 128 blocks) engines.
 """
 
 from __future__ import annotations

@@ -112,8 +112,9 @@ def main() -> None:
         )
     m2n, bcast = next(iter(results.values())), results.get("broadcast baseline")
     ratio = f"; broadcast / M2N time: {bcast['rank_s'] / m2n['rank_s']:.2f}x" if bcast else ""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "GPU"
     show(
-        f"NCCL between two {torch.cuda.get_device_name() if torch.cuda.is_available() else 'GPUs'}s: 16 GB bf16, 8B shapes "
+        f"NCCL between two {gpu}s: 16 GB bf16, 8B shapes "
         f"(median of {args.repeat}){ratio}",
         ["case", "GB into the worker", "transfer ms", "round ms (with Ray RPC)", "GB/s per receiving GPU", "x raw p2p"],
         rows,

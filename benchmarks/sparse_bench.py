@@ -138,7 +138,8 @@ def e2e_table(repeat: int) -> Table:
     sync.push(mode="auto")
     params = sum(s.nbytes for s in specs) / 2
     table = Table(
-        title=f"CPU / Gloo, {params / 1e6:.0f}M bf16 parameters, 2 FSDP trainers -> TP2: sparse vs dense, and auto's choice"
+        title=f"CPU / Gloo, {params / 1e6:.0f}M bf16 parameters, 2 FSDP trainers -> TP2: sparse vs dense, and "
+        f"auto's choice"
     )
     for column in (
         "density",

@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -57,6 +58,10 @@ class _Entry:
     box: Box | None
 
 
+@overload
+def _fmt(template: str, groups: dict[str, str]) -> str: ...
+@overload
+def _fmt(template: str | None, groups: dict[str, str]) -> str | None: ...
 def _fmt(template: str | None, groups: dict[str, str]) -> str | None:
     return None if template is None else template.format(**groups)
 
@@ -165,7 +170,7 @@ class Binder:
         for name, (dtype, shape) in checkpoint.items():
             found = self.match(name)
             layout = None if found is None else self.layout(found[0], found[1], tuple(shape))
-            if layout is None:
+            if found is None or layout is None:
                 fallbacks.append(name)
                 continue
             rule, groups = found
@@ -198,30 +203,33 @@ class Binder:
         offsets = _slot_offsets(entries)
         out = {}
         for e in entries:
-            view, quantized = None, self._quantized(e)
+            view, block = None, self._block(e)
             if e.box is not None:
                 if e.target not in params:
                     raise ValueError(
                         f"worker rank {rank}: checkpoint tensor {e.name!r} binds to live parameter "
                         f"{e.target!r}, which this rank does not hold"
                     )
-                view = self._view(e, params[e.target], offsets.get(e.name, 0), rank, e.box, quantized)
-            if quantized:
-                out[e.name] = Destination(view, e.layout, e.shape, torch.float8_e4m3fn, block=self.cfg.fp8_block)
-                out[scale_name(e.name)] = self._scales(e, params, offsets.get(e.name, 0), rank)
+                view = self._view(e, params[e.target], offsets.get(e.name, 0), rank, e.box, block is not None)
+            if block is not None:
+                out[e.name] = Destination(view, e.layout, e.shape, torch.float8_e4m3fn, block=block)
+                out[scale_name(e.name)] = self._scales(e, params, block, offsets.get(e.name, 0), rank)
             else:
                 out[e.name] = Destination(view, e.layout, e.shape, e.dtype)
         return out
 
-    def _quantized(self, e: _Entry) -> bool:
-        """Whether this rank keeps this checkpoint tensor as block-quantized FP8 (`quantized`, for a
-        floating-point checkpoint tensor)."""
-        return self.quantized(e.rule, e.groups) and e.dtype.is_floating_point
+    def _block(self, e: _Entry) -> tuple[int, int] | None:
+        """The FP8 block size this rank keeps this checkpoint tensor quantized in (`quantized`, for a
+        floating-point checkpoint tensor), or None when it keeps it as is."""
+        quantized = self.quantized(e.rule, e.groups) and e.dtype.is_floating_point
+        return self.cfg.fp8_block if quantized else None
 
-    def _scales(self, e: _Entry, params: Mapping[str, torch.Tensor], slot_offset: int, rank: int) -> Destination:
+    def _scales(
+        self, e: _Entry, params: Mapping[str, torch.Tensor], block: tuple[int, int], slot_offset: int, rank: int
+    ) -> Destination:
         """The destination of a quantized tensor's block scales: its blocks of the live scale
         parameter (a fused slot's start, in blocks, is its start in rows over the block rows)."""
-        block, what = self.cfg.fp8_block, f"worker rank {rank}: {e.name!r}"
+        what = f"worker rank {rank}: {e.name!r}"
         layout, grid = dest_scale_layout(e.layout, e.shape, block, what), grid_shape(e.shape, block, what)
         box, view = layout.local_box(grid, rank), None
         if box is not None:
@@ -263,19 +271,20 @@ class Binder:
 
 def _slot_offsets(entries: list[_Entry]) -> dict[str, int]:
     """Offset of each fused slot along the fused dim: the local sizes of the slots before it."""
-    groups: dict[tuple[str, str | None], list[tuple[int, _Entry]]] = {}
+    groups: dict[tuple[str, str | None], list[tuple[int, str, int]]] = {}
     for e in entries:
         slots = next((s for suffix, s in FUSED.items() if e.target.endswith(suffix)), None)
         if slots is None or e.rule.slot is None or e.box is None:
             continue
         slot = _fmt(e.rule.slot, e.groups)
-        groups.setdefault((e.target, _fmt(e.rule.expert, e.groups)), []).append((slots.index(slot), e))
+        member = (slots.index(slot), e.name, e.box.sizes[0])
+        groups.setdefault((e.target, _fmt(e.rule.expert, e.groups)), []).append(member)
     offsets = {}
     for members in groups.values():
         cursor = 0
-        for _, e in sorted(members, key=lambda m: m[0]):
-            offsets[e.name] = cursor
-            cursor += e.box.sizes[0]
+        for _, name, rows in sorted(members, key=lambda m: m[0]):
+            offsets[name] = cursor
+            cursor += rows
     return offsets
 
 

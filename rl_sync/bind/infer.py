@@ -21,6 +21,7 @@ Typical use::
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -79,7 +80,9 @@ def _bound(boxes: Sequence[Box]) -> Box:
     return Box(tuple(lo), tuple(h - lo_ for lo_, h in zip(lo, hi)))
 
 
-def _stride(d: int, pieces: Sequence[Piece], grid, at: dict) -> int | None:
+def _stride(
+    d: int, pieces: Sequence[Piece], grid: list[list[tuple[int, int]]], at: dict[tuple[tuple[int, int], ...], Piece]
+) -> int | None:
     """The parameter stride of checkpoint dim `d`: read off a piece spanning it, else from the
     offsets of the two first pieces along it; `None` when they disagree or do not divide."""
     spans = {p.dst.strides[d] for p in pieces if p.src.sizes[d] > 1}
@@ -110,8 +113,9 @@ def merge_pieces(pieces: Sequence[Piece]) -> Merged | None:
     if grid is None:
         return None
     at = {tuple(zip(p.src.offsets, p.src.sizes)): p for p in pieces}
-    strides = [_stride(d, pieces, grid, at) for d in range(bound.ndim)]
-    if None in strides:
+    found = [_stride(d, pieces, grid, at) for d in range(bound.ndim)]
+    strides = [s for s in found if s is not None]
+    if len(strides) != len(found):
         return None
     base = at[tuple(intervals[0] for intervals in grid)].dst.offset
     for p in pieces:
@@ -120,8 +124,9 @@ def merge_pieces(pieces: Sequence[Piece]) -> Merged | None:
     return Merged(pieces[0].param, bound, Geometry(base, bound.sizes, tuple(strides)))
 
 
-def _holders(boxes: Sequence[Box | None]) -> list[int]:
-    return [r for r, b in enumerate(boxes) if b is not None and not b.is_empty()]
+def _holders(boxes: Sequence[Box | None]) -> dict[int, Box]:
+    """Each rank that holds a non-empty box, in rank order, with its box."""
+    return {r: b for r, b in enumerate(boxes) if b is not None and not b.is_empty()}
 
 
 def _matches(layout: Layout, shape: tuple[int, ...], boxes: Sequence[Box | None]) -> bool:
@@ -134,20 +139,20 @@ def _matches(layout: Layout, shape: tuple[int, ...], boxes: Sequence[Box | None]
     return True
 
 
-def _sharded_candidates(shape: tuple[int, ...], boxes: Sequence[Box | None], holders: list[int]) -> list[Layout]:
+def _sharded_candidates(shape: tuple[int, ...], holders: dict[int, Box]) -> list[Layout]:
     full = Box((0,) * len(shape), shape)
     dims = {
         d
-        for r in holders
+        for box in holders.values()
         for d in range(len(shape))
-        if (boxes[r].offsets[d], boxes[r].sizes[d]) != (full.offsets[d], full.sizes[d])
+        if (box.offsets[d], box.sizes[d]) != (full.offsets[d], full.sizes[d])
     }
     if len(dims) != 1:
         return []
     dim = dims.pop()
     groups: dict[tuple[int, int], list[int]] = {}
-    for r in holders:
-        groups.setdefault((boxes[r].offsets[dim], boxes[r].sizes[dim]), []).append(r)
+    for r, box in holders.items():
+        groups.setdefault((box.offsets[dim], box.sizes[dim]), []).append(r)
     ordered = [groups[k] for k in sorted(groups)]
     rep = len(ordered[0])
     if any(len(g) != rep for g in ordered):
@@ -165,7 +170,7 @@ def infer_layout(shape: Sequence[int], boxes: Sequence[Box | None]) -> Layout | 
     holders = _holders(boxes)
     if not holders:
         return None
-    candidates = [Layout(Mesh.from_ranks(holders), (Replicate(),))] + _sharded_candidates(shape, boxes, holders)
+    candidates = [Layout(Mesh.from_ranks(list(holders)), (Replicate(),))] + _sharded_candidates(shape, holders)
     for layout in candidates:
         try:
             if _matches(layout, shape, boxes):
@@ -188,7 +193,7 @@ def find_cuts(
         gaps, overlapping = [], False
         for rank_boxes in boxes:
             bands = sorted({(b.offsets[dim], b.ends[dim]) for b in rank_boxes})
-            for (_, end), (start, _) in zip(bands, bands[1:]):
+            for (_, end), (start, _) in itertools.pairwise(bands):
                 overlapping |= start < end
                 if start > end:
                     gaps.append((end, start))

@@ -23,7 +23,7 @@ MAX_VERSION = (1 << 63) - 1
 def check_version(version) -> int | None:
     if version is None:
         return None
-    if isinstance(version, bool) or isinstance(version, (str, bytes, float)):
+    if isinstance(version, (bool, str, bytes, float)):
         raise TypeError(f"push: version must be an int, got {version!r} ({type(version).__name__})")
     try:
         value = operator.index(version)

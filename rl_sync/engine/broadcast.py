@@ -113,7 +113,7 @@ def run_broadcast(
             else {}
         )
         if index in mine:
-            io = BucketIO(lambda _b, t: sources[t], lambda _b, t: views[t], dtypes)
+            io = BucketIO(lambda _b, t: sources[t], lambda _b, t, views=views: views[t], dtypes)
             ops = compile_bucket(mine[index], io, staging.get(0, staging_need(mine[index], io)))
             ops.label = f"gather bucket {index}"
             start_bucket(ops, transport)

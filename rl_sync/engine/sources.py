@@ -50,7 +50,8 @@ def _entry(
         return report, None
     if local is None or tuple(local.shape) != box.sizes:
         raise ValueError(
-            f"{side} rank {rank}: tensor {name!r} holds local shape {None if local is None else tuple(local.shape)} but its layout "
+            f"{side} rank {rank}: tensor {name!r} holds local shape "
+            f"{None if local is None else tuple(local.shape)} but its layout "
             f"{layout} gives this rank the box {box} of global shape {shape}; the rank order passed to "
             "WeightSync must match the ranks the layout names"
         )

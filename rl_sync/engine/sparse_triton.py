@@ -391,7 +391,7 @@ def _scan_kernel(table, counts, starts, flags, CHUNK: tl.constexpr, COLUMNS: tl.
     m = tl.load(row + RECV_M)
     first = tl.load(row + RECV_FIRST)
     limit = tl.load(row + RECV_LIMIT).to(tl.int32)
-    if tl.load(row + RECV_COUNTS) != 0:
+    if tl.load(row + RECV_COUNTS) != 0:  # noqa: SIM108 (a branch in the kernel: the pointers differ in type)
         source = _ptr(row, RECV_COUNTS, tl.int32)
     else:
         source = counts + first

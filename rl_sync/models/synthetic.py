@@ -134,7 +134,7 @@ def _mlp(
 
 def _layer(m: ModelConfig, i: int) -> Iterator[CheckpointTensor]:
     prefix, h = f"model.layers.{i}", m.hidden
-    dense = [(f"{prefix}.input_layernorm.weight", (h,))]
+    dense: list[tuple[str, tuple[int, ...]]] = [(f"{prefix}.input_layernorm.weight", (h,))]
     dense += list(_attention(m, f"{prefix}.self_attn"))
     dense += [(f"{prefix}.post_attention_layernorm.weight", (h,))]
     moe = m.experts and i >= m.first_dense_layers
@@ -196,11 +196,13 @@ def model_specs(model: ModelConfig, trainer: TrainerParallel, inference: Paralle
     binder, sources = Binder(model, inference), _Sources(model, trainer)
     side = range(trainer.ranks, trainer.ranks + inference.size)
     placed: dict[Layout, Layout] = {}
-    specs = []
+    specs: list[TensorSpec] = []
     for t in checkpoint_tensors(model):
         layout = binder.destination(t.name, t.shape)
         if layout not in placed:
             placed[layout] = layout.remapped(side)
-        fp8 = model.fp8_block is not None and binder.quantized(*binder.match(t.name))
+        found = binder.match(t.name)
+        assert found is not None, t.name  # `destination` raised for a tensor no rule binds
+        fp8 = model.fp8_block is not None and binder.quantized(*found)
         specs.extend(_specs(t, sources.of(t), placed[layout], model.fp8_block if fp8 else None))
     return specs

@@ -72,10 +72,10 @@ class TPModel:
 
     def weight(self, name: str) -> torch.Tensor:
         """A weight in the model's dtype (dequantized: value x its block's scale)."""
-        value, scales = self.params[name], self.params.get(name + LIVE_SCALE_SUFFIX)
-        if scales is None:
+        value, scales, block = self.params[name], self.params.get(name + LIVE_SCALE_SUFFIX), self.cfg.fp8_block
+        if scales is None or block is None:  # block is set wherever scales are (`_add_weight`)
             return value
-        (bn, bk), (n, k) = self.cfg.fp8_block, value.shape[-2:]
+        (bn, bk), (n, k) = block, value.shape[-2:]
         full = scales.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
         return (value.to(torch.float32) * full).to(self.dtype)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Replicate:
         return "R"
 
 
-Placement = Union[Shard, Replicate]
+Placement = Shard | Replicate
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def find_relay(plan: ModelPlan) -> Relay | None:
     if not tensors:
         return None
     chains: dict[int, list[int]] = {}
-    for rank, (entry, k) in sorted(where.items(), key=lambda item: item[1][1]):
+    for rank, (entry, _) in sorted(where.items(), key=lambda item: item[1][1]):
         chains.setdefault(entry, []).append(rank)
     return Relay({e: tuple(c) for e, c in chains.items()}, where, frozenset(tensors))
 

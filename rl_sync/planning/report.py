@@ -16,6 +16,7 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypedDict
 
 from ..models.config import ModelConfig, Parallel
 from ..models.synthetic import TrainerParallel, model_specs
@@ -107,7 +108,7 @@ def plan_report(
     step(STEPS[3])
     info = PlanInfo.from_schedule(schedule)
     blob, raw = encode(info, compress=True), encode(info)
-    busiest = max(stats.recv_bytes, key=stats.recv_bytes.get, default=0)
+    busiest = max(stats.recv_bytes, key=stats.recv_bytes.__getitem__, default=0)
     step(STEPS[4])
     begin = time.perf_counter()
     rebuilt = decode(PlanInfo, blob).to_schedule()
@@ -135,13 +136,22 @@ def plan_report(
     )
 
 
-def _predictions(schedule: Schedule, cfg: PlanReportConfig, links: LinkModel) -> dict:
+class _Predictions(TypedDict, total=False):
+    """`PlanReport`'s prediction fields, as `_predictions` fills them."""
+
+    prediction: Prediction
+    relay_prediction: Prediction
+    replicas: int
+
+
+def _predictions(schedule: Schedule, cfg: PlanReportConfig, links: LinkModel) -> _Predictions:
     """The round under `links` sent directly (`schedule`), and relayed when the plan has engine replicas."""
     plan = schedule.plan
-    out = {"prediction": predict(schedule, links, cfg.trainer.ranks)}
+    out: _Predictions = {"prediction": predict(schedule, links, cfg.trainer.ranks)}
     relayed = Schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes, relay=True)
     if relayed.relay is not None:
-        out.update(relay_prediction=predict(relayed, links, cfg.trainer.ranks), replicas=relayed.relay.replicas)
+        out["relay_prediction"] = predict(relayed, links, cfg.trainer.ranks)
+        out["replicas"] = relayed.relay.replicas
     return out
 
 
@@ -165,7 +175,8 @@ def format_report(name: str, r: PlanReport) -> str:
         ),
         (
             "plan message",
-            f"{r.message_bytes / 2**20:.2f} MiB to every rank ({r.uncompressed_message_bytes / 2**20:.2f} MiB uncompressed)",
+            f"{r.message_bytes / 2**20:.2f} MiB to every rank ({r.uncompressed_message_bytes / 2**20:.2f} MiB "
+            f"uncompressed)",
         ),
         (
             "rank expansion",

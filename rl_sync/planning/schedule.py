@@ -32,6 +32,7 @@ Typical use::
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -164,7 +165,7 @@ class Schedule:
     def _loads(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(slab, rank, bytes) of every rank's send + receive load in every slab."""
         slabs, ranks, loads = [], [], []
-        for template, tensors in self.routed.groups():
+        for _, tensors in self.routed.groups():
             for size in np.unique(self.routed.itemsizes[tensors]).tolist():
                 group = tensors[self.routed.itemsizes[tensors] == size]
                 table = np.concatenate(
@@ -190,7 +191,7 @@ class Schedule:
 
     def _check_cuts(self) -> None:
         cuts = self.cuts
-        if not cuts or cuts[0] != 0 or cuts[-1] != self.num_slabs or any(b <= a for a, b in zip(cuts, cuts[1:])):
+        if not cuts or cuts[0] != 0 or cuts[-1] != self.num_slabs or any(b <= a for a, b in itertools.pairwise(cuts)):
             raise ValueError(
                 f"bucket cuts must rise strictly from 0 to the slab count {self.num_slabs}, got {cuts[:8]}..."
             )

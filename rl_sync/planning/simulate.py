@@ -110,7 +110,7 @@ def transfer_table(schedule: Schedule) -> TransferTable:
     what entry rank e receives in bucket j crosses from chain[k - 1] to chain[k] in bucket j + k)."""
     plan, relayed = schedule.routed, []
     out: tuple[list[np.ndarray], ...] = ([], [], [], [])
-    for template, tensors in plan.groups():
+    for _, tensors in plan.groups():
         src_table, dst_table = plan.rank_table(tensors, "src"), plan.rank_table(tensors, "dst")
         for b, band in enumerate(schedule.bands[int(tensors[0])]):
             buckets = np.searchsorted(schedule.cuts, schedule.slab_start[tensors] + b, side="right") - 1

@@ -182,7 +182,7 @@ def build_template(key: TemplateKey) -> Template:
     dst_layout = Layout(Mesh(key.dst_shape), key.dst_placements)
     grid, ndim = _SourceGrid(key.shape, src_layout), len(key.shape)
     src_boxes = src_layout.all_boxes(key.shape)
-    overlap = dict((d, s) for s, d in key.overlap)
+    overlap = {d: s for s, d in key.overlap}
     blocks: list[tuple[np.ndarray, ...]] = []
     local: list[tuple[int, int, Box]] = []
     needed_of: dict[tuple[Box, Box | None], _Needed] = {}

@@ -195,7 +195,7 @@ class WorkerRank(Participant):
         unknown = [n for n in patches if n not in views]
         if unknown:
             raise ValueError(f"patches name tensors {unknown[:4]} this worker does not keep")
-        for name, (index, values) in patches.items():
+        for name, (index, _) in patches.items():
             view = views[name].tensor
             if index.numel() and (int(index.min()) < 0 or int(index.max()) >= view.numel()):
                 raise ValueError(f"patch for {name!r} indexes outside this worker's {tuple(view.shape)} box")

@@ -94,7 +94,10 @@ class AutoPolicy:
                 "dense", f"measuring the dense engine (sparse {sparse:.3f} s predicted, no dense round measured)"
             )
         dense = self.rate["dense"] * dense_bytes
-        figures = f"sparse {sparse:.3f} s against dense {dense:.3f} s predicted (the last sparse round sent {self.wire:.1%} of dense)"
+        figures = (
+            f"sparse {sparse:.3f} s against dense {dense:.3f} s predicted "
+            f"(the last sparse round sent {self.wire:.1%} of dense)"
+        )
         if dense < MIN_DECIDING_S:
             return Choice(
                 "sparse",

@@ -80,7 +80,7 @@ class Transport(ABC):
     def barrier(self, deadline: float) -> None:
         """Block until every rank of the group reaches the barrier."""
 
-    def finish(self, deadline: float) -> None:
+    def finish(self, deadline: float) -> None:  # noqa: B027 (optional hook: a no-op unless overridden)
         """Block the host until everything posted has completed, and run the checks that close
         a round (digests); call it at the end of every round."""
 
@@ -96,11 +96,11 @@ class Transport(ABC):
         they change. Empty for transports that only move bytes between ranks."""
         return {}
 
-    def begin_round(self) -> None:
+    def begin_round(self) -> None:  # noqa: B027 (optional hook: a no-op unless overridden)
         """Order this rank's writes of a round after what must precede them (a colocated worker's
         last reads of its old weights); the engine calls it before a round's first operation."""
 
-    def end_round(self) -> None:
+    def end_round(self) -> None:  # noqa: B027 (optional hook: a no-op unless overridden)
         """Hand a round's writes to whoever reads them next (a colocated worker); the engine calls
         it once a round has succeeded."""
 

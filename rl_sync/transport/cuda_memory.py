@@ -77,6 +77,14 @@ def _attr(ptr: int, name: str) -> int | None:
     return int(value) if err == cu.CUresult.CUDA_SUCCESS else None
 
 
+def _known_attr(ptr: int, name: str) -> int:
+    """A pointer attribute of memory known to be mapped at `ptr`; RuntimeError if the driver has none."""
+    value = _attr(ptr, name)
+    if value is None:
+        raise RuntimeError(f"cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_{name}) failed for mapped address {ptr:#x}")
+    return value
+
+
 def buffer_id(ptr: int) -> int | None:
     """The id of the memory backing `ptr` now, or None if nothing is mapped there."""
     return _attr(ptr, "BUFFER_ID")
@@ -86,7 +94,8 @@ def backing(ptr: int, what: str) -> Backing:
     """The allocation or mapping that holds `ptr`; `IpcUnavailable` for memory no other process
     can map (`what` names the tensor in the message)."""
     if _attr(ptr, "IS_LEGACY_CUDA_IPC_CAPABLE"):
-        return Backing("legacy", _attr(ptr, "RANGE_START_ADDR"), _attr(ptr, "RANGE_SIZE"), buffer_id(ptr))
+        start, size = _known_attr(ptr, "RANGE_START_ADDR"), _known_attr(ptr, "RANGE_SIZE")
+        return Backing("legacy", start, size, _known_attr(ptr, "BUFFER_ID"))
     if _attr(ptr, "MEMPOOL_HANDLE"):
         raise IpcUnavailable(
             f"{what} is in a stream-ordered CUDA memory pool (cudaMallocAsync, e.g. "
@@ -103,7 +112,7 @@ def backing(ptr: int, what: str) -> Backing:
             f"handle type (allowed handle types: {types}), as vLLM's sleep-mode allocator allocates; "
             f"no other process can map it"
         )
-    return Backing("vmm", int(base), int(size), buffer_id(ptr))
+    return Backing("vmm", int(base), int(size), _known_attr(ptr, "BUFFER_ID"))
 
 
 def backings(ptr: int, nbytes: int, what: str) -> list[Backing]:

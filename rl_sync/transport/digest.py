@@ -47,7 +47,7 @@ import hashlib
 import hmac
 import struct
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -96,8 +96,8 @@ class Digester:
         if bufs and bufs[0].is_cuda:
             words = self.reduce(bufs)
             device_ready(bufs[0].device, deadline, "digest")
-            return self.seal(src, dst, seq, lengths, [memoryview(words.cpu().numpy())])
-        return self.seal(src, dst, seq, lengths, [memoryview(b.detach().numpy()) for b in bufs])
+            return self.seal(src, dst, seq, lengths, [words.cpu().numpy().data])
+        return self.seal(src, dst, seq, lengths, [b.detach().numpy().data for b in bufs])
 
     def _keys(self, device: torch.device) -> list[torch.Tensor]:
         if device not in self._nh_keys:
@@ -131,6 +131,12 @@ class _Transfer:
     """CUDA: NH words still on the device (the tag is made at `finish`)."""
     tag: bytes | None = None
 
+    @property
+    def sealed(self) -> bytes:
+        """The tag, which `finish` has made by the time it reads it."""
+        assert self.tag is not None, f"{self.label}: tag read before it was made"
+        return self.tag
+
 
 def _by_peer(pairs: Iterable[tuple[int, T]]) -> dict[int, list[T]]:
     """The values of (peer, value) pairs grouped by peer, in order; peers in order of first appearance."""
@@ -141,7 +147,7 @@ def _by_peer(pairs: Iterable[tuple[int, T]]) -> dict[int, list[T]]:
 
 
 class _DigestedPending(Pending):
-    def __init__(self, inner: Pending, digest):
+    def __init__(self, inner: Pending, digest: Callable[[float], None] | None):
         self.inner, self.digest = inner, digest
 
     def wait(self, deadline: float) -> None:
@@ -193,7 +199,7 @@ class DigestTransport(Transport):
         self._seal(sent, received, deadline)
         expected = _by_peer((t.peer, t) for t in received)
         outgoing = [
-            (peer, self._tag_tensor(b"".join(t.tag for t in ts)))
+            (peer, self._tag_tensor(b"".join(t.sealed for t in ts)))
             for peer, ts in _by_peer((t.peer, t) for t in sent).items()
         ]
         incoming = [
@@ -205,21 +211,21 @@ class DigestTransport(Transport):
         for (peer, buf), transfers in zip(incoming, expected.values()):
             got = bytes(buf.cpu().numpy())
             for i, transfer in enumerate(transfers):
-                if not hmac.compare_digest(got[TAG_BYTES * i : TAG_BYTES * (i + 1)], transfer.tag):
+                if not hmac.compare_digest(got[TAG_BYTES * i : TAG_BYTES * (i + 1)], transfer.sealed):
                     self._fail(f"{transfer.label or 'a bucket'} from rank {peer} (transfer {transfer.seq})")
 
     def _seal(self, sent: list[_Transfer], received: list[_Transfer], deadline: float) -> None:
         """Make the tags still missing (CUDA: one copy of every transfer's NH words to the host)."""
-        pending = [t for t in sent + received if t.tag is None]
+        pending = [(t, t.words) for t in sent + received if t.words is not None]
         if not pending:
             return
         device_ready(self.device, deadline, f"rank {self.rank}: digest")
-        host = torch.cat([t.words for t in pending]).cpu().numpy()
+        host = torch.cat([words for _, words in pending]).cpu().numpy()
         start = 0
-        for t in pending:
-            words = host[start : start + t.words.numel()]
-            start += t.words.numel()
-            t.tag, t.words = self.digester.seal(t.src, t.dst, t.seq, t.lengths, [memoryview(words)]), None
+        for t, words in pending:
+            chunk = host[start : start + words.numel()]
+            start += words.numel()
+            t.tag, t.words = self.digester.seal(t.src, t.dst, t.seq, t.lengths, [chunk.data]), None
 
     def _tag_tensor(self, tag: bytes) -> torch.Tensor:
         return torch.frombuffer(bytearray(tag), dtype=torch.uint8).to(self.device)

@@ -18,6 +18,7 @@ Typical use::
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import os
 import secrets
@@ -92,10 +93,8 @@ class FdOffer:
 
     def close(self) -> None:
         """Stop offering and close what was not served (waits for the serving thread)."""
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
         self._thread.join(timeout=5)
 

@@ -16,6 +16,7 @@ registry, or builds one directly. Typical use::
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class GlooRendezvous:
 
 
 class _GlooPending(Pending):
-    def __init__(self, works: list[tuple[int, object]], rank: int):
+    def __init__(self, works: list[tuple[int, dist.Work]], rank: int):
         self.works, self.rank = works, rank
         """(peer, work) of every transfer still in flight."""
 
@@ -65,7 +66,7 @@ class PeerError(ConnectionError):
     """Transfers with these peers failed or timed out (a dead peer, a link down, a stall)."""
 
 
-def _finished(work, seconds: float, what: str) -> None:
+def _finished(work: dist.Work, seconds: float, what: str) -> None:
     """Wait for one Gloo work. Nothing here keeps a reference to it once it fails: Gloo closes a
     group's connections (which is what makes peers fail at once) only when the last work of the
     aborted group is gone, and a failed wait's frame lives on in the traceback."""
@@ -73,8 +74,8 @@ def _finished(work, seconds: float, what: str) -> None:
         raise TimeoutError(f"{what} did not complete in time")
 
 
-def _group(store, prefix: str, rank: int, size: int, bind_host: str, timeout_s: float):
-    options = dist.ProcessGroupGloo._Options()
+def _group(store: dist.Store, prefix: str, rank: int, size: int, bind_host: str, timeout_s: float) -> dist.ProcessGroupGloo:
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs lack the runtime's _Options
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
     options._timeout = timedelta(seconds=timeout_s)
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
@@ -127,7 +128,7 @@ class GlooTransport(Transport):
     def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
         check_ops(sends, self.world_size, self.rank, "send")
         check_ops(recvs, self.world_size, self.rank, "receive")
-        works = []
+        works: list[tuple[int, dist.Work]] = []
         for ops, start in ((sends, self.pg.send), (recvs, self.pg.recv)):
             counts: dict[int, int] = {}
             for peer, buf in ops:
@@ -164,10 +165,8 @@ class GlooTransport(Transport):
         self._closed = True
         for group in (self.pg, self.bcast):
             if group is not None:
-                try:
+                with contextlib.suppress(RuntimeError):  # already broken: dropping it below is all that is left
                     getattr(group, how)()
-                except RuntimeError:
-                    pass  # already broken: dropping it below is all that is left to do
         self.pg = self.bcast = None
         gc.collect()
         self._store.close()

@@ -22,6 +22,7 @@ Typical use::
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +43,11 @@ class Entry:
     """Over the engine's ranks `[0, size)`."""
     merged: Merged | None
     """This rank's box and its view of one parameter; None where the rank keeps none."""
+
+
+def _inside(box: Box, dim: int, start: int, stop: int) -> bool:
+    """Whether `box` lies within `[start, stop)` along `dim`."""
+    return start <= box.offsets[dim] and box.ends[dim] <= stop
 
 
 def _box(raw) -> Box:
@@ -89,15 +95,14 @@ def _parts(
     dim, cuts = found
     bounds = [0, *cuts, shape[dim]]
     entries = []
-    for start, stop in zip(bounds, bounds[1:]):
-        inside = lambda b: start <= b.offsets[dim] and b.ends[dim] <= stop  # noqa: E731
-        rank_boxes = [[_box(raw) for raw in r[2] if inside(_box(raw))] for r in reports]
+    for start, stop in itertools.pairwise(bounds):
+        rank_boxes = [[_box(raw) for raw in r[2] if _inside(_box(raw), dim, start, stop)] for r in reports]
         sub_shape = part_shape(shape, dim, start, stop)
         per_rank = [None if not bs else _bound_in_part(bs, dim, start) for bs in rank_boxes]
         layout = infer_layout(sub_shape, per_rank)
         if layout is None:
             return None
-        mine = [_shift(p, dim, start) for p in pieces if inside(p.src)]
+        mine = [_shift(p, dim, start) for p in pieces if _inside(p.src, dim, start, stop)]
         entries.append(
             Entry(part_name(name, dim, start, stop), name, sub_shape, layout, merge_pieces(mine) if mine else None)
         )

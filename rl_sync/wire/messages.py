@@ -82,7 +82,8 @@ class InitInfo:
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size or not 0 < self.num_trainers <= self.world_size:
             raise ValueError(
-                f"InitInfo: rank {self.rank}, {self.num_trainers} trainers and world size {self.world_size} are inconsistent"
+                f"InitInfo: rank {self.rank}, {self.num_trainers} trainers and world size {self.world_size} "
+                "are inconsistent"
             )
         if not self.worker_ranks or not all(0 <= r < self.world_size for r in self.worker_ranks):
             raise ValueError(f"InitInfo: worker ranks {self.worker_ranks} must be non-empty and inside the group")

@@ -100,6 +100,6 @@ class RoundStats:
         return (
             f"rl-sync round {self.version} [{self.mode}]: {self.seconds:.3f} s, busiest trainer sent "
             f"{self.busiest_sender_bytes / 1e6:.1f} MB, busiest worker received "
-            f"{self.worker_received_bytes / 1e6:.1f} MB ({self.gbps:.2f} GB/s), staging {self.staging_bytes / 1e6:.1f} MB"
-            + (f"; {self.reason}" if self.reason else "")
+            f"{self.worker_received_bytes / 1e6:.1f} MB ({self.gbps:.2f} GB/s), "
+            f"staging {self.staging_bytes / 1e6:.1f} MB" + (f"; {self.reason}" if self.reason else "")
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ def ray_session():
 
 def loopback_config(**overrides) -> SyncConfig:
     """A SyncConfig bound to 127.0.0.1 with short timeouts."""
-    values = dict(
+    loopback = SyncConfig(
         rendezvous_host="127.0.0.1",
         bind_host="127.0.0.1",
         init_timeout_s=60.0,
@@ -37,5 +38,4 @@ def loopback_config(**overrides) -> SyncConfig:
         bucket_bytes=1 << 16,
         coalesce_bytes=1 << 12,
     )
-    values.update(overrides)
-    return SyncConfig(**values)
+    return replace(loopback, **overrides)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import ray
 import torch
 
@@ -73,7 +75,7 @@ class Group:
         self.workers = POOL.take(
             Worker, [(j, num_workers, worker_build(worker_recipes or recipes)) for j in range(num_workers)]
         )
-        self.sync = None
+        self.sync: WeightSync | None = None
         self.config = loopback_config(**config)
 
     def __enter__(self):
@@ -81,10 +83,8 @@ class Group:
 
     def __exit__(self, *exc):
         if self.sync is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self.sync.close()
-            except Exception:
-                pass
         POOL.give_back(Trainer, self.trainers)
         POOL.give_back(Worker, self.workers)
 

@@ -98,13 +98,15 @@ def test_workers_that_disagree_fail_init_naming_the_tensor(ray_session, other, m
 
 def test_trainer_and_worker_dtypes_must_be_a_float_cast(ray_session):
     worker_side = [Recipe("w", torch.float8_e4m3fn, (8, 6), FSDP2, TP2), W[1]]
-    with Group(W, 2, 2, worker_recipes=worker_side) as g:
-        with pytest.raises(
+    with (
+        Group(W, 2, 2, worker_recipes=worker_side) as g,
+        pytest.raises(
             ValueError,
             match=r"tensor 'w': source dtype 'bfloat16' and destination dtype 'float8_e4m3fn' "
             r"disagree; senders cast only between \['bfloat16', 'float16', 'float32', 'float64'\]",
-        ):
-            g.connect()
+        ),
+    ):
+        g.connect()
 
 
 def test_a_rank_that_raises_names_rank_round_and_tensor_and_nothing_hangs(ray_session):
@@ -120,8 +122,8 @@ def test_a_rank_that_raises_names_rank_round_and_tensor_and_nothing_hangs(ray_se
         text = str(info.value)
         assert "round 2 (m2n) failed on" in text
         assert (
-            "trainer 0 (rank 0): BucketError: rank 0, round 2 (m2n): ValueError: rank 0: the plan needs source tensor 'w' here"
-            in text
+            "trainer 0 (rank 0): BucketError: rank 0, round 2 (m2n): ValueError: rank 0: "
+            "the plan needs source tensor 'w' here" in text
         )
         assert "worker 0 (rank 2): BucketError: rank 2, round 2 (m2n), bucket 0 (tensors 'w', 'b')" in text
         assert sync.versions() == [None, None]  # torn by the failed round

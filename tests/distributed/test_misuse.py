@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import get_args
+from typing import Any, get_args
 
 import pytest
 import ray
@@ -30,7 +30,7 @@ from .harness import Group
 from .recipes import as_bytes, expected, full_value, read_all
 from .test_failures import W, _move_destination, _swap_storage
 
-BAD_PUSHES = [
+BAD_PUSHES: list[tuple[dict[str, Any], type[Exception]]] = [  # Any: the arguments are ill-typed on purpose
     (dict(names="wb"), TypeError),
     (dict(names=[]), ValueError),
     (dict(names=["nope"]), ValueError),
@@ -53,8 +53,8 @@ def _mend_sources(actor) -> None:
 class Driver:
     """One group and the version its trainers are at; checks the invariant after each action."""
 
-    def __init__(self, g: Group):
-        self.g, self.sync, self.trained = g, g.sync, 0
+    def __init__(self, g: Group, sync: WeightSync):
+        self.g, self.sync, self.trained = g, sync, 0
 
     def push(self, mode: str) -> None:
         self.trained += 1
@@ -176,8 +176,7 @@ EXPLORE = int(os.environ.get("RL_SYNC_MISUSE_EXAMPLES", "0"))
 @given(actions=st.lists(ACTIONS, min_size=6, max_size=10), double_buffer=st.booleans())
 def test_random_misuse_never_reports_wrong_weights_or_waits_past_its_budget(ray_session, actions, double_buffer):
     with Group(W, 2, 2, init_timeout_s=10.0, round_timeout_s=4.0, double_buffer=double_buffer) as g:
-        g.connect()
-        driver = Driver(g)
+        driver = Driver(g, g.connect())
         driver.push("m2n")
         for action, *args in actions:
             start = time.monotonic()

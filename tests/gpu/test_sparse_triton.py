@@ -176,7 +176,7 @@ def test_a_bucket_of_mixed_widths_and_encodings_round_trips_and_names_its_one_ba
         [(c.clone(), b.clone()) for c, b in pairs], [(i, (0, 0), (40, 9000)) for i in range(5)]
     )
     payloads = []
-    for i, ((dtype, code, _), (cur, base)) in enumerate(zip(specs, pairs)):
+    for i, ((_, code, _), (cur, base)) in enumerate(zip(specs, pairs)):
         k_ref, ref = _reference(code, cur, base)
         assert found.counts[i] == k_ref
         payloads.append(torch.zeros_like(ref))

@@ -19,6 +19,7 @@ Typical use::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -195,10 +196,8 @@ class NetnsCluster:
         """Kill every process in node's namespace (a node that stops dead)."""
         pids = _ip("ip", "netns", "pids", self.ns(node), check=False).stdout.split()
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
 
     def close(self) -> None:
         """Kill every process in the namespaces, delete them and the temp dir (bounded)."""

@@ -25,7 +25,7 @@ def layouts(
     placement = (
         st.one_of(st.just(Replicate()), st.integers(0, max(0, ndim - 1)).map(Shard)) if ndim else st.just(Replicate())
     )
-    placements = list(draw(placement) for _ in mesh_shape)
+    placements = [draw(placement) for _ in mesh_shape]
     for axis, p in enumerate(placements):
         alone = sum(isinstance(q, Shard) and q.dim == getattr(p, "dim", -1) for q in placements) == 1
         if blocks and isinstance(p, Shard) and alone and draw(st.booleans()):

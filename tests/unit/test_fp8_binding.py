@@ -103,6 +103,6 @@ def test_hugging_face_quantization_configs():
     assert _fp8_block(None) is None
     with pytest.raises(
         ValueError,
-        match="quantization_config .* is not supported; expected quant_method 'fp8' with a weight_block_size",
+        match=r"quantization_config .* is not supported; expected quant_method 'fp8' with a weight_block_size",
     ):
         _fp8_block({"quant_method": "awq", "bits": 4})

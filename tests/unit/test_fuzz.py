@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import msgpack
@@ -127,10 +128,8 @@ def test_every_field_corrupted_is_refused_with_its_name(sample):
 def test_random_byte_corruption_only_raises_value_error(index, sample, bits):
     blob = bytearray(encode(sample))
     blob[index % len(blob)] ^= bits or 1
-    try:
+    with contextlib.suppress(ValueError):
         decode(type(sample), bytes(blob))
-    except ValueError:
-        pass
 
 
 @settings(max_examples=300, deadline=None)

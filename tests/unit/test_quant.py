@@ -275,8 +275,8 @@ def test_integer_sources_and_missing_scales_are_refused():
     shape, dst = (256, 256), workers((2,), (Shard(0),), 2)
     with pytest.raises(
         ValueError,
-        match="tensor 'w': the destination keeps it as block-quantized float8_e4m3fn, "
-        "which needs a floating-point source .* the trainers hold int32",
+        match=r"tensor 'w': the destination keeps it as block-quantized float8_e4m3fn, "
+        r"which needs a floating-point source .* the trainers hold int32",
     ):
         _plan(shape, fsdp(2), dst, (128, 128), dtype="int32")
     with pytest.raises(ValueError, match=r"so it must bind 'w::scale_inv' as float32 \(2, 2\); it binds nothing"):

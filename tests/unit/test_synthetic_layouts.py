@@ -33,11 +33,40 @@ from rl_sync.planning.quant import scale_name
 from rl_sync.planning.report import PlanReportConfig
 from rl_sync.wire.dtypes import itemsize
 
+
+class _Base(typing.TypedDict):
+    """`ModelConfig` keywords every family shares (TypedDicts so `**` unpacking stays type-checked)."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+
+class _Moe(typing.TypedDict):
+    experts: int
+    top_k: int
+    moe_intermediate: int
+
+
+class _Mla(_Moe):
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    shared_experts: int
+    first_dense_layers: int
+
+
 TRAINERS = 2
-BASE = dict(vocab=1030, hidden=64, layers=3, heads=8, kv_heads=2, head_dim=8, intermediate=64)
+BASE = _Base(vocab=1030, hidden=64, layers=3, heads=8, kv_heads=2, head_dim=8, intermediate=64)
 """vocab 1030 pads to 1088 = 64 x 17 (vLLM's rule), not to a multiple of 64 x tp."""
-MOE = dict(experts=8, top_k=2, moe_intermediate=64)
-MLA = dict(
+MOE = _Moe(experts=8, top_k=2, moe_intermediate=64)
+MLA = _Mla(
     q_lora_rank=16,
     kv_lora_rank=16,
     qk_nope_head_dim=8,
@@ -54,10 +83,10 @@ MODELS: dict[str, ModelConfig] = {
     "qwen3_moe": ModelConfig(family="qwen3_moe", qk_norm=True, first_dense_layers=1, **BASE, **MOE),
     "mixtral": ModelConfig(family="mixtral", **BASE, **MOE),
     "deepseek_v3": ModelConfig(family="deepseek_v3", **BASE, **MLA),
-    "deepseek_v3-no-q-lora": ModelConfig(family="deepseek_v3", **BASE, **{**MLA, "q_lora_rank": 0}),
-    "deepseek_v3-no-shared": ModelConfig(family="deepseek_v3", **BASE, **{**MLA, "shared_experts": 0}),
-    "deepseek_v3-2-shared": ModelConfig(family="deepseek_v3", **BASE, **{**MLA, "shared_experts": 2}),
-    "deepseek_v3-all-moe": ModelConfig(family="deepseek_v3", **BASE, **{**MLA, "first_dense_layers": 0}),
+    "deepseek_v3-no-q-lora": ModelConfig(family="deepseek_v3", **BASE, **(MLA | {"q_lora_rank": 0})),
+    "deepseek_v3-no-shared": ModelConfig(family="deepseek_v3", **BASE, **(MLA | {"shared_experts": 0})),
+    "deepseek_v3-2-shared": ModelConfig(family="deepseek_v3", **BASE, **(MLA | {"shared_experts": 2})),
+    "deepseek_v3-all-moe": ModelConfig(family="deepseek_v3", **BASE, **(MLA | {"first_dense_layers": 0})),
 }
 
 
