@@ -60,11 +60,11 @@ class Changes:
         cur_words, base_words = _words(self.cur), _words(self.base)
         if cur_words is not None and base_words is not None:
             differ = cur_words != base_words
-            if int(differ.sum()) * SPARSE_WORDS <= differ.numel():
+            if int(torch.count_nonzero(differ)) * SPARSE_WORDS <= differ.numel():
                 self._index = _inside(torch.nonzero(differ).reshape(-1), (cur_words, base_words), cur)
         if self._index is None:
             self._mask = changed(self.cur, self.base)
-            self.count = int(self._mask.sum())  # the one host sync of a sparse encode on a GPU
+            self.count = int(torch.count_nonzero(self._mask))  # the one host sync of a sparse encode on a GPU
         else:
             self.count = self._index.numel()
 
