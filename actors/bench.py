@@ -86,13 +86,14 @@ def run(cfg: BenchConfig, console: Console | None = None) -> dict[str, list[Roun
                 rounds[mode] = []
                 for i in range(cfg.repeat):
                     if mode in ("sparse", "auto"):
-                        ray.get([a.call.remote(perturb, cfg.density, i) for a in trainers])
+                        steps = [a.call.remote(perturb, cfg.density, i) for a in trainers]
+                        ray.get(steps)
                     rounds[mode].append(sync.push(mode=mode))
                     progress.advance(task)
         sync.close()
     finally:
         for actor in trainers + workers:
-            ray.kill(actor)
+            ray.kill(actor)  # type: ignore[arg-type]  # Ray's ActorProxy
         placement.remove()
     params = sum(s.nbytes for s in specs) / 2
     console.print(

@@ -65,7 +65,7 @@ class Budget:
             gather(members, call, self.budget.left(step_timeout_s), what)
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._deadline: tuple[float, float, str] | None = None
 
     @contextmanager

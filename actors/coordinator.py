@@ -23,11 +23,13 @@ import socket
 import time
 import uuid
 from dataclasses import replace
+from typing import cast
 
 import ray
+import torch
 
 from rl_sync.config.push_args import check_mode, repeated_names
-from rl_sync.config.sync import Mode, SyncConfig
+from rl_sync.config.sync import Integrity, Mode, SyncConfig
 from rl_sync.planning.parts import parse_part, sharded_dims
 from rl_sync.planning.plan import SideSpec, join_specs, plan_model
 from rl_sync.planning.quant import scale_name, scaled_name
@@ -299,7 +301,7 @@ class Coordinator:
             prefix=f"rl-sync-{uuid.uuid4().hex[:12]}",
             timeout_s=cfg.round_timeout_s,
             sparse_baseline=cfg.sparse_baseline,
-            integrity=cfg.integrity,
+            integrity=cast(Integrity, cfg.integrity),  # one of them: SyncConfig.__post_init__ checked
             interface=cfg.interface or "",
             secret=self._secret,
         )
@@ -416,22 +418,22 @@ class Coordinator:
         with self.budget.within(budget_s, "push"):
             return self._push(version, names, mode)
 
-    def _push(self, version: int | None, names: list[str] | None, mode: str | None) -> RoundStats:
-        self._check_push(version, self._plan_names(names), mode)  # a refused push repairs nothing
+    def _push(self, version: int | None, asked_names: list[str] | None, asked_mode: str | None) -> RoundStats:
+        self._check_push(version, self._plan_names(asked_names), asked_mode)  # a refused push repairs nothing
         if self.broken is not None:
             if not self.config.auto_repair:
                 raise SyncError(f"the sync group is broken by an earlier failure ({self.broken}); call repair()")
             self._repair()
-        names = self._plan_names(names)
-        version, mode = self._check_push(version, names, mode)
+        planned = self._plan_names(asked_names)
+        version, mode = self._check_push(version, planned, asked_mode)
         mode, reason = self.refresh.round_mode(mode)
         start = time.perf_counter()
         if self.ipc and self._ipc_begin(f"round {version} (CUDA IPC)"):
             self.refresh.memory_moved()
         full = self.refresh.full_round(mode)
         if full is not None:
-            names, (mode, reason) = None, full
-        names = None if names is None else tuple(names)
+            planned, (mode, reason) = None, full
+        names = None if planned is None else tuple(planned)
         dense_bytes = self._dense_bytes(names)
         if mode == "auto":
             choice = self.auto.choose(dense_bytes)
@@ -468,7 +470,7 @@ class Coordinator:
             sent = sum(r.sent_bytes for r in stats.ranks if r.role != "worker")
             self.auto.record(RoundCost("sparse", stats.seconds, dense_bytes, sent / max(1, stats.dense_bytes)))
 
-    def _run_round(self, blob: bytes, version: int, names, what: str) -> list[RankStats]:
+    def _run_round(self, blob: bytes, version: int, names: tuple[str, ...] | None, what: str) -> list[RankStats]:
         """The round's steps, each bounded by the round timeout (plus 5 s for the ranks to report)
         and by what the push's budget has left."""
         step = self.config.round_timeout_s + 5
@@ -539,7 +541,7 @@ class Coordinator:
         for patch in patches:
             spec = plan.specs[plan.index[patch.name]]
             checked[patch.name] = (spec, *check_patch(patch, spec.dtype, spec.shape))
-        per_worker = [{} for _ in self.worker_ranks]
+        per_worker: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self.worker_ranks]
         for name, (spec, index, values) in checked.items():
             for j, rank in enumerate(self.worker_ranks):
                 box = spec.dst.local_box(spec.shape, rank)
@@ -590,7 +592,7 @@ class Coordinator:
         never synced, or not answering."""
         refs = [m.versions() for m in self.workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.init_timeout_s)
-        out = []
+        out: list[int | None] = []
         for ref, member in zip(refs, self.workers):
             try:
                 out.extend(member.results(ray.get(ref)) if ref in ready else [None] * member.size)

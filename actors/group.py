@@ -22,7 +22,7 @@ from typing import Literal
 from ray.actor import ActorHandle
 
 from .hooks import check_hooks
-from .members import ActorMember, ServiceMember
+from .members import ActorMember, Member, ServiceMember
 from .service import VllmService
 
 
@@ -51,9 +51,9 @@ class Membership:
     """Trainer and worker members and the group rank of every worker-side rank."""
 
     trainers: list[ActorMember]
-    workers: list
+    workers: list[Member]
     worker_ranks: tuple[int, ...]
-    ranks: list
+    ranks: list[Member]
     """The members that run rounds, in group-rank order (hybrid actors once, as trainers)."""
 
     @classmethod
@@ -70,9 +70,12 @@ class Membership:
         _check_entries(workers, "worker")
         trainer_members = [ActorMember(h, f"trainer {i} (rank {i})") for i, h in enumerate(trainers)]
         trainer_rank = {h: i for i, h in enumerate(trainers)}
-        worker_members, worker_ranks, running = [], [], list(trainer_members)
+        worker_members: list[Member] = []
+        worker_ranks: list[int] = []
+        running: list[Member] = list(trainer_members)
         next_rank, side = len(trainers), 0
         for j, entry in enumerate(workers):
+            member: Member
             if isinstance(entry, VllmService):
                 member = ServiceMember(
                     entry,

@@ -95,7 +95,7 @@ class ServiceMember:
             raise ValueError(f"{self.label}: a vLLM engine service can only be a worker, not a {side}")
         self.double_buffer = options.double_buffer
         request = DescribeRequest(
-            first, side_size, dict(options.checkpoint), dict(options.sharded), self.double_buffer, reply
+            first, side_size, dict(options.checkpoint), dict(options.sharded), self.double_buffer, self._reply(reply)
         )
         return self.handle._rl_sync_service_describe.remote(encode(request), options.group)
 
@@ -105,11 +105,11 @@ class ServiceMember:
         return self.handle._rl_sync_service_connect.remote(tuple(inits), plan, bind_host, encode(reply))
 
     def run(self, blob: bytes, version: int, reply: Rendezvous | None):
-        request = RoundRequest(blob, version, reply)
+        request = RoundRequest(blob, version, self._reply(reply))
         return self.handle._rl_sync_service_run.remote(encode(request), not self.double_buffer)
 
     def commit(self, version: int, reply: Rendezvous | None):
-        return self.handle._rl_sync_service_commit.remote(encode(RoundRequest(b"", version, reply)))
+        return self.handle._rl_sync_service_commit.remote(encode(RoundRequest(b"", version, self._reply(reply))))
 
     def versions(self):
         return self.handle._rl_sync_service_versions.remote()
@@ -119,6 +119,12 @@ class ServiceMember:
         if reply is None:
             return self.handle._rl_sync_service_ping.remote()
         return self.handle._rl_sync_service_close.remote(encode(CloseRequest(abort, self._closes, reply)), group)
+
+    def _reply(self, reply: Rendezvous | None) -> Rendezvous:
+        """The store the engine's ranks answer through, which the coordinator opens for every
+        group with a service member (`Coordinator._reply_store`)."""
+        assert reply is not None, f"{self.label}: no reply store"
+        return reply
 
     def _unsupported(self, what: str):
         raise SyncError(f"{self.label}: {what} is not available for a vLLM engine service")
@@ -132,6 +138,10 @@ class ServiceMember:
     ipc_begin = ipc_end = ipc_remap = ipc_export
 
 
+Member = ActorMember | ServiceMember
+"""A member of a sync group, of either kind (the coordinator calls both alike)."""
+
+
 def gather(members: Sequence, call: Callable, timeout_s: float, what: str) -> list:
     """`call(member)` on every member at once; one result per rank, or `SyncError` naming every
     member that raised or had not answered within `timeout_s` seconds."""
@@ -141,14 +151,17 @@ def gather(members: Sequence, call: Callable, timeout_s: float, what: str) -> li
     return results
 
 
-def collect(members: Sequence, call: Callable, timeout_s: float) -> tuple[list, list[tuple]]:
+def collect(
+    members: Sequence, call: Callable, timeout_s: float
+) -> tuple[list, list[tuple[Member, ray.exceptions.RayError | None]]]:
     """`call(member)` on every member at once, waiting at most `timeout_s` seconds in all: one
     result per rank (None where its member failed) and `(member, exception or None)` for each
     member that raised (None: no answer in time; its call is cancelled)."""
     refs = [call(m) for m in members]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     done = set(ready)
-    results, failures = [], []
+    results: list = []
+    failures: list[tuple[Member, ray.exceptions.RayError | None]] = []
     for ref, member in zip(refs, members):
         if ref not in done:
             ray.cancel(ref, force=False)

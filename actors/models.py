@@ -20,6 +20,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 
@@ -72,11 +73,12 @@ class HFTrainer(SyncTrainerMixin):
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
-        self.optimizer = None
+        self.optimizer: torch.optim.AdamW | None = None
 
     def rl_sync_sources(self) -> dict[str, Any]:
         return dict(self.model.named_parameters())
 
+    @ray.method  # typed: handles get `full_state.remote`
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter whole (collective: every trainer calls it)."""
         return {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
@@ -99,6 +101,7 @@ class HFTrainer(SyncTrainerMixin):
         self.optimizer.step()
         return loss.item()
 
+    @ray.method  # typed: handles get `call.remote`
     def call(self, fn, *args, **kwargs):
         return fn(self, *args, **kwargs)
 
@@ -123,7 +126,8 @@ class EngineWorker(SyncWorkerMixin):
         self.rank, self.par = rank, par
         self.cfg = ModelConfig.from_hf(hf_config(config))
         if fp8_block is not None:
-            self.cfg = replace(self.cfg, fp8_block=tuple(fp8_block))
+            rows, cols = fp8_block  # a tuple, or a list from a config
+            self.cfg = replace(self.cfg, fp8_block=(rows, cols))
         self.model = TPModel(self.cfg, par, rank, getattr(torch, dtype))
         self.binder = Binder(self.cfg, par, tuple(rules))
         self.load_hook = load_hook
@@ -152,5 +156,6 @@ class EngineWorker(SyncWorkerMixin):
         with torch.no_grad():
             return self.model.forward(inputs, self.group)
 
+    @ray.method  # typed: handles get `call.remote`
     def call(self, fn, *args, **kwargs):
         return fn(self, *args, **kwargs)

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import ray
+
 from .trainer_mixin import SyncTrainerMixin
 from .worker_mixin import SyncWorkerMixin
 
@@ -31,6 +33,7 @@ class _Holder:
         built = build(rank, size)
         self.held = dict(built) if isinstance(built, Mapping) else {"sources": built[0], "destinations": built[1]}
 
+    @ray.method  # typed: handles get `call.remote`
     def call(self, fn: Callable, *args, **kwargs) -> Any:
         """Run `fn(self, *args, **kwargs)` in this actor."""
         return fn(self, *args, **kwargs)

@@ -26,8 +26,8 @@ Typical use::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -37,6 +37,9 @@ from rl_sync.vllm.service import CloseRequest, ConnectRequest, Rendezvous, Round
 from rl_sync.wire.codec import decode
 
 from .participant import coordinator_alive
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 BACKEND = {"backend": "rl_sync"}
 """The `weight_transfer_config` that makes vLLM load rl-sync into its workers."""
@@ -103,6 +106,9 @@ class VllmServiceMixin(_ServiceHost):
     """Inherit in a Ray actor owning an `LLM` (with `weight_transfer_config=BACKEND`); define
     `rl_sync_llm()`. Its engine's ranks join sync groups as workers."""
 
+    rl_sync_llm: Callable[[], LLM]
+    """The subclass's: the `LLM` it owns."""
+
     def _rl_sync_driver(self) -> ServiceDriver:
         llm = self.rl_sync_llm()
         return ServiceDriver(LlmControl(llm), llm.llm_engine.vllm_config.parallel_config.world_size)
@@ -162,9 +168,10 @@ class VllmService:
             .remote(model, tp, dict(llm_kwargs or {}), env)
         )
         try:
-            ray.get(host._rl_sync_service_ping.remote(), timeout=timeout_s)
+            ping = host._rl_sync_service_ping.remote()  # type: ignore[attr-defined]  # Ray's ActorProxy
+            ray.get(ping, timeout=timeout_s)
         except BaseException:
-            ray.kill(host)
+            ray.kill(host)  # type: ignore[arg-type]  # Ray's ActorProxy
             raise
         return cls(host, tp)
 

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -39,24 +39,34 @@ from rl_sync.vllm.rank import VllmDestinations
 
 from .worker_mixin import SyncWorkerMixin
 
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+    from vllm import LLM
+
 
 class VllmWorkerMixin(SyncWorkerMixin):
     """Inherit in a Ray actor that holds one TP rank of a vLLM engine; define `rl_sync_llm()`
     returning that `LLM`."""
 
     _rl_sync_vllm: VllmDestinations | None = None
+    rl_sync_llm: Callable[[], LLM]
+    """The subclass's: the `LLM` holding this rank."""
 
     def rl_sync_destinations(self, checkpoint):
         side = self._rl_sync_sides["worker"]
         self._rl_sync_vllm = VllmDestinations.of_llm(self.rl_sync_llm())
         return self._rl_sync_vllm.bind(checkpoint, side.rank, side.size, side.options.sharded)
 
+    def _rl_sync_bound(self) -> VllmDestinations:
+        assert self._rl_sync_vllm is not None  # the hooks below run only once the rank is bound
+        return self._rl_sync_vllm
+
     def rl_sync_load_fallbacks(self, pairs) -> None:
-        self._rl_sync_vllm.load_fallbacks(pairs)
+        self._rl_sync_bound().load_fallbacks(pairs)
 
     def rl_sync_weights_updated(self, names) -> None:
         """vLLM's post-load processing for what changed, then a fresh prefix cache."""
-        self._rl_sync_vllm.after_update(names)
+        self._rl_sync_bound().after_update(names)
         if not self.rl_sync_llm().reset_prefix_cache():
             raise RuntimeError(
                 "vLLM refused to reset its prefix cache (requests are running); weights changed, so "
@@ -64,7 +74,7 @@ class VllmWorkerMixin(SyncWorkerMixin):
             )
 
     def rl_sync_write_modes(self) -> dict[str, str]:
-        return self._rl_sync_vllm.write_modes()
+        return self._rl_sync_bound().write_modes()
 
 
 def completions(llm, prompts: Sequence[Sequence[int]], sampling: dict[str, Any]) -> list[dict]:
@@ -115,10 +125,11 @@ class VllmRankActor(VllmWorkerMixin):
         env: dict[str, str] | None = None,
         timeout_s: float = 120.0,
     ):
-        self.tp_rank, self.tp_size, self.llm, self.timeout_s = tp_rank, tp_size, None, timeout_s
+        self.tp_rank, self.tp_size, self.timeout_s = tp_rank, tp_size, timeout_s
+        self.llm: LLM | None = None
         self.host = host or ray.util.get_node_ip_address()
         os.environ.update(env or {})
-        self._store = None
+        self._store: TCPStore | None = None
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: open a fresh meeting point for the engine's ranks (one per `start`)."""

@@ -118,7 +118,8 @@ class WeightSync:
                 if progress
                 else nullcontext()
             ):
-                summary = _unwrap(coordinator.setup.remote(config.init_budget_s), config.init_budget_s)
+                setup = coordinator.setup.remote(config.init_budget_s)  # type: ignore[attr-defined]  # Ray's ActorProxy
+                summary = _unwrap(setup, config.init_budget_s)
         except BaseException:
             _discard(coordinator, config)
             raise

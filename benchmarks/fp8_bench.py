@@ -135,7 +135,7 @@ def e2e(rounds: int) -> dict:
         }
         sync.close()
         for actor in trainers + workers:
-            ray.kill(actor)
+            ray.kill(actor)  # type: ignore[arg-type]  # Ray's ActorProxy
     return out
 
 

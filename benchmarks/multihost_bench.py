@@ -20,7 +20,9 @@ Then the `relay` scenario: 2 FSDP trainers on node 0, four TP1 engine replicas o
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -28,13 +30,23 @@ from rich.console import Console
 from rich.table import Table
 
 from rl_sync.config.load import load_config
+from rl_sync.config.sync import Relay
 from rl_sync.planning.plan import TensorSpec, plan_model
 from rl_sync.planning.schedule import build_schedule
-from rl_sync.planning.simulate import LinkModel, predict
+from rl_sync.planning.simulate import LinkModel, Placement, predict
 from tests.multihost.netns import NetnsCluster
 from tests.multihost.scenarios import LINK_MODEL, RELAY_MODEL
 
-LINKS = {
+
+class _Link(TypedDict, total=False):
+    """`LinkModel` fields a scenario's link changes."""
+
+    placement: Placement
+    gpus_per_node: int
+    node_nic_gbs: float
+
+
+LINKS: dict[str, _Link] = {
     "loopback": dict(placement="one_node"),
     "veth": dict(placement="separate", gpus_per_node=2),
     "1 Gbit/s": dict(placement="separate", gpus_per_node=2, node_nic_gbs=0.125),
@@ -46,11 +58,11 @@ def predicted(link: str) -> str:
     """The M2N round `rl_sync.planning.simulate` predicts for the scenario's model on `link`."""
     host = load_config(Path(__file__).resolve().parents[1] / "configs" / "links_cpu_loopback.yaml", LinkModel, ())
     specs = [TensorSpec(r.name, "bfloat16", r.shape, r.src, r.dst.remapped([2, 3])) for r in LINK_MODEL]
-    links = LinkModel(**{**host.__dict__, **LINKS[link]})
+    links = replace(host, **LINKS[link])
     return f"{predict(build_schedule(plan_model(specs), 16 << 20), links, trainer_ranks=2).seconds:.3f}"
 
 
-def predicted_relay(relay: str) -> str:
+def predicted_relay(relay: Relay) -> str:
     """The M2N round of the relay scenario (trainers on node 0, four replicas on node 1 behind
     one 1 Gbit/s NIC) as `rl_sync.planning.simulate` predicts it, sent directly or relayed."""
     host = load_config(Path(__file__).resolve().parents[1] / "configs" / "links_cpu_loopback.yaml", LinkModel, ())

@@ -114,8 +114,7 @@ def main() -> None:
     ratio = f"; broadcast / M2N time: {bcast['rank_s'] / m2n['rank_s']:.2f}x" if bcast else ""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "GPU"
     show(
-        f"NCCL between two {gpu}s: 16 GB bf16, 8B shapes "
-        f"(median of {args.repeat}){ratio}",
+        f"NCCL between two {gpu}s: 16 GB bf16, 8B shapes (median of {args.repeat}){ratio}",
         ["case", "GB into the worker", "transfer ms", "round ms (with Ray RPC)", "GB/s per receiving GPU", "x raw p2p"],
         rows,
         "nccl_bench",

@@ -50,7 +50,6 @@ if __name__ != "__main__":
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 QWEN2_05B = dict(
-    model_type="qwen2",
     vocab_size=151936,
     hidden_size=896,
     intermediate_size=4864,
@@ -71,7 +70,7 @@ LLM_KWARGS = dict(
 PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3, 4, 5, 6, 7, 8]]
 
 
-def _gathered(trainer) -> dict | None:
+def _gathered(trainer) -> dict[str, torch.Tensor] | None:
     """On every trainer (collective): the full state, kept by trainer 0 only, in bf16."""
     full = {n: p.full_tensor().detach().to(torch.bfloat16) for n, p in trainer.model.named_parameters()}
     return full if trainer.rank == 0 else None
@@ -94,7 +93,7 @@ def _join(actor, rank: int, size: int, host: str, port: int, secret: bytes) -> N
 def _send(trainer, names_shapes: list) -> None:
     """Trainer 0: broadcast every full tensor (bf16) to the vLLM ranks, one after another."""
     full = _gathered(trainer)
-    if trainer.rank == 0:
+    if full is not None:  # trainer 0
         deadline = time.monotonic() + 300
         for name, _ in names_shapes:
             trainer.baseline.broadcast(full[name].reshape(-1).view(torch.uint8), 0, deadline)
@@ -126,7 +125,7 @@ def _store(host: str, secret: bytes) -> StoreServer:
 def run(layers: int, rounds: int, tp: int) -> dict:
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(**QWEN2_05B, num_hidden_layers=layers).to_dict()
+    config = AutoConfig.for_model("qwen2", **QWEN2_05B, num_hidden_layers=layers).to_dict()
     config.update(architectures=["Qwen2ForCausalLM"], torch_dtype="bfloat16")
     host = "127.0.0.1"
     Trainer = ray.remote(num_cpus=0.1)(HFTrainer)
@@ -183,7 +182,7 @@ def run(layers: int, rounds: int, tp: int) -> dict:
     finally:
         engine.shutdown()
         for t in trainers:
-            ray.kill(t)
+            ray.kill(t)  # type: ignore[arg-type]  # Ray's ActorProxy
     return {
         "params": params,
         "m2n": m2n,

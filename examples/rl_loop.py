@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Protocol, TypeVar
 
 import ray
 import torch
@@ -96,10 +98,23 @@ def grpo_step(learner, tokens: torch.Tensor, advantages: torch.Tensor, prompt_le
     return loss.item()
 
 
+class LearnerSettings(Protocol):
+    """What `LearnerGroup` reads of a loop's config (`LoopConfig`, `rl_loop_vllm.VllmLoopConfig`)."""
+
+    @property
+    def model(self) -> DemoModel: ...
+
+    @property
+    def learners(self) -> int: ...
+
+    @property
+    def seed(self) -> int: ...
+
+
 class LearnerGroup:
     """The learners: one FSDP2 policy sharded over `n` actors."""
 
-    def __init__(self, cfg: LoopConfig, placement: SyncPlacement, url: str):
+    def __init__(self, cfg: LearnerSettings, placement: SyncPlacement, url: str):
         Learner = ray.remote(HFTrainer)
         config = hf_config(asdict(cfg.model)).to_dict()
         self.actors = [
@@ -169,12 +184,18 @@ def train(cfg: LoopConfig, log=print) -> list[dict]:
         sync.close()
     finally:
         for actor in learners.actors + runners.actors:
-            ray.kill(actor)
+            ray.kill(actor)  # type: ignore[arg-type]  # Ray's ActorProxy
         placement.remove()
     return history
 
 
-def run(argv: list[str] | None, doc: str, config_type: type, train_loop, example: str) -> int:
+C = TypeVar("C")
+"""A loop's config type."""
+
+
+def run(
+    argv: list[str] | None, doc: str, config_type: type[C], train_loop: Callable[[C], list[dict]], example: str
+) -> int:
     """The command line both loops share: `--config FILE [key=value ...] [--address ADDR]`, train,
     then print the mean reward over the first and last fifth of the iterations."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -147,7 +147,7 @@ def train(cfg: VllmLoopConfig, log=print) -> list[dict]:
         if engine is not None:
             engine.shutdown()
         for actor in learners.actors:
-            ray.kill(actor)
+            ray.kill(actor)  # type: ignore[arg-type]  # Ray's ActorProxy
         placement.remove()
     return history
 

@@ -12,7 +12,7 @@ broadcast of that bucket.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +86,11 @@ def _region_endpoint(buf: torch.Tensor, region: _Region, shape: tuple[int, ...],
     return Endpoint(view, (region.lo,) + (0,) * (len(shape) - 1))
 
 
+def _per_tensor(endpoints: Mapping[int, Endpoint]) -> Callable[[int, int], Endpoint]:
+    """A `BucketIO` lookup that finds each tensor's endpoint in `endpoints`, whatever the bucket."""
+    return lambda _bucket, t: endpoints[t]
+
+
 def run_broadcast(
     schedule: Schedule,
     plan: ModelPlan,
@@ -113,7 +118,7 @@ def run_broadcast(
             else {}
         )
         if index in mine:
-            io = BucketIO(lambda _b, t: sources[t], lambda _b, t, views=views: views[t], dtypes)
+            io = BucketIO(_per_tensor(sources), _per_tensor(views), dtypes)
             ops = compile_bucket(mine[index], io, staging.get(0, staging_need(mine[index], io)))
             ops.label = f"gather bucket {index}"
             start_bucket(ops, transport)

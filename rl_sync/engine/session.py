@@ -28,7 +28,7 @@ from ..rendezvous import derive
 from ..transport.base import Transport
 from ..transport.digest import Digester, DigestTransport
 from ..transport.registry import join
-from ..wire.messages import InitInfo, RankStats, RoundInfo
+from ..wire.messages import InitInfo, RankStats, Role, RoundInfo
 from ..wire.plan_info import PlanInfo
 from .broadcast import ROOT, BroadcastStaging, gather_schedule, run_broadcast
 from .endpoint import Endpoint
@@ -66,7 +66,7 @@ def part_endpoint(endpoints: Mapping[str, Endpoint], name: str) -> Endpoint | No
     which holds the cut dim whole (the coordinator checked), in the part's coordinates."""
     found = parse_part(name)
     whole = None if found is None else endpoints.get(found[0])
-    if whole is None:
+    if found is None or whole is None:
         return None
     _, dim, start, stop = found
     return Endpoint(whole.tensor.narrow(dim, start, stop - start), whole.origin)
@@ -80,7 +80,7 @@ class RankSession:
         self.schedule = plan.to_schedule()
         self.plan = self.schedule.plan
         sends = info.rank < info.num_trainers
-        self.role = "both" if sends and info.rank in info.worker_ranks else "trainer" if sends else "worker"
+        self.role: Role = "both" if sends and info.rank in info.worker_ranks else "trainer" if sends else "worker"
         self.names = [s.name for s in self.plan.specs]
         self.dtypes = [getattr(torch, s.dtype) for s in self.plan.specs]
         self.device = torch.device(device)

@@ -17,7 +17,7 @@ Everything here is pure data: frozen, hashable, no torch, no communication.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -315,12 +315,13 @@ class Layout:
     def replicated(cls, mesh: Mesh) -> Layout:
         return cls(mesh, (Replicate(),) * mesh.ndim)
 
-    def remapped(self, ranks: Sequence[int]) -> Layout:
-        """The same layout with mesh rank `r` renamed `ranks[r]` (side ranks to group ranks)."""
+    def remapped(self, ranks: Sequence[int] | Mapping[int, int]) -> Layout:
+        """The same layout with mesh rank `r` renamed `ranks[r]` (side ranks to group ranks, or with
+        a mapping group ranks back to side ranks)."""
         try:
             new = tuple(ranks[r] for r in self.mesh.ranks)
-        except IndexError:
-            raise ValueError(f"layout {self} names a rank past the {len(ranks)} ranks of its side") from None
+        except (IndexError, KeyError):
+            raise ValueError(f"layout {self} names a rank outside the {len(ranks)} ranks of its side") from None
         return Layout(Mesh(self.mesh.shape, ranks=new), self.placements)
 
     def check_shape(self, shape: Sequence[int], what: str = "tensor") -> None:

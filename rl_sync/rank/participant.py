@@ -24,7 +24,7 @@ from ..engine.sources import Entries
 from ..transport.cuda_ipc import IpcExport, IpcTransport, device_uuid
 from ..transport.nccl import new_unique_id
 from ..wire.codec import decode, encode
-from ..wire.messages import InitInfo, RankReport, RankStats, RoundInfo
+from ..wire.messages import InitInfo, RankReport, RankStats, RoundInfo, WriteMode
 from ..wire.plan_info import PlanInfo
 from .address import interface_address
 from .claim import Claim, GroupTag
@@ -52,6 +52,7 @@ class Participant:
         method = getattr(self, f"_rl_sync_{side}_entries", None)
         if method is None:
             raise TypeError(f"{type(self).__name__} is asked to be a {side} but does not inherit the {side} mixin")
+        assert self._rl_sync_sides is not None  # entries are asked for only of a described side
         return method(*self._rl_sync_sides[side])
 
     def _rl_sync_endpoints(self, side: str) -> Mapping:
@@ -105,7 +106,7 @@ class Participant:
         (the Ray layer asks Ray)."""
         return True
 
-    def _rl_sync_modes(self) -> dict[str, str]:
+    def _rl_sync_modes(self) -> dict[str, WriteMode]:
         """A worker's write mode per name (see `RankReport.modes`)."""
         return {}
 

@@ -35,7 +35,7 @@ from ..sparse.encodings import INDICES
 from ..storage import geometry, owner
 from ..transport.cuda_ipc import WorkerExport
 from ..wire.codec import encode
-from ..wire.messages import RankStats, RoundInfo
+from ..wire.messages import RankStats, RoundInfo, WriteMode
 from .participant import Participant
 from .side import DescribeOptions
 
@@ -128,7 +128,7 @@ class WorkerRank(Participant):
         self._rl_sync_shadow = pairs
         return shadows
 
-    def _rl_sync_modes(self) -> dict[str, str]:
+    def _rl_sync_modes(self) -> dict[str, WriteMode]:
         """`fallback` for names bound whole; else what the engine's `rl_sync_write_modes()` says
         (`direct` or `reload`), `direct` without one."""
         engine = getattr(self, "rl_sync_write_modes", None)

@@ -57,7 +57,7 @@ import torch
 
 from ..wire.dtypes import dtype_name
 from .base import Ops, Pending, Transport
-from .cuda_memory import Backing, IpcUnavailable, backings, buffer_id, export_fd, extent_bytes, map_fds
+from .cuda_memory import Backing, IpcUnavailable, MappedRange, backings, buffer_id, export_fd, extent_bytes, map_fds
 from .fd_passing import FdOffer, receive_fds
 from .registry import check_name, join
 
@@ -237,7 +237,11 @@ class MappedDestinations:
             raise ValueError(
                 f"colocated worker memory is on GPU {export.device_uuid}, this trainer is on {device_uuid(device)}"
             )
-        self.device, self.opened, self.ranges = device, [], []
+        self.device = device
+        self.opened: list[int] = []
+        """Pointers of the legacy allocations opened from their `cudaIpcMemHandle`."""
+        self.ranges: list[MappedRange] = []
+        """VMM allocations imported and mapped."""
         try:
             bases = self._map(export, timeout_s)
         except BaseException:

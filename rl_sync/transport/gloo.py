@@ -74,8 +74,8 @@ def _finished(work: dist.Work, seconds: float, what: str) -> None:
         raise TimeoutError(f"{what} did not complete in time")
 
 
-def _group(store: dist.Store, prefix: str, rank: int, size: int, bind_host: str, timeout_s: float) -> dist.ProcessGroupGloo:
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs lack the runtime's _Options
+def _group(store, prefix: str, rank: int, size: int, bind_host: str, timeout_s: float):
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs lack _Options
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
     options._timeout = timedelta(seconds=timeout_s)
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)

@@ -22,6 +22,8 @@ TransportName = Literal["gloo", "nccl", "local"]
 `cuda_ipc` rides on one of them."""
 WriteMode = Literal["direct", "reload", "fallback"]
 """How a worker writes one tensor (`RankReport.modes`)."""
+Role = Literal["trainer", "worker", "both"]
+"""What a rank does in a round: sends (a trainer), receives (a worker), or both (colocated)."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class RankStats:
     """What one rank did in one round."""
 
     rank: int
-    role: Literal["trainer", "worker", "both"]
+    role: Role
     version: int
     mode: Mode
     seconds: float

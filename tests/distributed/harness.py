@@ -38,7 +38,7 @@ class ActorPool:
     gives back the ones that still answer; a later group binds them anew, as it must any actor
     that was in an earlier, closed group."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.idle: dict[object, list] = {}
 
     def take(self, remote_class, args: list[tuple]) -> list:

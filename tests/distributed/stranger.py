@@ -27,7 +27,7 @@ def as_torch_client(host: str, port: int) -> str:
 
     try:
         store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=3))
-        store.set("rl-sync-forged/0", b"\x00" * 64)
+        store.set("rl-sync-forged/0", "\x00" * 64)
         return f"listed {store.list_keys()!r}"
     except Exception as exc:
         return f"refused: {type(exc).__name__}"

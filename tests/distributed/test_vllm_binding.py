@@ -33,7 +33,7 @@ SMALL = dict(
     rms_norm_eps=1e-6,
     torch_dtype="bfloat16",
 )
-MODELS = {
+MODELS: dict[str, tuple[str, str, dict[str, object], str]] = {
     "qwen3-tied": (
         "Qwen3ForCausalLM",
         "qwen3",
@@ -233,6 +233,7 @@ def _bind_and_write(
             part = parse_part(name)
             whole = state[name] if part is None else state[part[0]].narrow(part[1], part[2], part[3] - part[2])
             box = dest.layout.local_box(dest.shape, rank)
+            assert box is not None, f"{name}: rank {rank} holds a tensor but no box"
             dest.local.copy_(whole[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])
         if binding.fallbacks:
             binding.processor.load_fallbacks([(n, state[n].to(torch.bfloat16)) for n in binding.fallbacks])

@@ -81,7 +81,7 @@ class References:
     default executor does at the same TP (checked once on this machine), so they serve as the
     oracle for engine services too."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.engines: dict[int, VllmEngine] = {}
 
     def outputs(self, path: str, tp: int, **llm_kwargs) -> list[dict]:

@@ -61,7 +61,7 @@ def set_version(actor, version: int) -> None:
 
 def worker_build(rank: int, size: int):
     """TP shards; q/k/v live in one fused qkv tensor and gate/up in one gate_up tensor."""
-    boxes = {n: dst_layout(n, size).local_box(s, rank) for n, s in SHAPES.items()}
+    boxes = {n: dst_layout(n, size).all_boxes(s)[rank] for n, s in SHAPES.items()}  # meshes start at rank 0
     out = {}
     for parts in FUSED.values():
         fused = torch.full(

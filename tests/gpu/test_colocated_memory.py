@@ -71,7 +71,7 @@ def _open_fds(actor) -> int:
     )
 
 
-def _mappings(actor) -> list[tuple[int, int]]:
+def _mappings(actor) -> list[tuple[int, int | None]]:
     """(address, driver buffer id) of each region the trainer has mapped."""
     from rl_sync.transport.cuda_memory import buffer_id
 
@@ -79,7 +79,7 @@ def _mappings(actor) -> list[tuple[int, int]]:
     return [(a, buffer_id(a)) for a in list(mapped.opened) + [r.base for r in mapped.ranges]]
 
 
-def _still_mapped(actor, mappings: list[tuple[int, int]]) -> list[int]:
+def _still_mapped(actor, mappings: list[tuple[int, int | None]]) -> list[int]:
     """The addresses of `mappings` that still hold the same mapping (a new one may reuse them)."""
     from rl_sync.transport.cuda_memory import buffer_id
 

@@ -44,7 +44,9 @@ def fp8_workers(block: tuple[int, int], replicated: bool):
         out = {}
         for name, shape in builders.SHAPES.items():
             layout = Layout(Mesh((size,)), (Replicate(),)) if replicated else builders.dst_layout(name, size)
-            box = layout.local_box(shape, rank)
+            coord = layout.mesh.coordinate(rank)
+            assert coord is not None, f"worker {rank} is outside {layout}"
+            box = layout.box_at(shape, coord)
             if len(shape) == 1:
                 out[name] = Destination(
                     torch.full(box.sizes, float("nan"), dtype=torch.bfloat16, device="cuda"),
@@ -56,7 +58,7 @@ def fp8_workers(block: tuple[int, int], replicated: bool):
             values = torch.full(box.sizes, float("nan"), device="cuda").to(torch.float8_e4m3fn)
             out[name] = Destination(values, layout, shape, torch.float8_e4m3fn, block=block)
             grid, scales = grid_shape(shape, block), dest_scale_layout(layout, shape, block, name)
-            view = torch.full(scales.local_box(grid, rank).sizes, float("nan"), device="cuda")
+            view = torch.full(scales.box_at(grid, coord).sizes, float("nan"), device="cuda")
             out[scale_name(name)] = Destination(view, scales, grid, torch.float32)
         return out
 

@@ -170,7 +170,8 @@ def link_down(args) -> dict:
     sync.push()
     _shape(args, 1, "20mbit")
     step(trainers, BIG, 2)
-    start, outcome = time.monotonic(), {}
+    start = time.monotonic()
+    outcome: dict[str, str | float | None] = {}
     outage = threading.Timer(1.0, _outage, args=(args, 1))
     outage.start()
     try:
@@ -321,7 +322,7 @@ def relay(args) -> dict:
             sync = WeightSync.create(
                 trainers, workers, config(relay=choice, bucket_bytes=8 << 20, round_timeout_s=120.0)
             )
-            rows = {}
+            rows: dict[str, object] = {}
             for mode in ("m2n", "sparse"):
                 rounds, exacts = [], []
                 if mode == "sparse":

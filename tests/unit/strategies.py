@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
+from rl_sync.planning.layout import Layout, Mesh, Placement, Replicate, Shard
 
 SIZES = st.sampled_from([0, 1, 2, 3, 5, 7, 8, 11, 13, 16])
 
@@ -25,16 +25,15 @@ def layouts(
     placement = (
         st.one_of(st.just(Replicate()), st.integers(0, max(0, ndim - 1)).map(Shard)) if ndim else st.just(Replicate())
     )
-    placements = [draw(placement) for _ in mesh_shape]
+    placements: list[Placement] = [draw(placement) for _ in mesh_shape]
     for axis, p in enumerate(placements):
         alone = sum(isinstance(q, Shard) and q.dim == getattr(p, "dim", -1) for q in placements) == 1
         if blocks and isinstance(p, Shard) and alone and draw(st.booleans()):
             cover = -(-shape[p.dim] // mesh_shape[axis])
             placements[axis] = Shard(p.dim, max(1, cover + draw(st.integers(0, 2))))
-    placements = tuple(placements)
     mesh = Mesh(mesh_shape, start_rank=start)
     if draw(st.booleans()):
         ranks = list(mesh.ranks)
         ranks = draw(st.permutations(ranks))
         mesh = Mesh(mesh_shape, ranks=ranks)
-    return Layout(mesh, placements)
+    return Layout(mesh, tuple(placements))

@@ -83,6 +83,7 @@ def _bind_all(cfg: ModelConfig, par: Parallel, state: dict[str, torch.Tensor]) -
         for name, dest in binding.destinations.items():
             box = dest.layout.local_box(dest.shape, rank)
             if box is not None:
+                assert dest.local is not None, f"{name}: rank {rank} holds a box but no tensor"
                 dest.local.copy_(state[name][tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])
         models.append(model)
     return models

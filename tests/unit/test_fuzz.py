@@ -78,7 +78,7 @@ SAMPLES = [
         )
     ),
 ]
-WRONG = [None, "x", 1.5, -1, [], {}, b"\x00", True, [["nested"]], 2**63 - 1]
+WRONG: list[object] = [None, "x", 1.5, -1, [], {}, b"\x00", True, [["nested"]], 2**63 - 1]
 
 
 def _plain(value):

@@ -75,7 +75,7 @@ def test_kv_heads_replicated_over_rank_groups():
 
 
 def _piece(param: str, src: Box, dst_param: torch.Tensor, view: torch.Tensor) -> Piece:
-    return Piece(param, src, Geometry(view.storage_offset(), tuple(view.shape), tuple(view.stride())))
+    return Piece(param, src, Geometry(int(view.storage_offset()), tuple(view.shape), tuple(view.stride())))
 
 
 def test_gate_and_up_of_whole_experts_merge_into_one_view():

@@ -52,7 +52,7 @@ class _Arrival(Pending):
 class Hub:
     """Mailboxes between in-process ranks (threads)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.boxes: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.cond = threading.Condition()
 
@@ -110,8 +110,8 @@ def push(x: torch.Tensor, src: Layout, dst: Layout, block, wanted=None):
     transports = {r: ThreadTransport(hub, r, len(ranks), x.device) for r in ranks}
     shards = {
         r: {"w": Endpoint(_box(x, b).clone(), b.offsets)}
-        for r in ranks
-        if not (b := src.local_box(shape, r)).is_empty()
+        for r, b in zip(ranks, src.all_boxes(shape))
+        if not b.is_empty()
     }
     endpoints = {r: stages[r].endpoints(shards[r]) for r in shards}
     errors = []

@@ -32,7 +32,7 @@ def check_schedule(schedule) -> None:
     slices = _all_slices(schedule)
     sends, recvs = _pair_messages(slices, "sends"), _pair_messages(slices, "recvs")
     assert sends == recvs, "a sender's messages and its peer's receives differ"
-    delivered = {}
+    delivered: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     for messages in sends.values():
         for nbytes, segments in messages:
             cursor = 0

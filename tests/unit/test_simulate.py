@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rl_sync.config.sync import Relay
 from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
 from rl_sync.planning.plan import TensorSpec, plan_model
 from rl_sync.planning.schedule import build_schedule
@@ -79,7 +80,7 @@ def test_bad_links_are_refused_with_their_values():
         LinkModel(gpus_per_node=8, nvlink_gbs=450, nic_gbs=50, placement="mixed")
 
 
-def _replicas(replicas: int, tensors: int, bucket_bytes: int, relay: str):
+def _replicas(replicas: int, tensors: int, bucket_bytes: int, relay: Relay):
     """Two trainers hold halves of `tensors` (8, 4) fp32 tensors (128 bytes each); `replicas`
     TP1 engines (ranks 2, 3, ...) each keep every tensor."""
     src = Layout(Mesh((2,)), (Shard(0),))
