@@ -102,6 +102,21 @@ def completions(llm, prompts: Sequence[Sequence[int]], sampling: dict[str, Any])
     return out
 
 
+def _name_groups_after(port: int) -> None:
+    """Number this process's next vLLM process groups from `port`, the engine's rendezvous port.
+
+    vLLM's CPU build backs a tensor- or pipeline-parallel group with shared memory named after
+    the init method and the group's per-process number ("tp:0"). Under the external launcher the
+    init method is always `env://`, so two TP engines on one host, or one started after a killed
+    one left its segments behind, would open the same names and fail ("create shm in SHMManager
+    failed. errno: 17"). Every rank of an engine shares the port and no other live engine on the
+    host holds it, so the names agree within an engine and differ between engines."""
+    from vllm.distributed import parallel_state
+
+    for kind in ("tp", "pp"):
+        parallel_state._group_name_counter[kind] = port
+
+
 def _listen(host: str) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((host, 0))
@@ -172,6 +187,7 @@ class VllmRankActor(VllmWorkerMixin):
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             }
         )
+        _name_groups_after(address[1])
         self.llm = LLM(
             model=model,
             tensor_parallel_size=self.tp_size,
