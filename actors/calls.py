@@ -3,7 +3,7 @@
 A rank's error reaches the driver through two Ray calls (rank to coordinator,
 coordinator to driver). Each hop keeps the error's type where it is the
 caller's (`ValueError`, `TypeError`) and chains the remote traceback as the
-`__cause__` of what it raises (`RemoteTraceback`), so the driver's traceback
+`__cause__` of what it raises (`rl_sync.wire.failure.RemoteTraceback`), so the driver's traceback
 shows the coordinator's and, inside it, each failing rank's::
 
     try:
@@ -27,14 +27,6 @@ their escape character, which some of Ray's paths drop)."""
 
 class SyncError(RuntimeError):
     """A sync init or round failed; the message names who failed and where."""
-
-
-class RemoteTraceback(Exception):
-    """The traceback text of an error raised in another process (a rank, the coordinator),
-    chained as the `__cause__` of the error raised here so that both print."""
-
-    def __str__(self) -> str:
-        return self.args[0]
 
 
 def remote_text(exc: BaseException) -> str:

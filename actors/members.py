@@ -22,8 +22,9 @@ import ray
 from rl_sync.rank.side import DescribeOptions
 from rl_sync.vllm.service import CloseRequest, DescribeRequest, Rendezvous, RoundRequest
 from rl_sync.wire.codec import encode
+from rl_sync.wire.failure import RemoteTraceback
 
-from .calls import RemoteTraceback, SyncError, failure_reason, remote_text
+from .calls import SyncError, failure_reason, remote_text
 
 
 class ActorMember:

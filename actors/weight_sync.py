@@ -22,9 +22,10 @@ from rich.console import Console
 
 from rl_sync.config.push_args import check_push_args, check_version
 from rl_sync.config.sync import SyncConfig, check_seconds
+from rl_sync.wire.failure import RemoteTraceback
 from rl_sync.wire.stats import RoundStats, SyncSummary
 
-from .calls import RemoteTraceback, SyncError, remote_text
+from .calls import SyncError, remote_text
 from .coordinator import Coordinator
 from .group import Membership
 from .hooks import check_hooks

@@ -28,7 +28,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from ..engine.sources import Destination
 from ..rank import WorkerRank
 from ..rank.side import DescribeOptions
-from ..wire.codec import decode
+from ..wire.codec import decode, encode
+from ..wire.failure import RankFailure
 from .rank import VllmDestinations, engine_rank
 from .service import (
     ERROR,
@@ -98,7 +99,7 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
         try:
             value = work()
         except Exception as exc:
-            _put(reply, key, ERROR + f"{type(exc).__name__}: {exc}".encode())
+            _put(reply, key, ERROR + encode(RankFailure.of(exc)))
             raise
         _put(reply, key, value)
 

@@ -26,7 +26,8 @@ import urllib.request
 from dataclasses import replace
 from typing import Protocol
 
-from ..wire.codec import encode
+from ..wire.codec import decode, encode
+from ..wire.failure import RankFailure, RemoteTraceback, raised_type
 from .service import (
     ERROR,
     CloseRequest,
@@ -106,6 +107,25 @@ class HttpControl:
         self._post("/reset_prefix_cache")
 
 
+def _reported(blob: bytes) -> RankFailure:
+    """A rank's failure report, or what can be said of one that does not decode."""
+    try:
+        return decode(RankFailure, blob)
+    except ValueError as exc:
+        return RankFailure("RuntimeError", f"an unreadable failure report ({exc})", "")
+
+
+def _service_error(op: str, failed: dict[int, RankFailure]) -> Exception:
+    """The error for call `op` that `failed` ranks answered with: one line per rank, the ranks'
+    own type when they share a caller's-mistake type (`rl_sync.wire.failure.raised_type`), and
+    their tracebacks as the `__cause__`."""
+    reason = "; ".join(f"vLLM rank {rank}: {f}" for rank, f in failed.items())
+    error = raised_type(list(failed.values()))(f"vLLM engine service, {op}: {reason}")
+    tracebacks = [f"vLLM rank {rank}:\n{f.traceback}" for rank, f in failed.items() if f.traceback]
+    error.__cause__ = RemoteTraceback("\n".join(tracebacks)) if tracebacks else None
+    return error
+
+
 class ServiceDriver:
     """One engine's ranks as workers of a sync group (see the module docstring)."""
 
@@ -115,24 +135,25 @@ class ServiceDriver:
     def _answers(self, reply: Rendezvous, op: str, tag: int, failure: BaseException | None = None) -> list[bytes]:
         """Every rank's answer to call `op`; raises naming each rank that failed."""
         store = store_client(reply)
-        out, errors = [], []
+        out, failed = [], {}
         try:
             for rank in range(self.ranks):
                 key = reply_key(reply.prefix, op, tag, rank)
                 try:
                     value = store.get(key)
                 except Exception as exc:  # the store's timeout: this rank never answered
-                    errors.append(f"vLLM rank {rank}: no answer to {op} ({type(exc).__name__})")
+                    failed[rank] = RankFailure("RuntimeError", f"no answer to {op} ({type(exc).__name__})", "")
                     continue
                 store.delete_key(key)
                 if value.startswith(ERROR):
-                    errors.append(f"vLLM rank {rank}: {value[len(ERROR) :].decode(errors='replace')}")
+                    failed[rank] = _reported(value[len(ERROR) :])
                 out.append(value)
         finally:
             store.close()
-        if errors or failure is not None:
-            reason = "; ".join(errors) or f"{type(failure).__name__}: {failure}"
-            raise RuntimeError(f"vLLM engine service, {op}: {reason}")
+        if failed:
+            raise _service_error(op, failed)
+        if failure is not None:
+            raise RuntimeError(f"vLLM engine service, {op}: {type(failure).__name__}: {failure}") from failure
         return out
 
     def _call(self, issue, info: dict, reply: Rendezvous, op: str, tag: int) -> list[bytes]:

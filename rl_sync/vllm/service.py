@@ -7,7 +7,7 @@ calls: `init_weight_transfer_engine(init_info)` and
 each call carries one `ServiceCall` (an operation and an rl-sync wire message,
 base64 in JSON), and each rank answers through the sync group's rendezvous
 store: under `reply_key(prefix, op, tag, rank)` it sets its result, or
-`ERROR` and the message of what failed. The driver side (`actors.service`)
+`ERROR` and an encoded `RankFailure` (`rl_sync.wire.failure`). The driver side (`actors.service`)
 waits for every rank's answer, bounded in time.
 
 Operations: `describe` (bind and report, answer: a `RankReport`), `connect`

@@ -8,8 +8,8 @@ import ray
 import torch
 
 from actors import SyncTrainerMixin, SyncWorkerMixin, WeightSync
-from actors.calls import RemoteTraceback
 from actors.ready import InferenceWorker, TrainerActor
+from rl_sync.wire.failure import RemoteTraceback
 
 from .conftest import loopback_config
 

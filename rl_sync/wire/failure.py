@@ -1,0 +1,56 @@
+"""Failures that cross processes: what a rank reports of an exception, and the remote
+traceback chained under the error raised where it arrives.
+
+A vLLM engine service's rank answers a failed call with `ERROR` followed by an encoded
+`RankFailure` (`rl_sync.vllm.service`); the driver raises the rank's own type when it is a
+caller's mistake (`ValueError`, `TypeError`), with the ranks' tracebacks as the `__cause__`
+(`RemoteTraceback`). The Ray layer (`actors.calls`) chains Ray's remote tracebacks the same way.
+
+Typical use::
+
+    report = RankFailure.of(exc)             # on the rank, inside `except`
+    error = raised_type([report])("...")     # on the driver
+    raise error from RemoteTraceback(report.traceback)
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+KEPT_TYPES: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
+"""Exception types that keep their type across processes: the caller's mistakes."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback text of an error raised in another process (a rank, the coordinator),
+    chained as the `__cause__` of the error raised here so that both print."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one rank reports of an exception: its type's name, its message and its traceback."""
+
+    kind: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> RankFailure:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(type(exc).__name__, str(exc), text)
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+def raised_type(failures: Sequence[RankFailure]) -> type[Exception]:
+    """The type to raise for `failures`: theirs when all share one kept type, else RuntimeError."""
+    kinds = {f.kind for f in failures}
+    if len(kinds) == 1 and (kind := kinds.pop()) in KEPT_TYPES:
+        return KEPT_TYPES[kind]
+    return RuntimeError

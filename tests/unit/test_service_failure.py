@@ -1,0 +1,91 @@
+"""A vLLM engine service's ranks report failures to the driver: type, message and traceback."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from rl_sync.rendezvous import StoreServer, new_secret
+from rl_sync.vllm.driver import ServiceDriver
+from rl_sync.vllm.service import ERROR, DescribeRequest, Rendezvous, reply_key, store_client
+from rl_sync.wire.codec import encode
+from rl_sync.wire.failure import RankFailure, RemoteTraceback
+
+
+@pytest.fixture
+def reply():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    secret = new_secret()
+    server = StoreServer(sock, secret)
+    yield Rendezvous("127.0.0.1", sock.getsockname()[1], "g", 2.0, secret)
+    server.close()
+
+
+def _failure(exc: Exception) -> bytes:
+    def bind_checkpoint():
+        raise exc
+
+    try:
+        bind_checkpoint()
+    except Exception as raised:
+        return ERROR + encode(RankFailure.of(raised))
+    raise AssertionError("unreachable")
+
+
+class Ranks:
+    """vLLM's weight-transfer call as the engine runs it: every rank answers through the store."""
+
+    def __init__(self, reply: Rendezvous, answers: list[bytes]):
+        self.reply, self.answers = reply, answers
+
+    def init(self, info: dict) -> None:
+        store = store_client(self.reply)
+        for rank, answer in enumerate(self.answers):
+            store.set(reply_key(self.reply.prefix, "describe", 0, rank), answer)
+        store.close()
+
+    def update(self, info: dict) -> None:
+        raise AssertionError("not called")
+
+    def reset_prefix_cache(self) -> None:
+        raise AssertionError("not called")
+
+
+def _describe(reply: Rendezvous, answers: list[bytes]) -> list[bytes]:
+    request = DescribeRequest(0, len(answers), {}, {}, False, reply)
+    return ServiceDriver(Ranks(reply, answers), len(answers)).describe(request)
+
+
+def test_a_ranks_value_error_stays_a_value_error_with_its_traceback(reply):
+    refused = ValueError("checkpoint tensor 'model.x' is refused")
+    with pytest.raises(ValueError) as caught:
+        _describe(reply, [b"fine", _failure(refused)])
+    assert str(caught.value) == (
+        "vLLM engine service, describe: vLLM rank 1: ValueError: checkpoint tensor 'model.x' is refused"
+    )
+    cause = caught.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert str(cause).startswith("vLLM rank 1:\nTraceback (most recent call last):")
+    assert "in bind_checkpoint" in str(cause)
+
+
+def test_ranks_failing_with_different_types_raise_runtime_error_naming_each(reply):
+    answers = [_failure(TypeError("dtype name 7")), _failure(KeyError("w"))]
+    with pytest.raises(RuntimeError) as caught:
+        _describe(reply, answers)
+    assert str(caught.value) == (
+        "vLLM engine service, describe: vLLM rank 0: TypeError: dtype name 7; vLLM rank 1: KeyError: 'w'"
+    )
+    assert str(caught.value.__cause__).count("Traceback (most recent call last):") == 2
+
+
+def test_an_unreadable_failure_report_is_named_as_such(reply):
+    with pytest.raises(RuntimeError, match=r"^vLLM engine service, describe: vLLM rank 0: RuntimeError: an unreadable"):
+        _describe(reply, [ERROR + b"\xc1 not msgpack"])
+
+
+def test_answers_pass_through_when_every_rank_succeeds(reply):
+    assert _describe(reply, [b"a", b"b"]) == [b"a", b"b"]
