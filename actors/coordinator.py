@@ -242,7 +242,7 @@ class Coordinator:
                 "them (NCCL cannot join two ranks on one GPU). Allocate the workers' weights with "
                 "PyTorch's caching allocator (expandable segments included) or VMM memory created with "
                 "a POSIX file-descriptor handle type, or give the workers GPUs of their own."
-            ) from None
+            ) from exc.__cause__  # the workers' tracebacks
 
     def _rank_firsts(self) -> dict[int, int]:
         """The first group rank of each member that runs rounds."""
