@@ -22,7 +22,7 @@ import ray
 from rl_sync.rank.side import DescribeOptions
 from rl_sync.vllm.service import CloseRequest, DescribeRequest, Rendezvous, RoundRequest
 from rl_sync.wire.codec import encode
-from rl_sync.wire.failure import RemoteTraceback
+from rl_sync.wire.failure import RemoteTraceback, kept_type
 
 from .calls import SyncError, failure_reason, remote_text
 
@@ -187,16 +187,8 @@ def failed(what: str, failures: list[tuple], members: int, timeout_s: float) -> 
         for m, e in failures
     ]
     message = f"{what} failed on {len(failures)} of {members} members:\n  " + "\n  ".join(lines)
-    error = _error_like([getattr(e, "cause", None) for _, e in failures], len(failures))(message)
+    causes = [getattr(e, "cause", None) for _, e in failures]
+    error = kept_type([type(c) for c in causes], SyncError)(message)
     remote = [f"{m.label}: {remote_text(e)}" for m, e in failures if e is not None]
     error.__cause__ = RemoteTraceback("\n\n".join(remote)) if remote else None
     return error
-
-
-def _error_like(causes: list, failures: int) -> type[Exception]:
-    """`ValueError` / `TypeError` when every member refused its input that way (bad input stays
-    a caller's error, whichever rank found it); `SyncError` otherwise."""
-    kinds = {type(c) for c in causes}
-    if len(causes) == failures and len(kinds) == 1 and kinds <= {ValueError, TypeError}:
-        return kinds.pop()
-    return SyncError

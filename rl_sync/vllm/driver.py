@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from ..wire.codec import decode, encode
-from ..wire.failure import RankFailure, RemoteTraceback, raised_type
+from ..wire.failure import RankFailure, RemoteTraceback, kept_type
 from .service import (
     ERROR,
     CloseRequest,
@@ -117,10 +117,10 @@ def _reported(blob: bytes) -> RankFailure:
 
 def _service_error(op: str, failed: dict[int, RankFailure]) -> Exception:
     """The error for call `op` that `failed` ranks answered with: one line per rank, the ranks'
-    own type when they share a caller's-mistake type (`rl_sync.wire.failure.raised_type`), and
+    own type when they share a caller's-mistake type (`rl_sync.wire.failure.kept_type`), and
     their tracebacks as the `__cause__`."""
     reason = "; ".join(f"vLLM rank {rank}: {f}" for rank, f in failed.items())
-    error = raised_type(list(failed.values()))(f"vLLM engine service, {op}: {reason}")
+    error = kept_type([f.kept for f in failed.values()], RuntimeError)(f"vLLM engine service, {op}: {reason}")
     tracebacks = [f"vLLM rank {rank}:\n{f.traceback}" for rank, f in failed.items() if f.traceback]
     error.__cause__ = RemoteTraceback("\n".join(tracebacks)) if tracebacks else None
     return error

@@ -8,8 +8,8 @@ caller's mistake (`ValueError`, `TypeError`), with the ranks' tracebacks as the 
 
 Typical use::
 
-    report = RankFailure.of(exc)             # on the rank, inside `except`
-    error = raised_type([report])("...")     # on the driver
+    report = RankFailure.of(exc)                             # on the rank, inside `except`
+    error = kept_type([report.kept], RuntimeError)("...")     # on the driver
     raise error from RemoteTraceback(report.traceback)
 """
 
@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-KEPT_TYPES: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
+KEPT_TYPES: tuple[type[Exception], ...] = (ValueError, TypeError)
 """Exception types that keep their type across processes: the caller's mistakes."""
 
 
@@ -44,13 +44,19 @@ class RankFailure:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         return cls(type(exc).__name__, str(exc), text)
 
+    @property
+    def kept(self) -> type[Exception] | None:
+        """The kept type this failure names (`KEPT_TYPES`), or None."""
+        return next((t for t in KEPT_TYPES if t.__name__ == self.kind), None)
+
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
 
 
-def raised_type(failures: Sequence[RankFailure]) -> type[Exception]:
-    """The type to raise for `failures`: theirs when all share one kept type, else RuntimeError."""
-    kinds = {f.kind for f in failures}
-    if len(kinds) == 1 and (kind := kinds.pop()) in KEPT_TYPES:
-        return KEPT_TYPES[kind]
-    return RuntimeError
+def kept_type(kinds: Sequence[type | None], fallback: type[Exception]) -> type[Exception]:
+    """The type to raise for failures of `kinds` (one per failure): theirs when they all share one
+    of `KEPT_TYPES` (bad input stays a caller's error, whichever rank found it), else `fallback`."""
+    distinct = set(kinds)
+    if len(distinct) == 1 and (kind := distinct.pop()) in KEPT_TYPES:
+        return kind
+    return fallback
