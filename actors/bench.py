@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from rl_sync.config.sync import SyncConfig
+from rl_sync.config.sync import SPARSE_MODES, SyncConfig
 from rl_sync.models.config import ModelConfig, Parallel
 from rl_sync.models.synthetic import TrainerParallel, model_specs
 from rl_sync.wire.stats import RoundStats
@@ -85,7 +85,7 @@ def run(cfg: BenchConfig, console: Console | None = None) -> dict[str, list[Roun
             for mode in cfg.modes:
                 rounds[mode] = []
                 for i in range(cfg.repeat):
-                    if mode in ("sparse", "auto"):
+                    if mode in SPARSE_MODES:
                         steps = [a.call.remote(perturb, cfg.density, i) for a in trainers]
                         ray.get(steps)
                     rounds[mode].append(sync.push(mode=mode))

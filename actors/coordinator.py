@@ -29,7 +29,7 @@ import ray
 import torch
 
 from rl_sync.config.push_args import check_mode, repeated_names
-from rl_sync.config.sync import Integrity, Mode, SyncConfig
+from rl_sync.config.sync import SPARSE_MODES, Integrity, Mode, SyncConfig
 from rl_sync.planning.parts import parse_part, sharded_dims
 from rl_sync.planning.plan import SideSpec, join_specs, plan_model
 from rl_sync.planning.quant import scale_name, scaled_name
@@ -466,7 +466,7 @@ class Coordinator:
         """Teach `auto` what this round cost (dense M2N and sparse-engine rounds of `dense_bytes`)."""
         if stats.mode == "m2n":
             self.auto.record(RoundCost("dense", stats.seconds, dense_bytes))
-        elif stats.mode in ("sparse", "auto"):
+        elif stats.mode in SPARSE_MODES:
             sent = sum(r.sent_bytes for r in stats.ranks if r.role != "worker")
             self.auto.record(RoundCost("sparse", stats.seconds, dense_bytes, sent / max(1, stats.dense_bytes)))
 

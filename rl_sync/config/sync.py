@@ -13,6 +13,8 @@ Transport = Literal["auto", "gloo", "nccl"]
 Colocate = Literal["auto", "ipc", "off"]
 Mode = Literal["m2n", "broadcast", "sparse", "auto"]
 """How a round moves weights (`SyncConfig.mode`); the one list of round modes."""
+SPARSE_MODES: tuple[Mode, ...] = ("sparse", "auto")
+"""The modes that send changes against baselines (the sparse engine)."""
 Relay = Literal["off", "on", "auto"]
 BaselineDevice = Literal["device", "pinned_cpu"]
 Integrity = Literal["keyed", "checksum", "off"]

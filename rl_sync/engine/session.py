@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..config.sync import SPARSE_MODES
 from ..planning.parts import parse_part
 from ..planning.quant import is_scale_name, scale_name, scaled_name
 from ..planning.schedule import RankSchedule
@@ -198,7 +199,7 @@ class RankSession:
         if self.quant is not None:
             shards, sources = sources, self.quant.endpoints(sources)
             self.quant.run(shards, self.transport, deadline, wanted)
-        if round_info.mode in ("sparse", "auto"):
+        if round_info.mode in SPARSE_MODES:
             return self._run_sparse(round_info, wanted, sources, dests, deadline, context)
         if round_info.mode == "broadcast":
             src, dst = self._indices(sources, "source"), self._indices(dests, "destination")

@@ -29,10 +29,7 @@ Typical use (inside the coordinator)::
 
 from __future__ import annotations
 
-from ..config.sync import Mode
-
-SPARSE: tuple[Mode, ...] = ("sparse", "auto")
-"""The modes that send changes against baselines."""
+from ..config.sync import SPARSE_MODES, Mode
 
 
 class RefreshPolicy:
@@ -53,7 +50,7 @@ class RefreshPolicy:
     def round_mode(self, asked: Mode) -> tuple[Mode, str]:
         """The mode a round asked for as `asked` runs, and why when that is not `asked`
         (baselines first, then the refresh); a sparse or auto request turns baselines on."""
-        if asked not in SPARSE:
+        if asked not in SPARSE_MODES:
             return asked, ""
         self.baselines = True
         if not self.baselines_ready:
@@ -67,13 +64,14 @@ class RefreshPolicy:
         else `mode`) and why; None otherwise."""
         if not self.needs_full_round:
             return None
-        return ("m2n" if mode in SPARSE else mode), "the first round after init or a repair carries every tensor, dense"
+        why = "the first round after init or a repair carries every tensor, dense"
+        return ("m2n" if mode in SPARSE_MODES else mode), why
 
     def finished(self, mode: str, every_tensor: bool) -> bool:
         """Record a round that succeeded in `mode` (after `auto`'s choice); True when it was the
         first full round the workers needed."""
         first, self.needs_full_round = self.needs_full_round, False
-        if mode in SPARSE:
+        if mode in SPARSE_MODES:
             self.since_dense += 1
         elif self.baselines and every_tensor:
             self.baselines_ready, self.since_dense = True, 0
