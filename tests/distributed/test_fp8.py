@@ -20,17 +20,8 @@ from rl_sync.sparse.patches import SparseWeightPatch  # noqa: E402
 from ..unit.test_quant import bits, reference  # noqa: E402
 from .conftest import loopback_config  # noqa: E402
 from .harness import POOL  # noqa: E402
-from .test_models import Trainer, Worker  # noqa: E402  (the same classes: pooled actors are reused)
+from .test_models import SMALL, Trainer, Worker  # noqa: E402  (the same classes: pooled actors are reused)
 
-SMALL = dict(
-    vocab_size=120,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
 BLOCK = (4, 8)
 """Blocks small enough that 3 FSDP trainers cut them (32 rows: 11 + 11 + 10) and every TP2 slot
 holds whole ones (q 16 rows, k and v 4, gate and up 24, down and o inputs 24 and 16)."""
