@@ -12,7 +12,8 @@ from rl_sync.transport.base import Transport
 from rl_sync.transport.local import LocalRendezvous
 from rl_sync.transport.registry import TRANSPORTS, check_name, transport_class
 from rl_sync.wire.codec import encode
-from rl_sync.wire.messages import InitInfo
+
+from .test_transport_messages import init_info
 
 
 @pytest.mark.parametrize("name", sorted(TRANSPORTS))  # importing a module needs no CuPy: only joining NCCL does
@@ -30,20 +31,7 @@ def test_the_messages_are_distinct_types():
 
 
 def test_a_one_rank_group_joins_the_local_transport():
-    info = InitInfo(
-        rank=0,
-        world_size=1,
-        num_trainers=1,
-        worker_ranks=(0,),
-        transport="local",
-        rendezvous=encode(LocalRendezvous()),
-        prefix="p",
-        timeout_s=5.0,
-        sparse_baseline="device",
-        integrity="off",
-        interface="",
-        secret=b"s" * 32,
-    )
+    info = init_info("local", encode(LocalRendezvous()))
     joined = transport_class("local").join(
         info, LocalRendezvous(), bind_host="127.0.0.1", device=torch.device("cpu"), broadcast_ranks=[0]
     )

@@ -29,7 +29,8 @@ MESSAGES = [GLOO, NCCL, LocalRendezvous(), IpcRendezvous(EXPORT, "nccl", encode(
 KNOWN = "cuda_ipc, gloo, local, nccl"
 
 
-def _info(transport: str, rendezvous: bytes, world_size: int = 1) -> InitInfo:
+def init_info(transport: str, rendezvous: bytes, world_size: int = 1) -> InitInfo:
+    """A rank's `InitInfo` for a one-trainer group joining `transport`."""
     return InitInfo(
         rank=0,
         world_size=world_size,
@@ -123,11 +124,11 @@ def test_a_nested_export_field_is_checked_too():
 
 def test_init_info_names_a_registered_transport():
     with pytest.raises(ValueError, match=f"^InitInfo: unknown transport 'ucx'; known transports: {KNOWN}$"):
-        decode(InitInfo, _with_body(_info("local", encode(LocalRendezvous())), transport="ucx"))
+        decode(InitInfo, _with_body(init_info("local", encode(LocalRendezvous())), transport="ucx"))
 
 
 def test_joining_decodes_the_message_the_name_selects():
-    info = _info("local", encode(LocalRendezvous()))
+    info = init_info("local", encode(LocalRendezvous()))
     joined = join(
         info.transport, info.rendezvous, info, bind_host="127.0.0.1", device=torch.device("cpu"), broadcast_ranks=[0]
     )
@@ -152,7 +153,7 @@ def test_cuda_ipc_joins_its_group_through_the_registry_first():
         join(
             "cuda_ipc",
             bad,
-            _info("cuda_ipc", bad),
+            init_info("cuda_ipc", bad),
             bind_host="127.0.0.1",
             device=torch.device("cpu"),
             broadcast_ranks=[0],
@@ -160,6 +161,6 @@ def test_cuda_ipc_joins_its_group_through_the_registry_first():
 
 
 def test_local_joins_one_rank_groups_only():
-    info = _info("local", encode(LocalRendezvous()), world_size=2)
+    info = init_info("local", encode(LocalRendezvous()), world_size=2)
     with pytest.raises(ValueError, match=r"^transport 'local' joins one-rank groups only; this group has 2 ranks$"):
         join("local", info.rendezvous, info, bind_host="127.0.0.1", device=torch.device("cpu"), broadcast_ranks=[0])
