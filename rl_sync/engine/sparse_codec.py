@@ -23,7 +23,7 @@ import torch
 from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, DENSE, INDICES, PayloadLayout, payload_layout
 
 if TYPE_CHECKING:
-    from .sparse_triton import Strided2D
+    from .sparse_fused import FusedReceiver
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -220,61 +220,32 @@ Box = tuple[int, tuple[int, ...], tuple[int, ...]]
 """(tensor, offsets, sizes): where a sent box sits in its tensor."""
 
 
-def _kernels():
-    from . import sparse_triton
+def _fused():
+    from . import sparse_fused
 
-    return sparse_triton
+    return sparse_fused
 
 
 def _on_kernel_device(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-def _fused_pair(cur: torch.Tensor, base: torch.Tensor) -> tuple[Strided2D, Strided2D] | None:
-    """(cur, base) as the Triton kernels' `Strided2D`s when both can take the fused path: the
-    same CUDA device, the same dtype of at most 8 bytes, dims that merge into two."""
-    if not _on_kernel_device(cur) or base.device != cur.device or cur.dtype != base.dtype or cur.element_size() > 8:
-        return None
-    kernels = _kernels()
-    pair = kernels.as_2d(cur, as_bits(cur)), kernels.as_2d(base, as_bits(base))
-    return None if None in pair else pair
-
-
 def _overlap(a: Box, b: Box) -> bool:
     return a[0] == b[0] and all(p < q + m and q < p + n for p, n, q, m in zip(a[1], a[2], b[1], b[2]))
 
 
-class _Fused:
-    """One box on the fused CUDA path: its `Strided2D` source and baseline, its size, its tile
-    slot in the bucket's buffers (whole wire blocks per box, so the padding counts stay 0) and
-    whether another box of the bucket overlaps it."""
-
-    def __init__(self, cur, base, n: int, slot: int, shared: bool):
-        self.cur, self.base, self.n, self.slot, self.shared = cur, base, n, slot, shared
-        self._head = [*cur.columns(), *base.columns(), n, slot]
-
-    @property
-    def key(self) -> tuple[int, bool]:
-        """Which launch it joins: (element width, both boxes on the vectorized path)."""
-        return self.cur.bits.element_size(), self.cur.fast and self.base.fast
-
-    def row(
-        self, values: int = 0, index: int = 0, kind: int = -1, update: bool = False, bitmap: int = 0, blocks: int = 0
-    ) -> list[int]:
-        """Its `sparse_triton.SEND_*` table row (`kind` -1: no values written)."""
-        return [*self._head, values, index, kind, int(update), bitmap, blocks]
-
-
-def _launch_by_key(
-    kernel, rows: dict[tuple[int, bool], list[tuple[int, list[int]]]], device: torch.device, *args
-) -> None:
-    """One launch of `kernel(table, firsts, boxes, total, key, *args)` per key of `rows`
-    ((width, fast) -> [(programs, row)])."""
-    for key, group in rows.items():
-        kernels = _kernels()
-        firsts, total = kernels.programs([p for p, _ in group], device)
-        if total:
-            kernel(kernels.upload([r for _, r in group], device), firsts, len(group), total, key, *args)
+def overlapping(boxes: Sequence[Box]) -> list[bool]:
+    """Whether each box overlaps another of `boxes` (only boxes of one tensor are compared)."""
+    by_tensor: dict[int, list[int]] = {}
+    for i, box in enumerate(boxes):
+        by_tensor.setdefault(box[0], []).append(i)
+    shared = [False] * len(boxes)
+    for group in by_tensor.values():
+        for x, i in enumerate(group):
+            for j in group[x + 1 :]:
+                if _overlap(boxes[i], boxes[j]):
+                    shared[i] = shared[j] = True
+    return shared
 
 
 class BucketChanges:
@@ -284,82 +255,34 @@ class BucketChanges:
     `found.encode(i, code, out)` for each box; then `found.finish()` once: the encodings are
     complete, and each baseline equals what was sent (or `complete()`, send, then `advance()`).
 
-    CUDA boxes (`_fused_pair`) take the Triton path, every box of the bucket in the same
-    launches: one diff pass (bitmap words and tile counts), the bucket's counts back to the host
-    in one transfer; at `finish`, one compact pass that reads only the bitmap and the changed
-    elements, writes every payload and updates the baselines of boxes no other box overlaps,
-    then one pass updating the overlapping ones (a box sent to several replicas is diffed
-    against the same baseline each time). Other boxes use `Changes` (one host sync each on a
-    GPU) and `encode`."""
+    CUDA boxes take the fused Triton path (`sparse_fused.FusedSender`), every box of the bucket
+    in the same launches: one diff pass (bitmap words and tile counts), the bucket's counts
+    back to the host in one transfer; at `complete`, one compact pass that reads only the
+    bitmap and the changed elements, writes every payload and updates the baselines of boxes
+    no other box overlaps; at `advance`, one pass updating the overlapping ones (a box sent to
+    several replicas is diffed against the same baseline each time). Other boxes use `Changes`
+    (one host sync each on a GPU) and `encode`."""
 
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], boxes: Sequence[Box]):
         self.pairs = list(pairs)
-        fused = [_fused_pair(cur, base) for cur, base in self.pairs]
-        self._boxes: list[Changes | _Fused | None] = [None if f else Changes(*p) for f, p in zip(fused, self.pairs)]
+        candidates = [i for i, (cur, _) in enumerate(self.pairs) if _on_kernel_device(cur)]
+        geometry = _fused().geometry(self.pairs, candidates, overlapping(boxes)) if candidates else None
+        self._fused = _fused().FusedSender(self.pairs, geometry) if geometry and geometry.boxes else None
+        fused = geometry.boxes if self._fused and geometry else {}
+        self._changes = [None if i in fused else Changes(*pair) for i, pair in enumerate(self.pairs)]
         self._values: list[torch.Tensor | None] = [None] * len(self.pairs)
         self._codes = [DENSE] * len(self.pairs)
-        self._shared = [any(_overlap(a, b) for j, b in enumerate(boxes) if j != i) for i, a in enumerate(boxes)]
-        self._rows: dict[tuple[int, bool], list[tuple[int, list[int]]]] = {}
-        self._payloads: list[torch.Tensor] = []  # the tables hold their addresses: kept until `finish`
-        self.counts = self._find(fused)
-
-    def _find(self, fused: list[tuple[Strided2D, Strided2D] | None]) -> list[int]:
-        on = [i for i, f in enumerate(fused) if f and self.pairs[i][0].numel()]
-        counts = {i: 0 for i, f in enumerate(fused) if f}
-        counts |= {i: b.count for i, b in enumerate(self._boxes) if isinstance(b, Changes)}
-        if not on:
-            return [counts[i] for i in range(len(self.pairs))]
-        kernels = _kernels()
-        self.device = device = self.pairs[on[0]][0].device
-        per_block = BLOCK // kernels.TILE
-        slot = np.cumsum([0] + [-(-self.pairs[i][0].numel() // BLOCK) * per_block for i in on])
-        rows: dict[tuple[int, bool], list[tuple[int, list[int]]]] = {}
-        for i, t0 in zip(on, slot[:-1].tolist()):
-            pair = fused[i]
-            assert pair is not None  # `on` holds fused boxes only
-            box = self._boxes[i] = _Fused(*pair, self.pairs[i][0].numel(), t0, self._shared[i])
-            rows.setdefault(box.key, []).append((kernels.tiles(box.n), box.row()))
-        firsts = kernels.upload(slot[:-1] // per_block, device)
-        self._tiles = torch.zeros(int(slot[-1]), dtype=torch.int32, device=device)
-        self._words = torch.empty(int(slot[-1]) * kernels.WORDS, dtype=torch.int32, device=device)
-        _launch_by_key(kernels.diff, rows, device, self._words, self._tiles)
-        self._blocks = self._tiles.view(-1, per_block).sum(1, dtype=torch.int32)
-        ends = torch.cumsum(self._blocks, 0)
-        box_ends = torch.cat([ends[firsts[1:] - 1], ends[-1:]])
-        self._starts = torch.cumsum(self._tiles, 0) - self._tiles
-        counts |= dict(zip(on, (box_ends - (ends - self._blocks)[firsts]).tolist()))  # the bucket's one host transfer
-        return [counts[i] for i in range(len(self.pairs))]
+        fused_counts = self._fused.counts if self._fused else [0] * len(self.pairs)
+        self.counts = [c.count if c else fused_counts[i] for i, c in enumerate(self._changes)]
 
     def encode(self, i: int, code: int, out: torch.Tensor) -> None:
         """Encode box `i` as `code` into the byte buffer `out` (`encoded_nbytes` long); complete
-        once `finish` has run."""
-        box, self._codes[i] = self._boxes[i], code
-        if not isinstance(box, _Fused):
-            self._values[i] = encode(code, box, out) if box else None
-            return
-        cur, k = self.pairs[i][0], self.counts[i]
-        if code == DENSE:
-            out[: cur.element_size() * cur.numel()].view(cur.dtype).copy_(cur.reshape(-1))
-            if not box.shared:  # no other box reads this baseline: a whole copy now
-                self.pairs[i][1].copy_(cur)
-            return
-        at, kernels = payload_layout(code, box.n, k, cur.element_size()), _kernels()
-        row = dict(
-            values=kernels.element_offset(out[at.values :].view(as_bits(cur).dtype)), kind=kernels.INDEX_KIND[code]
-        )
-        if code == BITMAP:
-            row.update(bitmap=out.data_ptr())
-        else:
-            row.update(index=out[at.index :].data_ptr(), **({"blocks": out.data_ptr()} if code == BLOCKED else {}))
-        if not k:
-            out[: at.head].zero_()
-            return
-        self._payloads.append(out)
-        self._add(box, update=not box.shared, **row)
-
-    def _add(self, box: _Fused, **row) -> None:
-        if row.get("kind", -1) >= 0 or row.get("update"):
-            self._rows.setdefault(box.key, []).append((_kernels().tiles(box.n), box.row(**row)))
+        once `complete` has run."""
+        self._codes[i], changes = code, self._changes[i]
+        if changes is not None:
+            self._values[i] = encode(code, changes, out)
+        elif self._fused:
+            self._fused.encode(i, code, out)
 
     def finish(self) -> None:
         """Complete every encoding and make every box's baseline what was sent."""
@@ -368,24 +291,17 @@ class BucketChanges:
 
     def complete(self) -> None:
         """Complete every encoding (on CUDA, with the baselines of boxes no other box overlaps)."""
-        if self._rows:
-            kernels = _kernels()
-            _launch_by_key(kernels.compact, self._rows, self.device, self._words, self._starts, self._blocks)
-            self._rows = {}
+        if self._fused:
+            self._fused.complete()
 
     def advance(self) -> None:
         """After `complete`: every other box's baseline becomes what was sent (a round runs it once
         the payloads are on their way, off the receivers' critical path)."""
-        shared: dict[tuple[int, bool], list[tuple[int, list[int]]]] = {}
-        for i, ((cur, base), box) in enumerate(zip(self.pairs, self._boxes)):
-            if isinstance(box, Changes):
-                _advance(base, cur, self._codes[i], box, self._values[i])
-            elif isinstance(box, _Fused) and box.shared and self._codes[i] == DENSE:
-                base.copy_(cur)
-            elif isinstance(box, _Fused) and box.shared and self.counts[i]:
-                shared.setdefault(box.key, []).append((_kernels().tiles(box.n), box.row(update=True)))
-        if shared:
-            _launch_by_key(_kernels().compact, shared, self.device, self._words, self._starts, self._blocks)
+        for i, ((cur, base), changes) in enumerate(zip(self.pairs, self._changes)):
+            if changes is not None:
+                _advance(base, cur, self._codes[i], changes, self._values[i])
+        if self._fused:
+            self._fused.advance(self._codes)
 
 
 def _advance(base: torch.Tensor, cur: torch.Tensor, code: int, changes: Changes, values: torch.Tensor | None) -> None:
@@ -405,74 +321,37 @@ class BucketReceiver:
     bucket's one host sync); only when it is empty, `received.write()`.
 
     Bitmap and blocked payloads bound for a CUDA view of the wire dtype are validated by the
-    Triton kernels, every such box of the bucket in the same launches (validation only raises
-    the box's flag on the device), and written likewise; the rest `decode` and `apply`."""
+    Triton kernels (`sparse_fused.FusedReceiver`), every such box of the bucket in the same
+    launches (validation only raises the box's flag on the device), and written likewise; the
+    rest `decode` and `apply`."""
 
     def __init__(self, device: torch.device, boxes: int):
         self.device = device
         self.flags = torch.zeros(boxes, dtype=torch.int32, device=device)
         self._writes: list[Callable[[], None]] = []
-        self._rows: list[tuple[int, tuple[int, bool], int, list[int]]] = []  # (code, launch key, programs, row)
-        self._kept: list[torch.Tensor] = []  # the table holds their addresses
-        self._entries = 0
+        self._fused: FusedReceiver | None = None
 
     def add(
         self, slot: int, code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor, view: torch.Tensor
     ) -> None:
-        at = _checked_layout(code, k, n, dtype, block)
-        dest = None
-        if (
-            code in (BITMAP, BLOCKED)
-            and n
-            and _on_kernel_device(view)
-            and block.device == view.device
-            and view.dtype == dtype
-            and dtype.itemsize <= 8
-        ):
-            dest = _kernels().as_2d(view, as_bits(view))
+        _checked_layout(code, k, n, dtype, block)
+        dest = _fused().destination(code, n, block, view, dtype) if _on_kernel_device(view) else None
         if dest is None:
             index, values, ok = decode(code, k, n, dtype, block)
             self.flags[slot] = (~ok).to(torch.int32)
             self._writes.append(lambda: apply(code, view, index, values))
             return
-        kernels = _kernels()
-        bits = as_bits(view).dtype
-        values = kernels.element_offset(block[at.values :].view(bits))
-        if code == BITMAP:
-            m, payload = kernels.tiles(n), [block.data_ptr(), 0, values]
-            counts, limit = 0, kernels.TILE
-        else:
-            m, payload = -(-n // BLOCK), [0, block[at.index :].data_ptr(), values]
-            counts, limit = block.data_ptr(), BLOCK
-        row = [*payload, *dest.columns(), n, k, slot, self._entries, m, counts, limit]
-        self._kept += [block, view]
-        self._rows.append((code, (dtype.itemsize, dest.fast), m, row))
-        self._entries += m
-
-    def _launch(self, kernel, code: int, *args, key: tuple[int, bool] | None = None) -> None:
-        """`kernel` over the rows of `code` (and `key`): the others get no programs."""
-        kernels = _kernels()
-        firsts, total = kernels.programs(
-            [m if c == code and key in (None, k) else 0 for c, k, m, _ in self._rows], self.device
-        )
-        if total:
-            kernel(self._table, firsts, len(self._rows), total, *([key] if key else []), *args)
+        if self._fused is None:
+            self._fused = _fused().FusedReceiver(self.device, self.flags)
+        self._fused.add(slot, code, k, n, block, view, dest)
 
     def bad(self) -> list[int]:
-        if self._rows:
-            kernels = _kernels()
-            self._table = kernels.upload([row for *_, row in self._rows], self.device)
-            self._counts = torch.empty(self._entries, dtype=torch.int32, device=self.device)
-            self._starts = torch.empty(self._entries, dtype=torch.int64, device=self.device)
-            self._launch(kernels.bitmap_counts, BITMAP, self._counts, self.flags)
-            kernels.scan(self._table, len(self._rows), self._counts, self._starts, self.flags)
-            self._launch(kernels.blocked_check, BLOCKED, self._starts, self.flags)
+        if self._fused:
+            self._fused.validate()
         return [slot for slot, flag in enumerate(self.flags.tolist()) if flag]
 
     def write(self) -> None:
-        kernels = _kernels()
-        for key in sorted({k for _, k, _, _ in self._rows}):
-            self._launch(kernels.expand, BITMAP, self._starts, key=key)
-            self._launch(kernels.blocked_apply, BLOCKED, self._starts, key=key)
+        if self._fused:
+            self._fused.write()
         for write in self._writes:
             write()

@@ -30,6 +30,7 @@ payload cannot make a kernel read out of bounds.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,10 +67,12 @@ BOX_COLS, BOX_ROW_STRIDE, BOX_COL_STRIDE, BOX_CONTIGUOUS = (tl.constexpr(c) for 
     SEND_UPDATE,
     SEND_BITMAP_OUT,
     SEND_BLOCKS_OUT,
-) = (tl.constexpr(c) for c in (0, 5, *range(10, 18)))
-SEND_COLUMNS = 18
+    SEND_COUNT,
+) = (tl.constexpr(c) for c in (0, 5, *range(10, 19)))
+SEND_COLUMNS = 19
 """A sender row: source box (5 columns), baseline box (5), n, tile slot, values (element offset),
-index pointer, index kind, update the baseline, wire bitmap and block counts pointers (0: none)."""
+index pointer, index kind, update the baseline, wire bitmap and block counts pointers (0: none),
+and where `diff` adds up the box's changes."""
 (
     RECV_WORDS,
     RECV_OFFSETS,
@@ -86,6 +89,8 @@ index pointer, index kind, update the baseline, wire bitmap and block counts poi
 RECV_COLUMNS = 15
 """A receiver row: bitmap words and in-block offsets pointers, values (element offset), live box (5
 columns), n, k, flag slot, first count slot, counts, block counts pointer (0: tile counts), limit."""
+TUNE = {"diff": True, "compact": True, "warps": 4, "compact_regs": 64, "expand_regs": 64, "busy_regs": None, "sub": 32}
+"""Experiment knobs (to be fixed)."""
 HARDWARE_POPC = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 BITS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 BITS_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -93,13 +98,15 @@ BITS_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @dataclass(frozen=True)
 class Strided2D:
-    """A box as (bits tensor, cols, row stride, col stride): `bits` has the box's storage and
-    start, reinterpreted as same-width integers."""
+    """Where a box's elements lie, in elements of its width: flat index `i` at `start + (i //
+    cols) * row_stride + (i % cols) * col_stride` from its width's anchor (`anchor`)."""
 
-    bits: torch.Tensor
+    start: int
     cols: int
     row_stride: int
     col_stride: int
+    aligned: bool
+    """Its first element is 16-byte aligned."""
 
     @property
     def contiguous(self) -> bool:
@@ -108,12 +115,11 @@ class Strided2D:
     @property
     def fast(self) -> bool:
         """Contiguous and 16-byte aligned: the kernels' vectorized path."""
-        return self.contiguous and self.bits.data_ptr() % 16 == 0
+        return self.contiguous and self.aligned
 
     def columns(self) -> list[int]:
-        """(start in elements from its width's anchor, cols, row stride, col stride, contiguous)
-        as table columns."""
-        return [element_offset(self.bits), self.cols, self.row_stride, self.col_stride, int(self.contiguous)]
+        """(start, cols, row stride, col stride, contiguous) as table columns."""
+        return [self.start, self.cols, self.row_stride, self.col_stride, int(self.contiguous)]
 
 
 _ANCHORS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -123,21 +129,21 @@ def anchor(device: torch.device, width: int) -> torch.Tensor:
     """The tensor the kernels address every element of `width` bytes on `device` from (one
     element, kept): a table holds element offsets from it, so a launch knows its pointers'
     alignment."""
+    if device.type == "cuda" and device.index is None:  # one anchor per device, however it is named
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (device, width)
     if key not in _ANCHORS:
         _ANCHORS[key] = torch.empty(1, dtype=BITS_TORCH[width], device=device)
     return _ANCHORS[key]
 
 
-def element_offset(t: torch.Tensor) -> int:
-    """Where `t` starts, in its elements from its width's anchor."""
-    width = t.element_size()
-    return (t.data_ptr() - anchor(t.device, width).data_ptr()) // width
+def element_offset(address: int, device: torch.device, width: int) -> int:
+    """Where the element of `width` bytes at `address` on `device` is, from its width's anchor."""
+    return (address - anchor(device, width).data_ptr()) // width
 
 
-def as_2d(view: torch.Tensor, bits: torch.Tensor) -> Strided2D | None:
-    """`view` (with `bits`, its integer reinterpretation) as a `Strided2D`, or None when its
-    dims do not merge into two."""
+def as_2d(view: torch.Tensor) -> Strided2D | None:
+    """`view`'s elements as a `Strided2D`, or None when its dims do not merge into two."""
     dims = [(size, stride) for size, stride in zip(view.shape, view.stride()) if size != 1]
     merged: list[tuple[int, int]] = []
     for size, stride in dims:
@@ -151,24 +157,42 @@ def as_2d(view: torch.Tensor, bits: torch.Tensor) -> Strided2D | None:
     (rows, row_stride), (cols, col_stride) = merged
     if rows == 1:
         row_stride = cols * col_stride
-    return Strided2D(bits, cols, row_stride, col_stride)
+    address = view.data_ptr()
+    start = element_offset(address, view.device, view.element_size())
+    return Strided2D(start, cols, row_stride, col_stride, address % 16 == 0)
 
 
 def tiles(n: int) -> int:
     return -(-n // TILE)
 
 
-def upload(values, device: torch.device) -> torch.Tensor:
-    """int64 `values` (a table's rows, or a list) on `device`, copied from pinned memory without
-    waiting for the device (a copy from pageable memory would wait for all queued work)."""
-    host = torch.from_numpy(np.asarray(values, dtype=np.int64))
-    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+def starts(counts: Sequence[int]) -> np.ndarray:
+    """Cumulative program starts of boxes of `counts` programs each (one more entry: the total)."""
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
 
 
-def programs(counts: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
-    """(cumulative program starts of the boxes on `device`, total programs)."""
-    firsts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return upload(firsts, device), int(firsts[-1])
+class Upload:
+    """int64 arrays gathered on the host, then copied to the device in one transfer from pinned
+    memory (which does not wait for queued work, as a copy from pageable memory would).
+
+    Usage: `at = up.add(values)` for each array; `dev = up.send(device)`; then `dev[at]`."""
+
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self._size = 0
+
+    def add(self, values) -> slice:
+        part = np.asarray(values, dtype=np.int64).reshape(-1)
+        self._parts.append(part)
+        self._size += part.size
+        return slice(self._size - part.size, self._size)
+
+    def send(self, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return torch.from_numpy(np.concatenate(self._parts))
+        host = torch.empty(self._size, dtype=torch.int64, pin_memory=True)
+        np.concatenate(self._parts, out=host.numpy())
+        return host.to(device, non_blocking=True)
 
 
 @triton.jit
@@ -245,6 +269,16 @@ def _words(words, t, left, TILE: tl.constexpr):
 
 
 @triton.jit
+def _chunk(words, t, c, n, start, SUB: tl.constexpr, TILE: tl.constexpr):
+    """Words `c .. c + SUB` of tile `t` (bits at or past `n` cleared), and their elements' offsets
+    in the tile as a [SUB, 32] grid."""
+    at = c + tl.arange(0, SUB)
+    left = tl.minimum(n - start, TILE).to(tl.int32) - at * 32
+    w = tl.load(words + t * (TILE // 32) + at, mask=left > 0, other=0)
+    return w.to(tl.uint32, bitcast=True) & _low_bits(left), at[:, None] * 32 + tl.arange(0, 32)[None, :]
+
+
+@triton.jit
 def _marked(word):
     """(hits, offsets in the tile, positions among the tile's marks) of a tile's words, as
     [words, 32] grids: every element at once."""
@@ -265,12 +299,16 @@ def _runs(word):
 
 
 @triton.jit
-def _next_mark(word, WORDS: tl.constexpr):
-    """(whether each word still has a mark, the offset in the tile of its lowest mark, the word
-    without it)."""
-    lowest = word & (~word + 1)
-    offset = tl.arange(0, WORDS) * 32 + _popc(lowest - 1).to(tl.int32)
-    return word != 0, offset, word & (word - 1)
+def _first_marks(word, ROUNDS: tl.constexpr):
+    """(hits, offsets in the tile, round) of each word's `ROUNDS` lowest marks, as [words, ROUNDS]
+    grids (round r: the word's r-th lowest mark), so their loads are issued together."""
+    r = tl.arange(0, ROUNDS)[None, :]
+    marks = word[:, None] + tl.zeros([1, ROUNDS], dtype=tl.uint32)
+    for s in tl.static_range(ROUNDS - 1):
+        marks = tl.where(r > s, marks & (marks - 1), marks)
+    lowest = marks & (~marks + 1)
+    local = tl.arange(0, word.shape[0])[:, None] * 32 + _popc(lowest - 1).to(tl.int32)
+    return marks != 0, local, r
 
 
 @triton.jit
@@ -280,24 +318,33 @@ def _diff_kernel(
     boxes,
     words,
     counts,
+    totals,
     anchor,
     FAST: tl.constexpr,
     ALIGN: tl.constexpr,
     TILE: tl.constexpr,
     COLUMNS: tl.constexpr,
+    WHOLE: tl.constexpr,
 ):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + SEND_N)
     start, local, _ = _tile(t, n, TILE)
-    inside = local < tl.minimum(n - start, TILE).to(tl.int32)
-    a = tl.load(_at(row, SEND_CUR, start, local, anchor, FAST, ALIGN), mask=inside, other=0)
-    b = tl.load(_at(row, SEND_BASE, start, local, anchor, FAST, ALIGN), mask=inside, other=0)
-    differ = (a != b) & inside
+    if WHOLE & (n - start >= TILE):  # a whole tile: unmasked loads, which vectorize
+        differ = tl.load(_at(row, SEND_CUR, start, local, anchor, FAST, ALIGN)) != tl.load(
+            _at(row, SEND_BASE, start, local, anchor, FAST, ALIGN)
+        )
+    else:
+        inside = local < tl.minimum(n - start, TILE).to(tl.int32)
+        a = tl.load(_at(row, SEND_CUR, start, local, anchor, FAST, ALIGN), mask=inside, other=0)
+        b = tl.load(_at(row, SEND_BASE, start, local, anchor, FAST, ALIGN), mask=inside, other=0)
+        differ = (a != b) & inside
     word = tl.sum(differ.to(tl.uint32) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)
     slot = tl.load(row + SEND_SLOT) + t
     tl.store(words + slot * (TILE // 32) + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True))
-    tl.store(counts + slot, tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0))
+    count = tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0)
+    tl.store(counts + slot, count)
+    tl.atomic_add(totals + tl.load(row + SEND_COUNT), count, sem="relaxed")
 
 
 @triton.jit
@@ -309,6 +356,12 @@ def _emit(
     v = tl.load(_at(row, SEND_CUR, start, local, anchor, FAST, ALIGN), mask=hit)
     if update:
         tl.store(_at(row, SEND_BASE, start, local, anchor, FAST, ALIGN), v, mask=hit)
+    _emit_values(row, anchor, start, local, at, hit, v, kind, BLOCK)
+
+
+@triton.jit
+def _emit_values(row, anchor, start, local, at, hit, v, kind, BLOCK: tl.constexpr):
+    """The marked values `v` (and their indices) at payload positions `at`."""
     if kind >= NONE:
         tl.store(anchor + tl.load(row + SEND_VALUES) + at, v, mask=hit)
     if kind == INT32_INDEX:
@@ -336,6 +389,9 @@ def _compact_kernel(
     COLUMNS: tl.constexpr,
     BLOCK: tl.constexpr,
     ROUNDS: tl.constexpr,
+    WHOLE: tl.constexpr,
+    BUSY: tl.constexpr,
+    SUB: tl.constexpr,
 ):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
@@ -348,23 +404,37 @@ def _compact_kernel(
     kind = tl.load(row + SEND_INDEX_KIND)
     update = tl.load(row + SEND_UPDATE) != 0
     if rounds <= ROUNDS:
-        marks = word
-        for r in range(rounds):
-            hit, local, marks = _next_mark(marks, TILE // 32)
-            _emit(row, anchor, start, local, tile_start + first + r, hit, kind, update, FAST, ALIGN, BLOCK)
-    else:
-        hit, local, at = _marked(word)
-        _emit(row, anchor, start, local, tile_start + at, hit, kind, update, FAST, ALIGN, BLOCK)
-    if tl.load(row + SEND_BITMAP_OUT) != 0:
-        tl.store(
-            _ptr(row, SEND_BITMAP_OUT, tl.int32) + t * (TILE // 32) + tl.arange(0, TILE // 32),
-            word.to(tl.int32, bitcast=True),
-            mask=left > 0,
-        )
-    if (tl.load(row + SEND_BLOCKS_OUT) != 0) & (t % (BLOCK // TILE) == 0):
-        tl.store(
-            _ptr(row, SEND_BLOCKS_OUT, tl.int32) + t // (BLOCK // TILE), tl.load(blocks + (slot + t) // (BLOCK // TILE))
-        )
+        if not BUSY:
+            marked, offsets, r = _first_marks(word, ROUNDS)  # (names apart from the other branch's: other shapes)
+            _emit(
+                row, anchor, start, offsets, tile_start + first[:, None] + r, marked, kind, update, FAST, ALIGN, BLOCK
+            )
+    elif BUSY:
+        whole = WHOLE & FAST & (n - start >= TILE)  # the tile read and its baseline written whole
+        for c in range(0, TILE // 32, SUB):
+            chunk, local = _chunk(words + slot * (TILE // 32), t, c, n, start, SUB, TILE)
+            hit, _in_chunk, at = _marked(chunk)
+            at += tile_start
+            if whole:
+                v = tl.load(_at(row, SEND_CUR, start, local, anchor, FAST, ALIGN))
+                if update:
+                    tl.store(_at(row, SEND_BASE, start, local, anchor, FAST, ALIGN), v)
+                _emit_values(row, anchor, start, local, at, hit, v, kind, BLOCK)
+            else:
+                _emit(row, anchor, start, local, at, hit, kind, update, FAST, ALIGN, BLOCK)
+            tile_start += tl.sum(_popc(chunk).to(tl.int32), axis=0)
+    if not BUSY:
+        if tl.load(row + SEND_BITMAP_OUT) != 0:
+            tl.store(
+                _ptr(row, SEND_BITMAP_OUT, tl.int32) + t * (TILE // 32) + tl.arange(0, TILE // 32),
+                word.to(tl.int32, bitcast=True),
+                mask=left > 0,
+            )
+        if (tl.load(row + SEND_BLOCKS_OUT) != 0) & (t % (BLOCK // TILE) == 0):
+            tl.store(
+                _ptr(row, SEND_BLOCKS_OUT, tl.int32) + t // (BLOCK // TILE),
+                tl.load(blocks + (slot + t) // (BLOCK // TILE)),
+            )
 
 
 @triton.jit
@@ -419,28 +489,37 @@ def _expand_kernel(
     TILE: tl.constexpr,
     COLUMNS: tl.constexpr,
     ROUNDS: tl.constexpr,
+    BUSY: tl.constexpr,
+    SUB: tl.constexpr,
 ):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + RECV_N)
     start, _, left = _tile(t, n, TILE)
-    marks = _words(_ptr(row, RECV_WORDS, tl.int32), t, left, TILE)
+    words = _ptr(row, RECV_WORDS, tl.int32)
+    marks = _words(words, t, left, TILE)
     _, first, rounds = _runs(marks)
-    first += tl.load(starts + tl.load(row + RECV_FIRST) + t)
+    tile_start = tl.load(starts + tl.load(row + RECV_FIRST) + t)
     k = tl.load(row + RECV_K)
     values = anchor + tl.load(row + RECV_VALUES)
     if rounds <= ROUNDS:
-        for r in range(rounds):
-            hit, local, marks = _next_mark(marks, TILE // 32)
-            hit = hit & (first + r < k)
+        if not BUSY:
+            marked, offsets, r = _first_marks(marks, ROUNDS)
+            places = tile_start + first[:, None] + r
+            marked = marked & (places < k)
             tl.store(
-                _at(row, RECV_DEST, start, local, anchor, FAST, ALIGN), tl.load(values + first + r, mask=hit), mask=hit
+                _at(row, RECV_DEST, start, offsets, anchor, FAST, ALIGN),
+                tl.load(values + places, mask=marked),
+                mask=marked,
             )
-    else:
-        hit, local, at = _marked(marks)
-        at += tl.load(starts + tl.load(row + RECV_FIRST) + t)
-        hit = hit & (at < k)
-        tl.store(_at(row, RECV_DEST, start, local, anchor, FAST, ALIGN), tl.load(values + at, mask=hit), mask=hit)
+    elif BUSY:
+        for c in range(0, TILE // 32, SUB):
+            chunk, local = _chunk(words, t, c, n, start, SUB, TILE)
+            hit, _in_chunk, at = _marked(chunk)
+            at += tile_start
+            hit = hit & (at < k)
+            tl.store(_at(row, RECV_DEST, start, local, anchor, FAST, ALIGN), tl.load(values + at, mask=hit), mask=hit)
+            tile_start += tl.sum(_popc(chunk).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -509,11 +588,23 @@ def diff(
     key: tuple[int, bool],
     words: torch.Tensor,
     counts: torch.Tensor,
+    totals: torch.Tensor,
 ) -> None:
     """For each `SEND_*` row (elements of `key`'s width; `key`'s flag: every box `fast`): its
-    bitmap words and tile counts, at its slot of `words` / `counts`; bits past `n` are zero."""
+    bitmap words and tile counts, at its slot of `words` / `counts` (bits past `n` are zero), and
+    its changes added to `totals` at its `SEND_COUNT`."""
     _diff_kernel[(total,)](
-        table, firsts, boxes, words, counts, **_fast(*key, words.device), TILE=TILE, COLUMNS=SEND_COLUMNS
+        table,
+        firsts,
+        boxes,
+        words,
+        counts,
+        totals,
+        **_fast(*key, words.device),
+        TILE=TILE,
+        COLUMNS=SEND_COLUMNS,
+        WHOLE=TUNE["diff"],
+        num_warps=TUNE["warps"],
     )
 
 
@@ -531,19 +622,25 @@ def compact(
     relative to its first tile), their indices, the wire bitmap and wire block counts, and the
     baseline update, as its payload columns ask (values at element offset `SEND_VALUES` unless
     `SEND_INDEX_KIND` is -1)."""
-    _compact_kernel[(total,)](
-        table,
-        firsts,
-        boxes,
-        words,
-        starts,
-        blocks,
-        **_fast(*key, words.device),
-        TILE=TILE,
-        COLUMNS=SEND_COLUMNS,
-        BLOCK=BLOCK,
-        ROUNDS=ROUNDS,
-    )
+    for busy, regs in ((False, TUNE["compact_regs"]), (True, TUNE["busy_regs"])):
+        _compact_kernel[(total,)](
+            table,
+            firsts,
+            boxes,
+            words,
+            starts,
+            blocks,
+            **_fast(*key, words.device),
+            TILE=TILE,
+            COLUMNS=SEND_COLUMNS,
+            BLOCK=BLOCK,
+            ROUNDS=ROUNDS,
+            WHOLE=TUNE["compact"],
+            BUSY=busy,
+            SUB=TUNE["sub"],
+            num_warps=TUNE["warps"],
+            **({"maxnreg": regs} if regs else {}),
+        )
 
 
 def bitmap_counts(
@@ -562,9 +659,21 @@ def expand(
     table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool], starts: torch.Tensor
 ) -> None:
     """Write each validated bitmap row's values into its marked elements, in order."""
-    _expand_kernel[(total,)](
-        table, firsts, boxes, starts, **_fast(*key, starts.device), TILE=TILE, COLUMNS=RECV_COLUMNS, ROUNDS=ROUNDS
-    )
+    for busy, regs in ((False, TUNE["expand_regs"]), (True, TUNE["busy_regs"])):
+        _expand_kernel[(total,)](
+            table,
+            firsts,
+            boxes,
+            starts,
+            **_fast(*key, starts.device),
+            TILE=TILE,
+            COLUMNS=RECV_COLUMNS,
+            ROUNDS=ROUNDS,
+            BUSY=busy,
+            SUB=TUNE["sub"],
+            num_warps=TUNE["warps"],
+            **({"maxnreg": regs} if regs else {}),
+        )
 
 
 def blocked_check(

@@ -1,0 +1,268 @@
+"""The fused sparse codec's host side: box tables for the Triton kernels (`sparse_triton`), one
+upload per step, and a bucket's counts read back in one transfer.
+
+`FusedSender` finds and encodes the CUDA boxes one rank sends in a bucket, `FusedReceiver`
+validates and writes the CUDA boxes it receives; `sparse_codec.BucketChanges` and
+`sparse_codec.BucketReceiver` drive them beside the torch path. Everything here is host
+arithmetic on addresses and sizes: no tensor is sliced per box, and a sender's geometry (its
+boxes' addresses, tile slots and the uploaded `diff` table) is built once and reused while a
+bucket's tensors stay where they are.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, DENSE, payload_layout
+from . import sparse_triton as kernels
+from .sparse_triton import Strided2D
+
+Key = tuple[int, bool]
+"""Which launch a box joins: (element width, every box of the launch on the vectorized path)."""
+
+
+@dataclass(frozen=True)
+class _Box:
+    """One sender box: where it is in the bucket, its source and baseline, its size, its first
+    tile slot (whole wire blocks per box, so padding tiles count 0) and whether another box of
+    the bucket overlaps it (then its baseline advances only after every box was diffed)."""
+
+    index: int
+    cur: Strided2D
+    base: Strided2D
+    n: int
+    width: int
+    slot: int
+    shared: bool
+
+    @property
+    def key(self) -> Key:
+        return self.width, self.cur.fast and self.base.fast
+
+    def row(
+        self, values: int = 0, index: int = 0, kind: int = -1, update: bool = False, bitmap: int = 0, blocks: int = 0
+    ) -> list[int]:
+        """Its `sparse_triton.SEND_*` row (`kind` -1: no values written)."""
+        head = [*self.cur.columns(), *self.base.columns(), self.n, self.slot]
+        return [*head, values, index, kind, int(update), bitmap, blocks, self.index]
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """One kernel launch's rows on the device: `table[rows]` and their program starts `firsts`."""
+
+    key: Key
+    rows: slice
+    firsts: slice
+    boxes: int
+    total: int
+
+
+def _launches(rows: list[tuple[Key, int, list[int]]], up: kernels.Upload) -> list[_Launch]:
+    """One launch per key of `rows` ((key, programs, row)), its table and starts added to `up`."""
+    out = []
+    for key in sorted({k for k, _, _ in rows}):
+        group = [(p, r) for k, p, r in rows if k == key]
+        firsts = kernels.starts([p for p, _ in group])
+        at = up.add([r for _, r in group])
+        out.append(_Launch(key, at, up.add(firsts), len(group), int(firsts[-1])))
+    return out
+
+
+def _run(kernel, launches: list[_Launch], dev: torch.Tensor, *args) -> None:
+    """Each launch of `kernel`, its table and starts sliced from the uploaded `dev`."""
+    for launch in launches:
+        if launch.total:
+            kernel(dev[launch.rows], dev[launch.firsts], launch.boxes, launch.total, launch.key, *args)
+
+
+@dataclass
+class _Geometry:
+    """A bucket's sender boxes and their `diff` launches, on the device."""
+
+    boxes: dict[int, _Box]
+    slots: int
+    diff: list[_Launch]
+    table: torch.Tensor
+
+
+_GEOMETRIES: OrderedDict[tuple, _Geometry] = OrderedDict()
+_KEPT_GEOMETRIES = 256
+"""Buckets whose geometry is kept (a few hundred bytes each on the device)."""
+
+
+def _pair_2d(cur: torch.Tensor, base: torch.Tensor, device: torch.device) -> tuple[Strided2D, Strided2D] | None:
+    """(cur, base) as the kernels address them, when both can take the fused path: on `device`,
+    of one dtype of at most 8 bytes, not empty, with dims that merge into two."""
+    if cur.device != device or base.device != device or cur.dtype != base.dtype or cur.element_size() > 8:
+        return None
+    if not cur.numel():
+        return None
+    pair = kernels.as_2d(cur), kernels.as_2d(base)
+    return None if pair[0] is None or pair[1] is None else (pair[0], pair[1])
+
+
+def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[int], shared: list[bool]) -> _Geometry:
+    """The geometry of the boxes among `candidates` (indices of `pairs` on one CUDA device) that
+    take the fused path; built on first use, then found by where the boxes are."""
+    signature = tuple(
+        (i, shared[i], pairs[i][0].data_ptr(), pairs[i][1].data_ptr(), pairs[i][0].shape, pairs[i][0].stride())
+        + (pairs[i][1].stride(), pairs[i][0].dtype, pairs[i][1].dtype, pairs[i][0].device, pairs[i][1].device)
+        for i in candidates
+    )
+    found = _GEOMETRIES.get(signature)
+    if found is not None:
+        _GEOMETRIES.move_to_end(signature)
+        return found
+    device = pairs[candidates[0]][0].device
+    per_block, slot, boxes = BLOCK // kernels.TILE, 0, {}
+    for i in candidates:
+        cur = pairs[i][0]
+        pair = _pair_2d(cur, pairs[i][1], device)
+        if pair is not None:
+            boxes[i] = _Box(i, *pair, cur.numel(), cur.element_size(), slot, shared[i])
+            slot += -(-cur.numel() // BLOCK) * per_block
+    up = kernels.Upload()
+    diff = _launches([(b.key, kernels.tiles(b.n), b.row()) for b in boxes.values()], up)
+    made = _Geometry(boxes, slot, diff, up.send(device) if boxes else torch.empty(0, dtype=torch.int64))
+    _GEOMETRIES[signature] = made
+    if len(_GEOMETRIES) > _KEPT_GEOMETRIES:
+        _GEOMETRIES.popitem(last=False)
+    return made
+
+
+class FusedSender:
+    """The fused boxes of a bucket (`geometry`, with at least one box), found in one `diff`
+    launch per key; `counts[i]` read back in one transfer (0 for boxes not fused).
+
+    Usage: `encode(i, code, out)` per fused box, then `complete()` (the payloads, and the
+    baselines of unshared boxes), then `advance(codes)` (the shared boxes' baselines)."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], g: _Geometry):
+        self.pairs, self.geometry = pairs, g
+        self.device = device = pairs[next(iter(g.boxes))][0].device
+        counts = torch.zeros(g.slots + len(pairs), dtype=torch.int32, device=device)
+        self._tiles, totals = counts[: g.slots], counts[g.slots :]
+        self._words = torch.empty(g.slots * kernels.WORDS, dtype=torch.int32, device=device)
+        _run(kernels.diff, g.diff, g.table, self._words, self._tiles, totals)
+        self._blocks = self._tiles.view(-1, BLOCK // kernels.TILE).sum(1, dtype=torch.int32)
+        self._starts = torch.cumsum(self._tiles, 0) - self._tiles
+        self.counts = totals.tolist()  # the bucket's one host transfer
+        self._rows: list[tuple[Key, int, list[int]]] = []
+        self._payloads: list[torch.Tensor] = []  # the tables hold their addresses
+
+    def encode(self, i: int, code: int, out: torch.Tensor) -> None:
+        """Box `i` as `code` into byte buffer `out` (complete after `complete`)."""
+        box, (cur, base) = self.geometry.boxes[i], self.pairs[i]
+        if code == DENSE:
+            out[: box.width * box.n].view(cur.dtype).copy_(cur.reshape(-1))
+            if not box.shared:  # no other box reads this baseline: a whole copy now
+                base.copy_(cur)
+            return
+        k, address = self.counts[i], out.data_ptr()
+        at = payload_layout(code, box.n, k, box.width)
+        if not k:
+            out[: at.head].zero_()
+            return
+        values = kernels.element_offset(address + at.values, self.device, box.width)
+        places = {"bitmap": address} if code == BITMAP else {"index": address + at.index}
+        if code == BLOCKED:
+            places["blocks"] = address
+        row = box.row(values=values, kind=kernels.INDEX_KIND[code], update=not box.shared, **places)
+        self._rows.append((box.key, kernels.tiles(box.n), row))
+        self._payloads.append(out)
+
+    def _compact(self, rows: list[tuple[Key, int, list[int]]]) -> None:
+        up = kernels.Upload()
+        launches = _launches(rows, up)
+        _run(kernels.compact, launches, up.send(self.device), self._words, self._starts, self._blocks)
+
+    def complete(self) -> None:
+        """Every encoding, and the baselines of boxes no other box overlaps."""
+        if self._rows:
+            self._compact(self._rows)
+            self._rows = []
+
+    def advance(self, codes: dict[int, int]) -> None:
+        """After `complete`: the shared boxes' baselines become what was sent (`codes[i]`: box
+        i's encoding)."""
+        rows = []
+        for i, box in self.geometry.boxes.items():
+            if not box.shared:
+                continue
+            if codes[i] == DENSE:
+                self.pairs[i][1].copy_(self.pairs[i][0])
+            elif self.counts[i]:
+                rows.append((box.key, kernels.tiles(box.n), box.row(update=True)))
+        if rows:
+            self._compact(rows)
+
+
+def destination(code: int, n: int, block: torch.Tensor, view: torch.Tensor, dtype: torch.dtype) -> Strided2D | None:
+    """`view` as the kernels address it when a received box can take the fused path (bitmap or
+    blocked, on `block`'s CUDA device, of the wire dtype, at most 8 bytes), else None."""
+    if code not in (BITMAP, BLOCKED) or not n or block.device != view.device or view.dtype != dtype:
+        return None
+    return kernels.as_2d(view) if dtype.itemsize <= 8 else None
+
+
+class FusedReceiver:
+    """The fused boxes one rank receives in a bucket: validated, then written, each step one
+    launch per kind (and per key for the writes).
+
+    Usage: `add(...)` per box that has a `destination`; `validate()` (raises `flags` on the
+    device); only when no flag is raised, `write()`."""
+
+    def __init__(self, device: torch.device, flags: torch.Tensor):
+        self.device, self.flags = device, flags
+        self._rows: list[tuple[int, Key, int, list[int]]] = []  # (code, key, programs, row)
+        self._kept: list[torch.Tensor] = []  # the table holds their addresses
+        self._entries = 0
+        self._writes: list[tuple[Key, tuple[slice, int], tuple[slice, int]]] = []
+
+    def add(self, slot: int, code: int, k: int, n: int, block: torch.Tensor, view: torch.Tensor, dest: Strided2D):
+        width, address = view.element_size(), block.data_ptr()
+        at = payload_layout(code, n, k, width)
+        values = kernels.element_offset(address + at.values, block.device, width)
+        if code == BITMAP:
+            m, payload, counts, limit = kernels.tiles(n), [address, 0, values], 0, kernels.TILE
+        else:
+            m, payload, counts, limit = -(-n // BLOCK), [0, address + at.index, values], address, BLOCK
+        row = [*payload, *dest.columns(), n, k, slot, self._entries, m, counts, limit]
+        self._kept += [block, view]
+        self._rows.append((code, (width, dest.fast), m, row))
+        self._entries += m
+
+    def _firsts(self, up: kernels.Upload, code: int, key: Key | None = None) -> tuple[slice, int]:
+        """Program starts over every row, those not of `code` (and `key`) given none."""
+        firsts = kernels.starts([m if c == code and key in (None, k) else 0 for c, k, m, _ in self._rows])
+        return up.add(firsts), int(firsts[-1])
+
+    def validate(self) -> None:
+        if not self._rows:
+            return
+        up = kernels.Upload()
+        table = up.add([row for *_, row in self._rows])
+        bitmaps, blocked = self._firsts(up, BITMAP), self._firsts(up, BLOCKED)
+        keys = sorted({k for _, k, _, _ in self._rows})
+        self._writes = [(key, self._firsts(up, BITMAP, key), self._firsts(up, BLOCKED, key)) for key in keys]
+        self._dev = dev = up.send(self.device)
+        self._table, boxes = dev[table], len(self._rows)
+        counts = torch.empty(self._entries, dtype=torch.int32, device=self.device)
+        self._starts = torch.empty(self._entries, dtype=torch.int64, device=self.device)
+        if bitmaps[1]:
+            kernels.bitmap_counts(self._table, dev[bitmaps[0]], boxes, bitmaps[1], counts, self.flags)
+        kernels.scan(self._table, boxes, counts, self._starts, self.flags)
+        if blocked[1]:
+            kernels.blocked_check(self._table, dev[blocked[0]], boxes, blocked[1], self._starts, self.flags)
+
+    def write(self) -> None:
+        boxes = len(self._rows)
+        for key, (expand_at, expand), (apply_at, apply) in self._writes:
+            if expand:
+                kernels.expand(self._table, self._dev[expand_at], boxes, expand, key, self._starts)
+            if apply:
+                kernels.blocked_apply(self._table, self._dev[apply_at], boxes, apply, key, self._starts)
