@@ -50,33 +50,50 @@ class _Box:
         return [*head, values, index, kind, int(update), bitmap, blocks, self.index]
 
 
+BUSY = 32
+"""A box with more than one change in this many elements (one per bitmap word on average)
+takes the kernels' busy launch, which handles every element of a tile at once; sparser boxes
+visit their marks a few per word at a time."""
+
+
+def busy(k: int, n: int) -> bool:
+    return k * BUSY > n
+
+
+Row = tuple[Key, "bool | None", int, list[int]]
+"""(key, busy or None (a kernel without the choice), programs, table row): one box of a launch."""
+
+
 @dataclass(frozen=True)
 class _Launch:
     """One kernel launch's rows on the device: `table[rows]` and their program starts `firsts`."""
 
     key: Key
+    busy: bool | None
     rows: slice
     firsts: slice
     boxes: int
     total: int
 
 
-def _launches(rows: list[tuple[Key, int, list[int]]], up: kernels.Upload) -> list[_Launch]:
-    """One launch per key of `rows` ((key, programs, row)), its table and starts added to `up`."""
+def _launches(rows: list[Row], up: kernels.Upload) -> list[_Launch]:
+    """One launch per (key, busy) of `rows`, its table and starts added to `up`."""
     out = []
-    for key in sorted({k for k, _, _ in rows}):
-        group = [(p, r) for k, p, r in rows if k == key]
+    for key, busy_ in sorted({(k, b) for k, b, _, _ in rows}, key=str):
+        group = [(p, r) for k, b, p, r in rows if (k, b) == (key, busy_)]
         firsts = kernels.starts([p for p, _ in group])
         at = up.add([r for _, r in group])
-        out.append(_Launch(key, at, up.add(firsts), len(group), int(firsts[-1])))
+        out.append(_Launch(key, busy_, at, up.add(firsts), len(group), int(firsts[-1])))
     return out
 
 
 def _run(kernel, launches: list[_Launch], dev: torch.Tensor, *args) -> None:
-    """Each launch of `kernel`, its table and starts sliced from the uploaded `dev`."""
+    """Each launch of `kernel`, its table and starts sliced from the uploaded `dev` (then `args`,
+    then its `busy` choice when it has one)."""
     for launch in launches:
         if launch.total:
-            kernel(dev[launch.rows], dev[launch.firsts], launch.boxes, launch.total, launch.key, *args)
+            choice = () if launch.busy is None else (launch.busy,)
+            kernel(dev[launch.rows], dev[launch.firsts], launch.boxes, launch.total, launch.key, *args, *choice)
 
 
 @dataclass
@@ -126,7 +143,7 @@ def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[in
             boxes[i] = _Box(i, *pair, cur.numel(), cur.element_size(), slot, shared[i])
             slot += -(-cur.numel() // BLOCK) * per_block
     up = kernels.Upload()
-    diff = _launches([(b.key, kernels.tiles(b.n), b.row()) for b in boxes.values()], up)
+    diff = _launches([(b.key, None, kernels.tiles(b.n) * kernels.DIFF_PARTS, b.row()) for b in boxes.values()], up)
     made = _Geometry(boxes, slot, diff, up.send(device) if boxes else torch.empty(0, dtype=torch.int64))
     _GEOMETRIES[signature] = made
     if len(_GEOMETRIES) > _KEPT_GEOMETRIES:
@@ -151,16 +168,16 @@ class FusedSender:
         self._blocks = self._tiles.view(-1, BLOCK // kernels.TILE).sum(1, dtype=torch.int32)
         self._starts = torch.cumsum(self._tiles, 0) - self._tiles
         self.counts = totals.tolist()  # the bucket's one host transfer
-        self._rows: list[tuple[Key, int, list[int]]] = []
+        self._rows: list[Row] = []
         self._payloads: list[torch.Tensor] = []  # the tables hold their addresses
 
     def encode(self, i: int, code: int, out: torch.Tensor) -> None:
         """Box `i` as `code` into byte buffer `out` (complete after `complete`)."""
-        box, (cur, base) = self.geometry.boxes[i], self.pairs[i]
+        box, cur = self.geometry.boxes[i], self.pairs[i][0]
         if code == DENSE:
             out[: box.width * box.n].view(cur.dtype).copy_(cur.reshape(-1))
             if not box.shared:  # no other box reads this baseline: a whole copy now
-                base.copy_(cur)
+                self.pairs[i][1].copy_(cur)
             return
         k, address = self.counts[i], out.data_ptr()
         at = payload_layout(code, box.n, k, box.width)
@@ -168,14 +185,13 @@ class FusedSender:
             out[: at.head].zero_()
             return
         values = kernels.element_offset(address + at.values, self.device, box.width)
-        places = {"bitmap": address} if code == BITMAP else {"index": address + at.index}
-        if code == BLOCKED:
-            places["blocks"] = address
-        row = box.row(values=values, kind=kernels.INDEX_KIND[code], update=not box.shared, **places)
-        self._rows.append((box.key, kernels.tiles(box.n), row))
+        bitmap, index = (address, 0) if code == BITMAP else (0, address + at.index)
+        blocks = address if code == BLOCKED else 0
+        row = box.row(values, index, kernels.INDEX_KIND[code], not box.shared, bitmap, blocks)
+        self._rows.append((box.key, busy(k, box.n), kernels.tiles(box.n), row))
         self._payloads.append(out)
 
-    def _compact(self, rows: list[tuple[Key, int, list[int]]]) -> None:
+    def _compact(self, rows: list[Row]) -> None:
         up = kernels.Upload()
         launches = _launches(rows, up)
         _run(kernels.compact, launches, up.send(self.device), self._words, self._starts, self._blocks)
@@ -189,14 +205,14 @@ class FusedSender:
     def advance(self, codes: dict[int, int]) -> None:
         """After `complete`: the shared boxes' baselines become what was sent (`codes[i]`: box
         i's encoding)."""
-        rows = []
+        rows: list[Row] = []
         for i, box in self.geometry.boxes.items():
             if not box.shared:
                 continue
             if codes[i] == DENSE:
                 self.pairs[i][1].copy_(self.pairs[i][0])
             elif self.counts[i]:
-                rows.append((box.key, kernels.tiles(box.n), box.row(update=True)))
+                rows.append((box.key, busy(self.counts[i], box.n), kernels.tiles(box.n), box.row(update=True)))
         if rows:
             self._compact(rows)
 
@@ -211,17 +227,17 @@ def destination(code: int, n: int, block: torch.Tensor, view: torch.Tensor, dtyp
 
 class FusedReceiver:
     """The fused boxes one rank receives in a bucket: validated, then written, each step one
-    launch per kind (and per key for the writes).
+    launch per kind (and per key, and busy or not, for the writes).
 
     Usage: `add(...)` per box that has a `destination`; `validate()` (raises `flags` on the
     device); only when no flag is raised, `write()`."""
 
     def __init__(self, device: torch.device, flags: torch.Tensor):
         self.device, self.flags = device, flags
-        self._rows: list[tuple[int, Key, int, list[int]]] = []  # (code, key, programs, row)
+        self._rows: list[tuple[int, Key, bool, int, list[int]]] = []  # (code, key, busy, programs, row)
         self._kept: list[torch.Tensor] = []  # the table holds their addresses
         self._entries = 0
-        self._writes: list[tuple[Key, tuple[slice, int], tuple[slice, int]]] = []
+        self._writes: list[tuple[Key, list[tuple[bool, slice, int]], tuple[slice, int]]] = []
 
     def add(self, slot: int, code: int, k: int, n: int, block: torch.Tensor, view: torch.Tensor, dest: Strided2D):
         width, address = view.element_size(), block.data_ptr()
@@ -233,12 +249,15 @@ class FusedReceiver:
             m, payload, counts, limit = -(-n // BLOCK), [0, address + at.index, values], address, BLOCK
         row = [*payload, *dest.columns(), n, k, slot, self._entries, m, counts, limit]
         self._kept += [block, view]
-        self._rows.append((code, (width, dest.fast), m, row))
+        self._rows.append((code, (width, dest.fast), busy(k, n), m, row))
         self._entries += m
 
-    def _firsts(self, up: kernels.Upload, code: int, key: Key | None = None) -> tuple[slice, int]:
-        """Program starts over every row, those not of `code` (and `key`) given none."""
-        firsts = kernels.starts([m if c == code and key in (None, k) else 0 for c, k, m, _ in self._rows])
+    def _firsts(self, up: kernels.Upload, code: int, key: Key | None = None, busy_: bool | None = None):
+        """(program starts over every row, those not of `code` (and `key`, and `busy_`) given
+        none; programs in all)."""
+        firsts = kernels.starts(
+            [m if c == code and key in (None, k) and busy_ in (None, b) else 0 for c, k, b, m, _ in self._rows]
+        )
         return up.add(firsts), int(firsts[-1])
 
     def validate(self) -> None:
@@ -247,8 +266,9 @@ class FusedReceiver:
         up = kernels.Upload()
         table = up.add([row for *_, row in self._rows])
         bitmaps, blocked = self._firsts(up, BITMAP), self._firsts(up, BLOCKED)
-        keys = sorted({k for _, k, _, _ in self._rows})
-        self._writes = [(key, self._firsts(up, BITMAP, key), self._firsts(up, BLOCKED, key)) for key in keys]
+        for key in sorted({k for _, k, _, _, _ in self._rows}):
+            expands = [(b, *self._firsts(up, BITMAP, key, b)) for b in (False, True)]
+            self._writes.append((key, expands, self._firsts(up, BLOCKED, key)))
         self._dev = dev = up.send(self.device)
         self._table, boxes = dev[table], len(self._rows)
         counts = torch.empty(self._entries, dtype=torch.int32, device=self.device)
@@ -261,8 +281,9 @@ class FusedReceiver:
 
     def write(self) -> None:
         boxes = len(self._rows)
-        for key, (expand_at, expand), (apply_at, apply) in self._writes:
-            if expand:
-                kernels.expand(self._table, self._dev[expand_at], boxes, expand, key, self._starts)
+        for key, expands, (apply_at, apply) in self._writes:
+            for busy_, expand_at, expand in expands:
+                if expand:
+                    kernels.expand(self._table, self._dev[expand_at], boxes, expand, key, self._starts, busy_)
             if apply:
                 kernels.blocked_apply(self._table, self._dev[apply_at], boxes, apply, key, self._starts)

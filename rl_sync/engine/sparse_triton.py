@@ -89,7 +89,11 @@ and where `diff` adds up the box's changes."""
 RECV_COLUMNS = 15
 """A receiver row: bitmap words and in-block offsets pointers, values (element offset), live box (5
 columns), n, k, flag slot, first count slot, counts, block counts pointer (0: tile counts), limit."""
-TUNE = {"diff": True, "compact": True, "warps": 4, "compact_regs": 64, "expand_regs": 64, "busy_regs": None, "sub": 32}
+TUNE = {"compact": True, "warps": 4, "sub": 32}
+
+
+DIFF_PARTS = 2
+"""`diff` programs per tile (fewer registers each, more of them resident)."""
 """Experiment knobs (to be fixed)."""
 HARDWARE_POPC = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 BITS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
@@ -312,6 +316,14 @@ def _first_marks(word, ROUNDS: tl.constexpr):
 
 
 @triton.jit
+def _dropped(word, ROUNDS: tl.constexpr):
+    """Each word without its `ROUNDS` lowest marks."""
+    for _ in tl.static_range(ROUNDS):
+        word = word & (word - 1)
+    return word
+
+
+@triton.jit
 def _diff_kernel(
     table,
     firsts,
@@ -323,27 +335,25 @@ def _diff_kernel(
     FAST: tl.constexpr,
     ALIGN: tl.constexpr,
     TILE: tl.constexpr,
+    PART: tl.constexpr,
     COLUMNS: tl.constexpr,
-    WHOLE: tl.constexpr,
 ):
-    box, t = _box(firsts, boxes)
+    box, p = _box(firsts, boxes)  # part p of the box: `PART` elements
     row = table + box * COLUMNS
     n = tl.load(row + SEND_N)
-    start, local, _ = _tile(t, n, TILE)
-    if WHOLE & (n - start >= TILE):  # a whole tile: unmasked loads, which vectorize
-        differ = tl.load(_at(row, SEND_CUR, start, local, anchor, FAST, ALIGN)) != tl.load(
-            _at(row, SEND_BASE, start, local, anchor, FAST, ALIGN)
-        )
+    start, local, _ = _tile(p, n, PART)
+    cur = _at(row, SEND_CUR, start, local, anchor, FAST, ALIGN)
+    base = _at(row, SEND_BASE, start, local, anchor, FAST, ALIGN)
+    if n - start >= PART:  # whole: unmasked loads, which vectorize
+        differ = tl.load(cur) != tl.load(base)
     else:
-        inside = local < tl.minimum(n - start, TILE).to(tl.int32)
-        a = tl.load(_at(row, SEND_CUR, start, local, anchor, FAST, ALIGN), mask=inside, other=0)
-        b = tl.load(_at(row, SEND_BASE, start, local, anchor, FAST, ALIGN), mask=inside, other=0)
-        differ = (a != b) & inside
-    word = tl.sum(differ.to(tl.uint32) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)
-    slot = tl.load(row + SEND_SLOT) + t
-    tl.store(words + slot * (TILE // 32) + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True))
+        inside = local < (n - start).to(tl.int32)
+        differ = (tl.load(cur, mask=inside, other=0) != tl.load(base, mask=inside, other=0)) & inside
     count = tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0)
-    tl.store(counts + slot, count)
+    word = tl.sum(differ.to(tl.uint32) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)
+    slot = tl.load(row + SEND_SLOT)
+    tl.store(words + slot * (TILE // 32) + p * (PART // 32) + tl.arange(0, PART // 32), word.to(tl.int32, bitcast=True))
+    tl.atomic_add(counts + slot + p // (TILE // PART), count, sem="relaxed")
     tl.atomic_add(totals + tl.load(row + SEND_COUNT), count, sem="relaxed")
 
 
@@ -403,14 +413,16 @@ def _compact_kernel(
     tile_start = tl.load(starts + slot + t) - tl.load(starts + slot)
     kind = tl.load(row + SEND_INDEX_KIND)
     update = tl.load(row + SEND_UPDATE) != 0
-    if rounds <= ROUNDS:
-        if not BUSY:
-            marked, offsets, r = _first_marks(word, ROUNDS)  # (names apart from the other branch's: other shapes)
-            _emit(
-                row, anchor, start, offsets, tile_start + first[:, None] + r, marked, kind, update, FAST, ALIGN, BLOCK
-            )
-    elif BUSY:
-        whole = WHOLE & FAST & (n - start >= TILE)  # the tile read and its baseline written whole
+    bitmap = tl.load(row + SEND_BITMAP_OUT)
+    if not BUSY:  # a few marks per word: visited `ROUNDS` per word at a time
+        marks = word
+        for g in range(0, rounds, ROUNDS):
+            marked, offsets, r = _first_marks(marks, ROUNDS)
+            at = tile_start + first[:, None] + g + r
+            _emit(row, anchor, start, offsets, at, marked, kind, update, FAST, ALIGN, BLOCK)
+            marks = _dropped(marks, ROUNDS)
+    else:  # busy: every element of `SUB` words at a time
+        whole = WHOLE & FAST & (n - start >= TILE)  # read whole, and the baseline written whole: vectorized
         for c in range(0, TILE // 32, SUB):
             chunk, local = _chunk(words + slot * (TILE // 32), t, c, n, start, SUB, TILE)
             hit, _in_chunk, at = _marked(chunk)
@@ -423,18 +435,16 @@ def _compact_kernel(
             else:
                 _emit(row, anchor, start, local, at, hit, kind, update, FAST, ALIGN, BLOCK)
             tile_start += tl.sum(_popc(chunk).to(tl.int32), axis=0)
-    if not BUSY:
-        if tl.load(row + SEND_BITMAP_OUT) != 0:
-            tl.store(
-                _ptr(row, SEND_BITMAP_OUT, tl.int32) + t * (TILE // 32) + tl.arange(0, TILE // 32),
-                word.to(tl.int32, bitcast=True),
-                mask=left > 0,
-            )
-        if (tl.load(row + SEND_BLOCKS_OUT) != 0) & (t % (BLOCK // TILE) == 0):
-            tl.store(
-                _ptr(row, SEND_BLOCKS_OUT, tl.int32) + t // (BLOCK // TILE),
-                tl.load(blocks + (slot + t) // (BLOCK // TILE)),
-            )
+    if bitmap != 0:
+        tl.store(
+            _ptr(row, SEND_BITMAP_OUT, tl.int32) + t * (TILE // 32) + tl.arange(0, TILE // 32),
+            word.to(tl.int32, bitcast=True),
+            mask=left > 0,
+        )
+    if (tl.load(row + SEND_BLOCKS_OUT) != 0) & (t % (BLOCK // TILE) == 0):
+        tl.store(
+            _ptr(row, SEND_BLOCKS_OUT, tl.int32) + t // (BLOCK // TILE), tl.load(blocks + (slot + t) // (BLOCK // TILE))
+        )
 
 
 @triton.jit
@@ -502,17 +512,18 @@ def _expand_kernel(
     tile_start = tl.load(starts + tl.load(row + RECV_FIRST) + t)
     k = tl.load(row + RECV_K)
     values = anchor + tl.load(row + RECV_VALUES)
-    if rounds <= ROUNDS:
-        if not BUSY:
+    if not BUSY:  # a few marks per word: visited `ROUNDS` per word at a time
+        for g in range(0, rounds, ROUNDS):
             marked, offsets, r = _first_marks(marks, ROUNDS)
-            places = tile_start + first[:, None] + r
+            places = tile_start + first[:, None] + g + r
             marked = marked & (places < k)
             tl.store(
                 _at(row, RECV_DEST, start, offsets, anchor, FAST, ALIGN),
                 tl.load(values + places, mask=marked),
                 mask=marked,
             )
-    elif BUSY:
+            marks = _dropped(marks, ROUNDS)
+    else:  # busy: every element of `SUB` words at a time
         for c in range(0, TILE // 32, SUB):
             chunk, local = _chunk(words, t, c, n, start, SUB, TILE)
             hit, _in_chunk, at = _marked(chunk)
@@ -602,9 +613,8 @@ def diff(
         totals,
         **_fast(*key, words.device),
         TILE=TILE,
+        PART=TILE // DIFF_PARTS,
         COLUMNS=SEND_COLUMNS,
-        WHOLE=TUNE["diff"],
-        num_warps=TUNE["warps"],
     )
 
 
@@ -617,30 +627,29 @@ def compact(
     words: torch.Tensor,
     starts: torch.Tensor,
     blocks: torch.Tensor,
+    busy: bool,
 ) -> None:
     """For each `SEND_*` row: the marked elements at their positions (`starts` of its slot, made
     relative to its first tile), their indices, the wire bitmap and wire block counts, and the
     baseline update, as its payload columns ask (values at element offset `SEND_VALUES` unless
     `SEND_INDEX_KIND` is -1)."""
-    for busy, regs in ((False, TUNE["compact_regs"]), (True, TUNE["busy_regs"])):
-        _compact_kernel[(total,)](
-            table,
-            firsts,
-            boxes,
-            words,
-            starts,
-            blocks,
-            **_fast(*key, words.device),
-            TILE=TILE,
-            COLUMNS=SEND_COLUMNS,
-            BLOCK=BLOCK,
-            ROUNDS=ROUNDS,
-            WHOLE=TUNE["compact"],
-            BUSY=busy,
-            SUB=TUNE["sub"],
-            num_warps=TUNE["warps"],
-            **({"maxnreg": regs} if regs else {}),
-        )
+    _compact_kernel[(total,)](
+        table,
+        firsts,
+        boxes,
+        words,
+        starts,
+        blocks,
+        **_fast(*key, words.device),
+        TILE=TILE,
+        COLUMNS=SEND_COLUMNS,
+        BLOCK=BLOCK,
+        ROUNDS=ROUNDS,
+        WHOLE=TUNE["compact"],
+        BUSY=busy,
+        SUB=TUNE["sub"],
+        num_warps=TUNE["warps"],
+    )
 
 
 def bitmap_counts(
@@ -656,24 +665,28 @@ def scan(table: torch.Tensor, boxes: int, counts: torch.Tensor, starts: torch.Te
 
 
 def expand(
-    table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool], starts: torch.Tensor
+    table: torch.Tensor,
+    firsts: torch.Tensor,
+    boxes: int,
+    total: int,
+    key: tuple[int, bool],
+    starts: torch.Tensor,
+    busy: bool,
 ) -> None:
     """Write each validated bitmap row's values into its marked elements, in order."""
-    for busy, regs in ((False, TUNE["expand_regs"]), (True, TUNE["busy_regs"])):
-        _expand_kernel[(total,)](
-            table,
-            firsts,
-            boxes,
-            starts,
-            **_fast(*key, starts.device),
-            TILE=TILE,
-            COLUMNS=RECV_COLUMNS,
-            ROUNDS=ROUNDS,
-            BUSY=busy,
-            SUB=TUNE["sub"],
-            num_warps=TUNE["warps"],
-            **({"maxnreg": regs} if regs else {}),
-        )
+    _expand_kernel[(total,)](
+        table,
+        firsts,
+        boxes,
+        starts,
+        **_fast(*key, starts.device),
+        TILE=TILE,
+        COLUMNS=RECV_COLUMNS,
+        ROUNDS=ROUNDS,
+        BUSY=busy,
+        SUB=TUNE["sub"],
+        num_warps=TUNE["warps"],
+    )
 
 
 def blocked_check(

@@ -44,6 +44,7 @@ def main() -> None:
         ((5000,), torch.float32, 0.001, INDICES, False),
         ((40, 90), torch.uint8, 0.5, DENSE, True),
         ((130_000,), torch.float64, 0.004, BLOCKED, False),
+        ((2, 40_000), torch.bfloat16, 0.03, BLOCKED, False),  # sparse launch, words of more than 4 marks
     ]
     pairs = [_pair(shape, dtype, density, seed) for seed, (shape, dtype, density, _, _) in enumerate(cases)]
     sources = [
