@@ -334,7 +334,7 @@ class BucketReceiver:
     def add(
         self, slot: int, code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor, view: torch.Tensor
     ) -> None:
-        _checked_layout(code, k, n, dtype, block)
+        at = _checked_layout(code, k, n, dtype, block)
         dest = _fused().destination(code, n, block, view, dtype) if _on_kernel_device(view) else None
         if dest is None:
             index, values, ok = decode(code, k, n, dtype, block)
@@ -343,7 +343,7 @@ class BucketReceiver:
             return
         if self._fused is None:
             self._fused = _fused().FusedReceiver(self.device, self.flags)
-        self._fused.add(slot, code, k, n, block, view, dest)
+        self._fused.add(slot, code, k, n, dtype.itemsize, at, block, dest)
 
     def bad(self) -> list[int]:
         if self._fused:

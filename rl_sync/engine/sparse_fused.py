@@ -12,11 +12,12 @@ bucket's tensors stay where they are.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, DENSE, payload_layout
+from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, DENSE, PayloadLayout, payload_layout
 from . import sparse_triton as kernels
 from .sparse_triton import Strided2D
 
@@ -52,11 +53,12 @@ class _Box:
 
 BUSY = 32
 """A box with more than one change in this many elements (one per bitmap word on average)
-takes the kernels' busy launch, which handles every element of a tile at once; sparser boxes
-visit their marks a few per word at a time."""
+takes the busy `compact` / `expand` launch, which handles every element of `sparse_triton.SUB`
+words at once; sparser boxes visit their marks `sparse_triton.ROUNDS` per word at a time."""
 
 
 def busy(k: int, n: int) -> bool:
+    """Whether a box of `k` changes in `n` elements takes the busy launch."""
     return k * BUSY > n
 
 
@@ -82,7 +84,7 @@ def _launches(rows: list[Row], up: kernels.Upload) -> list[_Launch]:
     for key, busy_ in sorted({(k, b) for k, b, _, _ in rows}, key=str):
         group = [(p, r) for k, b, p, r in rows if (k, b) == (key, busy_)]
         firsts = kernels.starts([p for p, _ in group])
-        at = up.add([r for _, r in group])
+        at = up.add_rows(r for _, r in group)
         out.append(_Launch(key, busy_, at, up.add(firsts), len(group), int(firsts[-1])))
     return out
 
@@ -184,7 +186,7 @@ class FusedSender:
         if not k:
             out[: at.head].zero_()
             return
-        values = kernels.element_offset(address + at.values, self.device, box.width)
+        values = kernels.element_offset(address + at.values, out, box.width)
         bitmap, index = (address, 0) if code == BITMAP else (0, address + at.index)
         blocks = address if code == BLOCKED else 0
         row = box.row(values, index, kernels.INDEX_KIND[code], not box.shared, bitmap, blocks)
@@ -202,7 +204,7 @@ class FusedSender:
             self._compact(self._rows)
             self._rows = []
 
-    def advance(self, codes: dict[int, int]) -> None:
+    def advance(self, codes: Sequence[int]) -> None:
         """After `complete`: the shared boxes' baselines become what was sent (`codes[i]`: box
         i's encoding)."""
         rows: list[Row] = []
@@ -220,7 +222,7 @@ class FusedSender:
 def destination(code: int, n: int, block: torch.Tensor, view: torch.Tensor, dtype: torch.dtype) -> Strided2D | None:
     """`view` as the kernels address it when a received box can take the fused path (bitmap or
     blocked, on `block`'s CUDA device, of the wire dtype, at most 8 bytes), else None."""
-    if code not in (BITMAP, BLOCKED) or not n or block.device != view.device or view.dtype != dtype:
+    if code not in (BITMAP, BLOCKED) or not n or block.get_device() != view.get_device() or view.dtype != dtype:
         return None
     return kernels.as_2d(view) if dtype.itemsize <= 8 else None
 
@@ -239,16 +241,20 @@ class FusedReceiver:
         self._entries = 0
         self._writes: list[tuple[Key, list[tuple[bool, slice, int]], tuple[slice, int]]] = []
 
-    def add(self, slot: int, code: int, k: int, n: int, block: torch.Tensor, view: torch.Tensor, dest: Strided2D):
-        width, address = view.element_size(), block.data_ptr()
-        at = payload_layout(code, n, k, width)
-        values = kernels.element_offset(address + at.values, block.device, width)
+    def add(
+        self, slot: int, code: int, k: int, n: int, width: int, at: PayloadLayout, block: torch.Tensor, dest: Strided2D
+    ) -> None:
+        """Box `slot`: `k` of its `n` elements of `width` bytes changed, its payload `block` laid
+        out as `at`, to be written into `dest` (its `destination`, a `Strided2D`; the caller keeps
+        that tensor alive until `write`)."""
+        address = block.data_ptr()
+        values = kernels.element_offset(address + at.values, block, width)
         if code == BITMAP:
             m, payload, counts, limit = kernels.tiles(n), [address, 0, values], 0, kernels.TILE
         else:
             m, payload, counts, limit = -(-n // BLOCK), [0, address + at.index, values], address, BLOCK
         row = [*payload, *dest.columns(), n, k, slot, self._entries, m, counts, limit]
-        self._kept += [block, view]
+        self._kept.append(block)
         self._rows.append((code, (width, dest.fast), busy(k, n), m, row))
         self._entries += m
 
@@ -264,7 +270,7 @@ class FusedReceiver:
         if not self._rows:
             return
         up = kernels.Upload()
-        table = up.add([row for *_, row in self._rows])
+        table = up.add_rows(row for *_, row in self._rows)
         bitmaps, blocked = self._firsts(up, BITMAP), self._firsts(up, BLOCKED)
         for key in sorted({k for _, k, _, _, _ in self._rows}):
             expands = [(b, *self._firsts(up, BITMAP, key, b)) for b in (False, True)]

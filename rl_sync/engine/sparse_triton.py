@@ -7,17 +7,18 @@ cost of a step does not grow with the number of boxes. One launch serves boxes o
 width (`VT`, the same-width integer type: elements are compared, copied and written as bits,
 so NaN payloads and -0.0 keep them). A box is addressed as `Strided2D`: flat row-major index
 `i` sits at `(i // cols) * row_stride + (i % cols) * col_stride` elements from its start
-(contiguous boxes skip the division).
+(contiguous boxes skip the division); contiguous, 16-byte aligned boxes take the vectorized
+path (`FAST`), and whole tiles are read with unmasked, vectorized loads.
 
 Boxes are cut into tiles of `TILE` elements; a tile's change bitmap is `TILE // 32` int32
 words, bit `b` of word `w` for element `32 w + b` (the wire's `BITMAP` bit order).
 
 Sender (`SEND_*` columns): `diff` reads each box and its baseline once and writes the bitmap
-words and a count per tile into the bucket's buffers, at the box's tile slot; the caller
-reads the bucket's counts back in one transfer, chooses encodings and fills the payload
-columns; `compact` reads the words and only the changed elements and writes the values,
-their indices (int32) or in-block offsets (uint16), the wire bitmap and the wire block
-counts, and the baseline where asked.
+words and a count per tile into the bucket's buffers, at the box's tile slot, and adds up
+each box's count; the caller reads the bucket's counts back in one transfer, chooses
+encodings and fills the payload columns; `compact` reads the words and only the changed
+elements and writes the values, their indices (int32) or in-block offsets (uint16), the wire
+bitmap and the wire block counts, and the baseline where asked.
 
 Receiver (`RECV_*` columns): `bitmap_counts` counts each received bitmap's tiles (and flags
 stray bits past `n`); `scan` turns each box's tile or block counts into starts and flags counts
@@ -25,12 +26,17 @@ out of range or not summing to `k`; `blocked_check` flags blocks whose offsets a
 increasing inside the box. Only once no flag is raised do `expand` and `blocked_apply` write
 into live views. Every payload load is bounded by the header's `k`, so even an unvalidated
 payload cannot make a kernel read out of bounds.
+
+`compact` and `expand` come in two launches, chosen per box by its density
+(`sparse_fused.busy`): the sparse one visits each word's marks `ROUNDS` at a time, the
+busy one handles every element of `SUB` words at once.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,9 +52,15 @@ WORDS = TILE // 32
 CHUNK = 1024
 """Entries per step of the per-block and scan kernels."""
 ROUNDS = 4
-"""compact / expand: tiles whose busiest word has at most this many marks visit the marks one
-round per mark; busier tiles handle every element at once (best of 0, 2, 4, 8 and 32 on an
-H200 at 1%, 10% and 30% density, with 4 warps a program rather than 8)."""
+"""Marks per word the sparse `compact` / `expand` visit at once (their loads issued together)."""
+SUB = 32
+"""Bitmap words the busy `compact` / `expand` handle at once (on an H200 at 10% density, 32 words
+beat 64 words, and a whole tile with 4, 8 or 16 warps a program)."""
+WARPS = 4
+"""Warps a program (8 were slower for every kernel on an H200)."""
+DIFF_PARTS = 2
+"""`diff` programs a tile (fewer registers each, so more of them resident: 0.65 ms against 0.70 ms
+for 1 GiB of bf16 on an H200)."""
 NONE, INT32_INDEX, UINT16_OFFSET = (tl.constexpr(kind) for kind in range(3))
 """What `compact` writes beside the values (a `SEND_INDEX_KIND`; -1: no values either)."""
 INDEX_KIND = {BITMAP: NONE.value, INDICES: INT32_INDEX.value, BLOCKED: UINT16_OFFSET.value}
@@ -89,12 +101,6 @@ and where `diff` adds up the box's changes."""
 RECV_COLUMNS = 15
 """A receiver row: bitmap words and in-block offsets pointers, values (element offset), live box (5
 columns), n, k, flag slot, first count slot, counts, block counts pointer (0: tile counts), limit."""
-TUNE = {"compact": True, "warps": 4, "sub": 32}
-
-
-DIFF_PARTS = 2
-"""`diff` programs per tile (fewer registers each, more of them resident)."""
-"""Experiment knobs (to be fixed)."""
 HARDWARE_POPC = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 BITS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 BITS_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -127,6 +133,7 @@ class Strided2D:
 
 
 _ANCHORS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_ANCHOR_ADDRESSES: dict[tuple[int, int], int] = {}
 
 
 def anchor(device: torch.device, width: int) -> torch.Tensor:
@@ -138,12 +145,22 @@ def anchor(device: torch.device, width: int) -> torch.Tensor:
     key = (device, width)
     if key not in _ANCHORS:
         _ANCHORS[key] = torch.empty(1, dtype=BITS_TORCH[width], device=device)
+        _ANCHOR_ADDRESSES[(_index(device), width)] = _ANCHORS[key].data_ptr()
     return _ANCHORS[key]
 
 
-def element_offset(address: int, device: torch.device, width: int) -> int:
-    """Where the element of `width` bytes at `address` on `device` is, from its width's anchor."""
-    return (address - anchor(device, width).data_ptr()) // width
+def _index(device: torch.device) -> int:
+    """The device's number as `Tensor.get_device` gives it (-1: the CPU)."""
+    return -1 if device.type == "cpu" else int(device.index)
+
+
+def element_offset(address: int, on: torch.Tensor, width: int) -> int:
+    """Where the element of `width` bytes at `address` (on the device of `on`) is, in elements
+    from its width's anchor."""
+    base = _ANCHOR_ADDRESSES.get((on.get_device(), width))
+    if base is None:
+        base = anchor(on.device, width).data_ptr()
+    return (address - base) // width
 
 
 def as_2d(view: torch.Tensor) -> Strided2D | None:
@@ -162,40 +179,44 @@ def as_2d(view: torch.Tensor) -> Strided2D | None:
     if rows == 1:
         row_stride = cols * col_stride
     address = view.data_ptr()
-    start = element_offset(address, view.device, view.element_size())
-    return Strided2D(start, cols, row_stride, col_stride, address % 16 == 0)
+    return Strided2D(
+        element_offset(address, view, view.element_size()), cols, row_stride, col_stride, address % 16 == 0
+    )
 
 
 def tiles(n: int) -> int:
     return -(-n // TILE)
 
 
-def starts(counts: Sequence[int]) -> np.ndarray:
+def starts(counts: Iterable[int]) -> list[int]:
     """Cumulative program starts of boxes of `counts` programs each (one more entry: the total)."""
-    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+    return list(itertools.accumulate(counts, initial=0))
 
 
 class Upload:
-    """int64 arrays gathered on the host, then copied to the device in one transfer from pinned
+    """int64 values gathered on the host, then copied to the device in one transfer from pinned
     memory (which does not wait for queued work, as a copy from pageable memory would).
 
-    Usage: `at = up.add(values)` for each array; `dev = up.send(device)`; then `dev[at]`."""
+    Usage: `at = up.add(values)` (or `add_rows`) for each array; `dev = up.send(device)`; then
+    `dev[at]`."""
 
     def __init__(self) -> None:
-        self._parts: list[np.ndarray] = []
-        self._size = 0
+        self._values: list[int] = []
 
-    def add(self, values) -> slice:
-        part = np.asarray(values, dtype=np.int64).reshape(-1)
-        self._parts.append(part)
-        self._size += part.size
-        return slice(self._size - part.size, self._size)
+    def add(self, values: Iterable[int]) -> slice:
+        first = len(self._values)
+        self._values.extend(values)
+        return slice(first, len(self._values))
+
+    def add_rows(self, rows: Iterable[list[int]]) -> slice:
+        return self.add(itertools.chain.from_iterable(rows))
 
     def send(self, device: torch.device) -> torch.Tensor:
+        values = np.array(self._values, dtype=np.int64)
         if device.type != "cuda":
-            return torch.from_numpy(np.concatenate(self._parts))
-        host = torch.empty(self._size, dtype=torch.int64, pin_memory=True)
-        np.concatenate(self._parts, out=host.numpy())
+            return torch.from_numpy(values)
+        host = torch.empty(values.size, dtype=torch.int64, pin_memory=True)
+        host.numpy()[:] = values
         return host.to(device, non_blocking=True)
 
 
@@ -297,7 +318,7 @@ def _marked(word):
 @triton.jit
 def _runs(word):
     """(marks per word, each word's first position among the tile's marks, the most marks in
-    one word): the marks are visited one round per mark, lowest bit first, in every word at once."""
+    one word): the sparse launches visit the marks `ROUNDS` per word at a time, lowest first."""
     per_word = _popc(word).to(tl.int32)
     return per_word, tl.cumsum(per_word, axis=0) - per_word, tl.max(per_word, axis=0)
 
@@ -399,7 +420,6 @@ def _compact_kernel(
     COLUMNS: tl.constexpr,
     BLOCK: tl.constexpr,
     ROUNDS: tl.constexpr,
-    WHOLE: tl.constexpr,
     BUSY: tl.constexpr,
     SUB: tl.constexpr,
 ):
@@ -408,21 +428,23 @@ def _compact_kernel(
     n = tl.load(row + SEND_N)
     slot = tl.load(row + SEND_SLOT)
     start, _, left = _tile(t, n, TILE)
-    word = _words(words + slot * (TILE // 32), t, left, TILE)
-    _, first, rounds = _runs(word)
     tile_start = tl.load(starts + slot + t) - tl.load(starts + slot)
     kind = tl.load(row + SEND_INDEX_KIND)
     update = tl.load(row + SEND_UPDATE) != 0
-    bitmap = tl.load(row + SEND_BITMAP_OUT)
+    bitmap = _ptr(row, SEND_BITMAP_OUT, tl.int32) + t * (TILE // 32)
     if not BUSY:  # a few marks per word: visited `ROUNDS` per word at a time
+        word = _words(words + slot * (TILE // 32), t, left, TILE)
+        _, first, rounds = _runs(word)
         marks = word
         for g in range(0, rounds, ROUNDS):
             marked, offsets, r = _first_marks(marks, ROUNDS)
             at = tile_start + first[:, None] + g + r
             _emit(row, anchor, start, offsets, at, marked, kind, update, FAST, ALIGN, BLOCK)
             marks = _dropped(marks, ROUNDS)
+        if tl.load(row + SEND_BITMAP_OUT) != 0:
+            tl.store(bitmap + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True), mask=left > 0)
     else:  # busy: every element of `SUB` words at a time
-        whole = WHOLE & FAST & (n - start >= TILE)  # read whole, and the baseline written whole: vectorized
+        whole = FAST & (n - start >= TILE)  # read whole, and the baseline written whole: vectorized
         for c in range(0, TILE // 32, SUB):
             chunk, local = _chunk(words + slot * (TILE // 32), t, c, n, start, SUB, TILE)
             hit, _in_chunk, at = _marked(chunk)
@@ -434,13 +456,10 @@ def _compact_kernel(
                 _emit_values(row, anchor, start, local, at, hit, v, kind, BLOCK)
             else:
                 _emit(row, anchor, start, local, at, hit, kind, update, FAST, ALIGN, BLOCK)
+            if tl.load(row + SEND_BITMAP_OUT) != 0:
+                ws = c + tl.arange(0, SUB)
+                tl.store(bitmap + ws, chunk.to(tl.int32, bitcast=True), mask=ws * 32 < n - start)
             tile_start += tl.sum(_popc(chunk).to(tl.int32), axis=0)
-    if bitmap != 0:
-        tl.store(
-            _ptr(row, SEND_BITMAP_OUT, tl.int32) + t * (TILE // 32) + tl.arange(0, TILE // 32),
-            word.to(tl.int32, bitcast=True),
-            mask=left > 0,
-        )
     if (tl.load(row + SEND_BLOCKS_OUT) != 0) & (t % (BLOCK // TILE) == 0):
         tl.store(
             _ptr(row, SEND_BLOCKS_OUT, tl.int32) + t // (BLOCK // TILE), tl.load(blocks + (slot + t) // (BLOCK // TILE))
@@ -507,12 +526,12 @@ def _expand_kernel(
     n = tl.load(row + RECV_N)
     start, _, left = _tile(t, n, TILE)
     words = _ptr(row, RECV_WORDS, tl.int32)
-    marks = _words(words, t, left, TILE)
-    _, first, rounds = _runs(marks)
     tile_start = tl.load(starts + tl.load(row + RECV_FIRST) + t)
     k = tl.load(row + RECV_K)
     values = anchor + tl.load(row + RECV_VALUES)
     if not BUSY:  # a few marks per word: visited `ROUNDS` per word at a time
+        marks = _words(words, t, left, TILE)
+        _, first, rounds = _runs(marks)
         for g in range(0, rounds, ROUNDS):
             marked, offsets, r = _first_marks(marks, ROUNDS)
             places = tile_start + first[:, None] + g + r
@@ -587,8 +606,17 @@ def _blocked_apply_kernel(
         tl.store(_at(row, RECV_DEST, b * BLOCK, off, anchor, False, ALIGN), v, mask=ok)
 
 
-def _fast(width: int, fast: bool, device: torch.device) -> dict:
-    return dict(anchor=anchor(device, width), FAST=fast, ALIGN=16 // width)
+def _launch(kernel, total: int, args: tuple, **constexprs) -> None:
+    """`kernel[(total,)](*args, **constexprs)`, none when `total` is 0."""
+    if total:
+        kernel[(total,)](*args, **constexprs, num_warps=WARPS)
+
+
+def _width(key: tuple[int, bool], device: torch.device) -> tuple[torch.Tensor, dict]:
+    """(anchor, its constexprs) of a launch over elements of `key`'s width (`key`'s flag: every
+    box on the vectorized path)."""
+    width, fast = key
+    return anchor(device, width), {"FAST": fast, "ALIGN": 16 // width}
 
 
 def diff(
@@ -601,21 +629,12 @@ def diff(
     counts: torch.Tensor,
     totals: torch.Tensor,
 ) -> None:
-    """For each `SEND_*` row (elements of `key`'s width; `key`'s flag: every box `fast`): its
-    bitmap words and tile counts, at its slot of `words` / `counts` (bits past `n` are zero), and
-    its changes added to `totals` at its `SEND_COUNT`."""
-    _diff_kernel[(total,)](
-        table,
-        firsts,
-        boxes,
-        words,
-        counts,
-        totals,
-        **_fast(*key, words.device),
-        TILE=TILE,
-        PART=TILE // DIFF_PARTS,
-        COLUMNS=SEND_COLUMNS,
-    )
+    """For each `SEND_*` row (elements of `key`'s width): its bitmap words and tile counts, at its
+    slot of `words` / `counts` (bits past `n` are zero), and its changes added to `totals` at
+    its `SEND_COUNT`."""
+    at, fast = _width(key, words.device)
+    args = (table, firsts, boxes, words, counts, totals, at)
+    _launch(_diff_kernel, total, args, **fast, TILE=TILE, PART=TILE // DIFF_PARTS, COLUMNS=SEND_COLUMNS)
 
 
 def compact(
@@ -632,36 +651,23 @@ def compact(
     """For each `SEND_*` row: the marked elements at their positions (`starts` of its slot, made
     relative to its first tile), their indices, the wire bitmap and wire block counts, and the
     baseline update, as its payload columns ask (values at element offset `SEND_VALUES` unless
-    `SEND_INDEX_KIND` is -1)."""
-    _compact_kernel[(total,)](
-        table,
-        firsts,
-        boxes,
-        words,
-        starts,
-        blocks,
-        **_fast(*key, words.device),
-        TILE=TILE,
-        COLUMNS=SEND_COLUMNS,
-        BLOCK=BLOCK,
-        ROUNDS=ROUNDS,
-        WHOLE=TUNE["compact"],
-        BUSY=busy,
-        SUB=TUNE["sub"],
-        num_warps=TUNE["warps"],
-    )
+    `SEND_INDEX_KIND` is -1); `busy`: the rows' boxes are `busy`, see `_compact_kernel`."""
+    at, fast = _width(key, words.device)
+    args = (table, firsts, boxes, words, starts, blocks, at)
+    constexprs = dict(TILE=TILE, COLUMNS=SEND_COLUMNS, BLOCK=BLOCK, ROUNDS=ROUNDS, BUSY=busy, SUB=SUB)
+    _launch(_compact_kernel, total, args, **fast, **constexprs)
 
 
 def bitmap_counts(
     table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, counts: torch.Tensor, flags: torch.Tensor
 ) -> None:
     """Tile counts of each received bitmap (`RECV_*` rows) at its `first` in `counts`; flags stray bits."""
-    _bitmap_counts_kernel[(total,)](table, firsts, boxes, counts, flags, TILE=TILE, COLUMNS=RECV_COLUMNS)
+    _launch(_bitmap_counts_kernel, total, (table, firsts, boxes, counts, flags), TILE=TILE, COLUMNS=RECV_COLUMNS)
 
 
 def scan(table: torch.Tensor, boxes: int, counts: torch.Tensor, starts: torch.Tensor, flags: torch.Tensor) -> None:
     """Starts from each row's counts (its `counts` column, or `counts` at its `first`)."""
-    _scan_kernel[(boxes,)](table, counts, starts, flags, CHUNK=CHUNK, COLUMNS=RECV_COLUMNS)
+    _launch(_scan_kernel, boxes, (table, counts, starts, flags), CHUNK=CHUNK, COLUMNS=RECV_COLUMNS)
 
 
 def expand(
@@ -674,32 +680,24 @@ def expand(
     busy: bool,
 ) -> None:
     """Write each validated bitmap row's values into its marked elements, in order."""
-    _expand_kernel[(total,)](
-        table,
-        firsts,
-        boxes,
-        starts,
-        **_fast(*key, starts.device),
-        TILE=TILE,
-        COLUMNS=RECV_COLUMNS,
-        ROUNDS=ROUNDS,
-        BUSY=busy,
-        SUB=TUNE["sub"],
-        num_warps=TUNE["warps"],
-    )
+    at, fast = _width(key, starts.device)
+    args = (table, firsts, boxes, starts, at)
+    constexprs = dict(TILE=TILE, COLUMNS=RECV_COLUMNS, ROUNDS=ROUNDS, BUSY=busy, SUB=SUB)
+    _launch(_expand_kernel, total, args, **fast, **constexprs)
 
 
 def blocked_check(
     table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, starts: torch.Tensor, flags: torch.Tensor
 ) -> None:
     """Flag blocked rows whose offsets are not strictly increasing inside the box."""
-    _blocked_check_kernel[(total,)](table, firsts, boxes, starts, flags, CHUNK=CHUNK, BLOCK=BLOCK, COLUMNS=RECV_COLUMNS)
+    args = (table, firsts, boxes, starts, flags)
+    _launch(_blocked_check_kernel, total, args, CHUNK=CHUNK, BLOCK=BLOCK, COLUMNS=RECV_COLUMNS)
 
 
 def blocked_apply(
     table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool], starts: torch.Tensor
 ) -> None:
     """Write each validated blocked row's values at its offsets."""
-    _blocked_apply_kernel[(total,)](
-        table, firsts, boxes, starts, **_fast(*key, starts.device), CHUNK=CHUNK, BLOCK=BLOCK, COLUMNS=RECV_COLUMNS
-    )
+    at, fast = _width(key, starts.device)
+    args = (table, firsts, boxes, starts, at)
+    _launch(_blocked_apply_kernel, total, args, **fast, CHUNK=CHUNK, BLOCK=BLOCK, COLUMNS=RECV_COLUMNS)

@@ -1,0 +1,54 @@
+"""The fused sparse codec's host side, without running a kernel: which boxes overlap, which
+launch a box takes, and a bucket's geometry built once and found again by where its boxes are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from rl_sync.engine import sparse_fused
+from rl_sync.engine.sparse_codec import overlapping
+
+
+def test_only_boxes_of_one_tensor_that_share_an_element_overlap():
+    boxes = [
+        (0, (0, 0), (4, 8)),
+        (0, (3, 7), (1, 1)),  # element (3, 7), inside the first
+        (0, (4, 0), (4, 8)),  # touches the first, shares nothing
+        (1, (0, 0), (4, 8)),  # the same place in another tensor
+    ]
+    assert overlapping(boxes) == [True, True, False, False]
+
+
+def test_a_box_is_busy_above_one_change_per_bitmap_word():
+    assert not sparse_fused.busy(32, 1024)
+    assert sparse_fused.busy(33, 1024)
+
+
+def _pairs(tensors: int = 3, n: int = 10_000) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)) for _ in range(tensors)]
+
+
+def test_a_bucket_geometry_is_built_once_and_rebuilt_when_a_box_moves():
+    pairs = _pairs()
+    first = sparse_fused.geometry(pairs, [0, 1, 2], [False] * 3)
+    again = sparse_fused.geometry([(c.view(-1), b.view(-1)) for c, b in pairs], [0, 1, 2], [False] * 3)
+    assert again is first
+    moved = [pairs[0], (pairs[1][0].clone(), pairs[1][1]), pairs[2]]
+    assert sparse_fused.geometry(moved, [0, 1, 2], [False] * 3) is not first
+    assert sparse_fused.geometry(pairs, [0, 1, 2], [True, True, False]) is not first
+
+
+def test_geometry_gives_each_box_whole_blocks_of_tile_slots_and_leaves_out_what_cannot_fuse():
+    n = 70_000  # two wire blocks of 65,536 elements
+    pairs = _pairs(2, n) + [(torch.zeros(8, dtype=torch.float32), torch.zeros(8, dtype=torch.float64))]
+    made = sparse_fused.geometry(pairs, [0, 1, 2], [False] * 3)
+    per_box = 2 * (65_536 // sparse_fused.kernels.TILE)
+    assert sorted(made.boxes) == [0, 1]  # dtypes differ: box 2 takes the torch path
+    assert [made.boxes[i].slot for i in (0, 1)] == [0, per_box]
+    assert made.slots == 2 * per_box
+    assert [launch.total for launch in made.diff] == [
+        2 * sparse_fused.kernels.tiles(n) * sparse_fused.kernels.DIFF_PARTS
+    ]
