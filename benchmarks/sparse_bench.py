@@ -35,20 +35,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+WARM_UP = 2
+"""Untimed runs first: compiling, and the caches of a bucket's steady state (its geometry, pinned
+memory, the allocator's blocks)."""
+
+
 def _timed(fn, device: torch.device, repeat: int = 3, setup=lambda: None) -> float:
-    """Median seconds of `fn()` over `repeat` runs after a warm-up, `setup()` untimed before each."""
+    """Median seconds of `fn()` over `repeat` runs after `WARM_UP` more, `setup()` untimed before each."""
     times = []
-    for _ in range(repeat + 1):
+    for _ in range(repeat + WARM_UP):
         setup()
         _sync(device)
         start = time.perf_counter()
         fn()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return statistics.median(times[WARM_UP:])
 
 
-def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int = 16, reference: bool = False) -> Table:
+def codec_table(
+    device: torch.device, repeat: int, total_bytes: int = 1 << 30, tensors: int = 16, reference: bool = False
+) -> Table:
     """Diff + encode + baseline update, then validate + apply, for `total_bytes` of bf16 in
     `tensors` tensors, as one bucket (as a sparse round does); `reference` forces the torch codec."""
     if reference:
@@ -57,7 +64,7 @@ def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int =
     gen = torch.Generator(device=device).manual_seed(0)
     base = [torch.randn(n, generator=gen, device=device).to(torch.bfloat16) for _ in range(tensors)]
     live, baseline = [b.clone() for b in base], [b.clone() for b in base]
-    copy_s = _timed(lambda: [l.copy_(b) for l, b in zip(live, base)], device)
+    copy_s = _timed(lambda: [l.copy_(b) for l, b in zip(live, base)], device, repeat)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     kind = "fused Triton" if device.type == "cuda" and not reference else "torch"
     table = Table(
@@ -97,8 +104,8 @@ def codec_table(device: torch.device, total_bytes: int = 1 << 30, tensors: int =
         def reset(targets):
             return lambda: [t.copy_(b) for t, b in zip(targets, base)]
 
-        encode_s = _timed(encode_all, device, setup=reset(baseline))
-        apply_s = _timed(apply_all, device, setup=reset(live))
+        encode_s = _timed(encode_all, device, repeat, setup=reset(baseline))
+        apply_s = _timed(apply_all, device, repeat, setup=reset(live))
         assert all(torch.equal(t.view(torch.int16), c.view(torch.int16)) for t, c in zip(live + baseline, cur + cur))
         wire = sum(b.numel() for b in blocks)
         table.add_row(
@@ -196,13 +203,13 @@ def main() -> None:
     parser.add_argument("--codec", action="store_true", help="codec throughput for 1 GiB on --device")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--reference", action="store_true", help="with --codec: time the torch codec too")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per figure (their median)")
     args = parser.parse_args()
     console = Console(width=160)
     if args.codec:
-        console.print(codec_table(torch.device(args.device)))
+        console.print(codec_table(torch.device(args.device), args.repeat))
         if args.reference:
-            console.print(codec_table(torch.device(args.device), reference=True))
+            console.print(codec_table(torch.device(args.device), args.repeat, reference=True))
     if args.e2e:
         console.print(e2e_table(args.repeat))
 
