@@ -8,8 +8,9 @@ and never triggers a device-side assert.
 
 A sparse round uses the bucket-level `BucketChanges` (sender) and
 `BucketReceiver` (receiver): CUDA boxes go through the fused Triton kernels
-(`sparse_triton`), every box of a bucket in the same launches; the rest through
-the per-box torch functions below (`Changes`, `encode`, `decode`, `apply`).
+(`sparse_triton`, driven by `sparse_fused`), every box of a bucket in the same
+launches; the rest through the per-box torch functions below (`Changes`,
+`encode`, `decode`, `apply`).
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ class BucketChanges:
         self._values: list[torch.Tensor | None] = [None] * len(self.pairs)
         self._codes = [DENSE] * len(self.pairs)
         fused_counts = self._fused.counts if self._fused else [0] * len(self.pairs)
-        self.counts = [c.count if c else fused_counts[i] for i, c in enumerate(self._changes)]
+        self.counts = [c.count if c is not None else fused_counts[i] for i, c in enumerate(self._changes)]
 
     def encode(self, i: int, code: int, out: torch.Tensor) -> None:
         """Encode box `i` as `code` into the byte buffer `out` (`encoded_nbytes` long); complete
