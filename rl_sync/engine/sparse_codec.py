@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, DENSE, INDICES, PayloadLayout, payload_layout
+from ..sparse.encodings import ALIGN, BITMAP, BLOCK, BLOCKED, DENSE, INDICES, PayloadLayout, payload_layout
 
 if TYPE_CHECKING:
     from .sparse_fused import FusedReceiver
@@ -173,11 +173,20 @@ def decode(
 
 
 def _checked_layout(code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor) -> PayloadLayout:
-    """The payload's layout, once its size is what the header implies."""
+    """The payload's layout, once its size is what the header implies and it starts aligned."""
     at = payload_layout(code, n, k, dtype.itemsize)
     if block.numel() != at.nbytes:
         raise ValueError(f"payload of {block.numel()} bytes, header implies {at.nbytes}")
+    _check_aligned(block)
     return at
+
+
+def _check_aligned(block: torch.Tensor) -> None:
+    if block.data_ptr() % ALIGN:
+        raise ValueError(
+            f"payload buffer at address {block.data_ptr():#x} is not {ALIGN}-byte aligned; every encoded "
+            f"transfer starts {ALIGN}-byte aligned (`rl_sync.sparse.encodings`)"
+        )
 
 
 def _decode_blocked(k: int, n: int, at: PayloadLayout, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,9 +273,20 @@ class BucketChanges:
     several replicas is diffed against the same baseline each time). Other boxes use `Changes`
     (one host sync each on a GPU) and `encode`."""
 
-    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], boxes: Sequence[Box]):
+    def __init__(
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        boxes: Sequence[Box],
+        payloads: torch.device | None = None,
+    ):
+        """`payloads`: the device the payload buffers will be on, when known (the fused path writes
+        them from the GPU, so CUDA boxes whose payloads go to the host take the torch path)."""
         self.pairs = list(pairs)
-        candidates = [i for i, (cur, _) in enumerate(self.pairs) if _on_kernel_device(cur)]
+        candidates = [
+            i
+            for i, (cur, _) in enumerate(self.pairs)
+            if _on_kernel_device(cur) and (payloads is None or payloads.type == cur.device.type)
+        ]
         geometry = _fused().geometry(self.pairs, candidates, overlapping(boxes)) if candidates else None
         self._fused = _fused().FusedSender(self.pairs, geometry) if geometry and geometry.boxes else None
         fused = geometry.boxes if self._fused and geometry else {}
@@ -279,6 +299,7 @@ class BucketChanges:
     def encode(self, i: int, code: int, out: torch.Tensor) -> None:
         """Encode box `i` as `code` into the byte buffer `out` (`encoded_nbytes` long); complete
         once `complete` has run."""
+        _check_aligned(out)
         self._codes[i], changes = code, self._changes[i]
         if changes is not None:
             self._values[i] = encode(code, changes, out)
@@ -344,7 +365,7 @@ class BucketReceiver:
             return
         if self._fused is None:
             self._fused = _fused().FusedReceiver(self.device, self.flags)
-        self._fused.add(slot, code, k, n, dtype.itemsize, at, block, dest)
+        self._fused.add(slot, code, k, n, at, block, view, dest)
 
     def bad(self) -> list[int]:
         if self._fused:

@@ -118,18 +118,20 @@ def _pair_2d(cur: torch.Tensor, base: torch.Tensor, device: torch.device) -> tup
     of one dtype of at most 8 bytes, not empty, with dims that merge into two."""
     if cur.device != device or base.device != device or cur.dtype != base.dtype or cur.element_size() > 8:
         return None
-    if not cur.numel():
+    if not cur.numel() or cur.shape != base.shape:  # (a mismatch takes the torch path, which refuses it)
         return None
     pair = kernels.as_2d(cur), kernels.as_2d(base)
     return None if pair[0] is None or pair[1] is None else (pair[0], pair[1])
 
 
 def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[int], shared: list[bool]) -> _Geometry:
-    """The geometry of the boxes among `candidates` (indices of `pairs` on one CUDA device) that
-    take the fused path; built on first use, then found by where the boxes are."""
+    """The geometry of the boxes among `candidates` (indices of `pairs` on CUDA) that take the
+    fused path: those on the first candidate's device whose source and baseline match (the
+    others take the torch path); built on first use, then found by where the boxes are."""
     signature = tuple(
-        (i, shared[i], pairs[i][0].data_ptr(), pairs[i][1].data_ptr(), pairs[i][0].shape, pairs[i][0].stride())
-        + (pairs[i][1].stride(), pairs[i][0].dtype, pairs[i][1].dtype, pairs[i][0].device, pairs[i][1].device)
+        (i, shared[i], pairs[i][0].data_ptr(), pairs[i][1].data_ptr(), pairs[i][0].shape, pairs[i][1].shape)
+        + (pairs[i][0].stride(), pairs[i][1].stride(), pairs[i][0].dtype, pairs[i][1].dtype)
+        + (pairs[i][0].device, pairs[i][1].device)
         for i in candidates
     )
     found = _GEOMETRIES.get(signature)
@@ -163,7 +165,7 @@ class FusedSender:
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], g: _Geometry):
         self.pairs, self.geometry = pairs, g
         self.device = device = pairs[next(iter(g.boxes))][0].device
-        counts = torch.zeros(g.slots + len(pairs), dtype=torch.int32, device=device)
+        counts = torch.zeros(g.slots + len(pairs), dtype=torch.int64, device=device)
         self._tiles, totals = counts[: g.slots], counts[g.slots :]
         self._words = torch.empty(g.slots * kernels.WORDS, dtype=torch.int32, device=device)
         _run(kernels.diff, g.diff, g.table, self._words, self._tiles, totals)
@@ -174,8 +176,13 @@ class FusedSender:
         self._payloads: list[torch.Tensor] = []  # the tables hold their addresses
 
     def encode(self, i: int, code: int, out: torch.Tensor) -> None:
-        """Box `i` as `code` into byte buffer `out` (complete after `complete`)."""
+        """Box `i` as `code` into byte buffer `out`, on the box's device (complete after
+        `complete`)."""
         box, cur = self.geometry.boxes[i], self.pairs[i][0]
+        if out.get_device() != cur.get_device():
+            raise ValueError(
+                f"the payload buffer of box {i} is on {out.device}; the fused codec writes it from {cur.device}"
+            )
         if code == DENSE:
             out[: box.width * box.n].view(cur.dtype).copy_(cur.reshape(-1))
             if not box.shared:  # no other box reads this baseline: a whole copy now
@@ -242,19 +249,26 @@ class FusedReceiver:
         self._writes: list[tuple[Key, list[tuple[bool, slice, int]], tuple[slice, int]]] = []
 
     def add(
-        self, slot: int, code: int, k: int, n: int, width: int, at: PayloadLayout, block: torch.Tensor, dest: Strided2D
+        self,
+        slot: int,
+        code: int,
+        k: int,
+        n: int,
+        at: PayloadLayout,
+        block: torch.Tensor,
+        view: torch.Tensor,
+        dest: Strided2D,
     ) -> None:
-        """Box `slot`: `k` of its `n` elements of `width` bytes changed, its payload `block` laid
-        out as `at`, to be written into `dest` (its `destination`, a `Strided2D`; the caller keeps
-        that tensor alive until `write`)."""
-        address = block.data_ptr()
+        """Box `slot`: `k` of its `n` elements changed, its payload `block` laid out as `at`, to be
+        written into `view`, whose `destination` is `dest` (both kept until the writes)."""
+        width, address = view.element_size(), block.data_ptr()
         values = kernels.element_offset(address + at.values, block, width)
         if code == BITMAP:
             m, payload, counts, limit = kernels.tiles(n), [address, 0, values], 0, kernels.TILE
         else:
             m, payload, counts, limit = -(-n // BLOCK), [0, address + at.index, values], address, BLOCK
         row = [*payload, *dest.columns(), n, k, slot, self._entries, m, counts, limit]
-        self._kept.append(block)
+        self._kept += [block, view]
         self._rows.append((code, (width, dest.fast), busy(k, n), m, row))
         self._entries += m
 

@@ -63,8 +63,9 @@ def _wire(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return view if view.dtype == dtype else view.to(dtype)
 
 
-def _find_changes(sends: Sequence[Message], io: SparseIO) -> sparse_codec.BucketChanges:
-    """The changes of every segment this rank sends from its sources in the bucket, in message order."""
+def _find_changes(sends: Sequence[Message], io: SparseIO, device: torch.device) -> sparse_codec.BucketChanges:
+    """The changes of every segment this rank sends from its sources in the bucket, in message
+    order, for payloads on `device` (the transport's)."""
     segments = [seg for msg in sends if msg.relay is None for seg in msg.segments]
     pairs = [
         (
@@ -73,7 +74,8 @@ def _find_changes(sends: Sequence[Message], io: SparseIO) -> sparse_codec.Bucket
         )
         for seg in segments
     ]
-    return sparse_codec.BucketChanges(pairs, [(seg.tensor, tuple(seg.offsets), tuple(seg.sizes)) for seg in segments])
+    boxes = [(seg.tensor, tuple(seg.offsets), tuple(seg.sizes)) for seg in segments]
+    return sparse_codec.BucketChanges(pairs, boxes, payloads=device)
 
 
 def _encode_message(
@@ -134,7 +136,7 @@ def run_sparse_bucket(
 ) -> None:
     """Headers, then payloads, then validate-all-then-apply (see the module docstring)."""
     device = transport.device
-    found = _find_changes(bucket.sends, io)
+    found = _find_changes(bucket.sends, io, device)
     own = [m for m in bucket.sends if m.relay is None]
     firsts = np.cumsum([0] + [len(m.segments) for m in own]).tolist()
     fresh = iter([_encode_message(m, found, first, io, counters, device) for m, first in zip(own, firsts)])

@@ -156,11 +156,14 @@ def _index(device: torch.device) -> int:
 
 def element_offset(address: int, on: torch.Tensor, width: int) -> int:
     """Where the element of `width` bytes at `address` (on the device of `on`) is, in elements
-    from its width's anchor."""
+    from its width's anchor; the address must be a whole number of elements from it."""
     base = _ANCHOR_ADDRESSES.get((on.get_device(), width))
     if base is None:
         base = anchor(on.device, width).data_ptr()
-    return (address - base) // width
+    offset, rest = divmod(address - base, width)
+    if rest:
+        raise ValueError(f"address {address:#x} is not aligned to its {width}-byte elements")
+    return offset
 
 
 def as_2d(view: torch.Tensor) -> Strided2D | None:
@@ -374,8 +377,8 @@ def _diff_kernel(
     word = tl.sum(differ.to(tl.uint32) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)
     slot = tl.load(row + SEND_SLOT)
     tl.store(words + slot * (TILE // 32) + p * (PART // 32) + tl.arange(0, PART // 32), word.to(tl.int32, bitcast=True))
-    tl.atomic_add(counts + slot + p // (TILE // PART), count, sem="relaxed")
-    tl.atomic_add(totals + tl.load(row + SEND_COUNT), count, sem="relaxed")
+    tl.atomic_add(counts + slot + p // (TILE // PART), count.to(tl.int64), sem="relaxed")
+    tl.atomic_add(totals + tl.load(row + SEND_COUNT), count.to(tl.int64), sem="relaxed")  # a box may pass 2^31
 
 
 @triton.jit

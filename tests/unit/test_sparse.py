@@ -109,6 +109,27 @@ def test_payload_size_must_match_its_header():
         sparse_codec.decode(INDICES, 3, 8, torch.float32, torch.zeros(8, dtype=torch.uint8))
 
 
+def test_a_payload_not_16_byte_aligned_is_refused_on_both_sides():
+    """Every encoded transfer starts 16-byte aligned; a buffer that does not is refused before
+    anything is encoded, validated or written (the fused kernels address parts from it)."""
+    cur, base = torch.zeros(1000, dtype=torch.bfloat16), torch.zeros(1000, dtype=torch.bfloat16)
+    cur[::10] = 1.0
+    nbytes = encoded_nbytes(BITMAP, 1000, 100, 2)
+    buffer = torch.zeros(nbytes + 16, dtype=torch.uint8)
+    found = sparse_codec.BucketChanges([(cur, base.clone())], [(0, (0,), (1000,))])
+    with pytest.raises(ValueError, match=r"payload buffer at address 0x[0-9a-f]+ is not 16-byte aligned"):
+        found.encode(0, BITMAP, buffer[1 : 1 + nbytes])
+    found.encode(0, BITMAP, buffer[16:])
+    found.finish()
+    live = base.clone()
+    received = sparse_codec.BucketReceiver(torch.device("cpu"), 1)
+    shifted = torch.zeros(nbytes + 16, dtype=torch.uint8)
+    shifted[8 : 8 + nbytes] = buffer[16:]
+    with pytest.raises(ValueError, match=r"is not 16-byte aligned"):
+        received.add(0, BITMAP, 100, 1000, torch.bfloat16, shifted[8 : 8 + nbytes], live)
+    assert torch.equal(live, base)
+
+
 @pytest.mark.parametrize(
     "code, k, n, message",
     [

@@ -1,5 +1,6 @@
 """The fused sparse codec's host side, without running a kernel: which boxes overlap, which
-launch a box takes, and a bucket's geometry built once and found again by where its boxes are."""
+launch a box takes, a bucket's geometry built once and found again by where its boxes are, and
+which boxes stay on the torch path."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from rl_sync.engine import sparse_fused
+from rl_sync.engine import sparse_codec, sparse_fused
 from rl_sync.engine.sparse_codec import overlapping
 
 
@@ -52,3 +53,22 @@ def test_geometry_gives_each_box_whole_blocks_of_tile_slots_and_leaves_out_what_
     assert [launch.total for launch in made.diff] == [
         2 * sparse_fused.kernels.tiles(n) * sparse_fused.kernels.DIFF_PARTS
     ]
+
+
+def test_a_source_and_baseline_of_different_shapes_never_take_the_fused_path():
+    cur, base = torch.zeros(10_000, dtype=torch.bfloat16), torch.zeros(100, dtype=torch.bfloat16)
+    assert sparse_fused.geometry([(cur, base)], [0], [False]).boxes == {}
+
+
+def test_boxes_whose_payloads_go_to_another_kind_of_device_take_the_torch_path(monkeypatch):
+    """CUDA sources sent over a host transport (Gloo): the fused kernels cannot write host payloads."""
+    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
+
+    def refuse(*args):
+        raise AssertionError("the fused path was taken")
+
+    monkeypatch.setattr(sparse_fused, "FusedSender", refuse)
+    cur, base = torch.zeros(5000, dtype=torch.bfloat16), torch.zeros(5000, dtype=torch.bfloat16)
+    cur[::50] = 2.0
+    found = sparse_codec.BucketChanges([(cur, base)], [(0, (0,), (5000,))], payloads=torch.device("meta"))
+    assert found.counts == [100]
