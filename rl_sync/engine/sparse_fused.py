@@ -124,16 +124,16 @@ def _pair_2d(cur: torch.Tensor, base: torch.Tensor, device: torch.device) -> tup
     return None if pair[0] is None or pair[1] is None else (pair[0], pair[1])
 
 
+def _where(t: torch.Tensor) -> tuple:
+    """Everything a box's geometry depends on: where its elements are, and their kind."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+
+
 def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[int], shared: list[bool]) -> _Geometry:
     """The geometry of the boxes among `candidates` (indices of `pairs` on CUDA) that take the
     fused path: those on the first candidate's device whose source and baseline match (the
     others take the torch path); built on first use, then found by where the boxes are."""
-    signature = tuple(
-        (i, shared[i], pairs[i][0].data_ptr(), pairs[i][1].data_ptr(), pairs[i][0].shape, pairs[i][1].shape)
-        + (pairs[i][0].stride(), pairs[i][1].stride(), pairs[i][0].dtype, pairs[i][1].dtype)
-        + (pairs[i][0].device, pairs[i][1].device)
-        for i in candidates
-    )
+    signature = tuple((i, shared[i], *_where(pairs[i][0]), *_where(pairs[i][1])) for i in candidates)
     found = _GEOMETRIES.get(signature)
     if found is not None:
         _GEOMETRIES.move_to_end(signature)

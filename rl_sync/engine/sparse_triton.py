@@ -290,10 +290,17 @@ def _tile(t, n, TILE: tl.constexpr):
 
 
 @triton.jit
+def _below_n(first, left):
+    """The bitmap words from `first` on, one per entry of `left` (the elements of each word below
+    `n`), bits at or past `n` cleared."""
+    w = tl.load(first + tl.arange(0, left.shape[0]), mask=left > 0, other=0)
+    return w.to(tl.uint32, bitcast=True) & _low_bits(left)
+
+
+@triton.jit
 def _words(words, t, left, TILE: tl.constexpr):
     """Tile `t`'s bitmap words, bits at or past `n` cleared."""
-    w = tl.load(words + t * (TILE // 32) + tl.arange(0, TILE // 32), mask=left > 0, other=0)
-    return w.to(tl.uint32, bitcast=True) & _low_bits(left)
+    return _below_n(words + t * (TILE // 32), left)
 
 
 @triton.jit
@@ -302,28 +309,26 @@ def _chunk(words, t, c, n, start, SUB: tl.constexpr, TILE: tl.constexpr):
     in the tile as a [SUB, 32] grid."""
     at = c + tl.arange(0, SUB)
     left = tl.minimum(n - start, TILE).to(tl.int32) - at * 32
-    w = tl.load(words + t * (TILE // 32) + at, mask=left > 0, other=0)
-    return w.to(tl.uint32, bitcast=True) & _low_bits(left), at[:, None] * 32 + tl.arange(0, 32)[None, :]
+    return _below_n(words + t * (TILE // 32) + c, left), at[:, None] * 32 + tl.arange(0, 32)[None, :]
 
 
 @triton.jit
 def _marked(word):
-    """(hits, offsets in the tile, positions among the tile's marks) of a tile's words, as
-    [words, 32] grids: every element at once."""
+    """(hits, positions among the words' marks) of bitmap words, as [words, 32] grids: every
+    element at once."""
     j = tl.arange(0, 32).to(tl.uint32)
     hit = ((word[:, None] >> j[None, :]) & 1) != 0
     per_word = _popc(word).to(tl.int32)
     below = _popc(word[:, None] & ((tl.full([32], 1, tl.uint32) << j) - 1)[None, :]).to(tl.int32)
-    local = tl.arange(0, word.shape[0])[:, None] * 32 + tl.arange(0, 32)[None, :]
-    return hit, local, (tl.cumsum(per_word, axis=0) - per_word)[:, None] + below
+    return hit, (tl.cumsum(per_word, axis=0) - per_word)[:, None] + below
 
 
 @triton.jit
 def _runs(word):
-    """(marks per word, each word's first position among the tile's marks, the most marks in
-    one word): the sparse launches visit the marks `ROUNDS` per word at a time, lowest first."""
+    """(each word's first position among the tile's marks, the most marks in one word): the
+    sparse launches visit the marks `ROUNDS` per word at a time, lowest first."""
     per_word = _popc(word).to(tl.int32)
-    return per_word, tl.cumsum(per_word, axis=0) - per_word, tl.max(per_word, axis=0)
+    return tl.cumsum(per_word, axis=0) - per_word, tl.max(per_word, axis=0)
 
 
 @triton.jit
@@ -435,9 +440,10 @@ def _compact_kernel(
     kind = tl.load(row + SEND_INDEX_KIND)
     update = tl.load(row + SEND_UPDATE) != 0
     bitmap = _ptr(row, SEND_BITMAP_OUT, tl.int32) + t * (TILE // 32)
+    words += slot * (TILE // 32)
     if not BUSY:  # a few marks per word: visited `ROUNDS` per word at a time
-        word = _words(words + slot * (TILE // 32), t, left, TILE)
-        _, first, rounds = _runs(word)
+        word = _words(words, t, left, TILE)
+        first, rounds = _runs(word)
         marks = word
         for g in range(0, rounds, ROUNDS):
             marked, offsets, r = _first_marks(marks, ROUNDS)
@@ -449,8 +455,8 @@ def _compact_kernel(
     else:  # busy: every element of `SUB` words at a time
         whole = FAST & (n - start >= TILE)  # read whole, and the baseline written whole: vectorized
         for c in range(0, TILE // 32, SUB):
-            chunk, local = _chunk(words + slot * (TILE // 32), t, c, n, start, SUB, TILE)
-            hit, _in_chunk, at = _marked(chunk)
+            chunk, local = _chunk(words, t, c, n, start, SUB, TILE)
+            hit, at = _marked(chunk)
             at += tile_start
             if whole:
                 v = tl.load(_at(row, SEND_CUR, start, local, anchor, FAST, ALIGN))
@@ -534,7 +540,7 @@ def _expand_kernel(
     values = anchor + tl.load(row + RECV_VALUES)
     if not BUSY:  # a few marks per word: visited `ROUNDS` per word at a time
         marks = _words(words, t, left, TILE)
-        _, first, rounds = _runs(marks)
+        first, rounds = _runs(marks)
         for g in range(0, rounds, ROUNDS):
             marked, offsets, r = _first_marks(marks, ROUNDS)
             places = tile_start + first[:, None] + g + r
@@ -548,7 +554,7 @@ def _expand_kernel(
     else:  # busy: every element of `SUB` words at a time
         for c in range(0, TILE // 32, SUB):
             chunk, local = _chunk(words, t, c, n, start, SUB, TILE)
-            hit, _in_chunk, at = _marked(chunk)
+            hit, at = _marked(chunk)
             at += tile_start
             hit = hit & (at < k)
             tl.store(_at(row, RECV_DEST, start, local, anchor, FAST, ALIGN), tl.load(values + at, mask=hit), mask=hit)
