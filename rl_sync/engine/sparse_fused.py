@@ -52,18 +52,23 @@ class _Box:
 
 
 BUSY = 32
-"""A box with more than one change in this many elements (one per bitmap word on average)
-takes the busy `compact` / `expand` launch, which handles every element of `sparse_triton.SUB`
-words at once; sparser boxes visit their marks `sparse_triton.ROUNDS` per word at a time."""
+"""A box with more than one change in this many elements (one per bitmap word on average) is busy:
+it takes the busy `compact` / `expand` launches, which handle every element of
+`sparse_triton.SUB` words at once; sparser boxes visit their marks `sparse_triton.ROUNDS` per word
+at a time."""
+BUSIER = 5
+"""A busy box with more than one change in this many elements is busier: the same kernels, with
+other warps a program (`sparse_triton.COMPACT_WARPS`, `sparse_triton.EXPAND_WARPS`)."""
 
 
-def busy(k: int, n: int) -> bool:
-    """Whether a box of `k` changes in `n` elements takes the busy launch."""
-    return k * BUSY > n
+def density(k: int, n: int) -> int:
+    """The density class of a box of `k` changes in `n` elements: 0 sparse, 1 busy, 2 busier."""
+    return int(k * BUSY > n) + int(k * BUSIER > n)
 
 
-Row = tuple[Key, "bool | None", int, list[int]]
-"""(key, busy or None (a kernel without the choice), programs, table row): one box of a launch."""
+Row = tuple[Key, "int | None", int, list[int]]
+"""(key, density class or None (a kernel without the choice), programs, table row): one box of a
+launch."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ class _Launch:
     """One kernel launch's rows on the device: `table[rows]` and their program starts `firsts`."""
 
     key: Key
-    busy: bool | None
+    density: int | None
     rows: slice
     firsts: slice
     boxes: int
@@ -79,22 +84,22 @@ class _Launch:
 
 
 def _launches(rows: list[Row], up: kernels.Upload) -> list[_Launch]:
-    """One launch per (key, busy) of `rows`, its table and starts added to `up`."""
+    """One launch per (key, density class) of `rows`, its table and starts added to `up`."""
     out = []
-    for key, busy_ in sorted({(k, b) for k, b, _, _ in rows}, key=str):
-        group = [(p, r) for k, b, p, r in rows if (k, b) == (key, busy_)]
+    for key, density_ in sorted({(k, d) for k, d, _, _ in rows}, key=str):
+        group = [(p, r) for k, d, p, r in rows if (k, d) == (key, density_)]
         firsts = kernels.starts([p for p, _ in group])
         at = up.add_rows(r for _, r in group)
-        out.append(_Launch(key, busy_, at, up.add(firsts), len(group), int(firsts[-1])))
+        out.append(_Launch(key, density_, at, up.add(firsts), len(group), int(firsts[-1])))
     return out
 
 
 def _run(kernel, launches: list[_Launch], dev: torch.Tensor, *args) -> None:
     """Each launch of `kernel`, its table and starts sliced from the uploaded `dev` (then `args`,
-    then its `busy` choice when it has one)."""
+    then its density class when it has one)."""
     for launch in launches:
         if launch.total:
-            choice = () if launch.busy is None else (launch.busy,)
+            choice = () if launch.density is None else (launch.density,)
             kernel(dev[launch.rows], dev[launch.firsts], launch.boxes, launch.total, launch.key, *args, *choice)
 
 
@@ -197,7 +202,7 @@ class FusedSender:
         bitmap, index = (address, 0) if code == BITMAP else (0, address + at.index)
         blocks = address if code == BLOCKED else 0
         row = box.row(values, index, kernels.INDEX_KIND[code], not box.shared, bitmap, blocks)
-        self._rows.append((box.key, busy(k, box.n), kernels.tiles(box.n), row))
+        self._rows.append((box.key, density(k, box.n), kernels.tiles(box.n), row))
         self._payloads.append(out)
 
     def _compact(self, rows: list[Row]) -> None:
@@ -221,7 +226,7 @@ class FusedSender:
             if codes[i] == DENSE:
                 self.pairs[i][1].copy_(self.pairs[i][0])
             elif self.counts[i]:
-                rows.append((box.key, busy(self.counts[i], box.n), kernels.tiles(box.n), box.row(update=True)))
+                rows.append((box.key, density(self.counts[i], box.n), kernels.tiles(box.n), box.row(update=True)))
         if rows:
             self._compact(rows)
 
@@ -236,17 +241,17 @@ def destination(code: int, n: int, block: torch.Tensor, view: torch.Tensor, dtyp
 
 class FusedReceiver:
     """The fused boxes one rank receives in a bucket: validated, then written, each step one
-    launch per kind (and per key, and busy or not, for the writes).
+    launch per kind (and per key and density class, for the writes).
 
     Usage: `add(...)` per box that has a `destination`; `validate()` (raises `flags` on the
     device); only when no flag is raised, `write()`."""
 
     def __init__(self, device: torch.device, flags: torch.Tensor):
         self.device, self.flags = device, flags
-        self._rows: list[tuple[int, Key, bool, int, list[int]]] = []  # (code, key, busy, programs, row)
+        self._rows: list[tuple[int, Key, int, int, list[int]]] = []  # (code, key, density, programs, row)
         self._kept: list[torch.Tensor] = []  # the table holds their addresses
         self._entries = 0
-        self._writes: list[tuple[Key, list[tuple[bool, slice, int]], tuple[slice, int]]] = []
+        self._writes: list[tuple[Key, list[tuple[int, slice, int]], tuple[slice, int]]] = []
 
     def add(
         self,
@@ -269,14 +274,14 @@ class FusedReceiver:
             m, payload, counts, limit = -(-n // BLOCK), [0, address + at.index, values], address, BLOCK
         row = [*payload, *dest.columns(), n, k, slot, self._entries, m, counts, limit]
         self._kept += [block, view]
-        self._rows.append((code, (width, dest.fast), busy(k, n), m, row))
+        self._rows.append((code, (width, dest.fast), density(k, n), m, row))
         self._entries += m
 
-    def _firsts(self, up: kernels.Upload, code: int, key: Key | None = None, busy_: bool | None = None):
-        """(program starts over every row, those not of `code` (and `key`, and `busy_`) given
+    def _firsts(self, up: kernels.Upload, code: int, key: Key | None = None, density_: int | None = None):
+        """(program starts over every row, those not of `code` (and `key`, and `density_`) given
         none; programs in all)."""
         firsts = kernels.starts(
-            [m if c == code and key in (None, k) and busy_ in (None, b) else 0 for c, k, b, m, _ in self._rows]
+            [m if c == code and key in (None, k) and density_ in (None, d) else 0 for c, k, d, m, _ in self._rows]
         )
         return up.add(firsts), int(firsts[-1])
 
@@ -287,7 +292,7 @@ class FusedReceiver:
         table = up.add_rows(row for *_, row in self._rows)
         bitmaps, blocked = self._firsts(up, BITMAP), self._firsts(up, BLOCKED)
         for key in sorted({k for _, k, _, _, _ in self._rows}):
-            expands = [(b, *self._firsts(up, BITMAP, key, b)) for b in (False, True)]
+            expands = [(d, *self._firsts(up, BITMAP, key, d)) for d in range(3)]
             self._writes.append((key, expands, self._firsts(up, BLOCKED, key)))
         self._dev = dev = up.send(self.device)
         self._table, boxes = dev[table], len(self._rows)
@@ -302,8 +307,8 @@ class FusedReceiver:
     def write(self) -> None:
         boxes = len(self._rows)
         for key, expands, (apply_at, apply) in self._writes:
-            for busy_, expand_at, expand in expands:
+            for density_, expand_at, expand in expands:
                 if expand:
-                    kernels.expand(self._table, self._dev[expand_at], boxes, expand, key, self._starts, busy_)
+                    kernels.expand(self._table, self._dev[expand_at], boxes, expand, key, self._starts, density_)
             if apply:
                 kernels.blocked_apply(self._table, self._dev[apply_at], boxes, apply, key, self._starts)

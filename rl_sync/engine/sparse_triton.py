@@ -27,9 +27,9 @@ increasing inside the box. Only once no flag is raised do `expand` and `blocked_
 into live views. Every payload load is bounded by the header's `k`, so even an unvalidated
 payload cannot make a kernel read out of bounds.
 
-`compact` and `expand` come in two launches, chosen per box by its density
-(`sparse_fused.busy`): the sparse one visits each word's marks `ROUNDS` at a time, the
-busy one handles every element of `SUB` words at once.
+`compact` and `expand` come in launches per density class of their boxes
+(`sparse_fused.density`): the sparse one visits each word's marks `ROUNDS` at a time, the busy
+and busier ones handle every element of `SUB` words at once, each with its own warps.
 """
 
 from __future__ import annotations
@@ -46,8 +46,11 @@ import triton.language as tl
 
 from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, INDICES
 
-TILE = 4096
-"""Elements per program in the tile kernels (a power of two dividing `sparse.BLOCK`)."""
+TILE = 16384
+"""Elements per program in the tile kernels (a power of two dividing `sparse.BLOCK`). On an H200,
+1 GiB of bf16 in 16 boxes: the kernels of a 10% round take 2.55 ms with 16,384, against 2.82 ms
+with 4,096 and 2.54-2.56 ms with 32,768 or 65,536 (where the sparse `compact` of a 1% round
+slows down: 0.39-1.2 against 0.37 ms)."""
 WORDS = TILE // 32
 CHUNK = 1024
 """Entries per step of the per-block and scan kernels."""
@@ -57,10 +60,18 @@ SUB = 32
 """Bitmap words the busy `compact` / `expand` handle at once (on an H200 at 10% density, 32 words
 beat 64 words, and a whole tile with 4, 8 or 16 warps a program)."""
 WARPS = 4
-"""Warps a program (8 were slower for every kernel on an H200)."""
-DIFF_PARTS = 2
-"""`diff` programs a tile (fewer registers each, so more of them resident: 0.65 ms against 0.70 ms
-for 1 GiB of bf16 on an H200)."""
+"""Warps a program (8 were slower for every kernel on an H200, and 1 or 2 for most)."""
+COMPACT_WARPS = (4, 2, 4)
+EXPAND_WARPS = (4, 4, 2)
+"""Warps a program of `compact` and `expand`, by density class (sparse, busy, busier: see
+`sparse_fused.density`). On an H200, 1 GiB of bf16: `compact` 0.91 against 0.97 ms (2 against 4
+warps) at 10% density, 1.05 against 1.28 ms (4 against 2) at 30%; `expand` 0.85 against 0.92 ms (4
+against 2) at 10%, 1.05 against 1.29 ms (2 against 4) at 30%."""
+BITMAP_COUNTS_WARPS = 2
+"""Warps a program of `bitmap_counts` (0.06 against 0.07 ms with 4, at 10% on an H200)."""
+DIFF_PARTS = 8
+"""`diff` programs a tile: 2,048 elements each (fewer registers than a whole tile, so more of them
+resident: 0.65 ms against 0.70 ms for 1 GiB of bf16 on an H200)."""
 NONE, INT32_INDEX, UINT16_OFFSET = (tl.constexpr(kind) for kind in range(3))
 """What `compact` writes beside the values (a `SEND_INDEX_KIND`; -1: no values either)."""
 INDEX_KIND = {BITMAP: NONE.value, INDICES: INT32_INDEX.value, BLOCKED: UINT16_OFFSET.value}
@@ -615,10 +626,10 @@ def _blocked_apply_kernel(
         tl.store(_at(row, RECV_DEST, b * BLOCK, off, anchor, False, ALIGN), v, mask=ok)
 
 
-def _launch(kernel, total: int, args: tuple, **constexprs) -> None:
-    """`kernel[(total,)](*args, **constexprs)`, none when `total` is 0."""
+def _launch(kernel, total: int, args: tuple, warps: int = WARPS, **constexprs) -> None:
+    """`kernel[(total,)](*args, **constexprs)` with `warps` warps a program, none when `total` is 0."""
     if total:
-        kernel[(total,)](*args, **constexprs, num_warps=WARPS)
+        kernel[(total,)](*args, **constexprs, num_warps=warps)
 
 
 def _width(key: tuple[int, bool], device: torch.device) -> tuple[torch.Tensor, dict]:
@@ -655,23 +666,24 @@ def compact(
     words: torch.Tensor,
     starts: torch.Tensor,
     blocks: torch.Tensor,
-    busy: bool,
+    density: int,
 ) -> None:
     """For each `SEND_*` row: the marked elements at their positions (`starts` of its slot, made
     relative to its first tile), their indices, the wire bitmap and wire block counts, and the
     baseline update, as its payload columns ask (values at element offset `SEND_VALUES` unless
-    `SEND_INDEX_KIND` is -1); `busy`: the rows' boxes are `busy`, see `_compact_kernel`."""
+    `SEND_INDEX_KIND` is -1); `density`: the class of the rows' boxes (`sparse_fused.density`)."""
     at, fast = _width(key, words.device)
     args = (table, firsts, boxes, words, starts, blocks, at)
-    constexprs = dict(TILE=TILE, COLUMNS=SEND_COLUMNS, BLOCK=BLOCK, ROUNDS=ROUNDS, BUSY=busy, SUB=SUB)
-    _launch(_compact_kernel, total, args, **fast, **constexprs)
+    constexprs = dict(TILE=TILE, COLUMNS=SEND_COLUMNS, BLOCK=BLOCK, ROUNDS=ROUNDS, BUSY=density > 0, SUB=SUB)
+    _launch(_compact_kernel, total, args, COMPACT_WARPS[density], **fast, **constexprs)
 
 
 def bitmap_counts(
     table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, counts: torch.Tensor, flags: torch.Tensor
 ) -> None:
     """Tile counts of each received bitmap (`RECV_*` rows) at its `first` in `counts`; flags stray bits."""
-    _launch(_bitmap_counts_kernel, total, (table, firsts, boxes, counts, flags), TILE=TILE, COLUMNS=RECV_COLUMNS)
+    args = (table, firsts, boxes, counts, flags)
+    _launch(_bitmap_counts_kernel, total, args, BITMAP_COUNTS_WARPS, TILE=TILE, COLUMNS=RECV_COLUMNS)
 
 
 def scan(table: torch.Tensor, boxes: int, counts: torch.Tensor, starts: torch.Tensor, flags: torch.Tensor) -> None:
@@ -686,13 +698,14 @@ def expand(
     total: int,
     key: tuple[int, bool],
     starts: torch.Tensor,
-    busy: bool,
+    density: int,
 ) -> None:
-    """Write each validated bitmap row's values into its marked elements, in order."""
+    """Write each validated bitmap row's values into its marked elements, in order (`density`:
+    the class of the rows' boxes, `sparse_fused.density`)."""
     at, fast = _width(key, starts.device)
     args = (table, firsts, boxes, starts, at)
-    constexprs = dict(TILE=TILE, COLUMNS=RECV_COLUMNS, ROUNDS=ROUNDS, BUSY=busy, SUB=SUB)
-    _launch(_expand_kernel, total, args, **fast, **constexprs)
+    constexprs = dict(TILE=TILE, COLUMNS=RECV_COLUMNS, ROUNDS=ROUNDS, BUSY=density > 0, SUB=SUB)
+    _launch(_expand_kernel, total, args, EXPAND_WARPS[density], **fast, **constexprs)
 
 
 def blocked_check(

@@ -40,7 +40,8 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     cases = [
         ((3, 70_000), torch.bfloat16, 0.01, BLOCKED, False),
-        ((300, 70), torch.bfloat16, 0.2, BITMAP, True),
+        ((300, 70), torch.bfloat16, 0.3, BITMAP, True),  # busier
+        ((50, 400), torch.bfloat16, 0.1, BITMAP, False),  # busy
         ((5000,), torch.float32, 0.001, INDICES, False),
         ((40, 90), torch.uint8, 0.5, DENSE, True),
         ((130_000,), torch.float64, 0.004, BLOCKED, False),

@@ -23,9 +23,8 @@ def test_only_boxes_of_one_tensor_that_share_an_element_overlap():
     assert overlapping(boxes) == [True, True, False, False]
 
 
-def test_a_box_is_busy_above_one_change_per_bitmap_word():
-    assert not sparse_fused.busy(32, 1024)
-    assert sparse_fused.busy(33, 1024)
+def test_a_box_is_busy_above_one_change_per_bitmap_word_and_busier_above_one_in_five():
+    assert [sparse_fused.density(k, 1024) for k in (0, 32, 33, 204, 205, 1024)] == [0, 0, 1, 1, 2, 2]
 
 
 def _pairs(tensors: int = 3, n: int = 10_000) -> list[tuple[torch.Tensor, torch.Tensor]]:
