@@ -11,6 +11,7 @@ bucket's tensors stay where they are.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ class _Box:
     slot: int
     shared: bool
 
-    @property
+    @functools.cached_property
     def key(self) -> Key:
         return self.width, self.cur.fast and self.base.fast
 
@@ -47,8 +48,11 @@ class _Box:
         self, values: int = 0, index: int = 0, kind: int = -1, update: bool = False, bitmap: int = 0, blocks: int = 0
     ) -> list[int]:
         """Its `sparse_triton.SEND_*` row (`kind` -1: no values written)."""
-        head = [*self.cur.columns(), *self.base.columns(), self.n, self.slot]
-        return [*head, values, index, kind, int(update), bitmap, blocks, self.index]
+        return [*self._head, values, index, kind, int(update), bitmap, blocks, self.index]
+
+    @functools.cached_property
+    def _head(self) -> tuple[int, ...]:
+        return *self.cur.columns, *self.base.columns, self.n, self.slot
 
 
 BUSY = 32
@@ -272,7 +276,7 @@ class FusedReceiver:
             m, payload, counts, limit = kernels.tiles(n), [address, 0, values], 0, kernels.TILE
         else:
             m, payload, counts, limit = -(-n // BLOCK), [0, address + at.index, values], address, BLOCK
-        row = [*payload, *dest.columns(), n, k, slot, self._entries, m, counts, limit]
+        row = [*payload, *dest.columns, n, k, slot, self._entries, m, counts, limit]
         self._kept += [block, view]
         self._rows.append((code, (width, dest.fast), density(k, n), m, row))
         self._entries += m

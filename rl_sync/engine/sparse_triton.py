@@ -34,6 +34,7 @@ and busier ones handle every element of `SUB` words at once, each with its own w
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import Iterable
@@ -129,18 +130,19 @@ class Strided2D:
     aligned: bool
     """Its first element is 16-byte aligned."""
 
-    @property
+    @functools.cached_property
     def contiguous(self) -> bool:
         return self.col_stride == 1 and self.row_stride == self.cols
 
-    @property
+    @functools.cached_property
     def fast(self) -> bool:
         """Contiguous and 16-byte aligned: the kernels' vectorized path."""
         return self.contiguous and self.aligned
 
-    def columns(self) -> list[int]:
+    @functools.cached_property
+    def columns(self) -> tuple[int, ...]:
         """(start, cols, row stride, col stride, contiguous) as table columns."""
-        return [self.start, self.cols, self.row_stride, self.col_stride, int(self.contiguous)]
+        return self.start, self.cols, self.row_stride, self.col_stride, int(self.contiguous)
 
 
 _ANCHORS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -171,6 +173,11 @@ def element_offset(address: int, on: torch.Tensor, width: int) -> int:
     base = _ANCHOR_ADDRESSES.get((on.get_device(), width))
     if base is None:
         base = anchor(on.device, width).data_ptr()
+    return _from(base, address, width)
+
+
+def _from(base: int, address: int, width: int) -> int:
+    """Elements of `width` bytes from `base` to `address`, a whole number of them."""
     offset, rest = divmod(address - base, width)
     if rest:
         raise ValueError(f"address {address:#x} is not aligned to its {width}-byte elements")
@@ -179,7 +186,16 @@ def element_offset(address: int, on: torch.Tensor, width: int) -> int:
 
 def as_2d(view: torch.Tensor) -> Strided2D | None:
     """`view`'s elements as a `Strided2D`, or None when its dims do not merge into two."""
-    dims = [(size, stride) for size, stride in zip(view.shape, view.stride()) if size != 1]
+    return _strided(view.data_ptr(), tuple(view.shape), view.stride(), view.element_size(), view.device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _strided(
+    address: int, shape: tuple[int, ...], strides: tuple[int, ...], width: int, device: torch.device
+) -> Strided2D | None:
+    """`as_2d` of the view at `address` (a pure function of its arguments, kept for the views a
+    round finds again every step)."""
+    dims = [(size, stride) for size, stride in zip(shape, strides) if size != 1]
     merged: list[tuple[int, int]] = []
     for size, stride in dims:
         if merged and merged[-1][1] == stride * size:
@@ -192,10 +208,8 @@ def as_2d(view: torch.Tensor) -> Strided2D | None:
     (rows, row_stride), (cols, col_stride) = merged
     if rows == 1:
         row_stride = cols * col_stride
-    address = view.data_ptr()
-    return Strided2D(
-        element_offset(address, view, view.element_size()), cols, row_stride, col_stride, address % 16 == 0
-    )
+    base = anchor(device, width).data_ptr()
+    return Strided2D(_from(base, address, width), cols, row_stride, col_stride, address % 16 == 0)
 
 
 def tiles(n: int) -> int:
