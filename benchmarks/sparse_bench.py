@@ -9,6 +9,8 @@ times); the table shows wire bytes, seconds and the encoding mix, and what an
 decode + apply, for 1 GiB of bf16 parameters at each density as one bucket,
 against a device-to-device copy of the same bytes measured in the same run
 (CUDA takes the fused Triton codec; `--reference` also times the torch codec).
+On a GPU it also gives the device's own time for both (its kernels and copies,
+by the torch profiler): the rest of the wall time is host work and waiting.
 
     python benchmarks/sparse_bench.py --e2e
     python benchmarks/sparse_bench.py --codec --device cuda --reference
@@ -53,6 +55,22 @@ def _timed(fn, device: torch.device, repeat: int = 3, setup=lambda: None) -> flo
     return statistics.median(times[WARM_UP:])
 
 
+def _device_seconds(runs, device: torch.device) -> float | None:
+    """Seconds the device spends in the kernels and copies of one `fn()` of each `(fn, setup)` of
+    `runs` (after its `setup()`, which is not counted), by the torch profiler; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    seconds = 0.0
+    for fn, setup in runs:
+        setup()
+        _sync(device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            fn()
+            _sync(device)
+        seconds += sum(event.device_time_total for event in profile.key_averages()) / 1e6
+    return seconds
+
+
 def codec_table(
     device: torch.device, repeat: int, total_bytes: int = 1 << 30, tensors: int = 16, reference: bool = False
 ) -> Table:
@@ -72,7 +90,8 @@ def codec_table(
         f"{total_bytes / 2**30:.0f} GiB bf16 in {tensors} tensors; copy {copy_s * 1e3:.2f} ms "
         f"({total_bytes / copy_s / 1e9:.0f} GB/s)"
     )
-    for column in ("density", "encoding", "wire / dense", "diff+encode ms", "decode+apply ms", "total / copy"):
+    columns = ("density", "encoding", "wire / dense", "diff+encode ms", "decode+apply ms", "total / copy")
+    for column in (*columns, "device ms", "device / copy"):
         table.add_column(column, justify="right")
     boxes = [(i, (0,), (n,)) for i in range(tensors)]
     for density in DENSITIES:
@@ -107,6 +126,7 @@ def codec_table(
         encode_s = _timed(encode_all, device, repeat, setup=reset(baseline))
         apply_s = _timed(apply_all, device, repeat, setup=reset(live))
         assert all(torch.equal(t.view(torch.int16), c.view(torch.int16)) for t, c in zip(live + baseline, cur + cur))
+        device_s = _device_seconds([(encode_all, reset(baseline)), (apply_all, reset(live))], device)
         wire = sum(b.numel() for b in blocks)
         table.add_row(
             f"{density:.1%}",
@@ -115,6 +135,8 @@ def codec_table(
             f"{encode_s * 1e3:.2f}",
             f"{apply_s * 1e3:.2f}",
             f"{(encode_s + apply_s) / copy_s:.1f}x",
+            "-" if device_s is None else f"{device_s * 1e3:.2f}",
+            "-" if device_s is None else f"{device_s / copy_s:.1f}x",
         )
     return table
 
