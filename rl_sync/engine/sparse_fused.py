@@ -296,7 +296,7 @@ class FusedReceiver:
         table = up.add_rows(row for *_, row in self._rows)
         bitmaps, blocked = self._firsts(up, BITMAP), self._firsts(up, BLOCKED)
         for key in sorted({k for _, k, _, _, _ in self._rows}):
-            expands = [(d, *self._firsts(up, BITMAP, key, d)) for d in range(3)]
+            expands = [(d, *self._firsts(up, BITMAP, key, d)) for d in range(len(kernels.EXPAND_WARPS))]
             self._writes.append((key, expands, self._firsts(up, BLOCKED, key)))
         self._dev = dev = up.send(self.device)
         self._table, boxes = dev[table], len(self._rows)
