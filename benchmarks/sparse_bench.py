@@ -113,12 +113,11 @@ def codec_table(
                 found.encode(i, code, blk)
             found.finish()
 
-        def apply_all():  # validate every box (one host sync), then write
+        def apply_all():  # validate and write every box (one host sync, after the writes)
             received = sparse_codec.BucketReceiver(device, tensors)
             for slot, (blk, code, k, l) in enumerate(zip(blocks, codes, ks, live)):
                 received.add(slot, code, k, n, torch.bfloat16, blk, l)
-            assert not received.bad()
-            received.write()
+            assert not received.commit()
 
         def reset(targets):
             return lambda: [t.copy_(b) for t, b in zip(targets, base)]

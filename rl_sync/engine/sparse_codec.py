@@ -339,17 +339,20 @@ class BucketReceiver:
     """Every box one rank receives in a bucket: validated together, then written together.
 
     Usage: `received = BucketReceiver(device, boxes)`; `received.add(slot, code, k, n, dtype,
-    block, view)` for each box; `received.bad()` (the slots whose payload is malformed: the
-    bucket's one host sync); only when it is empty, `received.write()`.
+    block, view)` for each box; then `bad = received.commit()`: the slots whose payload is
+    malformed; when it is empty every box was written, otherwise none was.
 
     Bitmap and blocked payloads bound for a CUDA view of the wire dtype are validated by the
     Triton kernels (`sparse_fused.FusedReceiver`), every such box of the bucket in the same
-    launches (validation only raises the box's flag on the device), and written likewise; the
-    rest `decode` and `apply`."""
+    launches, and written likewise; the rest `decode` and `apply`. A malformed box raises its
+    flag and the bucket's guard (the last flag) on the device, and the fused writes, queued right
+    behind the checks, write nothing while the guard is raised; so `commit` reads the flags once
+    (the bucket's one host sync) after the fused writes, and only the torch path's writes wait
+    for it."""
 
     def __init__(self, device: torch.device, boxes: int):
         self.device = device
-        self.flags = torch.zeros(boxes, dtype=torch.int32, device=device)
+        self.flags = torch.zeros(boxes + 1, dtype=torch.int32, device=device)  # the last: the guard
         self._writes: list[Callable[[], None]] = []
         self._fused: FusedReceiver | None = None
 
@@ -364,16 +367,18 @@ class BucketReceiver:
             self._writes.append(lambda: apply(code, view, index, values))
             return
         if self._fused is None:
-            self._fused = _fused().FusedReceiver(self.device, self.flags)
+            self._fused = _fused().FusedReceiver(self.device, self.flags[:-1], self.flags[-1:])
         self._fused.add(slot, code, k, n, at, block, view, dest)
 
-    def bad(self) -> list[int]:
+    def commit(self) -> list[int]:
+        """Validate every box and write them all unless one is malformed; the malformed slots."""
         if self._fused:
+            if self._writes:  # boxes on the torch path too: their flags raise the guard as well
+                torch.amax(self.flags[:-1], dim=0, keepdim=True, out=self.flags[-1:])
             self._fused.validate()
-        return [slot for slot, flag in enumerate(self.flags.tolist()) if flag]
-
-    def write(self) -> None:
-        if self._fused:
             self._fused.write()
-        for write in self._writes:
-            write()
+        bad = [slot for slot, flag in enumerate(self.flags[:-1].tolist()) if flag]  # the one sync
+        if not bad:
+            for write in self._writes:
+                write()
+        return bad

@@ -247,11 +247,12 @@ class FusedReceiver:
     """The fused boxes one rank receives in a bucket: validated, then written, each step one
     launch per kind (and per key and density class, for the writes).
 
-    Usage: `add(...)` per box that has a `destination`; `validate()` (raises `flags` on the
-    device); only when no flag is raised, `write()`."""
+    Usage: `add(...)` per box that has a `destination`; `validate()` (raises the malformed boxes'
+    `flags`, and `guard` with them, on the device); `write()` right behind it: its kernels write
+    nothing while `guard` is raised, so no host synchronization is needed in between."""
 
-    def __init__(self, device: torch.device, flags: torch.Tensor):
-        self.device, self.flags = device, flags
+    def __init__(self, device: torch.device, flags: torch.Tensor, guard: torch.Tensor):
+        self.device, self.flags, self.guard = device, flags, guard
         self._rows: list[tuple[int, Key, int, int, list[int]]] = []  # (code, key, density, programs, row)
         self._kept: list[torch.Tensor] = []  # the table holds their addresses
         self._entries = 0
@@ -302,17 +303,19 @@ class FusedReceiver:
         self._table, boxes = dev[table], len(self._rows)
         counts = torch.empty(self._entries, dtype=torch.int32, device=self.device)
         self._starts = torch.empty(self._entries, dtype=torch.int64, device=self.device)
+        flags = self.flags, self.guard
         if bitmaps[1]:
-            kernels.bitmap_counts(self._table, dev[bitmaps[0]], boxes, bitmaps[1], counts, self.flags)
-        kernels.scan(self._table, boxes, counts, self._starts, self.flags)
+            kernels.bitmap_counts(self._table, dev[bitmaps[0]], boxes, bitmaps[1], counts, *flags)
+        kernels.scan(self._table, boxes, counts, self._starts, *flags)
         if blocked[1]:
-            kernels.blocked_check(self._table, dev[blocked[0]], boxes, blocked[1], self._starts, self.flags)
+            kernels.blocked_check(self._table, dev[blocked[0]], boxes, blocked[1], self._starts, *flags)
 
     def write(self) -> None:
         boxes = len(self._rows)
         for key, expands, (apply_at, apply) in self._writes:
             for density_, expand_at, expand in expands:
                 if expand:
-                    kernels.expand(self._table, self._dev[expand_at], boxes, expand, key, self._starts, density_)
+                    at = self._dev[expand_at]
+                    kernels.expand(self._table, at, boxes, expand, key, self._starts, density_, self.guard)
             if apply:
-                kernels.blocked_apply(self._table, self._dev[apply_at], boxes, apply, key, self._starts)
+                kernels.blocked_apply(self._table, self._dev[apply_at], boxes, apply, key, self._starts, self.guard)

@@ -8,9 +8,10 @@ smallest encoding (`rl_sync.sparse.encodings`), and advance the baseline
 (`sparse_codec.BucketChanges`: on CUDA every box of the bucket in the same
 Triton launches, and the bucket's counts read back once; the baselines of
 boxes the kernels did not update advance once the payloads are sent). Receivers validate
-every segment of the bucket (`sparse_codec.BucketReceiver`, one host sync) and
-only then write, in place, into live storage: bad input raises and writes
-nothing of the bucket.
+every segment of the bucket and write it, in place, into live storage
+(`sparse_codec.BucketReceiver`: on CUDA the writes are queued behind the checks
+and skip themselves on the device when a segment is malformed; one host sync,
+after them): bad input raises and writes nothing of the bucket.
 
 Ordering contract: as for dense rounds (all ranks, buckets in order); within a
 bucket the header exchange precedes the payload exchange on every rank. A worker
@@ -182,14 +183,13 @@ def run_sparse_bucket(
                 io.dests[seg.tensor].view(seg.offsets, seg.sizes),
             )
             segments.append(seg)
-    bad = received.bad() if segments else []  # the bucket's one host sync
+    bad = received.commit() if segments else []  # written unless malformed; the bucket's one host sync
     if bad:
         raise BucketError(
             f"rank {transport.rank}, {where}: malformed sparse payload for tensors "
             f"{[names[segments[i].tensor] for i in bad][:4]} (index out of range, out of order, or "
             "bitmap count mismatch); nothing of this bucket was written"
         )
-    received.write()
     for seg in bucket.local:
         cur = io.sources[seg.tensor].view(seg.offsets, seg.sizes)
         io.dests[seg.tensor].view(seg.offsets, seg.sizes).copy_(cur)

@@ -23,9 +23,11 @@ bitmap and the wire block counts, and the baseline where asked.
 Receiver (`RECV_*` columns): `bitmap_counts` counts each received bitmap's tiles (and flags
 stray bits past `n`); `scan` turns each box's tile or block counts into starts and flags counts
 out of range or not summing to `k`; `blocked_check` flags blocks whose offsets are not strictly
-increasing inside the box. Only once no flag is raised do `expand` and `blocked_apply` write
-into live views. Every payload load is bounded by the header's `k`, so even an unvalidated
-payload cannot make a kernel read out of bounds.
+increasing inside the box. Each flag raised also raises the bucket's `guard`, and `expand` and
+`blocked_apply`, queued right behind the checks, write into live views only while the guard is
+down: a bucket with a malformed box writes nothing, with no host synchronization in between.
+Every payload load is bounded by the header's `k`, so even an unvalidated payload cannot make a
+kernel read out of bounds.
 
 `compact` and `expand` come in launches per density class of their boxes
 (`sparse_fused.density`): the sparse one visits each word's marks `ROUNDS` at a time, the busy
@@ -501,7 +503,14 @@ def _compact_kernel(
 
 
 @triton.jit
-def _bitmap_counts_kernel(table, firsts, boxes, counts, flags, TILE: tl.constexpr, COLUMNS: tl.constexpr):
+def _raise(flags, row, guard, wrong):
+    """Raise the box's flag when `wrong` (0 or 1), and with it the bucket's guard."""
+    tl.atomic_max(flags + tl.load(row + RECV_FLAG), wrong)
+    tl.atomic_max(guard, wrong, mask=wrong != 0)
+
+
+@triton.jit
+def _bitmap_counts_kernel(table, firsts, boxes, counts, flags, guard, TILE: tl.constexpr, COLUMNS: tl.constexpr):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + RECV_N)
@@ -513,11 +522,11 @@ def _bitmap_counts_kernel(table, firsts, boxes, counts, flags, TILE: tl.constexp
     )
     wire_bits = left + ((n + 7) // 8 * 8 - n)
     stray = raw & ~_low_bits(left) & _low_bits(wire_bits)
-    tl.atomic_max(flags + tl.load(row + RECV_FLAG), tl.max((stray != 0).to(tl.int32), axis=0))
+    _raise(flags, row, guard, tl.max((stray != 0).to(tl.int32), axis=0))
 
 
 @triton.jit
-def _scan_kernel(table, counts, starts, flags, CHUNK: tl.constexpr, COLUMNS: tl.constexpr):
+def _scan_kernel(table, counts, starts, flags, guard, CHUNK: tl.constexpr, COLUMNS: tl.constexpr):
     """One program per box: its `starts` = exclusive prefix sums of its counts (each clamped to
     the box's limit); flags the box when a count is out of range or they do not sum to `k`."""
     row = table + tl.program_id(0).to(tl.int64) * COLUMNS
@@ -537,7 +546,7 @@ def _scan_kernel(table, counts, starts, flags, CHUNK: tl.constexpr, COLUMNS: tl.
         x = tl.minimum(tl.maximum(x, 0), limit).to(tl.int64)
         tl.store(starts + first + r, carry + tl.cumsum(x, axis=0) - x, mask=r < m)
         carry += tl.sum(x, axis=0)
-    tl.atomic_max(flags + tl.load(row + RECV_FLAG), wrong | (carry != tl.load(row + RECV_K)).to(tl.int32))
+    _raise(flags, row, guard, wrong | (carry != tl.load(row + RECV_K)).to(tl.int32))
 
 
 @triton.jit
@@ -546,6 +555,7 @@ def _expand_kernel(
     firsts,
     boxes,
     starts,
+    guard,
     anchor,
     FAST: tl.constexpr,
     ALIGN: tl.constexpr,
@@ -555,6 +565,8 @@ def _expand_kernel(
     BUSY: tl.constexpr,
     SUB: tl.constexpr,
 ):
+    if tl.load(guard) != 0:  # a box of the bucket is malformed: nothing is written
+        return
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
     n = tl.load(row + RECV_N)
@@ -607,7 +619,7 @@ def _block_count(row, b, BLOCK: tl.constexpr):
 
 @triton.jit
 def _blocked_check_kernel(
-    table, firsts, boxes, starts, flags, CHUNK: tl.constexpr, BLOCK: tl.constexpr, COLUMNS: tl.constexpr
+    table, firsts, boxes, starts, flags, guard, CHUNK: tl.constexpr, BLOCK: tl.constexpr, COLUMNS: tl.constexpr
 ):
     box, b = _box(firsts, boxes)
     row = table + box * COLUMNS
@@ -616,7 +628,7 @@ def _blocked_check_kernel(
     for j in range(0, _block_count(row, b, BLOCK), CHUNK):
         _, ok, off, before = _block_entries(row, b, starts, j, CHUNK, BLOCK)
         wrong = wrong | tl.max((ok & ((off <= before) | (b * BLOCK + off >= n))).to(tl.int32), axis=0)
-    tl.atomic_max(flags + tl.load(row + RECV_FLAG), wrong)
+    _raise(flags, row, guard, wrong)
 
 
 @triton.jit
@@ -625,6 +637,7 @@ def _blocked_apply_kernel(
     firsts,
     boxes,
     starts,
+    guard,
     anchor,
     FAST: tl.constexpr,
     ALIGN: tl.constexpr,
@@ -632,6 +645,8 @@ def _blocked_apply_kernel(
     BLOCK: tl.constexpr,
     COLUMNS: tl.constexpr,
 ):
+    if tl.load(guard) != 0:  # a box of the bucket is malformed: nothing is written
+        return
     box, b = _box(firsts, boxes)
     row = table + box * COLUMNS
     for j in range(0, _block_count(row, b, BLOCK), CHUNK):
@@ -693,16 +708,31 @@ def compact(
 
 
 def bitmap_counts(
-    table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, counts: torch.Tensor, flags: torch.Tensor
+    table: torch.Tensor,
+    firsts: torch.Tensor,
+    boxes: int,
+    total: int,
+    counts: torch.Tensor,
+    flags: torch.Tensor,
+    guard: torch.Tensor,
 ) -> None:
-    """Tile counts of each received bitmap (`RECV_*` rows) at its `first` in `counts`; flags stray bits."""
-    args = (table, firsts, boxes, counts, flags)
+    """Tile counts of each received bitmap (`RECV_*` rows) at its `first` in `counts`; flags stray
+    bits (and raises `guard`)."""
+    args = (table, firsts, boxes, counts, flags, guard)
     _launch(_bitmap_counts_kernel, total, args, BITMAP_COUNTS_WARPS, TILE=TILE, COLUMNS=RECV_COLUMNS)
 
 
-def scan(table: torch.Tensor, boxes: int, counts: torch.Tensor, starts: torch.Tensor, flags: torch.Tensor) -> None:
-    """Starts from each row's counts (its `counts` column, or `counts` at its `first`)."""
-    _launch(_scan_kernel, boxes, (table, counts, starts, flags), CHUNK=CHUNK, COLUMNS=RECV_COLUMNS)
+def scan(
+    table: torch.Tensor,
+    boxes: int,
+    counts: torch.Tensor,
+    starts: torch.Tensor,
+    flags: torch.Tensor,
+    guard: torch.Tensor,
+) -> None:
+    """Starts from each row's counts (its `counts` column, or `counts` at its `first`); flags wrong
+    counts (and raises `guard`)."""
+    _launch(_scan_kernel, boxes, (table, counts, starts, flags, guard), CHUNK=CHUNK, COLUMNS=RECV_COLUMNS)
 
 
 def expand(
@@ -713,27 +743,40 @@ def expand(
     key: tuple[int, bool],
     starts: torch.Tensor,
     density: int,
+    guard: torch.Tensor,
 ) -> None:
-    """Write each validated bitmap row's values into its marked elements, in order (`density`:
-    the class of the rows' boxes, `sparse_fused.density`)."""
+    """Write each bitmap row's values into its marked elements, in order, unless `guard` is raised
+    (`density`: the class of the rows' boxes, `sparse_fused.density`)."""
     at, fast = _width(key, starts.device)
-    args = (table, firsts, boxes, starts, at)
+    args = (table, firsts, boxes, starts, guard, at)
     constexprs = dict(TILE=TILE, COLUMNS=RECV_COLUMNS, ROUNDS=ROUNDS, BUSY=density > 0, SUB=SUB)
     _launch(_expand_kernel, total, args, EXPAND_WARPS[density], **fast, **constexprs)
 
 
 def blocked_check(
-    table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, starts: torch.Tensor, flags: torch.Tensor
+    table: torch.Tensor,
+    firsts: torch.Tensor,
+    boxes: int,
+    total: int,
+    starts: torch.Tensor,
+    flags: torch.Tensor,
+    guard: torch.Tensor,
 ) -> None:
-    """Flag blocked rows whose offsets are not strictly increasing inside the box."""
-    args = (table, firsts, boxes, starts, flags)
+    """Flag blocked rows whose offsets are not strictly increasing inside the box (and raise `guard`)."""
+    args = (table, firsts, boxes, starts, flags, guard)
     _launch(_blocked_check_kernel, total, args, CHUNK=CHUNK, BLOCK=BLOCK, COLUMNS=RECV_COLUMNS)
 
 
 def blocked_apply(
-    table: torch.Tensor, firsts: torch.Tensor, boxes: int, total: int, key: tuple[int, bool], starts: torch.Tensor
+    table: torch.Tensor,
+    firsts: torch.Tensor,
+    boxes: int,
+    total: int,
+    key: tuple[int, bool],
+    starts: torch.Tensor,
+    guard: torch.Tensor,
 ) -> None:
-    """Write each validated blocked row's values at its offsets."""
+    """Write each blocked row's values at its offsets, unless `guard` is raised."""
     at, fast = _width(key, starts.device)
-    args = (table, firsts, boxes, starts, at)
+    args = (table, firsts, boxes, starts, guard, at)
     _launch(_blocked_apply_kernel, total, args, **fast, CHUNK=CHUNK, BLOCK=BLOCK, COLUMNS=RECV_COLUMNS)

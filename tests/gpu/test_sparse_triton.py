@@ -52,10 +52,7 @@ def _receive(code: int, k: int, n: int, dtype: torch.dtype, payload: torch.Tenso
     """Validate one box and, when valid, write it; whether it was valid."""
     received = sparse_codec.BucketReceiver(live.device, 1)
     received.add(0, code, k, n, dtype, payload, live)
-    if received.bad():
-        return False
-    received.write()
-    return True
+    return not received.commit()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -138,8 +135,7 @@ def test_rounds_on_the_same_tensors_reuse_the_bucket_geometry_and_stay_bit_exact
         received = sparse_codec.BucketReceiver(torch.device("cuda"), 3)
         for i, (code, (k, _), payload, live) in enumerate(zip(codes, refs, payloads, lives)):
             received.add(i, code, k, rows * cols, torch.bfloat16, payload, live)
-        assert received.bad() == []
-        received.write()
+        assert received.commit() == []
         assert all(torch.equal(_bits(x), _bits(s)) for x, s in zip(baselines + lives, sources + sources)), density
 
 
@@ -227,9 +223,8 @@ def test_a_bucket_of_mixed_widths_and_encodings_round_trips_and_names_its_one_ba
         return received, lives
 
     received, lives = receive(corrupt=3)
-    assert received.bad() == [3]
+    assert received.commit() == [3]
     assert all(torch.equal(_bits(live), _bits(base)) for live, (_, base) in zip(lives, pairs))
     received, lives = receive(corrupt=None)
-    assert received.bad() == []
-    received.write()
+    assert received.commit() == []
     assert all(torch.equal(_bits(live), _bits(cur)) for live, (cur, _) in zip(lives, pairs))

@@ -70,17 +70,29 @@ def main() -> None:
     lives = [_strided(base) if strided else base.clone() for (_, base), (*_, strided) in zip(pairs, cases)]
     for i, ((payload, _), (cur, _), (_, dtype, _, code, _)) in enumerate(zip(payloads, pairs, cases)):
         received.add(i, code, found.counts[i], cur.numel(), dtype, payload, lives[i])
-    assert received.bad() == []
-    received.write()
+    assert received.commit() == []
     assert all(torch.equal(_bits(live), _bits(cur)) for live, (cur, _) in zip(lives, pairs))
-    bad = payloads[0][0].clone()
-    bad[16 : 16 + 4].view(torch.int16)[:] = torch.tensor([7, 5], dtype=torch.int16)  # out of order
-    received = sparse_codec.BucketReceiver(torch.device("cpu"), 1)
-    live = pairs[0][1].clone()
-    received.add(0, BLOCKED, found.counts[0], pairs[0][0].numel(), torch.bfloat16, bad, live)
-    assert received.bad() == [0] and torch.equal(_bits(live), _bits(pairs[0][1]))
+    blocked = payloads[0][0].clone()
+    blocked[16 : 16 + 4].view(torch.int16)[:] = torch.tensor([7, 5], dtype=torch.int16)  # out of order
+    indices = payloads[3][0].clone()
+    indices[:8].view(torch.int32)[:] = indices[:8].view(torch.int32).flip(0)  # out of order
+    for bad, corrupt in ((0, blocked), (3, indices)):  # beside a good bitmap box: fused, or on the torch path
+        malformed_boxes_write_nothing(cases, pairs, found.counts, [(bad, corrupt), (2, payloads[2][0])])
     rounds_over_overlapping_boxes()
     print("ok")
+
+
+def malformed_boxes_write_nothing(cases, pairs, counts, boxes) -> None:
+    """A bucket whose first box is malformed (the rest well formed) names only that box and writes
+    none: the fused writes, queued behind the checks, see the bucket's guard raised."""
+    received = sparse_codec.BucketReceiver(torch.device("cpu"), len(boxes))
+    lives = []
+    for slot, (i, payload) in enumerate(boxes):
+        (cur, base), (_, dtype, _, code, _) = pairs[i], cases[i]
+        lives.append((base.clone(), base))
+        received.add(slot, code, counts[i], cur.numel(), dtype, payload, lives[-1][0])
+    assert received.commit() == [0]
+    assert all(torch.equal(_bits(live), _bits(base)) for live, base in lives)
 
 
 def rounds_over_overlapping_boxes() -> None:
