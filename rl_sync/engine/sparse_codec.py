@@ -359,6 +359,8 @@ class BucketReceiver:
     def add(
         self, slot: int, code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor, view: torch.Tensor
     ) -> None:
+        if not 0 <= slot < self.flags.numel() - 1:
+            raise IndexError(f"box slot {slot} is outside this bucket's {self.flags.numel() - 1} boxes")
         at = _checked_layout(code, k, n, dtype, block)
         dest = _fused().destination(code, n, block, view, dtype) if _on_kernel_device(view) else None
         if dest is None:

@@ -188,19 +188,21 @@ def test_malformed_bitmaps_are_refused(case):
 
 
 def test_a_bucket_of_mixed_widths_and_encodings_round_trips_and_names_its_one_bad_box():
-    """Boxes of 1, 2, 4 and 8 bytes, bitmap and blocked, strided and not, in one bucket: the sender's
-    launches group them by width; the receiver validates them together and reports exactly the
-    slot whose payload was corrupted, having written nothing."""
+    """Boxes of 1, 2, 4 and 8 bytes, bitmap, blocked and indices (the torch path), strided and not,
+    in one bucket: the sender's launches group them by width; the receiver validates them together
+    and reports exactly the slot whose payload was corrupted, a fused one or one on the torch path,
+    having written nothing."""
     specs = [
         (torch.uint8, BITMAP, 0.2),
         (torch.bfloat16, BLOCKED, 0.01),
         (torch.float32, BITMAP, 0.3),
         (torch.float64, BLOCKED, 0.005),
         (torch.bfloat16, BITMAP, 0.1),
+        (torch.float32, INDICES, 0.002),
     ]
     pairs = [_pair(40, 9000, density, dtype, seed) for seed, (dtype, _, density) in enumerate(specs)]
     found = sparse_codec.BucketChanges(
-        [(c.clone(), b.clone()) for c, b in pairs], [(i, (0, 0), (40, 9000)) for i in range(5)]
+        [(c.clone(), b.clone()) for c, b in pairs], [(i, (0, 0), (40, 9000)) for i in range(len(specs))]
     )
     payloads = []
     for i, ((_, code, _), (cur, base)) in enumerate(zip(specs, pairs)):
@@ -213,18 +215,21 @@ def test_a_bucket_of_mixed_widths_and_encodings_round_trips_and_names_its_one_ba
     assert all(torch.equal(p, p.ref) for p in payloads)
 
     def receive(corrupt: int | None):
-        received = sparse_codec.BucketReceiver(torch.device("cuda"), 5)
+        received = sparse_codec.BucketReceiver(torch.device("cuda"), len(specs))
         lives = [_strided(base)[0] if i % 2 else base.clone() for i, (_, base) in enumerate(pairs)]
         for i, ((dtype, code, _), (cur, _), payload) in enumerate(zip(specs, pairs, payloads)):
             payload = payload.clone()
-            if i == corrupt:
+            if i == corrupt == 3:
                 payload[: 4 * 6].view(torch.int32)[0] += 1  # one block claims an extra entry
+            if i == corrupt == 5:
+                payload[:8].view(torch.int32)[:] = payload[:8].view(torch.int32).flip(0).clone()  # out of order
             received.add(i, code, found.counts[i], cur.numel(), dtype, payload, lives[i])
         return received, lives
 
-    received, lives = receive(corrupt=3)
-    assert received.commit() == [3]
-    assert all(torch.equal(_bits(live), _bits(base)) for live, (_, base) in zip(lives, pairs))
+    for corrupt in (3, 5):
+        received, lives = receive(corrupt)
+        assert received.commit() == [corrupt]
+        assert all(torch.equal(_bits(live), _bits(base)) for live, (_, base) in zip(lives, pairs)), corrupt
     received, lives = receive(corrupt=None)
     assert received.commit() == []
     assert all(torch.equal(_bits(live), _bits(cur)) for live, (cur, _) in zip(lives, pairs))

@@ -76,8 +76,9 @@ def main() -> None:
     blocked[16 : 16 + 4].view(torch.int16)[:] = torch.tensor([7, 5], dtype=torch.int16)  # out of order
     indices = payloads[3][0].clone()
     indices[:8].view(torch.int32)[:] = indices[:8].view(torch.int32).flip(0)  # out of order
-    for bad, corrupt in ((0, blocked), (3, indices)):  # beside a good bitmap box: fused, or on the torch path
-        malformed_boxes_write_nothing(cases, pairs, found.counts, [(bad, corrupt), (2, payloads[2][0])])
+    for bad, corrupt in ((0, blocked), (3, indices)):  # fused, or on the torch path; beside good fused boxes
+        good = [(2, payloads[2][0]), (6, payloads[6][0])]  # bitmap, blocked
+        malformed_boxes_write_nothing(cases, pairs, found.counts, [(bad, corrupt), *good])
     rounds_over_overlapping_boxes()
     print("ok")
 

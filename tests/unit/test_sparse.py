@@ -95,6 +95,14 @@ def test_bad_indices_are_caught_before_writing(indices):
     assert not bool(ok)
 
 
+@pytest.mark.parametrize("slot", [-1, 2])
+def test_a_box_slot_outside_the_bucket_is_refused(slot):
+    received = sparse_codec.BucketReceiver(torch.device("cpu"), 2)
+    with pytest.raises(IndexError, match=rf"^box slot {slot} is outside this bucket's 2 boxes$"):
+        received.add(slot, INDICES, 3, 8, torch.float32, _block(INDICES, 8, 3), torch.zeros(8))
+    assert received.commit() == []
+
+
 def test_bitmap_count_and_padding_are_checked():
     block = _block(BITMAP, 10, 2)
     block[0] = 0b00000111
