@@ -8,7 +8,9 @@ times); the table shows wire bytes, seconds and the encoding mix, and what an
 `--codec` (any device): diff + encode + baseline update, then validate +
 decode + apply, for 1 GiB of bf16 parameters at each density as one bucket,
 against a device-to-device copy of the same bytes measured in the same run
-(CUDA takes the fused Triton codec; `--reference` also times the torch codec).
+(CUDA takes the fused codec: Triton kernels, with the busy `compact` and `expand`
+in CUDA where CuPy is installed, unless `RL_SYNC_SPARSE_KERNELS=triton`;
+`--reference` also times the torch codec).
 On a GPU it also gives the device's own time for both (its kernels and copies,
 by the torch profiler): the rest of the wall time is host work and waiting.
 
@@ -26,7 +28,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from rl_sync.engine import sparse_codec
+from rl_sync.engine import sparse_codec, sparse_cuda
 from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, NAMES, choose, encoded_nbytes
 
 DENSITIES = (0.001, 0.01, 0.1, 0.3, 0.5, 1.0)
@@ -84,7 +86,9 @@ def codec_table(
     live, baseline = [b.clone() for b in base], [b.clone() for b in base]
     copy_s = _timed(lambda: [l.copy_(b) for l, b in zip(live, base)], device, repeat)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    kind = "fused Triton" if device.type == "cuda" and not reference else "torch"
+    kind = "torch"
+    if device.type == "cuda" and not reference:
+        kind = "fused: Triton, busy launches in CUDA" if sparse_cuda.usable() else "fused: Triton"
     table = Table(
         title=f"sparse codec ({kind}) on {name}: "
         f"{total_bytes / 2**30:.0f} GiB bf16 in {tensors} tensors; copy {copy_s * 1e3:.2f} ms "

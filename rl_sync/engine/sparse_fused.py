@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, DENSE, PayloadLayout, payload_layout
+from . import sparse_cuda
 from . import sparse_triton as kernels
 from .sparse_triton import Strided2D
 
@@ -98,12 +99,20 @@ def _launches(rows: list[Row], up: kernels.Upload) -> list[_Launch]:
     return out
 
 
-def _run(kernel, launches: list[_Launch], dev: torch.Tensor, *args) -> None:
-    """Each launch of `kernel`, its table and starts sliced from the uploaded `dev` (then `args`,
-    then its density class when it has one)."""
+def _kernel(name: str, key: Key, density_: int | None):
+    """Kernel `name` for a launch of `key` and density class `density_`: `sparse_cuda`'s for busy
+    launches on the vectorized path where it is `usable`, else `sparse_triton`'s."""
+    cuda = density_ and key[1] and name in ("compact", "expand") and sparse_cuda.usable()
+    return getattr(sparse_cuda if cuda else kernels, name)
+
+
+def _run(name: str, launches: list[_Launch], dev: torch.Tensor, *args) -> None:
+    """Each launch of kernel `name`, its table and starts sliced from the uploaded `dev` (then
+    `args`, then its density class when it has one)."""
     for launch in launches:
         if launch.total:
             choice = () if launch.density is None else (launch.density,)
+            kernel = _kernel(name, launch.key, launch.density)
             kernel(dev[launch.rows], dev[launch.firsts], launch.boxes, launch.total, launch.key, *args, *choice)
 
 
@@ -177,7 +186,7 @@ class FusedSender:
         counts = torch.zeros(g.slots + len(pairs), dtype=torch.int64, device=device)
         self._tiles, totals = counts[: g.slots], counts[g.slots :]
         self._words = torch.empty(g.slots * kernels.WORDS, dtype=torch.int32, device=device)
-        _run(kernels.diff, g.diff, g.table, self._words, self._tiles, totals)
+        _run("diff", g.diff, g.table, self._words, self._tiles, totals)
         self._blocks = self._tiles.view(-1, BLOCK // kernels.TILE).sum(1, dtype=torch.int32)
         self._starts = torch.cumsum(self._tiles, 0) - self._tiles
         self.counts = totals.tolist()  # the bucket's one host transfer
@@ -212,7 +221,7 @@ class FusedSender:
     def _compact(self, rows: list[Row]) -> None:
         up = kernels.Upload()
         launches = _launches(rows, up)
-        _run(kernels.compact, launches, up.send(self.device), self._words, self._starts, self._blocks)
+        _run("compact", launches, up.send(self.device), self._words, self._starts, self._blocks)
 
     def complete(self) -> None:
         """Every encoding, and the baselines of boxes no other box overlaps."""
@@ -316,6 +325,7 @@ class FusedReceiver:
             for density_, expand_at, expand in expands:
                 if expand:
                     at = self._dev[expand_at]
-                    kernels.expand(self._table, at, boxes, expand, key, self._starts, density_, self.guard)
+                    kernel = _kernel("expand", key, density_)
+                    kernel(self._table, at, boxes, expand, key, self._starts, density_, self.guard)
             if apply:
                 kernels.blocked_apply(self._table, self._dev[apply_at], boxes, apply, key, self._starts, self.guard)

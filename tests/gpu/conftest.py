@@ -36,3 +36,16 @@ def gpu_ray():
     )  # NCCL's sockets on loopback too
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(params=["cuda", "triton"])
+def sparse_kernels(request, monkeypatch) -> str:
+    """Each test once with the busy launches on the CUDA kernels (`engine.sparse_cuda`, which needs
+    CuPy) and once on Triton's, chosen through `RL_SYNC_SPARSE_KERNELS`."""
+    monkeypatch.setenv("RL_SYNC_SPARSE_KERNELS", request.param)
+    if request.param == "cuda":
+        pytest.importorskip("cupy")
+        from rl_sync.engine import sparse_cuda
+
+        assert sparse_cuda.usable(), "the CUDA kernels did not compile (see the warning)"
+    return request.param

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rl_sync.engine import sparse_codec
+from rl_sync.engine import sparse_codec, sparse_cuda
 from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes
 
+pytestmark = pytest.mark.usefixtures("sparse_kernels")  # each test with the busy launches in CUDA, then Triton
 CODES = [INDICES, BLOCKED, BITMAP, DENSE]
 DTYPES = [torch.bfloat16, torch.float32, torch.uint8, torch.float64]
 
@@ -59,7 +60,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     rows=st.integers(1, 300),
     cols=st.sampled_from([1, 7, 4096, 70_001]),
@@ -233,3 +234,24 @@ def test_a_bucket_of_mixed_widths_and_encodings_round_trips_and_names_its_one_ba
     received, lives = receive(corrupt=None)
     assert received.commit() == []
     assert all(torch.equal(_bits(live), _bits(cur)) for live, (cur, _) in zip(lives, pairs))
+
+
+def test_busy_launches_on_the_vectorized_path_take_the_cuda_kernels(sparse_kernels, monkeypatch):
+    """A 10% bitmap box, contiguous: its `compact` and `expand` run in CUDA unless Triton is asked
+    for; a strided box of the same density stays on Triton either way."""
+    launched = []
+    original = sparse_cuda._launch
+    spy = lambda kernel, *args: launched.append(kernel) or original(kernel, *args)  # noqa: E731
+    monkeypatch.setattr(sparse_cuda, "_launch", spy)
+    for strided in (False, True):
+        cur, base = _pair(64, 4096, 0.1, torch.bfloat16, 7)
+        k, ref = _reference(BITMAP, cur, base)
+        src, baseline = (_strided(cur)[0], _strided(base)[0]) if strided else (cur.clone(), base.clone())
+        found = sparse_codec.BucketChanges([(src, baseline)], [(0, (0, 0), (64, 4096))])
+        payload = torch.zeros_like(ref)
+        found.encode(0, BITMAP, payload)
+        found.finish()
+        live = _strided(base)[0] if strided else base.clone()
+        assert torch.equal(payload, ref) and _receive(BITMAP, k, cur.numel(), torch.bfloat16, payload, live)
+        assert torch.equal(_bits(live), _bits(cur))
+    assert launched == (["compact", "expand"] if sparse_kernels == "cuda" else [])

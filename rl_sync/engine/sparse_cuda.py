@@ -1,0 +1,160 @@
+"""The busy `compact` and `expand` as CUDA kernels (`sparse_kernels.cu`), for launches whose boxes
+are all on the vectorized path: drop-in replacements of `sparse_triton.compact` and
+`sparse_triton.expand` (the same arguments, tables and results, bit for bit). On an H200, 1 GiB of
+bf16 at 10% density: `compact` 0.69 against 0.92 ms, `expand` 0.66-0.69 against 0.85 ms
+(`docs/benchmarks.md`).
+
+`sparse_fused` sends a launch here when its density class is busy or busier, its key is on the
+vectorized path and `usable()`; every other launch, and every launch where CuPy is missing (the
+`cuda12` / `cuda13` extras) or `RL_SYNC_SPARSE_KERNELS=triton` is set, takes the Triton kernels. The file is
+compiled once per process by NVRTC through CuPy, with the table columns passed as macros, and the
+kernels run on torch's current stream, so they queue behind and ahead of the Triton launches of the
+same bucket with no synchronization in between.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..sparse.encodings import BLOCK
+from . import sparse_triton as kernels
+
+C_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
+"""The CUDA type a kernel moves elements of each width as (bits, like `sparse_triton.BITS`)."""
+COMPACT_WARPS = {1: 8, 2: 8, 4: 8, 8: 8}
+EXPAND_WARPS = {1: 16, 2: 16, 4: 8, 8: 4}
+"""Warps a program, by element width (`expand` stages 1,024 values a warp in shared memory, so
+wider elements take fewer warps)."""
+_ENV = "RL_SYNC_SPARSE_KERNELS"
+
+
+def usable() -> bool:
+    """Whether busy launches on the vectorized path take these kernels: CuPy imports, the file
+    compiles, and `RL_SYNC_SPARSE_KERNELS` is not `triton` (a failed compile warns once and leaves
+    the Triton kernels in place)."""
+    choice = os.environ.get(_ENV, "cuda")
+    if choice not in ("cuda", "triton"):
+        raise ValueError(f"{_ENV}={choice!r}: expected 'cuda' (the default, where CuPy is installed) or 'triton'")
+    return choice == "cuda" and _source_compiles()
+
+
+@functools.cache
+def _source_compiles() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    try:
+        _functions(torch.cuda.current_device())
+    except Exception as error:  # NVRTC missing or refusing: the Triton kernels still work
+        warnings.warn(f"the sparse codec's CUDA kernels did not compile ({error}); using Triton's", stacklevel=3)
+        return False
+    return True
+
+
+def _macros() -> tuple[str, ...]:
+    """The table columns and constants the source reads, from their Python definitions."""
+    names = [name for name in dir(kernels) if name.startswith(("SEND_", "RECV_"))]
+    values = {name: getattr(kernels, name) for name in names}
+    values |= {"NO_INDEX": kernels.NONE, "INT32_INDEX": kernels.INT32_INDEX, "UINT16_OFFSET": kernels.UINT16_OFFSET}
+    values["BLOCK"] = BLOCK
+    return tuple(f"-D{name}={getattr(value, 'value', value)}" for name, value in sorted(values.items()))
+
+
+def _name(kernel: str, width: int) -> str:
+    warps = (COMPACT_WARPS if kernel == "compact" else EXPAND_WARPS)[width]
+    return f"{kernel}<{C_TYPES[width]}, {kernels.TILE}, {warps}>"
+
+
+def _source() -> str:
+    return importlib.resources.files(__package__).joinpath("sparse_kernels.cu").read_text()
+
+
+@functools.cache
+def _functions(device: int) -> dict[str, Any]:
+    """Every kernel of the file, built for `device` (one NVRTC compile, cached by CuPy on disk)."""
+    import cupy
+
+    names = [_name(kernel, width) for kernel in ("compact", "expand") for width in C_TYPES]
+    source = _source()
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=source, options=("-std=c++17", *_macros()), name_expressions=names)
+        return {name: module.get_function(name) for name in names}
+
+
+class _StreamHandle:
+    """A CUDA stream's address, as the CUDA stream protocol hands it to CuPy."""
+
+    def __init__(self, address: int):
+        self.address = address
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.address
+
+
+@functools.cache
+def _stream(address: int, device: int):
+    """CuPy's view of the torch stream at `address` on `device` (kept: torch keeps its streams)."""
+    import cupy
+
+    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14 on
+        with cupy.cuda.Device(device):
+            return cupy.cuda.Stream.from_external(_StreamHandle(address))
+    return cupy.cuda.ExternalStream(address, device)
+
+
+def _launch(kernel: str, width: int, total: int, device: torch.device, *args: int) -> None:
+    """Kernel `kernel` for `width`-byte elements over `total` programs, on torch's current stream of
+    `device`; `args` are addresses and counts."""
+    warps = (COMPACT_WARPS if kernel == "compact" else EXPAND_WARPS)[width]
+    function = _functions(device.index)[_name(kernel, width)]
+    with _stream(torch.cuda.current_stream(device).cuda_stream, device.index):
+        function((total,), (32 * warps,), tuple(np.int64(a) for a in args))
+
+
+def compact(
+    table: torch.Tensor,
+    firsts: torch.Tensor,
+    boxes: int,
+    total: int,
+    key: tuple[int, bool],
+    words: torch.Tensor,
+    starts: torch.Tensor,
+    blocks: torch.Tensor,
+    density: int,
+) -> None:
+    """`sparse_triton.compact` for busy rows (`density` 1 or 2) on the vectorized path (`key`'s flag)."""
+    width, fast = key
+    if not (fast and density):
+        raise ValueError(f"the CUDA compact takes busy launches on the vectorized path, not {key}, density {density}")
+    if total:
+        pointers = (t.data_ptr() for t in (table, firsts))
+        data = (t.data_ptr() for t in (words, starts, blocks, kernels.anchor(words.device, width)))
+        _launch("compact", width, total, words.device, *pointers, boxes, *data)
+
+
+def expand(
+    table: torch.Tensor,
+    firsts: torch.Tensor,
+    boxes: int,
+    total: int,
+    key: tuple[int, bool],
+    starts: torch.Tensor,
+    density: int,
+    guard: torch.Tensor,
+) -> None:
+    """`sparse_triton.expand` for busy rows (`density` 1 or 2) on the vectorized path (`key`'s flag)."""
+    width, fast = key
+    if not (fast and density):
+        raise ValueError(f"the CUDA expand takes busy launches on the vectorized path, not {key}, density {density}")
+    if total:
+        pointers = (t.data_ptr() for t in (table, firsts))
+        data = (t.data_ptr() for t in (starts, guard, kernels.anchor(starts.device, width)))
+        _launch("expand", width, total, starts.device, *pointers, boxes, *data)

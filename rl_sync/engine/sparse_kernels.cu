@@ -1,0 +1,273 @@
+// The sparse codec's busy `compact` and `expand` in CUDA: the same box tables, tiles, bitmap words
+// and payload positions as their Triton versions (`sparse_triton.py`), for launches whose boxes are
+// all on the vectorized path (contiguous, 16-byte aligned). `sparse_cuda.py` compiles this file with
+// NVRTC (through CuPy) and passes the table columns and `BLOCK` as -D macros, so Python stays their
+// one definition.
+//
+// Both kernels work a warp at a time on 16 bytes a lane: each lane reads (or read-merge-writes)
+// 16 bytes and takes its marks from the bitmap word they fall in; a warp-wide shuffle scan gives
+// the marks' payload positions, and the values pass through shared memory so that the payload is
+// read and written in consecutive runs rather than scattered 1- to 8-byte accesses.
+
+typedef long long i64;
+typedef unsigned int u32;
+
+#define FULL_MASK 0xffffffffu
+
+namespace {
+
+template <typename VT>
+union Lane {
+  uint4 vec;
+  VT el[16 / sizeof(VT)];
+};
+
+// This program's box (the last whose first program is at most this one) and its tile within it.
+__device__ __forceinline__ i64 find_box(const i64* firsts, i64 boxes, i64* tile) {
+  const i64 pid = blockIdx.x;
+  i64 lo = 0, hi = boxes;
+  while (hi - lo > 1) {
+    const i64 mid = (lo + hi) / 2;
+    if (firsts[mid] <= pid) lo = mid;
+    else hi = mid;
+  }
+  *tile = pid - firsts[lo];
+  return lo;
+}
+
+// Word `i` of a tile with `left` of its elements in the box, bits at or past `left` cleared
+// (words wholly past it are not read); `WHOLE`: the tile is whole, every word is read as it is.
+template <bool WHOLE = false>
+__device__ __forceinline__ u32 word_below(const u32* words, int i, int left) {
+  if (WHOLE) return words[i];
+  const int rest = left - i * 32;
+  if (rest <= 0) return 0;
+  const u32 w = words[i];
+  return rest >= 32 ? w : w & ((1u << rest) - 1u);
+}
+
+__device__ __forceinline__ int warp_sum(int x) {
+  for (int o = 16; o; o >>= 1) x += __shfl_xor_sync(FULL_MASK, x, o);
+  return x;
+}
+
+__device__ __forceinline__ int warp_inclusive_scan(int x, int lane) {
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(FULL_MASK, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
+// The marks of the tile's first `warp` warps (each `span` elements) before this warp's own:
+// every warp counts its words, then adds up the counts of the warps before it.
+template <int WARPS>
+__device__ __forceinline__ int marks_before(const u32* words, int span, int left, int* counts) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int c = 0;
+  for (int i = lane; i < span / 32; i += 32) c += __popc(word_below(words, warp * (span / 32) + i, left));
+  c = warp_sum(c);
+  if (lane == 0) counts[warp] = c;
+  __syncthreads();
+  int before = 0;
+  for (int i = 0; i < warp; i++) before += counts[i];
+  return before;
+}
+
+}  // namespace
+
+// One tile of a SEND row from its payload position `pos` on. Template arguments, so that each loop
+// carries only its own work: `KIND`, the row's index kind (-1: the baseline only, no values), and
+// `WHOLE`, the tile is whole (a fixed trip count, unrolled, so that the next steps' loads are in
+// flight while a step's marks are staged).
+template <typename VT, int TILE, int WARPS, int KIND, bool WHOLE>
+__device__ __forceinline__ void compact_tile(const i64* row, VT* anchor, const u32* w, i64 start, int left, i64 pos,
+                                             VT* staged, int* staged_at) {
+  constexpr int EPL = 16 / sizeof(VT), STEP = 32 * EPL, SPAN = TILE / WARPS;
+  static_assert(SPAN % STEP == 0, "a warp's share of a tile is whole steps");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool update = row[SEND_UPDATE] != 0;
+  const VT* cur = anchor + row[SEND_CUR] + start;
+  VT* base = anchor + row[SEND_BASE] + start;
+  VT* values = anchor + row[SEND_VALUES];
+  int* int32_index = reinterpret_cast<int*>(row[SEND_INDEX]);
+  short* uint16_offset = reinterpret_cast<short*>(row[SEND_INDEX]);
+  int fill = 0;
+#pragma unroll 8
+  for (int s = 0; s < SPAN / STEP; s++) {
+    const int e = warp * SPAN + s * STEP;
+    if (!WHOLE && e >= left) break;
+    const int le = e + lane * EPL;  // this lane's first element in the tile
+    Lane<VT> x;
+    if (WHOLE || le + EPL <= left) {
+      x.vec = *reinterpret_cast<const uint4*>(cur + le);
+      if (update) *reinterpret_cast<uint4*>(base + le) = x.vec;
+    } else {
+#pragma unroll
+      for (int j = 0; j < EPL; j++) {  // (unrolled, so that `x` stays in registers)
+        if (le + j < left) {
+          x.el[j] = cur[le + j];
+          if (update) base[le + j] = x.el[j];
+        }
+      }
+    }
+    if (KIND < 0) continue;
+    const u32 mine = (word_below<WHOLE>(w, le / 32, left) >> (le % 32)) & ((1u << EPL) - 1u);
+    const int own = __popc(mine), through = warp_inclusive_scan(own, lane);
+    int at = fill + through - own;
+#pragma unroll
+    for (int j = 0; j < EPL; j++) {
+      if ((mine >> j) & 1u) {
+        staged[at] = x.el[j];
+        if (KIND == INT32_INDEX) staged_at[at] = (int)(start + le + j);
+        if (KIND == UINT16_OFFSET) staged_at[at] = (int)((start % BLOCK + le + j) & 0xffff);
+        at++;
+      }
+    }
+    fill += __shfl_sync(FULL_MASK, through, 31);
+    __syncwarp();
+    const int whole = fill >> 5, rest = fill & 31;
+    for (int g = 0; g < whole; g++) {
+      const i64 p = pos + g * 32 + lane;
+      values[p] = staged[g * 32 + lane];
+      if (KIND == INT32_INDEX) int32_index[p] = staged_at[g * 32 + lane];
+      if (KIND == UINT16_OFFSET) uint16_offset[p] = (short)staged_at[g * 32 + lane];
+    }
+    pos += whole * 32;
+    const VT keep = lane < rest ? staged[whole * 32 + lane] : VT(0);
+    const int keep_at = KIND > 0 && lane < rest ? staged_at[whole * 32 + lane] : 0;
+    __syncwarp();
+    if (lane < rest) {
+      staged[lane] = keep;
+      if (KIND > 0) staged_at[lane] = keep_at;
+    }
+    __syncwarp();
+    fill = rest;
+  }
+  if (KIND >= 0 && lane < fill) {
+    values[pos + lane] = staged[lane];
+    if (KIND == INT32_INDEX) int32_index[pos + lane] = staged_at[lane];
+    if (KIND == UINT16_OFFSET) uint16_offset[pos + lane] = (short)staged_at[lane];
+  }
+}
+
+template <typename VT, int TILE, int WARPS, int KIND>
+__device__ __forceinline__ void compact_kind(const i64* row, VT* anchor, const u32* w, i64 start, int left, i64 pos,
+                                             VT* staged, int* staged_at) {
+  if (left == TILE) compact_tile<VT, TILE, WARPS, KIND, true>(row, anchor, w, start, left, pos, staged, staged_at);
+  else compact_tile<VT, TILE, WARPS, KIND, false>(row, anchor, w, start, left, pos, staged, staged_at);
+}
+
+// For each SEND row (one program a tile): the baseline update (16 bytes a lane, read and written
+// whole), the marked values at their payload positions and their indices (int32) or in-block
+// offsets (uint16), the wire bitmap and wire block counts, as the row's columns ask.
+template <typename VT, int TILE, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    compact(const i64* table, const i64* firsts, i64 boxes, const u32* words, const i64* starts, const int* blocks,
+            VT* anchor) {
+  constexpr int STEP = 32 * (16 / sizeof(VT)), WPT = TILE / 32;
+  __shared__ int counts[WARPS];
+  __shared__ VT staged_values[WARPS][STEP + 32];
+  __shared__ int staged_index[WARPS][STEP + 32];
+  const int warp = threadIdx.x >> 5;
+  i64 t;
+  const i64* row = table + find_box(firsts, boxes, &t) * SEND_COLUMNS;
+  const i64 n = row[SEND_N], slot = row[SEND_SLOT], start = t * TILE;
+  const int left = (int)(n - start < TILE ? n - start : TILE);
+  const u32* w = words + (slot + t) * WPT;
+  u32* bitmap = reinterpret_cast<u32*>(row[SEND_BITMAP_OUT]);
+  if (bitmap)
+    for (int i = threadIdx.x; i * 32 < left; i += blockDim.x) bitmap[t * WPT + i] = word_below(w, i, left);
+  const i64 pos = starts[slot + t] - starts[slot] + marks_before<WARPS>(w, TILE / WARPS, left, counts);
+  VT* staged = staged_values[warp];
+  int* staged_at = staged_index[warp];
+  switch ((int)row[SEND_INDEX_KIND]) {
+    case NO_INDEX:
+      compact_kind<VT, TILE, WARPS, NO_INDEX>(row, anchor, w, start, left, pos, staged, staged_at);
+      break;
+    case INT32_INDEX:
+      compact_kind<VT, TILE, WARPS, INT32_INDEX>(row, anchor, w, start, left, pos, staged, staged_at);
+      break;
+    case UINT16_OFFSET:
+      compact_kind<VT, TILE, WARPS, UINT16_OFFSET>(row, anchor, w, start, left, pos, staged, staged_at);
+      break;
+    default:
+      compact_kind<VT, TILE, WARPS, -1>(row, anchor, w, start, left, pos, staged, staged_at);
+  }
+  int* blocks_out = reinterpret_cast<int*>(row[SEND_BLOCKS_OUT]);
+  if (blocks_out && threadIdx.x == 0 && t % (BLOCK / TILE) == 0)
+    blocks_out[t / (BLOCK / TILE)] = blocks[(slot + t) / (BLOCK / TILE)];
+}
+
+// One tile of a bitmap RECV row from its payload position `pos` on (`WHOLE`: the tile is whole).
+template <typename VT, int TILE, int WARPS, bool WHOLE>
+__device__ __forceinline__ void expand_tile(const i64* row, VT* anchor, const u32* w, i64 start, int left, i64 pos,
+                                            VT* staged) {
+  constexpr int EPL = 16 / sizeof(VT), SPAN = TILE / WARPS, CHUNK = 1024;
+  static_assert(SPAN % CHUNK == 0, "a warp's share of a tile is whole chunks");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const i64 k = row[RECV_K];
+  const VT* values = anchor + row[RECV_VALUES];
+  VT* dest = anchor + row[RECV_DEST] + start;
+  for (int c = 0; c < SPAN / CHUNK; c++) {
+    const int e = warp * SPAN + c * CHUNK;
+    if (!WHOLE && e >= left) break;
+    const u32 word = word_below<WHOLE>(w, e / 32 + lane, left);
+    const int own = __popc(word), through = warp_inclusive_scan(own, lane);
+    const int before = through - own, total = __shfl_sync(FULL_MASK, through, 31);
+    for (int j = lane; j < total && pos + j < k; j += 32) staged[j] = values[pos + j];
+    __syncwarp();
+#pragma unroll
+    for (int s = 0; s < CHUNK; s += 32 * EPL) {
+      const int off = s + lane * EPL, shift = off % 32;
+      const u32 wd = __shfl_sync(FULL_MASK, word, off / 32);
+      int at = __shfl_sync(FULL_MASK, before, off / 32) + __popc(wd & ((1u << shift) - 1u));
+      const u32 mine = (wd >> shift) & ((1u << EPL) - 1u);
+      if (!mine) continue;
+      VT* d = dest + e + off;
+      if (WHOLE || e + off + EPL <= left) {
+        Lane<VT> x;
+        x.vec = *reinterpret_cast<const uint4*>(d);
+#pragma unroll
+        for (int j = 0; j < EPL; j++) {
+          if ((mine >> j) & 1u) {
+            if (pos + at < k) x.el[j] = staged[at];
+            at++;
+          }
+        }
+        *reinterpret_cast<uint4*>(d) = x.vec;
+      } else {
+#pragma unroll
+        for (int j = 0; j < EPL; j++) {
+          if ((mine >> j) & 1u) {
+            if (pos + at < k) d[j] = staged[at];
+            at++;
+          }
+        }
+      }
+    }
+    pos += total;
+    __syncwarp();
+  }
+}
+
+// For each bitmap RECV row (one program a tile), unless `guard` is raised: each warp loads the
+// values of 32 words (1,024 elements) into shared memory in one run, then each lane merges its
+// marked elements into its 16 bytes of the live view and writes them back whole (element by element
+// where the 16 bytes reach past the box). Payload positions at or past `k` are not read.
+template <typename VT, int TILE, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    expand(const i64* table, const i64* firsts, i64 boxes, const i64* starts, const int* guard, VT* anchor) {
+  if (*guard) return;  // a box of the bucket is malformed: nothing is written
+  __shared__ int counts[WARPS];
+  __shared__ VT staged_values[WARPS][1024];
+  i64 t;
+  const i64* row = table + find_box(firsts, boxes, &t) * RECV_COLUMNS;
+  const i64 n = row[RECV_N], start = t * TILE;
+  const int left = (int)(n - start < TILE ? n - start : TILE);
+  const u32* w = reinterpret_cast<const u32*>(row[RECV_WORDS]) + t * (TILE / 32);
+  const i64 pos = starts[row[RECV_FIRST] + t] + marks_before<WARPS>(w, TILE / WARPS, left, counts);
+  VT* staged = staged_values[threadIdx.x >> 5];
+  if (left == TILE) expand_tile<VT, TILE, WARPS, true>(row, anchor, w, start, left, pos, staged);
+  else expand_tile<VT, TILE, WARPS, false>(row, anchor, w, start, left, pos, staged);
+}

@@ -1,0 +1,33 @@
+"""`engine.sparse_cuda` without a GPU: the choice of kernels, and the CUDA source's constants coming
+from their Python definitions (the kernels themselves run in `tests/gpu/test_sparse_triton.py`)."""
+
+from __future__ import annotations
+
+import importlib.resources
+import re
+
+import pytest
+
+from rl_sync.engine import sparse_cuda
+from rl_sync.engine import sparse_triton as kernels
+
+
+def test_an_unknown_kernel_choice_is_refused(monkeypatch):
+    monkeypatch.setenv("RL_SYNC_SPARSE_KERNELS", "cupy")
+    expected = "RL_SYNC_SPARSE_KERNELS='cupy': expected 'cuda' (the default, where CuPy is installed) or 'triton'"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        sparse_cuda.usable()
+
+
+def test_asking_for_triton_keeps_every_launch_on_triton(monkeypatch):
+    monkeypatch.setenv("RL_SYNC_SPARSE_KERNELS", "triton")
+    assert not sparse_cuda.usable()
+
+
+def test_the_cuda_source_ships_with_the_package_and_reads_only_constants_defined_in_python():
+    source = importlib.resources.files("rl_sync.engine").joinpath("sparse_kernels.cu").read_text()
+    used = set(re.findall(r"\b(?:SEND_[A-Z_]+|RECV_[A-Z_]+|INT32_INDEX|UINT16_OFFSET|NO_INDEX|BLOCK)\b", source))
+    macros = dict(m[2:].split("=") for m in sparse_cuda._macros())
+    assert used and used <= set(macros)
+    assert macros["SEND_COLUMNS"] == str(kernels.SEND_COLUMNS) and macros["RECV_K"] == str(kernels.RECV_K.value)
+    assert macros["UINT16_OFFSET"] == "2" and macros["BLOCK"] == str(1 << 16)
