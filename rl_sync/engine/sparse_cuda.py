@@ -29,7 +29,7 @@ from . import sparse_triton as kernels
 C_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
 """The CUDA type a kernel moves elements of each width as (bits, like `sparse_triton.BITS`)."""
 COMPACT_WARPS = {1: 8, 2: 8, 4: 8, 8: 8}
-EXPAND_WARPS = {1: 16, 2: 16, 4: 8, 8: 4}
+EXPAND_WARPS = {1: 8, 2: 8, 4: 8, 8: 4}
 """Warps a program, by element width (`expand` stages 1,024 values a warp in shared memory, so
 wider elements take fewer warps)."""
 _ENV = "RL_SYNC_SPARSE_KERNELS"
@@ -99,7 +99,7 @@ class _StreamHandle:
         return 0, self.address
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)
 def _stream(address: int, device: int):
     """CuPy's view of the torch stream at `address` on `device` (kept: torch keeps its streams)."""
     import cupy
@@ -115,8 +115,9 @@ def _launch(kernel: str, width: int, total: int, device: torch.device, *args: in
     `device`; `args` are addresses and counts."""
     warps = (COMPACT_WARPS if kernel == "compact" else EXPAND_WARPS)[width]
     function = _functions(device.index)[_name(kernel, width)]
-    with _stream(torch.cuda.current_stream(device).cuda_stream, device.index):
-        function((total,), (32 * warps,), tuple(np.int64(a) for a in args))
+    stream = _stream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    with torch.cuda.device(device):  # (a no-op on the current device) the module's context
+        function((total,), (32 * warps,), tuple(map(np.int64, args)), stream=stream)
 
 
 def compact(

@@ -98,21 +98,21 @@ __device__ __forceinline__ void compact_tile(const i64* row, VT* anchor, const u
     const int e = warp * SPAN + s * STEP;
     if (!WHOLE && e >= left) break;
     const int le = e + lane * EPL;  // this lane's first element in the tile
+    const u32 mine = (word_below<WHOLE>(w, le / 32, left) >> (le % 32)) & ((1u << EPL) - 1u);
     Lane<VT> x;
-    if (WHOLE || le + EPL <= left) {
+    if (WHOLE || le + EPL <= left) {  // (lanes without marks too: partial writes cost more than whole ones)
       x.vec = *reinterpret_cast<const uint4*>(cur + le);
       if (update) *reinterpret_cast<uint4*>(base + le) = x.vec;
-    } else {
+    } else if (mine) {
 #pragma unroll
       for (int j = 0; j < EPL; j++) {  // (unrolled, so that `x` stays in registers)
-        if (le + j < left) {
+        if ((mine >> j) & 1u) {
           x.el[j] = cur[le + j];
           if (update) base[le + j] = x.el[j];
         }
       }
     }
     if (KIND < 0) continue;
-    const u32 mine = (word_below<WHOLE>(w, le / 32, left) >> (le % 32)) & ((1u << EPL) - 1u);
     const int own = __popc(mine), through = warp_inclusive_scan(own, lane);
     int at = fill + through - own;
 #pragma unroll
