@@ -1,11 +1,12 @@
-"""The busy `compact` and `expand` as CUDA kernels (`sparse_kernels.cu`), for launches whose boxes
-are all on the vectorized path: drop-in replacements of `sparse_triton.compact` and
-`sparse_triton.expand` (the same arguments, tables and results, bit for bit). On an H200, 1 GiB of
+"""`diff` and the busy `compact` and `expand` as CUDA kernels (`sparse_kernels.cu`), for launches
+whose boxes are all on the vectorized path: drop-in replacements of `sparse_triton.diff`,
+`sparse_triton.compact` and `sparse_triton.expand` (the same arguments, tables and results, bit
+for bit). On an H200, 1 GiB of
 bf16 at 10% density: `compact` 0.69 against 0.92 ms, `expand` 0.66-0.69 against 0.85 ms
 (`docs/benchmarks.md`).
 
-`sparse_fused` sends a launch here when its density class is busy or busier, its key is on the
-vectorized path and `usable()`; every other launch, and every launch where CuPy is missing (the
+`sparse_fused` sends a launch here when its key is on the vectorized path, it is a `diff` or its
+density class is busy or busier, and `usable()`; every other launch, and every launch where CuPy is missing (the
 `cuda12` / `cuda13` extras) or `RL_SYNC_SPARSE_KERNELS=triton` is set, takes the Triton kernels. The file is
 compiled once per process by NVRTC through CuPy, with the table columns passed as macros, and the
 kernels run on torch's current stream, so they queue behind and ahead of the Triton launches of the
@@ -28,10 +29,18 @@ from . import sparse_triton as kernels
 
 C_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
 """The CUDA type a kernel moves elements of each width as (bits, like `sparse_triton.BITS`)."""
-COMPACT_WARPS = {1: 8, 2: 8, 4: 8, 8: 8}
-EXPAND_WARPS = {1: 8, 2: 8, 4: 8, 8: 4}
-"""Warps a program, by element width (`expand` stages 1,024 values a warp in shared memory, so
-wider elements take fewer warps)."""
+DIFF_PARTS = 2
+"""Programs a tile of the CUDA `diff` (the Triton one takes `sparse_triton.DIFF_PARTS`): on an H200,
+1 GiB of bf16, 0.516 ms with 2 or 1 (about 0.9x the copy: it reads, where the copy also writes),
+0.519 ms with 4, 0.674 ms with 8."""
+WARPS = {
+    "diff": {1: 4, 2: 8, 4: 8, 8: 16},
+    "compact": {1: 8, 2: 8, 4: 8, 8: 8},
+    "expand": {1: 8, 2: 8, 4: 8, 8: 4},
+}
+"""Warps a program, by kernel and element width (`diff` holds at most 8 of its 16-byte pairs a
+thread in registers; `expand` stages 1,024 values a warp in shared memory, so wider elements take
+fewer warps)."""
 _ENV = "RL_SYNC_SPARSE_KERNELS"
 
 
@@ -69,8 +78,8 @@ def _macros() -> tuple[str, ...]:
 
 
 def _name(kernel: str, width: int) -> str:
-    warps = (COMPACT_WARPS if kernel == "compact" else EXPAND_WARPS)[width]
-    return f"{kernel}<{C_TYPES[width]}, {kernels.TILE}, {warps}>"
+    part = f", {kernels.TILE // DIFF_PARTS}" if kernel == "diff" else ""
+    return f"{kernel}<{C_TYPES[width]}, {kernels.TILE}{part}, {WARPS[kernel][width]}>"
 
 
 def _source() -> str:
@@ -82,7 +91,7 @@ def _functions(device: int) -> dict[str, Any]:
     """Every kernel of the file, built for `device` (one NVRTC compile, cached by CuPy on disk)."""
     import cupy
 
-    names = [_name(kernel, width) for kernel in ("compact", "expand") for width in C_TYPES]
+    names = [_name(kernel, width) for kernel in WARPS for width in C_TYPES]
     source = _source()
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=source, options=("-std=c++17", *_macros()), name_expressions=names)
@@ -113,11 +122,41 @@ def _stream(address: int, device: int):
 def _launch(kernel: str, width: int, total: int, device: torch.device, *args: int) -> None:
     """Kernel `kernel` for `width`-byte elements over `total` programs, on torch's current stream of
     `device`; `args` are addresses and counts."""
-    warps = (COMPACT_WARPS if kernel == "compact" else EXPAND_WARPS)[width]
     function = _functions(device.index)[_name(kernel, width)]
-    stream = _stream(torch.cuda.current_stream(device).cuda_stream, device.index)
-    with torch.cuda.device(device):  # (a no-op on the current device) the module's context
-        function((total,), (32 * warps,), tuple(map(np.int64, args)), stream=stream)
+    stream = _stream(_current_stream(device.index), device.index)
+    call = ((total,), (32 * WARPS[kernel][width],), tuple(map(np.int64, args)))
+    if device.index == torch.cuda.current_device():
+        function(*call, stream=stream)
+    else:
+        with torch.cuda.device(device):  # the module's context
+            function(*call, stream=stream)
+
+
+def _current_stream(device: int) -> int:
+    """The address of torch's current stream on `device` (through the raw call Triton's launcher
+    uses, a few microseconds cheaper than `torch.cuda.current_stream`, where torch has it)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+def diff(
+    table: torch.Tensor,
+    firsts: torch.Tensor,
+    boxes: int,
+    total: int,
+    key: tuple[int, bool],
+    words: torch.Tensor,
+    counts: torch.Tensor,
+    totals: torch.Tensor,
+) -> None:
+    """`sparse_triton.diff` for rows on the vectorized path (`key`'s flag)."""
+    width, fast = key
+    if not fast:
+        raise ValueError(f"the CUDA diff takes launches on the vectorized path, not {key}")
+    if total:
+        pointers = (t.data_ptr() for t in (table, firsts))
+        data = (t.data_ptr() for t in (words, counts, totals, kernels.anchor(words.device, width)))
+        _launch("diff", width, total, words.device, *pointers, boxes, *data)
 
 
 def compact(

@@ -101,9 +101,10 @@ def _launches(rows: list[Row], up: kernels.Upload) -> list[_Launch]:
 
 
 def _kernel(name: str, key: Key, density_: int | None):
-    """Kernel `name` for a launch of `key` and density class `density_`: `sparse_cuda`'s for busy
-    launches on the vectorized path where it is `usable`, else `sparse_triton`'s."""
-    cuda = density_ and key[1] and name in ("compact", "expand") and sparse_cuda.usable()
+    """Kernel `name` (`diff`, `compact` or `expand`) for a launch of `key` and density class
+    `density_`: `sparse_cuda`'s for launches on the vectorized path (every `diff`, busy `compact` and
+    `expand`) where it is `usable`, else `sparse_triton`'s."""
+    cuda = key[1] and (name == "diff" or bool(density_)) and sparse_cuda.usable()
     return getattr(sparse_cuda if cuda else kernels, name)
 
 
@@ -152,7 +153,8 @@ def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[in
     """The geometry of the boxes among `candidates` (indices of `pairs` on CUDA) that take the
     fused path: those on the first candidate's device whose source and baseline match (the
     others take the torch path); built on first use, then found by where the boxes are."""
-    signature = tuple((i, shared[i], *_where(pairs[i][0]), *_where(pairs[i][1])) for i in candidates)
+    cuda = sparse_cuda.usable()  # (the two `diff`s cut a tile into different parts)
+    signature = (cuda, *((i, shared[i], *_where(pairs[i][0]), *_where(pairs[i][1])) for i in candidates))
     found = _GEOMETRIES.get(signature)
     if found is not None:
         _GEOMETRIES.move_to_end(signature)
@@ -166,7 +168,8 @@ def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[in
             boxes[i] = _Box(i, *pair, cur.numel(), cur.element_size(), slot, shared[i])
             slot += -(-cur.numel() // BLOCK) * per_block
     up = kernels.Upload()
-    diff = _launches([(b.key, None, kernels.tiles(b.n) * kernels.DIFF_PARTS, b.row()) for b in boxes.values()], up)
+    parts = {fast: sparse_cuda.DIFF_PARTS if fast and cuda else kernels.DIFF_PARTS for fast in (True, False)}
+    diff = _launches([(b.key, None, kernels.tiles(b.n) * parts[b.key[1]], b.row()) for b in boxes.values()], up)
     made = _Geometry(boxes, slot, diff, up.send(device) if boxes else torch.empty(0, dtype=torch.int64))
     _GEOMETRIES[signature] = made
     if len(_GEOMETRIES) > _KEPT_GEOMETRIES:

@@ -1,13 +1,14 @@
-// The sparse codec's busy `compact` and `expand` in CUDA: the same box tables, tiles, bitmap words
-// and payload positions as their Triton versions (`sparse_triton.py`), for launches whose boxes are
-// all on the vectorized path (contiguous, 16-byte aligned). `sparse_cuda.py` compiles this file with
-// NVRTC (through CuPy) and passes the table columns and `BLOCK` as -D macros, so Python stays their
-// one definition.
+// The sparse codec's `diff` and busy `compact` and `expand` in CUDA: the same box tables, tiles,
+// bitmap words and payload positions as their Triton versions (`sparse_triton.py`), for launches
+// whose boxes are all on the vectorized path (contiguous, 16-byte aligned). `sparse_cuda.py`
+// compiles this file with NVRTC (through CuPy) and passes the table columns and `BLOCK` as -D
+// macros, so Python stays their one definition.
 //
-// Both kernels work a warp at a time on 16 bytes a lane: each lane reads (or read-merge-writes)
-// 16 bytes and takes its marks from the bitmap word they fall in; a warp-wide shuffle scan gives
-// the marks' payload positions, and the values pass through shared memory so that the payload is
-// read and written in consecutive runs rather than scattered 1- to 8-byte accesses.
+// `compact` and `expand` work a warp at a time on 16 bytes a lane: each lane reads (or
+// read-merge-writes) 16 bytes and takes its marks from the bitmap word they fall in; a warp-wide
+// shuffle scan gives the marks' payload positions, and the values pass through shared memory so
+// that the payload is read and written in consecutive runs rather than scattered 1- to 8-byte
+// accesses.
 
 typedef long long i64;
 typedef unsigned int u32;
@@ -75,6 +76,64 @@ __device__ __forceinline__ int marks_before(const u32* words, int span, int left
 }
 
 }  // namespace
+
+// For each SEND row (`TILE / PART` programs a tile, `PART` elements each): the part's bitmap words at
+// the row's tile slot (bits at or past `n` zero), its changes added to its tile's count and to the
+// box's total (its SEND_COUNT). Elements compare as bits, so NaN payloads and -0.0 count as changes.
+// Every load of the part is issued before the first comparison.
+template <typename VT, int TILE, int PART, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    diff(const i64* table, const i64* firsts, i64 boxes, u32* words, unsigned long long* counts,
+         unsigned long long* totals, const VT* anchor) {
+  constexpr int EPL = 16 / sizeof(VT), ITER = PART / EPL / (WARPS * 32), PER_WORD = 32 / EPL;
+  static_assert(ITER * WARPS * 32 * EPL == PART, "a part is whole 16-byte lanes of every thread");
+  __shared__ int warp_counts[WARPS];
+  i64 p;
+  const i64* row = table + find_box(firsts, boxes, &p) * SEND_COLUMNS;
+  const i64 n = row[SEND_N], start = p * PART;
+  const int left = (int)(n - start < PART ? n - start : PART);  // (at most 0 past the box's end)
+  const VT* cur = anchor + row[SEND_CUR] + start;
+  const VT* base = anchor + row[SEND_BASE] + start;
+  Lane<VT> c[ITER], b[ITER];
+#pragma unroll
+  for (int i = 0; i < ITER; i++) {
+    const int le = (i * WARPS * 32 + threadIdx.x) * EPL;
+    if (left == PART) {
+      c[i].vec = *reinterpret_cast<const uint4*>(cur + le);
+      b[i].vec = *reinterpret_cast<const uint4*>(base + le);
+    } else {
+#pragma unroll
+      for (int j = 0; j < EPL; j++) {
+        c[i].el[j] = le + j < left ? cur[le + j] : VT(0);
+        b[i].el[j] = le + j < left ? base[le + j] : VT(0);
+      }
+    }
+  }
+  u32* out = words + row[SEND_SLOT] * (TILE / 32) + p * (PART / 32);
+  int count = 0;
+#pragma unroll
+  for (int i = 0; i < ITER; i++) {
+    const int v = i * WARPS * 32 + threadIdx.x;  // this lane's 16 bytes in the part
+    u32 bits = 0;
+#pragma unroll
+    for (int j = 0; j < EPL; j++) bits |= (u32)(c[i].el[j] != b[i].el[j]) << j;
+    count += __popc(bits);
+    u32 word = bits << ((v % PER_WORD) * EPL);
+    for (int o = 1; o < PER_WORD; o <<= 1) word |= __shfl_xor_sync(FULL_MASK, word, o);
+    if (v % PER_WORD == 0) out[v / PER_WORD] = word;
+  }
+  count = warp_sum(count);
+  if ((threadIdx.x & 31) == 0) warp_counts[threadIdx.x >> 5] = count;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long total = 0;
+    for (int i = 0; i < WARPS; i++) total += warp_counts[i];
+    if (total) {
+      atomicAdd(counts + row[SEND_SLOT] + p / (TILE / PART), total);
+      atomicAdd(totals + row[SEND_COUNT], total);
+    }
+  }
+}
 
 // One tile of a SEND row from its payload position `pos` on. Template arguments, so that each loop
 // carries only its own work: `KIND`, the row's index kind (-1: the baseline only, no values), and

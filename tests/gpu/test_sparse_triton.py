@@ -236,9 +236,9 @@ def test_a_bucket_of_mixed_widths_and_encodings_round_trips_and_names_its_one_ba
     assert all(torch.equal(_bits(live), _bits(cur)) for live, (cur, _) in zip(lives, pairs))
 
 
-def test_busy_launches_on_the_vectorized_path_take_the_cuda_kernels(sparse_kernels, monkeypatch):
-    """A 10% bitmap box, contiguous: its `compact` and `expand` run in CUDA unless Triton is asked
-    for; a strided box of the same density stays on Triton either way."""
+def test_launches_on_the_vectorized_path_take_the_cuda_kernels(sparse_kernels, monkeypatch):
+    """A 10% bitmap box, contiguous: its `diff`, `compact` and `expand` run in CUDA unless Triton is
+    asked for; a strided box of the same density stays on Triton either way."""
     launched = []
     original = sparse_cuda._launch
     spy = lambda kernel, *args: launched.append(kernel) or original(kernel, *args)  # noqa: E731
@@ -254,4 +254,4 @@ def test_busy_launches_on_the_vectorized_path_take_the_cuda_kernels(sparse_kerne
         live = _strided(base)[0] if strided else base.clone()
         assert torch.equal(payload, ref) and _receive(BITMAP, k, cur.numel(), torch.bfloat16, payload, live)
         assert torch.equal(_bits(live), _bits(cur))
-    assert launched == (["compact", "expand"] if sparse_kernels == "cuda" else [])
+    assert launched == (["diff", "compact", "expand"] if sparse_kernels == "cuda" else [])
