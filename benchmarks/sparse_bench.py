@@ -8,8 +8,8 @@ times); the table shows wire bytes, seconds and the encoding mix, and what an
 `--codec` (any device): diff + encode + baseline update, then validate +
 decode + apply, for 1 GiB of bf16 parameters at each density as one bucket,
 against a device-to-device copy of the same bytes measured in the same run
-(CUDA takes the fused codec: Triton kernels, with the busy `compact` and `expand`
-in CUDA where CuPy is installed, unless `RL_SYNC_SPARSE_KERNELS=triton`;
+(CUDA takes the fused codec: Triton kernels, with `diff` and the busy `compact` and
+`expand` in CUDA where CuPy is installed, unless `RL_SYNC_SPARSE_KERNELS=triton`;
 `--reference` also times the torch codec).
 On a GPU it also gives the device's own time for both (its kernels and copies,
 by the torch profiler): the rest of the wall time is host work and waiting.
@@ -88,7 +88,7 @@ def codec_table(
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     kind = "torch"
     if device.type == "cuda" and not reference:
-        kind = "fused: Triton, busy launches in CUDA" if sparse_cuda.usable() else "fused: Triton"
+        kind = "fused: Triton, diff and busy launches in CUDA" if sparse_cuda.usable() else "fused: Triton"
     table = Table(
         title=f"sparse codec ({kind}) on {name}: "
         f"{total_bytes / 2**30:.0f} GiB bf16 in {tensors} tensors; copy {copy_s * 1e3:.2f} ms "

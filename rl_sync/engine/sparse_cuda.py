@@ -1,9 +1,8 @@
 """`diff` and the busy `compact` and `expand` as CUDA kernels (`sparse_kernels.cu`), for launches
 whose boxes are all on the vectorized path: drop-in replacements of `sparse_triton.diff`,
 `sparse_triton.compact` and `sparse_triton.expand` (the same arguments, tables and results, bit
-for bit). On an H200, 1 GiB of
-bf16 at 10% density: `compact` 0.69 against 0.92 ms, `expand` 0.66-0.69 against 0.85 ms
-(`docs/benchmarks.md`).
+for bit). On an H200, 1 GiB of bf16 at 10% density: `diff` 0.52 against 0.66 ms, `compact` 0.66
+against 0.92 ms, `expand` 0.65 against 0.85 ms (`docs/benchmarks.md`).
 
 `sparse_fused` sends a launch here when its key is on the vectorized path, it is a `diff` or its
 density class is busy or busier, and `usable()`; every other launch, and every launch where CuPy is missing (the

@@ -31,9 +31,9 @@ kernel read out of bounds.
 
 `compact` and `expand` come in launches per density class of their boxes
 (`sparse_fused.density`): the sparse one visits each word's marks `ROUNDS` at a time, the busy
-and busier ones handle every element of `SUB` words at once, each with its own warps. Busy
-launches on the vectorized path take `sparse_cuda`'s CUDA versions instead where CuPy is
-installed (`sparse_fused` chooses).
+and busier ones handle every element of `SUB` words at once, each with its own warps. On the
+vectorized path, `diff` and the busy launches take `sparse_cuda`'s CUDA versions instead where
+CuPy is installed (`sparse_fused` chooses).
 """
 
 from __future__ import annotations
