@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import importlib.resources
 import re
+import sys
+import types
+import warnings
 
 import pytest
+import torch
 
 from rl_sync.engine import sparse_cuda
 from rl_sync.engine import sparse_triton as kernels
@@ -31,3 +35,23 @@ def test_the_cuda_source_ships_with_the_package_and_reads_only_constants_defined
     assert used and used <= set(macros)
     assert macros["SEND_COLUMNS"] == str(kernels.SEND_COLUMNS) and macros["RECV_K"] == str(kernels.RECV_K.value)
     assert macros["UINT16_OFFSET"] == "2" and macros["BLOCK"] == str(1 << 16)
+
+
+def test_a_source_that_does_not_compile_warns_once_and_leaves_triton_in_place(monkeypatch):
+    def refuse(device):
+        raise RuntimeError("nvrtc: no such library")
+
+    monkeypatch.setenv("RL_SYNC_SPARSE_KERNELS", "cuda")
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))  # CuPy imports, NVRTC fails
+    monkeypatch.setattr(sparse_cuda, "_functions", refuse)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    sparse_cuda._source_compiles.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=re.escape("(nvrtc: no such library); using Triton's")):
+            assert not sparse_cuda.usable()
+        with warnings.catch_warnings(record=True) as again:
+            warnings.simplefilter("always")
+            assert not sparse_cuda.usable()
+        assert again == []  # the outcome is kept: no second compile, no second warning
+    finally:
+        sparse_cuda._source_compiles.cache_clear()

@@ -71,3 +71,36 @@ def test_boxes_whose_payloads_go_to_another_kind_of_device_take_the_torch_path(m
     cur[::50] = 2.0
     found = sparse_codec.BucketChanges([(cur, base)], [(0, (0,), (5000,))], payloads=torch.device("meta"))
     assert found.counts == [100]
+
+
+def test_launches_take_the_cuda_kernels_only_on_the_vectorized_path_and_only_when_busy(monkeypatch):
+    from rl_sync.engine import sparse_cuda
+    from rl_sync.engine import sparse_triton as kernels
+
+    monkeypatch.setattr(sparse_cuda, "usable", lambda: True)
+    pick = sparse_fused._kernel
+    assert pick("diff", (2, True), None) is sparse_cuda.diff
+    assert pick("compact", (2, True), 1) is sparse_cuda.compact and pick("expand", (8, True), 2) is sparse_cuda.expand
+    assert pick("compact", (2, True), 0) is kernels.compact  # sparse boxes: Triton's mark-by-mark launches
+    assert pick("diff", (2, False), None) is kernels.diff and pick("expand", (4, False), 1) is kernels.expand
+    monkeypatch.setattr(sparse_cuda, "usable", lambda: False)
+    assert pick("diff", (2, True), None) is kernels.diff and pick("compact", (2, True), 1) is kernels.compact
+
+
+def test_a_bucket_geometry_records_which_diff_it_cuts_its_tiles_for(monkeypatch):
+    """The CUDA `diff` takes fewer, bigger programs a tile than Triton's: a geometry built for one is
+    not found again for the other, and strided boxes keep Triton's programs either way."""
+    from rl_sync.engine import sparse_cuda
+    from rl_sync.engine import sparse_triton as kernels
+
+    holder = torch.zeros(200, 300, dtype=torch.bfloat16)
+    pairs = [*_pairs(2, 40_000), (holder[:, :100], holder[:, 100:200])]  # the last one strided
+    programs = {}
+    for cuda in (True, False):
+        monkeypatch.setattr(sparse_cuda, "usable", lambda cuda=cuda: cuda)
+        made = sparse_fused.geometry(pairs, [0, 1, 2], [False] * 3)
+        programs[cuda] = {launch.key[1]: launch.total for launch in made.diff}
+        assert sparse_fused.geometry(pairs, [0, 1, 2], [False] * 3) is made
+    tiles = kernels.tiles(40_000)
+    assert programs[True] == {True: 2 * tiles * sparse_cuda.DIFF_PARTS, False: kernels.tiles(20_000) * 8}
+    assert programs[False] == {True: 2 * tiles * kernels.DIFF_PARTS, False: kernels.tiles(20_000) * 8}
