@@ -88,7 +88,7 @@ def codec_table(
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     kind = "torch"
     if device.type == "cuda" and not reference:
-        kind = "fused: Triton, diff and busy launches in CUDA" if sparse_cuda.usable() else "fused: Triton"
+        kind = "fused: Triton, diff and busy launches in CUDA" if sparse_cuda.usable(device) else "fused: Triton"
     table = Table(
         title=f"sparse codec ({kind}) on {name}: "
         f"{total_bytes / 2**30:.0f} GiB bf16 in {tensors} tensors; copy {copy_s * 1e3:.2f} ms "

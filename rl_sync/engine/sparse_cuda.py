@@ -5,11 +5,12 @@ for bit). On an H200, 1 GiB of bf16 at 10% density: `diff` 0.52 against 0.66 ms,
 against 0.92 ms, `expand` 0.65 against 0.85 ms (`docs/benchmarks.md`).
 
 `sparse_fused` sends a launch here when its key is on the vectorized path, it is a `diff` or its
-density class is busy or busier, and `usable()`; every other launch, and every launch where CuPy is missing (the
-`cuda12` / `cuda13` extras) or `RL_SYNC_SPARSE_KERNELS=triton` is set, takes the Triton kernels. The file is
-compiled once per process by NVRTC through CuPy, with the table columns passed as macros, and the
-kernels run on torch's current stream, so they queue behind and ahead of the Triton launches of the
-same bucket with no synchronization in between.
+density class is busy or busier, and `usable(device)` (asked once per sender or receiver); every
+other launch, and every launch where CuPy is missing (the `cuda12` / `cuda13` extras) or
+`RL_SYNC_SPARSE_KERNELS=triton` is set, takes the Triton kernels. The file is compiled once per
+process and device by NVRTC through CuPy, with the table columns passed as macros, and the
+kernels run on torch's current stream, so they queue behind and ahead of the Triton launches of
+the same bucket with no synchronization in between.
 """
 
 from __future__ import annotations
@@ -43,24 +44,27 @@ fewer warps)."""
 _ENV = "RL_SYNC_SPARSE_KERNELS"
 
 
-def usable() -> bool:
-    """Whether busy launches on the vectorized path take these kernels: CuPy imports, the file
-    compiles, and `RL_SYNC_SPARSE_KERNELS` is not `triton` (a failed compile warns once and leaves
-    the Triton kernels in place)."""
-    choice = os.environ.get(_ENV, "cuda")
+def usable(device: torch.device) -> bool:
+    """Whether launches on `device` may take these kernels: a CUDA device, CuPy imports, the file
+    compiles for the device (a failed compile warns once and leaves the Triton kernels in place),
+    and `RL_SYNC_SPARSE_KERNELS` is not `triton`. A sender or receiver asks once, before its first
+    launch, and keeps the answer for all of them."""
+    choice = os.environ.get(_ENV, "").strip().lower() or "cuda"
     if choice not in ("cuda", "triton"):
         raise ValueError(f"{_ENV}={choice!r}: expected 'cuda' (the default, where CuPy is installed) or 'triton'")
-    return choice == "cuda" and _source_compiles()
+    if choice == "triton" or device.type != "cuda":
+        return False
+    return _source_compiles(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @functools.cache
-def _source_compiles() -> bool:
+def _source_compiles(device: int) -> bool:
     try:
         import cupy  # noqa: F401
     except ImportError:
         return False
     try:
-        _functions(torch.cuda.current_device())
+        _functions(device)
     except Exception as error:  # NVRTC missing or refusing: the Triton kernels still work
         warnings.warn(f"the sparse codec's CUDA kernels did not compile ({error}); using Triton's", stacklevel=3)
         return False

@@ -13,6 +13,7 @@ bucket's tensors stay where they are.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,21 +101,22 @@ def _launches(rows: list[Row], up: kernels.Upload) -> list[_Launch]:
     return out
 
 
-def _kernel(name: str, key: Key, density_: int | None):
+def _kernel(name: str, key: Key, density_: int | None, cuda: bool):
     """Kernel `name` (`diff`, `compact` or `expand`) for a launch of `key` and density class
-    `density_`: `sparse_cuda`'s for launches on the vectorized path (every `diff`, busy `compact` and
-    `expand`) where it is `usable`, else `sparse_triton`'s."""
-    cuda = key[1] and (name == "diff" or bool(density_)) and sparse_cuda.usable()
-    return getattr(sparse_cuda if cuda else kernels, name)
+    `density_`: with `cuda` (`sparse_cuda.usable`, asked once per sender or receiver),
+    `sparse_cuda`'s for launches on the vectorized path (every `diff`, busy `compact` and
+    `expand`), else `sparse_triton`'s."""
+    on_cuda = cuda and key[1] and (name == "diff" or bool(density_))
+    return getattr(sparse_cuda if on_cuda else kernels, name)
 
 
-def _run(name: str, launches: list[_Launch], dev: torch.Tensor, *args) -> None:
-    """Each launch of kernel `name`, its table and starts sliced from the uploaded `dev` (then
-    `args`, then its density class when it has one)."""
+def _run(name: str, launches: list[_Launch], dev: torch.Tensor, *args, cuda: bool) -> None:
+    """Each launch of kernel `name` (`_kernel`'s choice, with `cuda`), its table and starts sliced
+    from the uploaded `dev` (then `args`, then its density class when it has one)."""
     for launch in launches:
         if launch.total:
             choice = () if launch.density is None else (launch.density,)
-            kernel = _kernel(name, launch.key, launch.density)
+            kernel = _kernel(name, launch.key, launch.density, cuda)
             kernel(dev[launch.rows], dev[launch.firsts], launch.boxes, launch.total, launch.key, *args, *choice)
 
 
@@ -126,6 +128,9 @@ class _Geometry:
     slots: int
     diff: list[_Launch]
     table: torch.Tensor
+    cuda: bool
+    """Its launches may take the CUDA kernels (`sparse_cuda.usable` when it was built): the two
+    `diff`s cut a tile into different parts, so `diff` must take the one it was built for."""
 
 
 _GEOMETRIES: OrderedDict[tuple, _Geometry] = OrderedDict()
@@ -153,13 +158,13 @@ def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[in
     """The geometry of the boxes among `candidates` (indices of `pairs` on CUDA) that take the
     fused path: those on the first candidate's device whose source and baseline match (the
     others take the torch path); built on first use, then found by where the boxes are."""
-    cuda = sparse_cuda.usable()  # (the two `diff`s cut a tile into different parts)
+    device = pairs[candidates[0]][0].device
+    cuda = sparse_cuda.usable(device)  # (part of the signature: the two `diff`s cut tiles differently)
     signature = (cuda, *((i, shared[i], *_where(pairs[i][0]), *_where(pairs[i][1])) for i in candidates))
     found = _GEOMETRIES.get(signature)
     if found is not None:
         _GEOMETRIES.move_to_end(signature)
         return found
-    device = pairs[candidates[0]][0].device
     per_block, slot, boxes = BLOCK // kernels.TILE, 0, {}
     for i in candidates:
         cur = pairs[i][0]
@@ -170,7 +175,7 @@ def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[in
     up = kernels.Upload()
     parts = {fast: sparse_cuda.DIFF_PARTS if fast and cuda else kernels.DIFF_PARTS for fast in (True, False)}
     diff = _launches([(b.key, None, kernels.tiles(b.n) * parts[b.key[1]], b.row()) for b in boxes.values()], up)
-    made = _Geometry(boxes, slot, diff, up.send(device) if boxes else torch.empty(0, dtype=torch.int64))
+    made = _Geometry(boxes, slot, diff, up.send(device) if boxes else torch.empty(0, dtype=torch.int64), cuda)
     _GEOMETRIES[signature] = made
     if len(_GEOMETRIES) > _KEPT_GEOMETRIES:
         _GEOMETRIES.popitem(last=False)
@@ -190,7 +195,7 @@ class FusedSender:
         counts = torch.zeros(g.slots + len(pairs), dtype=torch.int64, device=device)
         self._tiles, totals = counts[: g.slots], counts[g.slots :]
         self._words = torch.empty(g.slots * kernels.WORDS, dtype=torch.int32, device=device)
-        _run("diff", g.diff, g.table, self._words, self._tiles, totals)
+        _run("diff", g.diff, g.table, self._words, self._tiles, totals, cuda=g.cuda)
         self._blocks = self._tiles.view(-1, BLOCK // kernels.TILE).sum(1, dtype=torch.int32)
         self._starts = torch.cumsum(self._tiles, 0) - self._tiles
         self.counts = totals.tolist()  # the bucket's one host transfer
@@ -225,7 +230,8 @@ class FusedSender:
     def _compact(self, rows: list[Row]) -> None:
         up = kernels.Upload()
         launches = _launches(rows, up)
-        _run("compact", launches, up.send(self.device), self._words, self._starts, self._blocks)
+        dev = up.send(self.device)
+        _run("compact", launches, dev, self._words, self._starts, self._blocks, cuda=self.geometry.cuda)
 
     def complete(self) -> None:
         """Every encoding, and the baselines of boxes no other box overlaps."""
@@ -256,16 +262,29 @@ def destination(code: int, n: int, block: torch.Tensor, view: torch.Tensor, dtyp
     return kernels.as_2d(view) if dtype.itemsize <= 8 else None
 
 
+def disjoint(spans: list[tuple[int, int]]) -> bool:
+    """Whether no two of the byte ranges `spans` (start, end) share a byte."""
+    ordered = sorted(spans)
+    return all(end <= start for (_, end), (start, _) in itertools.pairwise(ordered))
+
+
 class FusedReceiver:
     """The fused boxes one rank receives in a bucket: validated, then written, each step one
     launch per kind (and per key and density class, for the writes).
 
     Usage: `add(...)` per box that has a `destination`; `validate()` (raises the malformed boxes'
     `flags`, and `guard` with them, on the device); `write()` right behind it: its kernels write
-    nothing while `guard` is raised, so no host synchronization is needed in between."""
+    nothing while `guard` is raised, so no host synchronization is needed in between.
+
+    The CUDA `expand` (`sparse_cuda`) rewrites whole 16-byte runs of a live view, unmarked elements
+    with the values they had: it takes only buckets whose bitmap destinations share no byte (others
+    take Triton's, which writes marked elements alone), and nothing else may write those views
+    while the bucket is written (an inference engine only reads its weights)."""
 
     def __init__(self, device: torch.device, flags: torch.Tensor, guard: torch.Tensor):
         self.device, self.flags, self.guard = device, flags, guard
+        self._cuda = sparse_cuda.usable(device)
+        self._spans: list[tuple[int, int]] = []  # the bytes of each bitmap destination on the vectorized path
         self._rows: list[tuple[int, Key, int, int, list[int]]] = []  # (code, key, density, programs, row)
         self._kept: list[torch.Tensor] = []  # the table holds their addresses
         self._entries = 0
@@ -292,6 +311,8 @@ class FusedReceiver:
             m, payload, counts, limit = -(-n // BLOCK), [0, address + at.index, values], address, BLOCK
         row = [*payload, *dest.columns, n, k, slot, self._entries, m, counts, limit]
         self._kept += [block, view]
+        if code == BITMAP and dest.fast:
+            self._spans.append((view.data_ptr(), view.data_ptr() + n * width))
         self._rows.append((code, (width, dest.fast), density(k, n), m, row))
         self._entries += m
 
@@ -324,12 +345,12 @@ class FusedReceiver:
             kernels.blocked_check(self._table, dev[blocked[0]], boxes, blocked[1], self._starts, *flags)
 
     def write(self) -> None:
-        boxes = len(self._rows)
+        boxes, cuda = len(self._rows), self._cuda and disjoint(self._spans)
         for key, expands, (apply_at, apply) in self._writes:
             for density_, expand_at, expand in expands:
                 if expand:
                     at = self._dev[expand_at]
-                    kernel = _kernel("expand", key, density_)
+                    kernel = _kernel("expand", key, density_, cuda)
                     kernel(self._table, at, boxes, expand, key, self._starts, density_, self.guard)
             if apply:
                 kernels.blocked_apply(self._table, self._dev[apply_at], boxes, apply, key, self._starts, self.guard)

@@ -47,5 +47,5 @@ def sparse_kernels(request, monkeypatch) -> str:
         pytest.importorskip("cupy")
         from rl_sync.engine import sparse_cuda
 
-        assert sparse_cuda.usable(), "the CUDA kernels did not compile (see the warning)"
+        assert sparse_cuda.usable(torch.device("cuda")), "the CUDA kernels did not compile (see the warning)"
     return request.param

@@ -15,17 +15,22 @@ import torch
 from rl_sync.engine import sparse_cuda
 from rl_sync.engine import sparse_triton as kernels
 
+CUDA = torch.device("cuda", 0)
+
 
 def test_an_unknown_kernel_choice_is_refused(monkeypatch):
     monkeypatch.setenv("RL_SYNC_SPARSE_KERNELS", "cupy")
     expected = "RL_SYNC_SPARSE_KERNELS='cupy': expected 'cuda' (the default, where CuPy is installed) or 'triton'"
     with pytest.raises(ValueError, match=re.escape(expected)):
-        sparse_cuda.usable()
+        sparse_cuda.usable(CUDA)
 
 
-def test_asking_for_triton_keeps_every_launch_on_triton(monkeypatch):
-    monkeypatch.setenv("RL_SYNC_SPARSE_KERNELS", "triton")
-    assert not sparse_cuda.usable()
+def test_asking_for_triton_keeps_every_launch_on_triton_and_a_cpu_never_takes_cuda(monkeypatch):
+    monkeypatch.setattr(sparse_cuda, "_source_compiles", lambda device: True)  # as if CuPy compiled it
+    for choice, cuda in (("triton", False), (" Triton ", False), ("CUDA", True), ("", True)):
+        monkeypatch.setenv("RL_SYNC_SPARSE_KERNELS", choice)
+        assert sparse_cuda.usable(CUDA) is cuda, choice
+        assert not sparse_cuda.usable(torch.device("cpu"))
 
 
 def test_the_cuda_source_ships_with_the_package_and_reads_only_constants_defined_in_python():
@@ -48,10 +53,10 @@ def test_a_source_that_does_not_compile_warns_once_and_leaves_triton_in_place(mo
     sparse_cuda._source_compiles.cache_clear()
     try:
         with pytest.warns(UserWarning, match=re.escape("(nvrtc: no such library); using Triton's")):
-            assert not sparse_cuda.usable()
+            assert not sparse_cuda.usable(CUDA)
         with warnings.catch_warnings(record=True) as again:
             warnings.simplefilter("always")
-            assert not sparse_cuda.usable()
+            assert not sparse_cuda.usable(CUDA)
         assert again == []  # the outcome is kept: no second compile, no second warning
     finally:
         sparse_cuda._source_compiles.cache_clear()

@@ -73,18 +73,30 @@ def test_boxes_whose_payloads_go_to_another_kind_of_device_take_the_torch_path(m
     assert found.counts == [100]
 
 
-def test_launches_take_the_cuda_kernels_only_on_the_vectorized_path_and_only_when_busy(monkeypatch):
+def test_launches_take_the_cuda_kernels_only_on_the_vectorized_path_and_only_when_busy():
     from rl_sync.engine import sparse_cuda
     from rl_sync.engine import sparse_triton as kernels
 
-    monkeypatch.setattr(sparse_cuda, "usable", lambda: True)
     pick = sparse_fused._kernel
-    assert pick("diff", (2, True), None) is sparse_cuda.diff
-    assert pick("compact", (2, True), 1) is sparse_cuda.compact and pick("expand", (8, True), 2) is sparse_cuda.expand
-    assert pick("compact", (2, True), 0) is kernels.compact  # sparse boxes: Triton's mark-by-mark launches
-    assert pick("diff", (2, False), None) is kernels.diff and pick("expand", (4, False), 1) is kernels.expand
-    monkeypatch.setattr(sparse_cuda, "usable", lambda: False)
-    assert pick("diff", (2, True), None) is kernels.diff and pick("compact", (2, True), 1) is kernels.compact
+    assert pick("diff", (2, True), None, True) is sparse_cuda.diff
+    assert pick("compact", (2, True), 1, True) is sparse_cuda.compact
+    assert pick("expand", (8, True), 2, True) is sparse_cuda.expand
+    assert pick("compact", (2, True), 0, True) is kernels.compact  # sparse boxes: Triton's mark-by-mark launches
+    assert (
+        pick("diff", (2, False), None, True) is kernels.diff and pick("expand", (4, False), 1, True) is kernels.expand
+    )
+    assert (
+        pick("diff", (2, True), None, False) is kernels.diff and pick("compact", (2, True), 1, False) is kernels.compact
+    )
+
+
+def test_bitmap_destinations_that_share_a_byte_are_told_apart_from_disjoint_ones():
+    """The CUDA `expand` rewrites whole 16-byte runs, so a bucket whose bitmap destinations overlap
+    takes Triton's (`FusedReceiver.write`)."""
+    assert sparse_fused.disjoint([]) and sparse_fused.disjoint([(0, 64)])
+    assert sparse_fused.disjoint([(64, 128), (0, 64), (128, 130)])  # touching, in any order
+    assert not sparse_fused.disjoint([(64, 128), (0, 65)])
+    assert not sparse_fused.disjoint([(0, 1000), (16, 32)])  # one inside another
 
 
 def test_a_bucket_geometry_records_which_diff_it_cuts_its_tiles_for(monkeypatch):
@@ -97,7 +109,7 @@ def test_a_bucket_geometry_records_which_diff_it_cuts_its_tiles_for(monkeypatch)
     pairs = [*_pairs(2, 40_000), (holder[:, :100], holder[:, 100:200])]  # the last one strided
     programs = {}
     for cuda in (True, False):
-        monkeypatch.setattr(sparse_cuda, "usable", lambda cuda=cuda: cuda)
+        monkeypatch.setattr(sparse_cuda, "usable", lambda device, cuda=cuda: cuda)
         made = sparse_fused.geometry(pairs, [0, 1, 2], [False] * 3)
         programs[cuda] = {launch.key[1]: launch.total for launch in made.diff}
         assert sparse_fused.geometry(pairs, [0, 1, 2], [False] * 3) is made
