@@ -35,11 +35,11 @@ def _strided(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return view, holder
 
 
-def _pair(rows: int, cols: int, density: float, dtype: torch.dtype, seed: int):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    base = (torch.randn(rows, cols, generator=gen, device="cuda") * 10).to(dtype)
-    change = torch.rand(rows, cols, generator=gen, device="cuda") < density
-    cur = torch.where(change, (torch.randn(rows, cols, generator=gen, device="cuda") * 10).to(dtype), base)
+def _pair(rows: int, cols: int, density: float, dtype: torch.dtype, seed: int, device: str = "cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    base = (torch.randn(rows, cols, generator=gen, device=device) * 10).to(dtype)
+    change = torch.rand(rows, cols, generator=gen, device=device) < density
+    cur = torch.where(change, (torch.randn(rows, cols, generator=gen, device=device) * 10).to(dtype), base)
     if dtype == torch.bfloat16 and cur.numel() >= 3:
         flat_c, flat_b = cur.view(-1), base.view(-1)
         flat_c[0], flat_b[0] = float("nan"), float("nan")
@@ -179,13 +179,15 @@ def test_malformed_blocked_payloads_are_refused_before_any_write(case):
 
 @pytest.mark.parametrize("case", ["trailing bit", "count"])
 def test_malformed_bitmaps_are_refused(case):
+    """Both values differ from the live tensor's, so a write that the guard failed to stop shows."""
     n, k = 13, 2
     payload = torch.zeros(encoded_nbytes(BITMAP, n, k, 2), dtype=torch.uint8, device="cuda")
     payload[0] = 3
     payload[1] = 1 << 6 if case == "trailing bit" else 1
-    live = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+    payload[16:20].view(torch.bfloat16).copy_(torch.tensor([1.0, 2.0]))  # the values (16-byte aligned)
+    live = torch.full((n,), 3.0, dtype=torch.bfloat16, device="cuda")
     assert not _receive(BITMAP, k, n, torch.bfloat16, payload, live)
-    assert torch.count_nonzero(live) == 0
+    assert bool((live == 3.0).all())
 
 
 def test_a_bucket_of_mixed_widths_and_encodings_round_trips_and_names_its_one_bad_box():
@@ -255,3 +257,68 @@ def test_launches_on_the_vectorized_path_take_the_cuda_kernels(sparse_kernels, m
         assert torch.equal(payload, ref) and _receive(BITMAP, k, cur.numel(), torch.bfloat16, payload, live)
         assert torch.equal(_bits(live), _bits(cur))
     assert launched == (["diff", "compact", "expand"] if sparse_kernels == "cuda" else [])
+
+
+ODD = 3 * 16_384 + 8_191
+"""Elements of a box whose last tile is partial (8,191 of 16,384: the CUDA `diff`'s second part of it
+is empty) and whose last 16-byte lane is partial at every width (the count is odd)."""
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("code", [INDICES, BLOCKED, BITMAP])
+@pytest.mark.parametrize("density", [0.1, 0.4])  # busy, busier
+def test_every_width_and_index_kind_round_trips_through_the_busy_launches(dtype, code, density, device="cuda"):
+    """A contiguous box of `ODD` elements at each width, encoding and density class of the busy
+    launches: the payload is the reference's byte for byte, the baseline and the live copy end equal
+    to the source."""
+    cur, base = _pair(1, ODD, density, dtype, 17, device)
+    k, ref = _reference(code, cur, base)
+    baseline, live = base.clone(), base.clone()
+    found = sparse_codec.BucketChanges([(cur, baseline)], [(0, (0, 0), (1, ODD))])
+    assert found.counts == [k]
+    payload = torch.zeros_like(ref)
+    found.encode(0, code, payload)
+    found.finish()
+    assert torch.equal(payload, ref) and torch.equal(_bits(baseline), _bits(cur))
+    assert _receive(code, k, ODD, dtype, payload, live)
+    assert torch.equal(_bits(live), _bits(cur))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_box_sent_twice_advances_its_baseline_once_both_are_encoded_at_every_width(dtype, device="cuda"):
+    """The same busy box twice in a bucket (two replicas): both payloads are encoded against the old
+    baseline, then the update-only launch advances it, partial last lane included."""
+    cur, base = _pair(1, ODD, 0.1, dtype, 23, device)
+    ref = [_reference(code, cur, base) for code in (BITMAP, BLOCKED)]
+    baseline = base.clone()
+    found = sparse_codec.BucketChanges([(cur, baseline), (cur, baseline)], [(0, (0, 0), (1, ODD))] * 2)
+    assert found.counts == [ref[0][0], ref[0][0]]
+    payloads = [torch.zeros_like(r) for _, r in ref]
+    for i, (code, payload) in enumerate(zip((BITMAP, BLOCKED), payloads)):
+        found.encode(i, code, payload)
+    found.finish()
+    assert all(torch.equal(p, r) for p, (_, r) in zip(payloads, ref))
+    assert torch.equal(_bits(baseline), _bits(cur))
+
+
+def test_a_round_trip_on_a_side_stream_queues_every_launch_behind_that_streams_work():
+    """Each step runs on a side stream kept busy first: a kernel launched on another stream would run
+    ahead of the copies it depends on, and the payload, baseline or live copy would come out wrong."""
+    cur, base = _pair(64, 4096, 0.1, torch.bfloat16, 29)
+    k, ref = _reference(BITMAP, cur, base)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds of a busy stream
+        baseline, payload = base.clone(), torch.zeros_like(ref)
+        found = sparse_codec.BucketChanges([(cur, baseline)], [(0, (0, 0), (64, 4096))])
+        torch.cuda._sleep(50_000_000)
+        payload.zero_()
+        found.encode(0, BITMAP, payload)
+        found.finish()
+        torch.cuda._sleep(50_000_000)
+        live = base.clone()
+        assert _receive(BITMAP, k, cur.numel(), torch.bfloat16, payload, live)
+    torch.cuda.current_stream().wait_stream(side)
+    assert found.counts == [k] and torch.equal(payload, ref)
+    assert torch.equal(_bits(baseline), _bits(cur)) and torch.equal(_bits(live), _bits(cur))
