@@ -219,8 +219,9 @@ __device__ __forceinline__ void compact_kind(const i64* row, VT* anchor, const u
 
 // For each SEND row (one program a tile): the baseline update (16 bytes a lane, read and written
 // whole: unmarked elements equal the source already, as `diff` found them, since nothing writes
-// the source between the two launches), the marked values at their payload positions and their indices (int32) or in-block
-// offsets (uint16), the wire bitmap and wire block counts, as the row's columns ask.
+// the source between the two launches), the marked values at their payload positions and their
+// indices (int32) or in-block offsets (uint16), the wire bitmap and wire block counts, as the row's
+// columns ask.
 template <typename VT, int TILE, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
     compact(const i64* table, const i64* firsts, i64 boxes, const u32* words, const i64* starts, const int* blocks,
