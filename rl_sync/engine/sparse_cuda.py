@@ -142,6 +142,30 @@ def _current_stream(device: int) -> int:
     return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
+def _launch_rows(
+    name: str,
+    key: tuple[int, bool],
+    density: int | None,
+    total: int,
+    table: torch.Tensor,
+    firsts: torch.Tensor,
+    boxes: int,
+    *data: torch.Tensor,
+) -> None:
+    """Kernel `name` over `total` programs of the rows `table` (program starts `firsts`, `boxes` rows),
+    with the addresses of `data` and of the width's anchor after them: every kernel of the file takes
+    its arguments in that order. Refuses a launch `sparse_fused` would not send here: off the
+    vectorized path, or (`density` given) not busy."""
+    width, fast = key
+    if not fast or density == 0:
+        busy, what = ("", key) if density is None else ("busy ", f"{key}, density {density}")
+        raise ValueError(f"the CUDA {name} takes {busy}launches on the vectorized path, not {what}")
+    if total:
+        device = data[0].device
+        addresses = (*(t.data_ptr() for t in data), kernels.anchor(device, width).data_ptr())
+        _launch(name, width, total, device, table.data_ptr(), firsts.data_ptr(), boxes, *addresses)
+
+
 def diff(
     table: torch.Tensor,
     firsts: torch.Tensor,
@@ -153,13 +177,7 @@ def diff(
     totals: torch.Tensor,
 ) -> None:
     """`sparse_triton.diff` for rows on the vectorized path (`key`'s flag)."""
-    width, fast = key
-    if not fast:
-        raise ValueError(f"the CUDA diff takes launches on the vectorized path, not {key}")
-    if total:
-        pointers = (t.data_ptr() for t in (table, firsts))
-        data = (t.data_ptr() for t in (words, counts, totals, kernels.anchor(words.device, width)))
-        _launch("diff", width, total, words.device, *pointers, boxes, *data)
+    _launch_rows("diff", key, None, total, table, firsts, boxes, words, counts, totals)
 
 
 def compact(
@@ -174,13 +192,7 @@ def compact(
     density: int,
 ) -> None:
     """`sparse_triton.compact` for busy rows (`density` 1 or 2) on the vectorized path (`key`'s flag)."""
-    width, fast = key
-    if not (fast and density):
-        raise ValueError(f"the CUDA compact takes busy launches on the vectorized path, not {key}, density {density}")
-    if total:
-        pointers = (t.data_ptr() for t in (table, firsts))
-        data = (t.data_ptr() for t in (words, starts, blocks, kernels.anchor(words.device, width)))
-        _launch("compact", width, total, words.device, *pointers, boxes, *data)
+    _launch_rows("compact", key, density, total, table, firsts, boxes, words, starts, blocks)
 
 
 def expand(
@@ -194,10 +206,4 @@ def expand(
     guard: torch.Tensor,
 ) -> None:
     """`sparse_triton.expand` for busy rows (`density` 1 or 2) on the vectorized path (`key`'s flag)."""
-    width, fast = key
-    if not (fast and density):
-        raise ValueError(f"the CUDA expand takes busy launches on the vectorized path, not {key}, density {density}")
-    if total:
-        pointers = (t.data_ptr() for t in (table, firsts))
-        data = (t.data_ptr() for t in (starts, guard, kernels.anchor(starts.device, width)))
-        _launch("expand", width, total, starts.device, *pointers, boxes, *data)
+    _launch_rows("expand", key, density, total, table, firsts, boxes, starts, guard)

@@ -101,13 +101,17 @@ def _launches(rows: list[Row], up: kernels.Upload) -> list[_Launch]:
     return out
 
 
+def _kernels(name: str, key: Key, density_: int | None, cuda: bool):
+    """The module whose kernel `name` (`diff`, `compact` or `expand`) a launch of `key` and density
+    class `density_` takes: with `cuda` (`sparse_cuda.usable`, asked once per sender or receiver),
+    `sparse_cuda` for launches on the vectorized path (every `diff`, busy `compact` and `expand`),
+    else `sparse_triton`."""
+    return sparse_cuda if cuda and key[1] and (name == "diff" or bool(density_)) else kernels
+
+
 def _kernel(name: str, key: Key, density_: int | None, cuda: bool):
-    """Kernel `name` (`diff`, `compact` or `expand`) for a launch of `key` and density class
-    `density_`: with `cuda` (`sparse_cuda.usable`, asked once per sender or receiver),
-    `sparse_cuda`'s for launches on the vectorized path (every `diff`, busy `compact` and
-    `expand`), else `sparse_triton`'s."""
-    on_cuda = cuda and key[1] and (name == "diff" or bool(density_))
-    return getattr(sparse_cuda if on_cuda else kernels, name)
+    """Kernel `name` for a launch of `key` and density class `density_` (`_kernels`' choice)."""
+    return getattr(_kernels(name, key, density_, cuda), name)
 
 
 def _run(name: str, launches: list[_Launch], dev: torch.Tensor, *args, cuda: bool) -> None:
@@ -173,8 +177,8 @@ def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[in
             boxes[i] = _Box(i, *pair, cur.numel(), cur.element_size(), slot, shared[i])
             slot += -(-cur.numel() // BLOCK) * per_block
     up = kernels.Upload()
-    parts = {fast: sparse_cuda.DIFF_PARTS if fast and cuda else kernels.DIFF_PARTS for fast in (True, False)}
-    diff = _launches([(b.key, None, kernels.tiles(b.n) * parts[b.key[1]], b.row()) for b in boxes.values()], up)
+    parts = {b.key: _kernels("diff", b.key, None, cuda).DIFF_PARTS for b in boxes.values()}  # as `_run` will pick
+    diff = _launches([(b.key, None, kernels.tiles(b.n) * parts[b.key], b.row()) for b in boxes.values()], up)
     made = _Geometry(boxes, slot, diff, up.send(device) if boxes else torch.empty(0, dtype=torch.int64), cuda)
     _GEOMETRIES[signature] = made
     if len(_GEOMETRIES) > _KEPT_GEOMETRIES:

@@ -40,8 +40,8 @@ def gpu_ray():
 
 @pytest.fixture(params=["cuda", "triton"])
 def sparse_kernels(request, monkeypatch) -> str:
-    """Each test once with the busy launches on the CUDA kernels (`engine.sparse_cuda`, which needs
-    CuPy) and once on Triton's, chosen through `RL_SYNC_SPARSE_KERNELS`."""
+    """Each test once with `diff` and the busy launches on the CUDA kernels (`engine.sparse_cuda`,
+    which needs CuPy) and once on Triton's, chosen through `RL_SYNC_SPARSE_KERNELS`."""
     monkeypatch.setenv("RL_SYNC_SPARSE_KERNELS", request.param)
     if request.param == "cuda":
         pytest.importorskip("cupy")
