@@ -15,6 +15,7 @@ launches; the rest through the per-box torch functions below (`Changes`,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -230,7 +231,10 @@ Box = tuple[int, tuple[int, ...], tuple[int, ...]]
 """(tensor, offsets, sizes): where a sent box sits in its tensor."""
 
 
+@functools.cache
 def _fused():
+    """`sparse_fused`, imported on first use (it needs Triton, which a CPU-only install may lack);
+    cached, as every box of a round asks."""
     from . import sparse_fused
 
     return sparse_fused

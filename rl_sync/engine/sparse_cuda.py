@@ -41,6 +41,8 @@ WARPS = {
 """Warps a program, by kernel and element width (`diff` holds at most 8 of its 16-byte pairs a
 thread in registers; `expand` stages 1,024 values a warp in shared memory, so wider elements take
 fewer warps)."""
+STARTS_WARPS = 4
+"""Warps a program of `starts` (a bitmap tile is 512 words: 4 a thread)."""
 _ENV = "RL_SYNC_SPARSE_KERNELS"
 
 
@@ -85,6 +87,14 @@ def _name(kernel: str, width: int) -> str:
     return f"{kernel}<{C_TYPES[width]}, {kernels.TILE}{part}, {WARPS[kernel][width]}>"
 
 
+_STARTS = f"starts<{kernels.TILE}, {STARTS_WARPS}>"
+
+
+def _names() -> list[str]:
+    """Every kernel the file is compiled for."""
+    return [_name(kernel, width) for kernel in WARPS for width in C_TYPES] + [_STARTS]
+
+
 def _source() -> str:
     return importlib.resources.files(__package__).joinpath("sparse_kernels.cu").read_text()
 
@@ -94,7 +104,7 @@ def _functions(device: int) -> dict[str, Any]:
     """Every kernel of the file, built for `device` (one NVRTC compile, cached by CuPy on disk)."""
     import cupy
 
-    names = [_name(kernel, width) for kernel in WARPS for width in C_TYPES]
+    names = _names()
     source = _source()
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=source, options=("-std=c++17", *_macros()), name_expressions=names)
@@ -122,12 +132,12 @@ def _stream(address: int, device: int):
     return cupy.cuda.ExternalStream(address, device)
 
 
-def _launch(kernel: str, width: int, total: int, device: torch.device, *args: int) -> None:
-    """Kernel `kernel` for `width`-byte elements over `total` programs, on torch's current stream of
+def _launch(name: str, warps: int, total: int, device: torch.device, *args: int) -> None:
+    """Kernel `name` (`_names`) over `total` programs of `warps` warps, on torch's current stream of
     `device`; `args` are addresses and counts."""
-    function = _functions(device.index)[_name(kernel, width)]
+    function = _functions(device.index)[name]
     stream = _stream(_current_stream(device.index), device.index)
-    call = ((total,), (32 * WARPS[kernel][width],), tuple(map(np.int64, args)))
+    call = ((total,), (32 * warps,), tuple(map(np.int64, args)))
     if device.index == torch.cuda.current_device():
         function(*call, stream=stream)
     else:
@@ -163,7 +173,8 @@ def _launch_rows(
     if total:
         device = data[0].device
         addresses = (*(t.data_ptr() for t in data), kernels.anchor(device, width).data_ptr())
-        _launch(name, width, total, device, table.data_ptr(), firsts.data_ptr(), boxes, *addresses)
+        kernel = _name(name, width)
+        _launch(kernel, WARPS[name][width], total, device, table.data_ptr(), firsts.data_ptr(), boxes, *addresses)
 
 
 def diff(
@@ -207,3 +218,25 @@ def expand(
 ) -> None:
     """`sparse_triton.expand` for busy rows (`density` 1 or 2) on the vectorized path (`key`'s flag)."""
     _launch_rows("expand", key, density, total, table, firsts, boxes, starts, guard)
+
+
+def starts(
+    table: torch.Tensor,
+    firsts: torch.Tensor,
+    boxes: int,
+    total: int,
+    counts: torch.Tensor,
+    starts: torch.Tensor,
+    flags: torch.Tensor,
+    guard: torch.Tensor,
+    done: torch.Tensor,
+) -> None:
+    """`sparse_triton.bitmap_counts` then `sparse_triton.scan` over every `RECV_*` row of `table`, in
+    one launch: `firsts` gives a bitmap row one program a tile and any other row one; `counts`
+    (int32, the tile counts) as `bitmap_counts` leaves them, `starts`, `flags` and `guard` as `scan`
+    does; `done`: `boxes` zeroed int64 counters (the programs of a bitmap row count themselves off,
+    and its last one scans it)."""
+    if total:
+        addresses = (counts, starts, flags, guard, done)
+        args = (table.data_ptr(), firsts.data_ptr(), boxes, *(t.data_ptr() for t in addresses))
+        _launch(_STARTS, STARTS_WARPS, total, counts.device, *args)

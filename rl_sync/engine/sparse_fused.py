@@ -323,28 +323,45 @@ class FusedReceiver:
     def _firsts(self, up: kernels.Upload, code: int, key: Key | None = None, density_: int | None = None):
         """(program starts over every row, those not of `code` (and `key`, and `density_`) given
         none; programs in all)."""
-        firsts = kernels.starts(
-            [m if c == code and key in (None, k) and density_ in (None, d) else 0 for c, k, d, m, _ in self._rows]
+        return self._upload_starts(
+            up, [m if c == code and key in (None, k) and density_ in (None, d) else 0 for c, k, d, m, _ in self._rows]
         )
+
+    @staticmethod
+    def _upload_starts(up: kernels.Upload, programs: list[int]) -> tuple[slice, int]:
+        """(where the program starts of rows of `programs` programs each went in `up`, programs in all)."""
+        firsts = kernels.starts(programs)
         return up.add(firsts), int(firsts[-1])
 
     def validate(self) -> None:
+        """Queue the checks: each row's payload positions (`starts`), its flag raised (and `guard`)
+        when its payload is malformed. The CUDA `starts` does in one launch what Triton's
+        `bitmap_counts` and `scan` do in two."""
         if not self._rows:
             return
-        up = kernels.Upload()
+        up, boxes = kernels.Upload(), len(self._rows)
         table = up.add_rows(row for *_, row in self._rows)
-        bitmaps, blocked = self._firsts(up, BITMAP), self._firsts(up, BLOCKED)
+        if self._cuda:  # a bitmap row: a program a tile; any other, one
+            counting = self._upload_starts(up, [m if c == BITMAP else 1 for c, _, _, m, _ in self._rows])
+            done = up.add(itertools.repeat(0, boxes))
+        else:
+            bitmaps = self._firsts(up, BITMAP)
+        blocked = self._firsts(up, BLOCKED)
         for key in sorted({k for _, k, _, _, _ in self._rows}):
             expands = [(d, *self._firsts(up, BITMAP, key, d)) for d in range(len(kernels.EXPAND_WARPS))]
             self._writes.append((key, expands, self._firsts(up, BLOCKED, key)))
         self._dev = dev = up.send(self.device)
-        self._table, boxes = dev[table], len(self._rows)
+        self._table = dev[table]
         counts = torch.empty(self._entries, dtype=torch.int32, device=self.device)
         self._starts = torch.empty(self._entries, dtype=torch.int64, device=self.device)
         flags = self.flags, self.guard
-        if bitmaps[1]:
-            kernels.bitmap_counts(self._table, dev[bitmaps[0]], boxes, bitmaps[1], counts, *flags)
-        kernels.scan(self._table, boxes, counts, self._starts, *flags)
+        if self._cuda:
+            at, programs = counting
+            sparse_cuda.starts(self._table, dev[at], boxes, programs, counts, self._starts, *flags, dev[done])
+        else:
+            if bitmaps[1]:
+                kernels.bitmap_counts(self._table, dev[bitmaps[0]], boxes, bitmaps[1], counts, *flags)
+            kernels.scan(self._table, boxes, counts, self._starts, *flags)
         if blocked[1]:
             kernels.blocked_check(self._table, dev[blocked[0]], boxes, blocked[1], self._starts, *flags)
 

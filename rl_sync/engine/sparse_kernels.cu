@@ -332,3 +332,98 @@ __global__ void __launch_bounds__(WARPS * 32)
   if (left == TILE) expand_tile<VT, TILE, WARPS, true>(row, anchor, w, start, left, pos, staged);
   else expand_tile<VT, TILE, WARPS, false>(row, anchor, w, start, left, pos, staged);
 }
+
+namespace {
+
+// Raise box `row`'s flag, and with it the bucket's guard, when `wrong`.
+__device__ __forceinline__ void raise_flag(const i64* row, int* flags, int* guard, bool wrong) {
+  if (!wrong) return;
+  atomicMax(flags + row[RECV_FLAG], 1);
+  atomicMax(guard, 1);
+}
+
+// Tile `t` of a bitmap RECV row: its marks below `n` (words wholly past `n` are not read), and
+// whether a bit of the wire bitmap's last byte past `n` is set (`*stray`), summed over the block.
+template <int TILE, int WARPS>
+__device__ __forceinline__ int tile_marks(const i64* row, i64 t, int* partial, int* stray) {
+  const i64 n = row[RECV_N], start = t * TILE;
+  const int left = (int)(n - start < TILE ? n - start : TILE), pad = (int)((n + 7) / 8 * 8 - n);
+  const u32* words = reinterpret_cast<const u32*>(row[RECV_WORDS]) + t * (TILE / 32);
+  int marks = 0, odd = 0;
+  for (int i = threadIdx.x; i * 32 < left; i += WARPS * 32) {
+    const u32 w = words[i];
+    const int rest = left - i * 32, wire = rest + pad;
+    marks += __popc(rest >= 32 ? w : w & ((1u << rest) - 1u));
+    if (rest < 32) odd |= (w & ~((1u << rest) - 1u) & (wire >= 32 ? ~0u : (1u << wire) - 1u)) != 0;
+  }
+  *stray = __syncthreads_or(odd);
+  marks = warp_sum(marks);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = marks;
+  __syncthreads();
+  int total = 0;
+  for (int i = 0; i < WARPS; i++) total += partial[i];
+  return total;
+}
+
+// `out[i]` = the exclusive prefix sums of `source[0 .. m)`, each clamped to the row's limit; the
+// row's flag when a count is out of range or they do not add up to its `k`.
+template <int WARPS>
+__device__ __forceinline__ void scan_row(const i64* row, const int* source, i64* out, i64 m, int* partial,
+                                         int* flags, int* guard) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, limit = (int)row[RECV_LIMIT];
+  i64 carry = 0;
+  int wrong = 0;
+  for (i64 c = 0; c < m; c += WARPS * 32) {
+    const i64 i = c + threadIdx.x;
+    int x = i < m ? __ldcg(source + i) : 0;  // (past L1: other programs wrote the counts)
+    wrong |= x < 0 || x > limit;
+    x = min(max(x, 0), limit);
+    const int through = warp_inclusive_scan(x, lane);
+    if (lane == 31) partial[warp] = through;
+    __syncthreads();
+    i64 before = 0, total = 0;
+    for (int j = 0; j < WARPS; j++) {
+      before += j < warp ? partial[j] : 0;
+      total += partial[j];
+    }
+    if (i < m) out[i] = carry + before + through - x;
+    carry += total;
+    __syncthreads();
+  }
+  wrong = __syncthreads_or(wrong);
+  if (threadIdx.x == 0) raise_flag(row, flags, guard, wrong || carry != row[RECV_K]);
+}
+
+}  // namespace
+
+// `sparse_triton.bitmap_counts` and `sparse_triton.scan` in one launch: each RECV row's `starts`
+// (at its first slot) and its checks. A bitmap row takes one program a tile, which counts the
+// tile's marks into `counts` and flags stray bits past `n`; the row's last program to finish (by
+// `done`, one zeroed counter a row) scans the row's counts. Any other row takes one program, which
+// scans the row's wire block counts.
+template <int TILE, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    starts(const i64* table, const i64* firsts, i64 boxes, int* counts, i64* starts, int* flags, int* guard,
+           unsigned long long* done) {
+  __shared__ int partial[WARPS];
+  __shared__ bool last;
+  i64 t;
+  const i64 box = find_box(firsts, boxes, &t);
+  const i64* row = table + box * RECV_COLUMNS;
+  const i64 first = row[RECV_FIRST], m = row[RECV_M];
+  const int* wire = reinterpret_cast<const int*>(row[RECV_COUNTS]);
+  if (!wire) {
+    int stray;
+    const int marks = tile_marks<TILE, WARPS>(row, t, partial, &stray);
+    if (threadIdx.x == 0) {
+      counts[first + t] = marks;
+      raise_flag(row, flags, guard, stray);
+      __threadfence();  // the count is seen before the row's counter moves
+      last = atomicAdd(done + box, 1ull) == (unsigned long long)(m - 1);
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+  }
+  scan_row<WARPS>(row, wire ? wire : counts + first, starts + first, m, partial, flags, guard);
+}

@@ -239,11 +239,12 @@ def test_a_bucket_of_mixed_widths_and_encodings_round_trips_and_names_its_one_ba
 
 
 def test_launches_on_the_vectorized_path_take_the_cuda_kernels(sparse_kernels, monkeypatch):
-    """A 10% bitmap box, contiguous: its `diff`, `compact` and `expand` run in CUDA unless Triton is
-    asked for; a strided box of the same density stays on Triton either way."""
+    """A 10% bitmap box, contiguous: its `diff`, `compact`, `starts` (the receiver's checks) and
+    `expand` run in CUDA unless Triton is asked for; a strided box of the same density stays on
+    Triton either way, but for the checks, which do not touch the destination."""
     launched = []
     original = sparse_cuda._launch
-    spy = lambda kernel, *args: launched.append(kernel) or original(kernel, *args)  # noqa: E731
+    spy = lambda kernel, *args: launched.append(kernel.split("<")[0]) or original(kernel, *args)  # noqa: E731
     monkeypatch.setattr(sparse_cuda, "_launch", spy)
     for strided in (False, True):
         cur, base = _pair(64, 4096, 0.1, torch.bfloat16, 7)
@@ -256,7 +257,7 @@ def test_launches_on_the_vectorized_path_take_the_cuda_kernels(sparse_kernels, m
         live = _strided(base)[0] if strided else base.clone()
         assert torch.equal(payload, ref) and _receive(BITMAP, k, cur.numel(), torch.bfloat16, payload, live)
         assert torch.equal(_bits(live), _bits(cur))
-    assert launched == (["diff", "compact", "expand"] if sparse_kernels == "cuda" else [])
+    assert launched == (["diff", "compact", "starts", "expand", "starts"] if sparse_kernels == "cuda" else [])
 
 
 ODD = 3 * 16_384 + 8_191
@@ -322,3 +323,38 @@ def test_a_round_trip_on_a_side_stream_queues_every_launch_behind_that_streams_w
     torch.cuda.current_stream().wait_stream(side)
     assert found.counts == [k] and torch.equal(payload, ref)
     assert torch.equal(_bits(baseline), _bits(cur)) and torch.equal(_bits(live), _bits(cur))
+
+
+@pytest.mark.parametrize("corrupt", [None, "first tile", "last tile", "block count"])
+def test_boxes_of_many_tiles_and_blocks_are_checked_whole_before_any_write(corrupt):
+    """A bitmap box of 131 tiles and a blocked box of 141 blocks in one bucket: more counts than the
+    checks scan in one pass (128), and every tile counted by another program. Intact, both land bit
+    for bit; with one bit of the bitmap cleared, or the last block's count raised by one (so either
+    box's counts no longer add up to its k), that box alone is named and nothing is written."""
+    shapes = [(1, 130 * 16_384 + 77, BITMAP, 0.1), (1, 140 * 65_536 + 5, BLOCKED, 0.002)]
+    pairs = [_pair(rows, cols, density, torch.bfloat16, 31 + i) for i, (rows, cols, _, density) in enumerate(shapes)]
+    found = sparse_codec.BucketChanges(
+        [(c, b.clone()) for c, b in pairs], [(i, (0, 0), s[:2]) for i, s in enumerate(shapes)]
+    )
+    payloads = []
+    for i, ((cur, _), (_, _, code, _)) in enumerate(zip(pairs, shapes)):
+        payloads.append(
+            torch.zeros(encoded_nbytes(code, cur.numel(), found.counts[i], 2), dtype=torch.uint8, device="cuda")
+        )
+        found.encode(i, code, payloads[-1])
+    found.finish()
+    bitmap = payloads[0][: -(-pairs[0][0].numel() // 8)]
+    if corrupt in ("first tile", "last tile"):
+        marked = torch.nonzero(bitmap).reshape(-1)
+        byte = int(marked[0] if corrupt == "first tile" else marked[-1])
+        bitmap[byte] &= bitmap[byte] - 1  # its lowest set bit cleared
+    if corrupt == "block count":
+        payloads[1][: 4 * 141].view(torch.int32)[140] += 1
+    received = sparse_codec.BucketReceiver(torch.device("cuda"), 2)
+    lives = [base.clone() for _, base in pairs]
+    for i, ((cur, _), (_, _, code, _)) in enumerate(zip(pairs, shapes)):
+        received.add(i, code, found.counts[i], cur.numel(), torch.bfloat16, payloads[i], lives[i])
+    expected = {None: [], "first tile": [0], "last tile": [0], "block count": [1]}[corrupt]
+    assert received.commit() == expected
+    wanted = [base for _, base in pairs] if expected else [cur for cur, _ in pairs]
+    assert all(torch.equal(_bits(live), _bits(w)) for live, w in zip(lives, wanted))
