@@ -272,6 +272,10 @@ def disjoint(spans: list[tuple[int, int]]) -> bool:
     return all(end <= start for (_, end), (start, _) in itertools.pairwise(ordered))
 
 
+_NO_LAUNCH = (slice(0, 0), 0)
+"""(program starts, programs) of a launch without rows: not uploaded, not launched."""
+
+
 class FusedReceiver:
     """The fused boxes one rank receives in a bucket: validated, then written, each step one
     launch per kind (and per key and density class, for the writes).
@@ -341,15 +345,19 @@ class FusedReceiver:
             return
         up, boxes = kernels.Upload(), len(self._rows)
         table = up.add_rows(row for *_, row in self._rows)
+        present = {(c, k, d) for c, k, d, _, _ in self._rows}  # the launches with programs
+        codes = {c for c, _, _ in present}
         if self._cuda:  # a bitmap row: a program a tile; any other, one
             counting = self._upload_starts(up, [m if c == BITMAP else 1 for c, _, _, m, _ in self._rows])
             done = up.add(itertools.repeat(0, boxes))
         else:
-            bitmaps = self._firsts(up, BITMAP)
-        blocked = self._firsts(up, BLOCKED)
-        for key in sorted({k for _, k, _, _, _ in self._rows}):
-            expands = [(d, *self._firsts(up, BITMAP, key, d)) for d in range(len(kernels.EXPAND_WARPS))]
-            self._writes.append((key, expands, self._firsts(up, BLOCKED, key)))
+            bitmaps = self._firsts(up, BITMAP) if BITMAP in codes else _NO_LAUNCH
+        blocked = self._firsts(up, BLOCKED) if BLOCKED in codes else _NO_LAUNCH
+        for key in sorted({k for _, k, _ in present}):
+            densities = sorted(d for c, k, d in present if (c, k) == (BITMAP, key))
+            expands = [(d, *self._firsts(up, BITMAP, key, d)) for d in densities]
+            applies = any((c, k) == (BLOCKED, key) for c, k, _ in present)
+            self._writes.append((key, expands, self._firsts(up, BLOCKED, key) if applies else _NO_LAUNCH))
         self._dev = dev = up.send(self.device)
         self._table = dev[table]
         counts = torch.empty(self._entries, dtype=torch.int32, device=self.device)
