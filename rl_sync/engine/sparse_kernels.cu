@@ -342,19 +342,26 @@ __device__ __forceinline__ void raise_flag(const i64* row, int* flags, int* guar
   atomicMax(guard, 1);
 }
 
-// Tile `t` of a bitmap RECV row: its marks below `n` (words wholly past `n` are not read), and
-// whether a bit of the wire bitmap's last byte past `n` is set (`*stray`), summed over the block.
+// Tile `t` of a bitmap RECV row: its marks below `n`, and whether a bit of the wire bitmap's last
+// byte past `n` is set (`*stray`), summed over the block. Each thread reads 16 bytes of words at a
+// time; a run that starts below `n` ends inside the payload (its bitmap is padded to 16 bytes), and
+// its words wholly past `n` count nothing.
 template <int TILE, int WARPS>
 __device__ __forceinline__ int tile_marks(const i64* row, i64 t, int* partial, int* stray) {
   const i64 n = row[RECV_N], start = t * TILE;
   const int left = (int)(n - start < TILE ? n - start : TILE), pad = (int)((n + 7) / 8 * 8 - n);
-  const u32* words = reinterpret_cast<const u32*>(row[RECV_WORDS]) + t * (TILE / 32);
+  const uint4* runs = reinterpret_cast<const uint4*>(row[RECV_WORDS]) + t * (TILE / 128);
   int marks = 0, odd = 0;
-  for (int i = threadIdx.x; i * 32 < left; i += WARPS * 32) {
-    const u32 w = words[i];
-    const int rest = left - i * 32, wire = rest + pad;
-    marks += __popc(rest >= 32 ? w : w & ((1u << rest) - 1u));
-    if (rest < 32) odd |= (w & ~((1u << rest) - 1u) & (wire >= 32 ? ~0u : (1u << wire) - 1u)) != 0;
+  for (int q = threadIdx.x; q * 128 < left; q += WARPS * 32) {
+    const uint4 run = runs[q];
+    const u32 words[4] = {run.x, run.y, run.z, run.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      const int rest = left - (4 * q + j) * 32, wire = rest + pad;
+      if (rest <= 0) break;
+      marks += __popc(rest >= 32 ? words[j] : words[j] & ((1u << rest) - 1u));
+      if (rest < 32) odd |= (words[j] & ~((1u << rest) - 1u) & (wire >= 32 ? ~0u : (1u << wire) - 1u)) != 0;
+    }
   }
   *stray = __syncthreads_or(odd);
   marks = warp_sum(marks);
@@ -366,27 +373,38 @@ __device__ __forceinline__ int tile_marks(const i64* row, i64 t, int* partial, i
 }
 
 // `out[i]` = the exclusive prefix sums of `source[0 .. m)`, each clamped to the row's limit; the
-// row's flag when a count is out of range or they do not add up to its `k`.
-template <int WARPS>
+// row's flag when a count is out of range or they do not add up to its `k`. Each thread takes
+// `ITEMS` consecutive counts a pass, all loaded before any is added.
+template <int WARPS, int ITEMS>
 __device__ __forceinline__ void scan_row(const i64* row, const int* source, i64* out, i64 m, int* partial,
                                          int* flags, int* guard) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, limit = (int)row[RECV_LIMIT];
   i64 carry = 0;
   int wrong = 0;
-  for (i64 c = 0; c < m; c += WARPS * 32) {
-    const i64 i = c + threadIdx.x;
-    int x = i < m ? __ldcg(source + i) : 0;  // (past L1: other programs wrote the counts)
-    wrong |= x < 0 || x > limit;
-    x = min(max(x, 0), limit);
-    const int through = warp_inclusive_scan(x, lane);
+  for (i64 c = 0; c < m; c += WARPS * 32 * ITEMS) {
+    const i64 first = c + threadIdx.x * ITEMS;
+    int x[ITEMS], own = 0;
+#pragma unroll
+    for (int j = 0; j < ITEMS; j++) x[j] = first + j < m ? __ldcg(source + first + j) : 0;  // (past L1)
+#pragma unroll
+    for (int j = 0; j < ITEMS; j++) {
+      wrong |= x[j] < 0 || x[j] > limit;
+      x[j] = min(max(x[j], 0), limit);
+      own += x[j];
+    }
+    const int through = warp_inclusive_scan(own, lane);
     if (lane == 31) partial[warp] = through;
     __syncthreads();
-    i64 before = 0, total = 0;
-    for (int j = 0; j < WARPS; j++) {
-      before += j < warp ? partial[j] : 0;
-      total += partial[j];
+    i64 at = carry + through - own, total = 0;
+    for (int w = 0; w < WARPS; w++) {
+      at += w < warp ? partial[w] : 0;
+      total += partial[w];
     }
-    if (i < m) out[i] = carry + before + through - x;
+#pragma unroll
+    for (int j = 0; j < ITEMS; j++) {
+      if (first + j < m) out[first + j] = at;
+      at += x[j];
+    }
     carry += total;
     __syncthreads();
   }
@@ -425,5 +443,5 @@ __global__ void __launch_bounds__(WARPS * 32)
     if (!last) return;
     __threadfence();
   }
-  scan_row<WARPS>(row, wire ? wire : counts + first, starts + first, m, partial, flags, guard);
+  scan_row<WARPS, 8>(row, wire ? wire : counts + first, starts + first, m, partial, flags, guard);
 }

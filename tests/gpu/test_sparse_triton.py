@@ -327,19 +327,19 @@ def test_a_round_trip_on_a_side_stream_queues_every_launch_behind_that_streams_w
 
 @pytest.mark.parametrize("corrupt", [None, "first tile", "last tile", "block count"])
 def test_boxes_of_many_tiles_and_blocks_are_checked_whole_before_any_write(corrupt):
-    """A bitmap box of 131 tiles and a blocked box of 141 blocks in one bucket: more counts than the
-    checks scan in one pass (128), and every tile counted by another program. Intact, both land bit
-    for bit; with one bit of the bitmap cleared, or the last block's count raised by one (so either
+    """A bitmap box of 1,031 tiles and a blocked box of 1,031 blocks (bytes) in one bucket: more counts
+    than the checks scan in one pass (1,024), every tile counted by another program. Intact, both land
+    bit for bit; with one bit of the bitmap cleared, or the last block's count raised by one (so either
     box's counts no longer add up to its k), that box alone is named and nothing is written."""
-    shapes = [(1, 130 * 16_384 + 77, BITMAP, 0.1), (1, 140 * 65_536 + 5, BLOCKED, 0.002)]
-    pairs = [_pair(rows, cols, density, torch.bfloat16, 31 + i) for i, (rows, cols, _, density) in enumerate(shapes)]
+    shapes = [(1, 1030 * 16_384 + 77, BITMAP, 0.1), (1, 1030 * 65_536 + 5, BLOCKED, 0.002)]
+    pairs = [_pair(rows, cols, density, torch.uint8, 31 + i) for i, (rows, cols, _, density) in enumerate(shapes)]
     found = sparse_codec.BucketChanges(
         [(c, b.clone()) for c, b in pairs], [(i, (0, 0), s[:2]) for i, s in enumerate(shapes)]
     )
     payloads = []
     for i, ((cur, _), (_, _, code, _)) in enumerate(zip(pairs, shapes)):
         payloads.append(
-            torch.zeros(encoded_nbytes(code, cur.numel(), found.counts[i], 2), dtype=torch.uint8, device="cuda")
+            torch.zeros(encoded_nbytes(code, cur.numel(), found.counts[i], 1), dtype=torch.uint8, device="cuda")
         )
         found.encode(i, code, payloads[-1])
     found.finish()
@@ -349,11 +349,11 @@ def test_boxes_of_many_tiles_and_blocks_are_checked_whole_before_any_write(corru
         byte = int(marked[0] if corrupt == "first tile" else marked[-1])
         bitmap[byte] &= bitmap[byte] - 1  # its lowest set bit cleared
     if corrupt == "block count":
-        payloads[1][: 4 * 141].view(torch.int32)[140] += 1
+        payloads[1][: 4 * 1031].view(torch.int32)[1030] += 1
     received = sparse_codec.BucketReceiver(torch.device("cuda"), 2)
     lives = [base.clone() for _, base in pairs]
     for i, ((cur, _), (_, _, code, _)) in enumerate(zip(pairs, shapes)):
-        received.add(i, code, found.counts[i], cur.numel(), torch.bfloat16, payloads[i], lives[i])
+        received.add(i, code, found.counts[i], cur.numel(), torch.uint8, payloads[i], lives[i])
     expected = {None: [], "first tile": [0], "last tile": [0], "block count": [1]}[corrupt]
     assert received.commit() == expected
     wanted = [base for _, base in pairs] if expected else [cur for cur, _ in pairs]
