@@ -42,7 +42,9 @@ WARPS = {
 thread in registers; `expand` stages 1,024 values a warp in shared memory, so wider elements take
 fewer warps)."""
 STARTS_WARPS = 4
-"""Warps a program of `starts` (a bitmap tile is 512 words: 4 a thread)."""
+"""Warps a program of `starts` (a bitmap tile is 512 words: 16 bytes of them a thread). On an H200,
+1 GiB of bf16 at 10%: 0.061 ms, against 0.059 and 0.058 ms with 2 and 1 warps, and Triton's 0.058 +
+0.011 ms for `bitmap_counts` and `scan`; the launch it saves is the point."""
 _ENV = "RL_SYNC_SPARSE_KERNELS"
 
 

@@ -116,3 +116,40 @@ def test_a_bucket_geometry_records_which_diff_it_cuts_its_tiles_for(monkeypatch)
     tiles = kernels.tiles(40_000)
     assert programs[True] == {True: 2 * tiles * sparse_cuda.DIFF_PARTS, False: kernels.tiles(20_000) * 8}
     assert programs[False] == {True: 2 * tiles * kernels.DIFF_PARTS, False: kernels.tiles(20_000) * 8}
+
+
+def test_a_receiver_checks_every_row_in_one_cuda_launch_or_in_tritons_two(monkeypatch):
+    """With the CUDA kernels, one `starts` launch: a program a tile for each bitmap row, one for each
+    blocked row, and a zeroed counter a row; with Triton's, `bitmap_counts` then `scan`. Blocked rows
+    are checked for order either way, and the writes follow the checks."""
+    from rl_sync.engine import sparse_cuda
+    from rl_sync.engine import sparse_triton as kernels
+    from rl_sync.sparse.encodings import BITMAP, BLOCKED, encoded_nbytes
+
+    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
+    boxes = [(BITMAP, 40_000), (BLOCKED, 70_000), (BITMAP, 20_000)]
+    launched = []
+
+    def spy(name):
+        return lambda *args: launched.append((name, args))
+
+    for module, name in [(sparse_cuda, "starts"), (sparse_cuda, "expand"), (kernels, "expand")] + [
+        (kernels, name) for name in ("bitmap_counts", "scan", "blocked_check", "blocked_apply")
+    ]:
+        monkeypatch.setattr(module, name, spy(name))
+    for cuda in (True, False):
+        monkeypatch.setattr(sparse_cuda, "usable", lambda device, cuda=cuda: cuda)
+        launched.clear()
+        received = sparse_codec.BucketReceiver(torch.device("cpu"), len(boxes))
+        for slot, (code, n) in enumerate(boxes):
+            payload = torch.zeros(encoded_nbytes(code, n, 5, 2), dtype=torch.uint8)
+            received.add(slot, code, 5, n, torch.bfloat16, payload, torch.zeros(n, dtype=torch.bfloat16))
+        assert received.commit() == []
+        names = [name for name, _ in launched]
+        checks = ["starts"] if cuda else ["bitmap_counts", "scan"]
+        assert names == [*checks, "blocked_check", "expand", "blocked_apply"], cuda
+        if cuda:
+            _, firsts, rows, programs, counts, starts, *_, done = launched[0][1]
+            tiles = [kernels.tiles(40_000), 1, kernels.tiles(20_000)]
+            assert (firsts.tolist(), rows, programs) == ([0, tiles[0], tiles[0] + 1, sum(tiles)], 3, sum(tiles))
+            assert done.tolist() == [0, 0, 0] and counts.numel() == starts.numel() == tiles[0] + 2 + tiles[2]
