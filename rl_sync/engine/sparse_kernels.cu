@@ -135,6 +135,27 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 }
 
+// Staged value `s` (and its index or in-block offset, as `KIND` says) to payload position `p`.
+template <typename VT, int KIND>
+__device__ __forceinline__ void put(VT* values, void* index, i64 p, const VT* staged, const int* staged_at, int s) {
+  values[p] = staged[s];
+  if (KIND == INT32_INDEX) reinterpret_cast<int*>(index)[p] = staged_at[s];
+  if (KIND == UINT16_OFFSET) reinterpret_cast<short*>(index)[p] = (short)staged_at[s];
+}
+
+// The marked elements of a lane (`mine`, `EPL` bits) into `out`, from staged value `at` on (payload
+// position `pos + at`); positions at or past `k` are not read.
+template <typename VT, int EPL>
+__device__ __forceinline__ void merge(VT* out, u32 mine, int at, i64 pos, i64 k, const VT* staged) {
+#pragma unroll
+  for (int j = 0; j < EPL; j++) {
+    if ((mine >> j) & 1u) {
+      if (pos + at < k) out[j] = staged[at];
+      at++;
+    }
+  }
+}
+
 // One tile of a SEND row from its payload position `pos` on. Template arguments, so that each loop
 // carries only its own work: `KIND`, the row's index kind (-1: the baseline only, no values), and
 // `WHOLE`, the tile is whole (a fixed trip count, unrolled, so that the next steps' loads are in
@@ -149,8 +170,7 @@ __device__ __forceinline__ void compact_tile(const i64* row, VT* anchor, const u
   const VT* cur = anchor + row[SEND_CUR] + start;
   VT* base = anchor + row[SEND_BASE] + start;
   VT* values = anchor + row[SEND_VALUES];
-  int* int32_index = reinterpret_cast<int*>(row[SEND_INDEX]);
-  short* uint16_offset = reinterpret_cast<short*>(row[SEND_INDEX]);
+  void* index = reinterpret_cast<void*>(row[SEND_INDEX]);
   int fill = 0;
 #pragma unroll 8
   for (int s = 0; s < SPAN / STEP; s++) {
@@ -186,12 +206,7 @@ __device__ __forceinline__ void compact_tile(const i64* row, VT* anchor, const u
     fill += __shfl_sync(FULL_MASK, through, 31);
     __syncwarp();
     const int whole = fill >> 5, rest = fill & 31;
-    for (int g = 0; g < whole; g++) {
-      const i64 p = pos + g * 32 + lane;
-      values[p] = staged[g * 32 + lane];
-      if (KIND == INT32_INDEX) int32_index[p] = staged_at[g * 32 + lane];
-      if (KIND == UINT16_OFFSET) uint16_offset[p] = (short)staged_at[g * 32 + lane];
-    }
+    for (int g = 0; g < whole; g++) put<VT, KIND>(values, index, pos + g * 32 + lane, staged, staged_at, g * 32 + lane);
     pos += whole * 32;
     const VT keep = lane < rest ? staged[whole * 32 + lane] : VT(0);
     const int keep_at = KIND > 0 && lane < rest ? staged_at[whole * 32 + lane] : 0;
@@ -203,11 +218,7 @@ __device__ __forceinline__ void compact_tile(const i64* row, VT* anchor, const u
     __syncwarp();
     fill = rest;
   }
-  if (KIND >= 0 && lane < fill) {
-    values[pos + lane] = staged[lane];
-    if (KIND == INT32_INDEX) int32_index[pos + lane] = staged_at[lane];
-    if (KIND == UINT16_OFFSET) uint16_offset[pos + lane] = (short)staged_at[lane];
-  }
+  if (KIND >= 0 && lane < fill) put<VT, KIND>(values, index, pos + lane, staged, staged_at, lane);
 }
 
 template <typename VT, int TILE, int WARPS, int KIND>
@@ -289,22 +300,10 @@ __device__ __forceinline__ void expand_tile(const i64* row, VT* anchor, const u3
       if (WHOLE || e + off + EPL <= left) {
         Lane<VT> x;
         x.vec = *reinterpret_cast<const uint4*>(d);
-#pragma unroll
-        for (int j = 0; j < EPL; j++) {
-          if ((mine >> j) & 1u) {
-            if (pos + at < k) x.el[j] = staged[at];
-            at++;
-          }
-        }
+        merge<VT, EPL>(x.el, mine, at, pos, k, staged);
         *reinterpret_cast<uint4*>(d) = x.vec;
       } else {
-#pragma unroll
-        for (int j = 0; j < EPL; j++) {
-          if ((mine >> j) & 1u) {
-            if (pos + at < k) d[j] = staged[at];
-            at++;
-          }
-        }
+        merge<VT, EPL>(d, mine, at, pos, k, staged);  // element by element: the lane reaches past the box
       }
     }
     pos += total;
