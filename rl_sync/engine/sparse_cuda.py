@@ -75,6 +75,11 @@ def _source_compiles(device: int) -> bool:
     return True
 
 
+def _options() -> tuple[str, ...]:
+    """The NVRTC options the file is compiled with (the architecture is the device's)."""
+    return ("-std=c++17", *_macros())
+
+
 def _macros() -> tuple[str, ...]:
     """The table columns and constants the source reads, from their Python definitions."""
     names = [name for name in dir(kernels) if name.startswith(("SEND_", "RECV_"))]
@@ -109,7 +114,7 @@ def _functions(device: int) -> dict[str, Any]:
     names = _names()
     source = _source()
     with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=source, options=("-std=c++17", *_macros()), name_expressions=names)
+        module = cupy.RawModule(code=source, options=_options(), name_expressions=names)
         return {name: module.get_function(name) for name in names}
 
 

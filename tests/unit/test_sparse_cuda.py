@@ -60,3 +60,28 @@ def test_a_source_that_does_not_compile_warns_once_and_leaves_triton_in_place(mo
         assert again == []  # the outcome is kept: no second compile, no second warning
     finally:
         sparse_cuda._source_compiles.cache_clear()
+
+
+def test_the_cuda_source_compiles_for_an_h200_without_a_warning_and_names_every_kernel():
+    """NVRTC (the `nvrtc` extra) builds the file as `sparse_cuda` does, for sm_90, on this machine:
+    a kernel that no longer compiles, or a template `sparse_cuda` names that the file lacks, fails
+    here rather than on the first GPU that runs it."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    try:
+        created, program = nvrtc.nvrtcCreateProgram(sparse_cuda._source().encode(), b"sparse_kernels.cu", 0, [], [])
+    except RuntimeError as error:  # the bindings, but no NVRTC library to load
+        pytest.skip(f"NVRTC is not installed: {error}")
+    assert created == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    names = sparse_cuda._names()
+    for name in names:
+        assert nvrtc.nvrtcAddNameExpression(program, name.encode()) == (nvrtc.nvrtcResult.NVRTC_SUCCESS,)
+    options = [option.encode() for option in (*sparse_cuda._options(), "-arch=sm_90")]
+    (compiled,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+    _, size = nvrtc.nvrtcGetProgramLogSize(program)
+    log = b" " * size
+    nvrtc.nvrtcGetProgramLog(program, log)
+    assert (compiled, log.rstrip(b"\0").strip().decode()) == (nvrtc.nvrtcResult.NVRTC_SUCCESS, "")
+    lowered = [nvrtc.nvrtcGetLoweredName(program, name.encode()) for name in names]
+    assert all(result == nvrtc.nvrtcResult.NVRTC_SUCCESS and symbol for result, symbol in lowered)
+    assert len({symbol for _, symbol in lowered}) == len(names) == 4 * 3 + 1  # diff, compact, expand a width; starts
+    nvrtc.nvrtcDestroyProgram(program)
