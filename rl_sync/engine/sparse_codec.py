@@ -347,7 +347,7 @@ class BucketReceiver:
     malformed; when it is empty every box was written, otherwise none was.
 
     Bitmap and blocked payloads bound for a CUDA view of the wire dtype are validated by the
-    Triton kernels (`sparse_fused.FusedReceiver`), every such box of the bucket in the same
+    fused kernels (`sparse_fused.FusedReceiver`), every such box of the bucket in the same
     launches, and written likewise; the rest `decode` and `apply`. A malformed box raises its
     flag and the bucket's guard (the last flag) on the device, and the fused writes, queued right
     behind the checks, write nothing while the guard is raised; so `commit` reads the flags once

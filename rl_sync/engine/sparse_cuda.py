@@ -2,12 +2,14 @@
 whose boxes are all on the vectorized path: drop-in replacements of `sparse_triton.diff`,
 `sparse_triton.compact` and `sparse_triton.expand` (the same arguments, tables and results, bit
 for bit). On an H200, 1 GiB of bf16 at 10% density: `diff` 0.52 against 0.66 ms, `compact` 0.66
-against 0.92 ms, `expand` 0.65 against 0.85 ms (`docs/benchmarks.md`).
+against 0.92 ms, `expand` 0.65 against 0.85 ms (`docs/benchmarks.md`). And `starts`: a receiver's
+checks of every row, bitmap or blocked, strided or not, in one launch where Triton takes two
+(`sparse_triton.bitmap_counts`, then `sparse_triton.scan`).
 
-`sparse_fused` sends a launch here when its key is on the vectorized path, it is a `diff` or its
-density class is busy or busier, and `usable(device)` (asked once per sender or receiver); every
-other launch, and every launch where CuPy is missing (the `cuda12` / `cuda13` extras) or
-`RL_SYNC_SPARSE_KERNELS=triton` is set, takes the Triton kernels. The file is compiled once per
+`sparse_fused` sends a launch here when `usable(device)` (asked once per sender or receiver) and,
+but for `starts`, its key is on the vectorized path and it is a `diff` or its density class is
+busy or busier; every other launch, and every launch where CuPy is missing (the `cuda12` /
+`cuda13` extras) or `RL_SYNC_SPARSE_KERNELS=triton` is set, takes the Triton kernels. The file is compiled once per
 process and device by NVRTC through CuPy, with the table columns passed as macros, and the
 kernels run on torch's current stream, so they queue behind and ahead of the Triton launches of
 the same bucket with no synchronization in between.
@@ -42,9 +44,10 @@ WARPS = {
 thread in registers; `expand` stages 1,024 values a warp in shared memory, so wider elements take
 fewer warps)."""
 STARTS_WARPS = 4
-"""Warps a program of `starts` (a bitmap tile is 512 words: 16 bytes of them a thread). On an H200,
-1 GiB of bf16 at 10%: 0.061 ms, against 0.059 and 0.058 ms with 2 and 1 warps, and Triton's 0.058 +
-0.011 ms for `bitmap_counts` and `scan`; the launch it saves is the point."""
+"""Warps a program of `starts` (a bitmap tile is 512 words, 128 runs of 16 bytes: one a thread). On
+an H200, 1 GiB of bf16 at 10%: 0.061 ms, and 0.059 / 0.058 ms with 2 / 1 warps, within the spread
+of one run to the next; 4 is what the GPU tests ran. Triton's `bitmap_counts` and `scan` take
+0.058 + 0.011 ms: the launch `starts` saves is the point."""
 _ENV = "RL_SYNC_SPARSE_KERNELS"
 
 

@@ -1,6 +1,7 @@
 """The fused sparse codec's host side: box tables for the Triton kernels (`sparse_triton`) and the
-CUDA ones that replace `diff` and the busy `compact` and `expand` where CuPy is installed
-(`sparse_cuda`), one upload per step, and a bucket's counts read back in one transfer.
+CUDA ones that replace `diff`, the busy `compact` and `expand` and the receiver's checks where
+CuPy is installed (`sparse_cuda`), one upload per step, and a bucket's counts read back in one
+transfer.
 
 `FusedSender` finds and encodes the CUDA boxes one rank sends in a bucket, `FusedReceiver`
 validates and writes the CUDA boxes it receives; `sparse_codec.BucketChanges` and

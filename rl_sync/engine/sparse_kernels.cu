@@ -1,8 +1,9 @@
 // The sparse codec's `diff` and busy `compact` and `expand` in CUDA: the same box tables, tiles,
 // bitmap words and payload positions as their Triton versions (`sparse_triton.py`), for launches
-// whose boxes are all on the vectorized path (contiguous, 16-byte aligned). `sparse_cuda.py`
-// compiles this file with NVRTC (through CuPy) and passes the table columns and `BLOCK` as -D
-// macros, so Python stays their one definition.
+// whose boxes are all on the vectorized path (contiguous, 16-byte aligned); and `starts`, the
+// receiver's checks of every row (Triton's `bitmap_counts` then `scan`, in one launch).
+// `sparse_cuda.py` compiles this file with NVRTC (through CuPy) and passes the table columns and
+// `BLOCK` as -D macros, so Python stays their one definition.
 //
 // `compact` and `expand` work a warp at a time on 16 bytes a lane: each lane reads (or
 // read-merge-writes) 16 bytes and takes its marks from the bitmap word they fall in; a warp-wide
@@ -413,14 +414,14 @@ __device__ __forceinline__ void scan_row(const i64* row, const int* source, i64*
 
 }  // namespace
 
-// `sparse_triton.bitmap_counts` and `sparse_triton.scan` in one launch: each RECV row's `starts`
-// (at its first slot) and its checks. A bitmap row takes one program a tile, which counts the
+// `sparse_triton.bitmap_counts` and `sparse_triton.scan` in one launch: each RECV row's payload
+// positions (`positions`, Triton's `starts`, at its first slot) and its checks. A bitmap row takes one program a tile, which counts the
 // tile's marks into `counts` and flags stray bits past `n`; the row's last program to finish (by
 // `done`, one zeroed counter a row) scans the row's counts. Any other row takes one program, which
 // scans the row's wire block counts.
 template <int TILE, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
-    starts(const i64* table, const i64* firsts, i64 boxes, int* counts, i64* starts, int* flags, int* guard,
+    starts(const i64* table, const i64* firsts, i64 boxes, int* counts, i64* positions, int* flags, int* guard,
            unsigned long long* done) {
   __shared__ int partial[WARPS];
   __shared__ bool last;
@@ -442,5 +443,5 @@ __global__ void __launch_bounds__(WARPS * 32)
     if (!last) return;
     __threadfence();
   }
-  scan_row<WARPS, 8>(row, wire ? wire : counts + first, starts + first, m, partial, flags, guard);
+  scan_row<WARPS, 8>(row, wire ? wire : counts + first, positions + first, m, partial, flags, guard);
 }

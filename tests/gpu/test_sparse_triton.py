@@ -325,12 +325,13 @@ def test_a_round_trip_on_a_side_stream_queues_every_launch_behind_that_streams_w
     assert torch.equal(_bits(baseline), _bits(cur)) and torch.equal(_bits(live), _bits(cur))
 
 
-@pytest.mark.parametrize("corrupt", [None, "first tile", "last tile", "block count"])
+@pytest.mark.parametrize("corrupt", [None, "first tile", "last tile", "stray bit", "block count"])
 def test_boxes_of_many_tiles_and_blocks_are_checked_whole_before_any_write(corrupt):
     """A bitmap box of 1,031 tiles and a blocked box of 1,031 blocks (bytes) in one bucket: more counts
     than the checks scan in one pass (1,024), every tile counted by another program. Intact, both land
     bit for bit; with one bit of the bitmap cleared, or the last block's count raised by one (so either
-    box's counts no longer add up to its k), that box alone is named and nothing is written."""
+    box's counts no longer add up to its k), or a bit set past n in the bitmap's last byte (in the box's
+    partial last tile), that box alone is named and nothing is written."""
     shapes = [(1, 1030 * 16_384 + 77, BITMAP, 0.1), (1, 1030 * 65_536 + 5, BLOCKED, 0.002)]
     pairs = [_pair(rows, cols, density, torch.uint8, 31 + i) for i, (rows, cols, _, density) in enumerate(shapes)]
     found = sparse_codec.BucketChanges(
@@ -348,13 +349,15 @@ def test_boxes_of_many_tiles_and_blocks_are_checked_whole_before_any_write(corru
         marked = torch.nonzero(bitmap).reshape(-1)
         byte = int(marked[0] if corrupt == "first tile" else marked[-1])
         bitmap[byte] &= bitmap[byte] - 1  # its lowest set bit cleared
+    if corrupt == "stray bit":  # n is 5 past a multiple of 8: bits 5-7 of the last byte lie past it
+        bitmap[-1] |= 0x80
     if corrupt == "block count":
         payloads[1][: 4 * 1031].view(torch.int32)[1030] += 1
     received = sparse_codec.BucketReceiver(torch.device("cuda"), 2)
     lives = [base.clone() for _, base in pairs]
     for i, ((cur, _), (_, _, code, _)) in enumerate(zip(pairs, shapes)):
         received.add(i, code, found.counts[i], cur.numel(), torch.uint8, payloads[i], lives[i])
-    expected = {None: [], "first tile": [0], "last tile": [0], "block count": [1]}[corrupt]
+    expected = {None: [], "first tile": [0], "last tile": [0], "stray bit": [0], "block count": [1]}[corrupt]
     assert received.commit() == expected
     wanted = [base for _, base in pairs] if expected else [cur for cur, _ in pairs]
     assert all(torch.equal(_bits(live), _bits(w)) for live, w in zip(lives, wanted))
