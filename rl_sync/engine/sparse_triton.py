@@ -176,10 +176,16 @@ def _index(device: torch.device) -> int:
 def element_offset(address: int, on: torch.Tensor, width: int) -> int:
     """Where the element of `width` bytes at `address` (on the device of `on`) is, in elements
     from its width's anchor; the address must be a whole number of elements from it."""
-    base = _ANCHOR_ADDRESSES.get((on.get_device(), width))
+    return _from(_anchor_address(on.get_device(), width), address, width)
+
+
+def _anchor_address(device: int, width: int) -> int:
+    """The address of `anchor(·, width)` on the device numbered `device` as `Tensor.get_device`
+    numbers it (-1: the CPU)."""
+    base = _ANCHOR_ADDRESSES.get((device, width))
     if base is None:
-        base = anchor(on.device, width).data_ptr()
-    return _from(base, address, width)
+        base = anchor(torch.device("cpu") if device < 0 else torch.device("cuda", device), width).data_ptr()
+    return base
 
 
 def _from(base: int, address: int, width: int) -> int:
@@ -192,15 +198,15 @@ def _from(base: int, address: int, width: int) -> int:
 
 def as_2d(view: torch.Tensor) -> Strided2D | None:
     """`view`'s elements as a `Strided2D`, or None when its dims do not merge into two."""
-    return _strided(view.data_ptr(), tuple(view.shape), view.stride(), view.element_size(), view.device)
+    return _strided(view.data_ptr(), view.shape, view.stride(), view.element_size(), view.get_device())
 
 
 @functools.lru_cache(maxsize=4096)
 def _strided(
-    address: int, shape: tuple[int, ...], strides: tuple[int, ...], width: int, device: torch.device
+    address: int, shape: tuple[int, ...], strides: tuple[int, ...], width: int, device: int
 ) -> Strided2D | None:
-    """`as_2d` of the view at `address` (a pure function of its arguments, kept for the views a
-    round finds again every step)."""
+    """`as_2d` of the view at `address` on the device numbered `device` (`Tensor.get_device`): a
+    pure function of its arguments, kept for the views a round finds again every step."""
     dims = [(size, stride) for size, stride in zip(shape, strides) if size != 1]
     merged: list[tuple[int, int]] = []
     for size, stride in dims:
@@ -214,7 +220,7 @@ def _strided(
     (rows, row_stride), (cols, col_stride) = merged
     if rows == 1:
         row_stride = cols * col_stride
-    base = anchor(device, width).data_ptr()
+    base = _anchor_address(device, width)
     return Strided2D(_from(base, address, width), cols, row_stride, col_stride, address % 16 == 0)
 
 

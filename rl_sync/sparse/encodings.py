@@ -27,7 +27,7 @@ MAX_INDEX = 2**31 - 1
 
 
 def _up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+    return (n + ALIGN - 1) & -ALIGN  # (ALIGN a power of two)
 
 
 @dataclass(frozen=True)
