@@ -236,17 +236,18 @@ def starts(
     boxes: int,
     total: int,
     counts: torch.Tensor,
-    starts: torch.Tensor,
+    positions: torch.Tensor,
     flags: torch.Tensor,
     guard: torch.Tensor,
     done: torch.Tensor,
 ) -> None:
     """`sparse_triton.bitmap_counts` then `sparse_triton.scan` over every `RECV_*` row of `table`, in
     one launch: `firsts` gives a bitmap row one program a tile and any other row one; `counts`
-    (int32, the tile counts) as `bitmap_counts` leaves them, `starts`, `flags` and `guard` as `scan`
-    does; `done`: `boxes` zeroed int64 counters (the programs of a bitmap row count themselves off,
-    and its last one scans it)."""
+    (int32, the tile counts) as `bitmap_counts` leaves them; `positions` (int64, each row's payload
+    positions from its first slot), `flags` and `guard` as `scan` leaves its `starts` and flags;
+    `done`: `boxes` zeroed int64 counters (the programs of a bitmap row count themselves off, and
+    its last one scans it)."""
     if total:
-        addresses = (counts, starts, flags, guard, done)
+        addresses = (counts, positions, flags, guard, done)
         args = (table.data_ptr(), firsts.data_ptr(), boxes, *(t.data_ptr() for t in addresses))
         _launch(_STARTS, STARTS_WARPS, total, counts.device, *args)
