@@ -13,9 +13,13 @@ against a device-to-device copy of the same bytes measured in the same run
 `--reference` also times the torch codec).
 On a GPU it also gives the device's own time for both (its kernels and copies,
 by the torch profiler): the rest of the wall time is host work and waiting.
+`--phases` adds the wall time of each step of both sides, with no
+synchronization inside the round: where the host spends it, and which steps
+wait for the device (the sender's counts, the receiver's flags, the tail).
 
     python benchmarks/sparse_bench.py --e2e
     python benchmarks/sparse_bench.py --codec --device cuda --reference
+    python benchmarks/sparse_bench.py --codec --device cuda --phases
 """
 
 from __future__ import annotations
@@ -57,6 +61,26 @@ def _timed(fn, device: torch.device, repeat: int = 3, setup=lambda: None) -> flo
     return statistics.median(times[WARM_UP:])
 
 
+def _steps(fn, device: torch.device, repeat: int, setup) -> dict[str, float]:
+    """Median seconds from each of the marks `fn(mark)` makes (`mark(name)` ends step `name`) to the
+    next, with no synchronization in between, then to the device being idle (`tail`); over
+    `repeat` runs after `WARM_UP` more, `setup()` untimed before each."""
+    runs = []
+    for _ in range(repeat + WARM_UP):
+        setup()
+        _sync(device)
+        marks = [("", time.perf_counter())]
+        fn(lambda name: marks.append((name, time.perf_counter())))
+        _sync(device)
+        marks.append(("tail", time.perf_counter()))
+        runs.append({name: at - marks[i][1] for i, (name, at) in enumerate(marks[1:])})
+    return {name: statistics.median(run[name] for run in runs[WARM_UP:]) for name in runs[-1]}
+
+
+def _no_mark(name: str) -> None:
+    """The step marks of a plain timed run: none."""
+
+
 def _device_seconds(runs, device: torch.device) -> float | None:
     """Seconds the device spends in the kernels and copies of one `fn()` of each `(fn, setup)` of
     `runs` (after its `setup()`, which is not counted), by the torch profiler; None on a CPU."""
@@ -73,11 +97,17 @@ def _device_seconds(runs, device: torch.device) -> float | None:
     return seconds
 
 
-def codec_table(
-    device: torch.device, repeat: int, total_bytes: int = 1 << 30, tensors: int = 16, reference: bool = False
-) -> Table:
+def codec_tables(
+    device: torch.device,
+    repeat: int,
+    total_bytes: int = 1 << 30,
+    tensors: int = 16,
+    reference: bool = False,
+    phases: bool = False,
+) -> list[Table]:
     """Diff + encode + baseline update, then validate + apply, for `total_bytes` of bf16 in
-    `tensors` tensors, as one bucket (as a sparse round does); `reference` forces the torch codec."""
+    `tensors` tensors, as one bucket (as a sparse round does); `reference` forces the torch codec;
+    `phases` adds a table of each step's wall time (`_steps`)."""
     if reference:
         sparse_codec._on_kernel_device = lambda t: False
     n = total_bytes // 2 // tensors
@@ -88,7 +118,8 @@ def codec_table(
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     kind = "torch"
     if device.type == "cuda" and not reference:
-        kind = "fused: Triton, diff and busy launches in CUDA" if sparse_cuda.usable(device) else "fused: Triton"
+        cuda = "fused: Triton, with diff, the busy launches and the receiver's checks in CUDA"
+        kind = cuda if sparse_cuda.usable(device) else "fused: Triton"
     table = Table(
         title=f"sparse codec ({kind}) on {name}: "
         f"{total_bytes / 2**30:.0f} GiB bf16 in {tensors} tensors; copy {copy_s * 1e3:.2f} ms "
@@ -97,6 +128,7 @@ def codec_table(
     columns = ("density", "encoding", "wire / dense", "diff+encode ms", "decode+apply ms", "total / copy")
     for column in (*columns, "device ms", "device / copy"):
         table.add_column(column, justify="right")
+    steps = Table(title=f"{table.title}: µs of each step, no synchronization inside the round")
     boxes = [(i, (0,), (n,)) for i in range(tensors)]
     for density in DENSITIES:
         cur = []
@@ -111,17 +143,22 @@ def codec_table(
             torch.empty(encoded_nbytes(code, n, k, 2), dtype=torch.uint8, device=device) for code, k in zip(codes, ks)
         ]
 
-        def encode_all():  # as a sparse round does: the bucket's changes, the encodings, the baseline update
+        def encode_all(mark=_no_mark):  # as a sparse round does: the changes, the encodings, the baselines
             found = sparse_codec.BucketChanges(list(zip(cur, baseline)), boxes)
+            mark("find (waits: counts)")
             for i, (code, blk) in enumerate(zip(codes, blocks)):
                 found.encode(i, code, blk)
+            mark(f"{tensors} encode")
             found.finish()
+            mark("finish")
 
-        def apply_all():  # validate and write every box (one host sync, after the writes)
+        def apply_all(mark=_no_mark):  # validate and write every box (one host sync, after the writes)
             received = sparse_codec.BucketReceiver(device, tensors)
             for slot, (blk, code, k, l) in enumerate(zip(blocks, codes, ks, live)):
                 received.add(slot, code, k, n, torch.bfloat16, blk, l)
+            mark(f"{tensors} add")
             assert not received.commit()
+            mark("commit (waits: flags)")
 
         def reset(targets):
             return lambda: [t.copy_(b) for t, b in zip(targets, base)]
@@ -141,7 +178,18 @@ def codec_table(
             "-" if device_s is None else f"{device_s * 1e3:.2f}",
             "-" if device_s is None else f"{device_s / copy_s:.1f}x",
         )
-    return table
+        if phases:
+            sides = [("send", encode_all, reset(baseline)), ("receive", apply_all, reset(live))]
+            times = {
+                f"{side}: {name}": t
+                for side, fn, setup in sides
+                for name, t in _steps(fn, device, repeat, setup).items()
+            }
+            if not steps.columns:
+                for column in ("density", *times):
+                    steps.add_column(column, justify="right")
+            steps.add_row(f"{density:.1%}", *(f"{t * 1e6:.0f}" for t in times.values()))
+    return [table, steps] if phases else [table]
 
 
 def e2e_table(repeat: int) -> Table:
@@ -228,13 +276,15 @@ def main() -> None:
     parser.add_argument("--codec", action="store_true", help="codec throughput for 1 GiB on --device")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--reference", action="store_true", help="with --codec: time the torch codec too")
+    parser.add_argument("--phases", action="store_true", help="with --codec: the wall time of each step")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per figure (their median)")
     args = parser.parse_args()
     console = Console(width=160)
     if args.codec:
-        console.print(codec_table(torch.device(args.device), args.repeat))
+        for table in codec_tables(torch.device(args.device), args.repeat, phases=args.phases):
+            console.print(table)
         if args.reference:
-            console.print(codec_table(torch.device(args.device), args.repeat, reference=True))
+            console.print(*codec_tables(torch.device(args.device), args.repeat, reference=True))
     if args.e2e:
         console.print(e2e_table(args.repeat))
 
