@@ -335,9 +335,10 @@ class FusedReceiver:
 
     @staticmethod
     def _upload_starts(up: kernels.Upload, programs: list[int]) -> tuple[slice, int]:
-        """(where the program starts of rows of `programs` programs each went in `up`, programs in all)."""
+        """(where the program starts of rows of `programs` programs each went in `up`, programs in
+        all); `_NO_LAUNCH`, with nothing uploaded, when there are none."""
         firsts = kernels.starts(programs)
-        return up.add(firsts), int(firsts[-1])
+        return (up.add(firsts), firsts[-1]) if firsts[-1] else _NO_LAUNCH
 
     def validate(self) -> None:
         """Queue the checks: each row's payload positions (`starts`), its flag raised (and `guard`)
@@ -347,19 +348,16 @@ class FusedReceiver:
             return
         up, boxes = kernels.Upload(), len(self._rows)
         table = up.add_rows(row for *_, row in self._rows)
-        present = {(c, k, d) for c, k, d, _, _ in self._rows}  # the launches with programs
-        codes = {c for c, _, _ in present}
         if self._cuda:  # a bitmap row: a program a tile; any other, one
             counting = self._upload_starts(up, [m if c == BITMAP else 1 for c, _, _, m, _ in self._rows])
             done = up.add(itertools.repeat(0, boxes))
         else:
-            bitmaps = self._firsts(up, BITMAP) if BITMAP in codes else _NO_LAUNCH
-        blocked = self._firsts(up, BLOCKED) if BLOCKED in codes else _NO_LAUNCH
-        for key in sorted({k for _, k, _ in present}):
-            densities = sorted(d for c, k, d in present if (c, k) == (BITMAP, key))
+            bitmaps = self._firsts(up, BITMAP)
+        blocked = self._firsts(up, BLOCKED)
+        for key in sorted({k for _, k, _, _, _ in self._rows}):
+            densities = sorted({d for c, k, d, _, _ in self._rows if (c, k) == (BITMAP, key)})  # those with rows
             expands = [(d, *self._firsts(up, BITMAP, key, d)) for d in densities]
-            applies = any((c, k) == (BLOCKED, key) for c, k, _ in present)
-            self._writes.append((key, expands, self._firsts(up, BLOCKED, key) if applies else _NO_LAUNCH))
+            self._writes.append((key, expands, self._firsts(up, BLOCKED, key)))
         self._dev = dev = up.send(self.device)
         self._table = dev[table]
         counts = torch.empty(self._entries, dtype=torch.int32, device=self.device)
