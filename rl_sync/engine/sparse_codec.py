@@ -142,7 +142,8 @@ def encode(code: int, changes: Changes, out: torch.Tensor) -> torch.Tensor | Non
         out[: 4 * k].view(torch.int32).copy_(index)
     else:
         out[: at.head].view(torch.int32).copy_(torch.bincount(index >> 16, minlength=at.head // 4))
-        out[at.index : at.index + 2 * k].view(torch.int16).copy_((index & 0xFFFF).to(torch.int32).to(torch.int16))
+        offsets = (index & 0xFFFF).to(torch.int32).to(torch.int16)
+        out[at.positions : at.positions + 2 * k].view(torch.int16).copy_(offsets)
     out[at.values : at.values + size * k].view(cur.dtype).copy_(values)
     return values
 
@@ -194,7 +195,7 @@ def _decode_blocked(k: int, n: int, at: PayloadLayout, block: torch.Tensor) -> t
     """(positions, ok) of a blocked payload."""
     blocks = at.head // 4
     counts = block[: at.head].view(torch.int32).long()
-    offsets = block[at.index : at.index + 2 * k].view(torch.int16).long() & 0xFFFF
+    offsets = block[at.positions : at.positions + 2 * k].view(torch.int16).long() & 0xFFFF
     counted = (counts >= 0).all() & (counts.sum() == k)
     if block.device.type == "cpu":  # reading the counts costs nothing here: expand them instead of searching
         if not bool(counted):
@@ -355,7 +356,7 @@ class BucketReceiver:
     for it."""
 
     def __init__(self, device: torch.device, boxes: int):
-        self.device = device
+        self.device, self._boxes = device, boxes
         self.flags = torch.zeros(boxes + 1, dtype=torch.int32, device=device)  # the last: the guard
         self._writes: list[Callable[[], None]] = []
         self._fused: FusedReceiver | None = None
@@ -363,22 +364,21 @@ class BucketReceiver:
     def add(
         self, slot: int, code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor, view: torch.Tensor
     ) -> None:
-        if not 0 <= slot < self.flags.numel() - 1:
-            raise IndexError(f"box slot {slot} is outside this bucket's {self.flags.numel() - 1} boxes")
+        if not 0 <= slot < self._boxes:
+            raise IndexError(f"box slot {slot} is outside this bucket's {self._boxes} boxes")
         at = _checked_layout(code, k, n, dtype, block)
-        dest = _fused().destination(code, n, block, view, dtype) if _on_kernel_device(view) else None
-        if dest is None:
-            index, values, ok = decode(code, k, n, dtype, block)
-            self.flags[slot] = (~ok).to(torch.int32)
-            self._writes.append(lambda: apply(code, view, index, values))
-            return
-        if self._fused is None:
-            self._fused = _fused().FusedReceiver(self.device, self.flags[:-1], self.flags[-1:])
-        self._fused.add(slot, code, k, n, at, block, view, dest)
+        if _on_kernel_device(view):
+            if self._fused is None:
+                self._fused = _fused().FusedReceiver(self.device, self.flags[:-1], self.flags[-1:])
+            if self._fused.add(slot, code, k, n, dtype, at, block, view):
+                return
+        index, values, ok = decode(code, k, n, dtype, block)
+        self.flags[slot] = (~ok).to(torch.int32)
+        self._writes.append(lambda: apply(code, view, index, values))
 
     def commit(self) -> list[int]:
         """Validate every box and write them all unless one is malformed; the malformed slots."""
-        if self._fused:
+        if self._fused is not None and self._fused.boxes:
             if self._writes:  # boxes on the torch path too: their flags raise the guard as well
                 torch.amax(self.flags[:-1], dim=0, keepdim=True, out=self.flags[-1:])
             self._fused.validate()

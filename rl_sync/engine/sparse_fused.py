@@ -48,6 +48,10 @@ class _Box:
     def key(self) -> Key:
         return self.width, self.cur.fast and self.base.fast
 
+    @functools.cached_property
+    def tiles(self) -> int:
+        return kernels.tiles(self.n)
+
     def row(
         self, values: int = 0, index: int = 0, kind: int = -1, update: bool = False, bitmap: int = 0, blocks: int = 0
     ) -> list[int]:
@@ -131,6 +135,8 @@ class _Geometry:
 
     boxes: dict[int, _Box]
     slots: int
+    tiles: int
+    """The boxes' tiles, in all."""
     diff: list[_Launch]
     table: torch.Tensor
     cuda: bool
@@ -154,10 +160,16 @@ def _pair_2d(cur: torch.Tensor, base: torch.Tensor, device: torch.device) -> tup
     return None if pair[0] is None or pair[1] is None else (pair[0], pair[1])
 
 
-def _where(t: torch.Tensor) -> tuple:
-    """Everything a box's geometry depends on: where its elements are, and their kind (the device
-    by its number: `Tensor.device` builds an object, ten times the cost, for every box a round)."""
-    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()
+def _signature(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[int], shared: list[bool]) -> tuple:
+    """Everything the geometry of `candidates` depends on: which boxes overlap, where each box's
+    source and baseline are, and their kind (devices by number: `Tensor.device` builds an object,
+    ten times the cost, for every box a round)."""
+    where: list[tuple] = [tuple(shared)]
+    for i in candidates:
+        cur, base = pairs[i]
+        where.append((i, cur.data_ptr(), base.data_ptr(), cur.shape, base.shape, cur.stride(), base.stride()))
+        where.append((cur.dtype, base.dtype, cur.get_device(), base.get_device()))
+    return tuple(where)
 
 
 def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[int], shared: list[bool]) -> _Geometry:
@@ -166,7 +178,7 @@ def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[in
     others take the torch path); built on first use, then found by where the boxes are."""
     device = pairs[candidates[0]][0].device
     cuda = sparse_cuda.usable(device)  # (part of the signature: the two `diff`s cut tiles differently)
-    signature = (cuda, *((i, shared[i], *_where(pairs[i][0]), *_where(pairs[i][1])) for i in candidates))
+    signature = (cuda, _signature(pairs, candidates, shared))
     found = _GEOMETRIES.get(signature)
     if found is not None:
         _GEOMETRIES.move_to_end(signature)
@@ -180,12 +192,23 @@ def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[in
             slot += -(-cur.numel() // BLOCK) * per_block
     up = kernels.Upload()
     parts = {b.key: _kernels("diff", b.key, None, cuda).DIFF_PARTS for b in boxes.values()}  # as `_run` will pick
-    diff = _launches([(b.key, None, kernels.tiles(b.n) * parts[b.key], b.row()) for b in boxes.values()], up)
-    made = _Geometry(boxes, slot, diff, up.send(device) if boxes else torch.empty(0, dtype=torch.int64), cuda)
+    diff = _launches([(b.key, None, b.tiles * parts[b.key], b.row()) for b in boxes.values()], up)
+    tiles = sum(b.tiles for b in boxes.values())
+    table = up.send(device) if boxes else torch.empty(0, dtype=torch.int64)
+    made = _Geometry(boxes, slot, tiles, diff, table, cuda)
     _GEOMETRIES[signature] = made
     if len(_GEOMETRIES) > _KEPT_GEOMETRIES:
         _GEOMETRIES.popitem(last=False)
     return made
+
+
+FLUSHES = 4
+"""A sender's `compact` launches for the boxes encoded so far once they hold this fraction of the
+bucket's tiles (and `FLUSH_TILES` at least): the device compacts them while the host encodes the
+rest, rather than waiting for every box's table row."""
+FLUSH_TILES = 1024
+"""Tiles (16M elements) below which encoded boxes wait for more: a smaller launch costs the host
+more than the device time it hides."""
 
 
 class FusedSender:
@@ -193,11 +216,15 @@ class FusedSender:
     launch per key; `counts[i]` read back in one transfer (0 for boxes not fused).
 
     Usage: `encode(i, code, out)` per fused box, then `complete()` (the payloads, and the
-    baselines of unshared boxes), then `advance(codes)` (the shared boxes' baselines)."""
+    baselines of unshared boxes), then `advance(codes)` (the shared boxes' baselines). `encode`
+    itself launches `compact` for the boxes encoded so far once they hold a `FLUSHES`-th of the
+    bucket's tiles; every launch queues on the current stream, in order, so nothing waits."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], g: _Geometry):
         self.pairs, self.geometry = pairs, g
-        self.device = device = pairs[next(iter(g.boxes))][0].device
+        first = pairs[next(iter(g.boxes))][0]
+        self.device = device = first.device
+        self._device = first.get_device()  # (every fused box's, by number)
         counts = torch.zeros(g.slots + len(pairs), dtype=torch.int64, device=device)
         self._tiles, totals = counts[: g.slots], counts[g.slots :]
         self._words = torch.empty(g.slots * kernels.WORDS, dtype=torch.int32, device=device)
@@ -206,13 +233,15 @@ class FusedSender:
         self._starts = torch.cumsum(self._tiles, 0) - self._tiles
         self.counts = totals.tolist()  # the bucket's one host transfer
         self._rows: list[Row] = []
+        self._pending = 0  # tiles of `_rows`
+        self._flush_at = max(g.tiles // FLUSHES, FLUSH_TILES)
         self._payloads: list[torch.Tensor] = []  # the tables hold their addresses
 
     def encode(self, i: int, code: int, out: torch.Tensor) -> None:
         """Box `i` as `code` into byte buffer `out`, on the box's device (complete after
         `complete`)."""
         box, cur = self.geometry.boxes[i], self.pairs[i][0]
-        if out.get_device() != cur.get_device():
+        if out.get_device() != self._device:
             raise ValueError(
                 f"the payload buffer of box {i} is on {out.device}; the fused codec writes it from {cur.device}"
             )
@@ -226,12 +255,15 @@ class FusedSender:
         if not k:
             out[: at.head].zero_()
             return
-        values = kernels.element_offset(address + at.values, out, box.width)
-        bitmap, index = (address, 0) if code == BITMAP else (0, address + at.index)
+        values = kernels.element_offset(address + at.values, self._device, box.width)
+        bitmap, index = (address, 0) if code == BITMAP else (0, address + at.positions)
         blocks = address if code == BLOCKED else 0
         row = box.row(values, index, kernels.INDEX_KIND[code], not box.shared, bitmap, blocks)
-        self._rows.append((box.key, density(k, box.n), kernels.tiles(box.n), row))
+        self._rows.append((box.key, density(k, box.n), box.tiles, row))
         self._payloads.append(out)
+        self._pending += box.tiles
+        if self._pending >= self._flush_at:
+            self.complete()
 
     def _compact(self, rows: list[Row]) -> None:
         up = kernels.Upload()
@@ -243,7 +275,7 @@ class FusedSender:
         """Every encoding, and the baselines of boxes no other box overlaps."""
         if self._rows:
             self._compact(self._rows)
-            self._rows = []
+            self._rows, self._pending = [], 0
 
     def advance(self, codes: Sequence[int]) -> None:
         """After `complete`: the shared boxes' baselines become what was sent (`codes[i]`: box
@@ -255,17 +287,9 @@ class FusedSender:
             if codes[i] == DENSE:
                 self.pairs[i][1].copy_(self.pairs[i][0])
             elif self.counts[i]:
-                rows.append((box.key, density(self.counts[i], box.n), kernels.tiles(box.n), box.row(update=True)))
+                rows.append((box.key, density(self.counts[i], box.n), box.tiles, box.row(update=True)))
         if rows:
             self._compact(rows)
-
-
-def destination(code: int, n: int, block: torch.Tensor, view: torch.Tensor, dtype: torch.dtype) -> Strided2D | None:
-    """`view` as the kernels address it when a received box can take the fused path (bitmap or
-    blocked, on `block`'s CUDA device, of the wire dtype, at most 8 bytes), else None."""
-    if code not in (BITMAP, BLOCKED) or not n or block.get_device() != view.get_device() or view.dtype != dtype:
-        return None
-    return kernels.as_2d(view) if dtype.itemsize <= 8 else None
 
 
 def disjoint(spans: list[tuple[int, int]]) -> bool:
@@ -274,6 +298,8 @@ def disjoint(spans: list[tuple[int, int]]) -> bool:
     return all(end <= start for (_, end), (start, _) in itertools.pairwise(ordered))
 
 
+_FUSED_CODES = (BITMAP, BLOCKED)
+"""The encodings a receiver's fused kernels check and write (the rest take the torch path)."""
 _NO_LAUNCH = (slice(0, 0), 0)
 """(program starts, programs) of a launch without rows: not uploaded, not launched."""
 
@@ -296,7 +322,7 @@ class FusedReceiver:
         self._cuda = sparse_cuda.usable(device)
         self._spans: list[tuple[int, int]] = []  # the bytes of each bitmap destination on the vectorized path
         self._rows: list[tuple[int, Key, int, int, list[int]]] = []  # (code, key, density, programs, row)
-        self._kept: list[torch.Tensor] = []  # the table holds their addresses
+        self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # the table holds their addresses
         self._entries = 0
         self._writes: list[tuple[Key, list[tuple[int, slice, int]], tuple[slice, int]]] = []
 
@@ -306,25 +332,41 @@ class FusedReceiver:
         code: int,
         k: int,
         n: int,
+        dtype: torch.dtype,
         at: PayloadLayout,
         block: torch.Tensor,
         view: torch.Tensor,
-        dest: Strided2D,
-    ) -> None:
-        """Box `slot`: `k` of its `n` elements changed, its payload `block` laid out as `at`, to be
-        written into `view`, whose `destination` is `dest` (both kept until the writes)."""
-        width, address = view.element_size(), block.data_ptr()
-        values = kernels.element_offset(address + at.values, block, width)
+    ) -> bool:
+        """Box `slot`: `k` of its `n` elements of `dtype` changed, its payload `block` laid out as
+        `at`, to be written into `view`, when the box can take the fused path: bitmap or blocked,
+        not empty, its payload on the view's device, the view of `dtype` (at most 8 bytes) with
+        dims that merge into two. True when it takes it (`block` and `view` are kept until the
+        writes); False, with nothing kept, otherwise."""
+        width, device = dtype.itemsize, view.get_device()
+        if code not in _FUSED_CODES or not n or view.dtype != dtype or width > 8 or block.get_device() != device:
+            return False
+        start = view.data_ptr()
+        dest = kernels.strided(start, view.shape, view.stride(), width, device)
+        if dest is None:
+            return False
+        address = block.data_ptr()
+        values = kernels.element_offset(address + at.values, device, width)
         if code == BITMAP:
-            m, payload, counts, limit = kernels.tiles(n), [address, 0, values], 0, kernels.TILE
+            m, payload, counts, limit = kernels.tiles(n), (address, 0, values), 0, kernels.TILE
+            if dest.fast:
+                self._spans.append((start, start + n * width))
         else:
-            m, payload, counts, limit = -(-n // BLOCK), [0, address + at.index, values], address, BLOCK
+            m, payload, counts, limit = -(-n // BLOCK), (0, address + at.positions, values), address, BLOCK
         row = [*payload, *dest.columns, n, k, slot, self._entries, m, counts, limit]
-        self._kept += [block, view]
-        if code == BITMAP and dest.fast:
-            self._spans.append((view.data_ptr(), view.data_ptr() + n * width))
         self._rows.append((code, (width, dest.fast), density(k, n), m, row))
+        self._kept.append((block, view))
         self._entries += m
+        return True
+
+    @property
+    def boxes(self) -> int:
+        """Boxes added."""
+        return len(self._rows)
 
     def _firsts(self, up: kernels.Upload, code: int, key: Key | None = None, density_: int | None = None):
         """(program starts over every row, those not of `code` (and `key`, and `density_`) given

@@ -173,10 +173,11 @@ def _index(device: torch.device) -> int:
     return -1 if device.type == "cpu" else int(device.index)
 
 
-def element_offset(address: int, on: torch.Tensor, width: int) -> int:
-    """Where the element of `width` bytes at `address` (on the device of `on`) is, in elements
-    from its width's anchor; the address must be a whole number of elements from it."""
-    return _from(_anchor_address(on.get_device(), width), address, width)
+def element_offset(address: int, device: int, width: int) -> int:
+    """Where the element of `width` bytes at `address` (on the device numbered `device`, as
+    `Tensor.get_device` numbers it) is, in elements from its width's anchor; the address must be a
+    whole number of elements from it."""
+    return _from(_anchor_address(device, width), address, width)
 
 
 def _anchor_address(device: int, width: int) -> int:
@@ -198,11 +199,11 @@ def _from(base: int, address: int, width: int) -> int:
 
 def as_2d(view: torch.Tensor) -> Strided2D | None:
     """`view`'s elements as a `Strided2D`, or None when its dims do not merge into two."""
-    return _strided(view.data_ptr(), view.shape, view.stride(), view.element_size(), view.get_device())
+    return strided(view.data_ptr(), view.shape, view.stride(), view.element_size(), view.get_device())
 
 
 @functools.lru_cache(maxsize=4096)
-def _strided(
+def strided(
     address: int, shape: tuple[int, ...], strides: tuple[int, ...], width: int, device: int
 ) -> Strided2D | None:
     """`as_2d` of the view at `address` on the device numbered `device` (`Tensor.get_device`): a

@@ -17,7 +17,7 @@ is `rl_sync.engine.sparse_codec`, its CUDA kernels `rl_sync.engine.sparse_triton
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 INDICES, BITMAP, DENSE, BLOCKED = 0, 1, 2, 3
 NAMES = {INDICES: "indices", BITMAP: "bitmap", DENSE: "dense", BLOCKED: "blocked"}
@@ -30,15 +30,15 @@ def _up(n: int) -> int:
     return (n + ALIGN - 1) & -ALIGN  # (ALIGN a power of two)
 
 
-@dataclass(frozen=True)
-class PayloadLayout:
+class PayloadLayout(NamedTuple):
     """Where each part of one encoded transfer starts in its payload (bytes; each part 16-byte
-    aligned): the bitmap or the int32 block counts at 0, `index` the int32 indices or uint16
-    in-block offsets, `values` the changed (or, dense, all) values; `nbytes` in all."""
+    aligned): the bitmap or the int32 block counts at 0, `positions` the int32 indices or uint16
+    in-block offsets, `values` the changed (or, dense, all) values; `nbytes` in all. (A named
+    tuple: a round builds one per box on each side, and a tuple is built in half the time.)"""
 
     head: int
     """Bytes of the part at 0 (bitmap or block counts; 0 when there is none)."""
-    index: int
+    positions: int
     values: int
     nbytes: int
 

@@ -153,3 +153,33 @@ def test_a_receiver_checks_every_row_in_one_cuda_launch_or_in_tritons_two(monkey
             tiles = [kernels.tiles(40_000), 1, kernels.tiles(20_000)]
             assert (firsts.tolist(), rows, programs) == ([0, tiles[0], tiles[0] + 1, sum(tiles)], 3, sum(tiles))
             assert done.tolist() == [0, 0, 0] and counts.numel() == starts.numel() == tiles[0] + 2 + tiles[2]
+
+
+def test_a_sender_compacts_the_boxes_encoded_so_far_once_they_hold_a_share_of_the_bucket(monkeypatch):
+    """`encode` launches `compact` for the boxes it has encoded once they hold a `FLUSHES`-th of the
+    bucket's tiles; `complete` launches the rest: every box once, in the order encoded."""
+    from rl_sync.engine import sparse_cuda
+    from rl_sync.engine import sparse_triton as kernels
+    from rl_sync.sparse.encodings import BITMAP, encoded_nbytes
+
+    n, k = 40_000, 4_000  # 3 tiles a box, busy
+    launched = []
+
+    def diff(table, firsts, boxes, total, key, words, counts, totals):
+        totals.fill_(k)
+
+    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
+    monkeypatch.setattr(sparse_cuda, "usable", lambda device: False)
+    monkeypatch.setattr(sparse_fused, "FLUSH_TILES", 1)
+    monkeypatch.setattr(kernels, "diff", diff)
+    monkeypatch.setattr(kernels, "compact", lambda table, *args: launched.append(table.view(-1, kernels.SEND_COLUMNS)))
+    pairs = _pairs(7, n)
+    found = sparse_codec.BucketChanges(pairs, [(i, (0,), (n,)) for i in range(7)])
+    assert found.counts == [k] * 7
+    per_launch = []
+    for i in range(7):
+        found.encode(i, BITMAP, torch.zeros(encoded_nbytes(BITMAP, n, k, 2), dtype=torch.uint8))
+        per_launch.append(len(launched))
+    assert per_launch == [0, 1, 1, 2, 2, 3, 3]  # 21 tiles: a launch once 5 (a quarter) wait
+    found.finish()
+    assert [table[:, -1].tolist() for table in launched] == [[0, 1], [2, 3], [4, 5], [6]]
