@@ -249,8 +249,14 @@ def _overlap(a: Box, b: Box) -> bool:
     return a[0] == b[0] and all(p < q + m and q < p + n for p, n, q, m in zip(a[1], a[2], b[1], b[2]))
 
 
-def overlapping(boxes: Sequence[Box]) -> list[bool]:
-    """Whether each box overlaps another of `boxes` (only boxes of one tensor are compared)."""
+def overlapping(boxes: Sequence[Box]) -> tuple[bool, ...]:
+    """Whether each box overlaps another of `boxes` (only boxes of one tensor are compared); kept
+    for the buckets a round sends again every step."""
+    return _overlapping(tuple(boxes))
+
+
+@functools.lru_cache(maxsize=1024)
+def _overlapping(boxes: tuple[Box, ...]) -> tuple[bool, ...]:
     by_tensor: dict[int, list[int]] = {}
     for i, box in enumerate(boxes):
         by_tensor.setdefault(box[0], []).append(i)
@@ -260,7 +266,7 @@ def overlapping(boxes: Sequence[Box]) -> list[bool]:
             for j in group[x + 1 :]:
                 if _overlap(boxes[i], boxes[j]):
                     shared[i] = shared[j] = True
-    return shared
+    return tuple(shared)
 
 
 class BucketChanges:
@@ -287,11 +293,8 @@ class BucketChanges:
         """`payloads`: the device the payload buffers will be on, when known (the fused path writes
         them from the GPU, so CUDA boxes whose payloads go to the host take the torch path)."""
         self.pairs = list(pairs)
-        candidates = [
-            i
-            for i, (cur, _) in enumerate(self.pairs)
-            if _on_kernel_device(cur) and (payloads is None or payloads.type == cur.device.type)
-        ]
+        fusable = payloads is None or payloads.type == "cuda"  # (the fused kernels write payloads on the GPU)
+        candidates = [i for i, (cur, _) in enumerate(self.pairs) if _on_kernel_device(cur)] if fusable else []
         geometry = _fused().geometry(self.pairs, candidates, overlapping(boxes)) if candidates else None
         self._fused = _fused().FusedSender(self.pairs, geometry) if geometry and geometry.boxes else None
         fused = geometry.boxes if self._fused and geometry else {}

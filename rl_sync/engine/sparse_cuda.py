@@ -23,7 +23,6 @@ import os
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..sparse.encodings import BLOCK
@@ -144,10 +143,11 @@ def _stream(address: int, device: int):
 
 def _launch(name: str, warps: int, total: int, device: torch.device, *args: int) -> None:
     """Kernel `name` (`_names`) over `total` programs of `warps` warps, on torch's current stream of
-    `device`; `args` are addresses and counts."""
+    `device`; `args` are addresses and counts (Python ints, which CuPy passes as 64-bit integers,
+    as every kernel of the file takes them)."""
     function = _functions(device.index)[name]
     stream = _stream(_current_stream(device.index), device.index)
-    call = ((total,), (32 * warps,), tuple(map(np.int64, args)))
+    call = ((total,), (32 * warps,), args)
     if device.index == torch.cuda.current_device():
         function(*call, stream=stream)
     else:

@@ -143,6 +143,23 @@ class _Geometry:
     """Its launches may take the CUDA kernels (`sparse_cuda.usable` when it was built): the two
     `diff`s cut a tile into different parts, so `diff` must take the one it was built for."""
 
+    @functools.cached_property
+    def launches(self) -> list[tuple]:
+        """Each `diff` launch's kernel, then its arguments up to its key (its rows sliced from
+        `table` once, not every round)."""
+        return [
+            (
+                _kernel("diff", at.key, None, self.cuda),
+                self.table[at.rows],
+                self.table[at.firsts],
+                at.boxes,
+                at.total,
+                at.key,
+            )
+            for at in self.diff
+            if at.total
+        ]
+
 
 _GEOMETRIES: OrderedDict[tuple, _Geometry] = OrderedDict()
 _KEPT_GEOMETRIES = 256
@@ -160,7 +177,7 @@ def _pair_2d(cur: torch.Tensor, base: torch.Tensor, device: torch.device) -> tup
     return None if pair[0] is None or pair[1] is None else (pair[0], pair[1])
 
 
-def _signature(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[int], shared: list[bool]) -> tuple:
+def _signature(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[int], shared: Sequence[bool]) -> tuple:
     """Everything the geometry of `candidates` depends on: which boxes overlap, where each box's
     source and baseline are, and their kind (devices by number: `Tensor.device` builds an object,
     ten times the cost, for every box a round)."""
@@ -172,7 +189,9 @@ def _signature(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[
     return tuple(where)
 
 
-def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[int], shared: list[bool]) -> _Geometry:
+def geometry(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[int], shared: Sequence[bool]
+) -> _Geometry:
     """The geometry of the boxes among `candidates` (indices of `pairs` on CUDA) that take the
     fused path: those on the first candidate's device whose source and baseline match (the
     others take the torch path); built on first use, then found by where the boxes are."""
@@ -191,7 +210,7 @@ def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[in
             boxes[i] = _Box(i, *pair, cur.numel(), cur.element_size(), slot, shared[i])
             slot += -(-cur.numel() // BLOCK) * per_block
     up = kernels.Upload()
-    parts = {b.key: _kernels("diff", b.key, None, cuda).DIFF_PARTS for b in boxes.values()}  # as `_run` will pick
+    parts = {b.key: _kernels("diff", b.key, None, cuda).DIFF_PARTS for b in boxes.values()}  # as `launches` picks
     diff = _launches([(b.key, None, b.tiles * parts[b.key], b.row()) for b in boxes.values()], up)
     tiles = sum(b.tiles for b in boxes.values())
     table = up.send(device) if boxes else torch.empty(0, dtype=torch.int64)
@@ -203,9 +222,10 @@ def geometry(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[in
 
 
 FLUSHES = 4
-"""A sender's `compact` launches for the boxes encoded so far once they hold this fraction of the
-bucket's tiles (and `FLUSH_TILES` at least): the device compacts them while the host encodes the
-rest, rather than waiting for every box's table row."""
+"""A sender's `compact` launches for the boxes encoded so far once its busy ones (`density` 1 or 2)
+hold this fraction of the bucket's tiles (and `FLUSH_TILES` at least): the device compacts them
+while the host encodes the rest, rather than waiting for every box's table row. Sparse boxes
+never start a launch: theirs takes the device less time than the host takes to prepare it."""
 FLUSH_TILES = 1024
 """Tiles (16M elements) below which encoded boxes wait for more: a smaller launch costs the host
 more than the device time it hides."""
@@ -228,7 +248,8 @@ class FusedSender:
         counts = torch.zeros(g.slots + len(pairs), dtype=torch.int64, device=device)
         self._tiles, totals = counts[: g.slots], counts[g.slots :]
         self._words = torch.empty(g.slots * kernels.WORDS, dtype=torch.int32, device=device)
-        _run("diff", g.diff, g.table, self._words, self._tiles, totals, cuda=g.cuda)
+        for kernel, *rows in g.launches:
+            kernel(*rows, self._words, self._tiles, totals)
         self._blocks = self._tiles.view(-1, BLOCK // kernels.TILE).sum(1, dtype=torch.int32)
         self._starts = torch.cumsum(self._tiles, 0) - self._tiles
         self.counts = totals.tolist()  # the bucket's one host transfer
@@ -259,11 +280,13 @@ class FusedSender:
         bitmap, index = (address, 0) if code == BITMAP else (0, address + at.positions)
         blocks = address if code == BLOCKED else 0
         row = box.row(values, index, kernels.INDEX_KIND[code], not box.shared, bitmap, blocks)
-        self._rows.append((box.key, density(k, box.n), box.tiles, row))
+        class_ = density(k, box.n)
+        self._rows.append((box.key, class_, box.tiles, row))
         self._payloads.append(out)
-        self._pending += box.tiles
-        if self._pending >= self._flush_at:
-            self.complete()
+        if class_:  # (a sparse box's `compact` is brief on the device: it waits for `complete`)
+            self._pending += box.tiles
+            if self._pending >= self._flush_at:
+                self.complete()
 
     def _compact(self, rows: list[Row]) -> None:
         up = kernels.Upload()

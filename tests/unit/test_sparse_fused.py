@@ -20,7 +20,7 @@ def test_only_boxes_of_one_tensor_that_share_an_element_overlap():
         (0, (4, 0), (4, 8)),  # touches the first, shares nothing
         (1, (0, 0), (4, 8)),  # the same place in another tensor
     ]
-    assert overlapping(boxes) == [True, True, False, False]
+    assert overlapping(boxes) == (True, True, False, False)
 
 
 def test_a_box_is_busy_above_one_change_per_bitmap_word_and_busier_above_one_in_five():
