@@ -43,10 +43,11 @@ WARPS = {
 thread in registers; `expand` stages 1,024 values a warp in shared memory, so wider elements take
 fewer warps)."""
 STARTS_WARPS = 4
-"""Warps a program of `starts` (a bitmap tile is 512 words, 128 runs of 16 bytes: one a thread). On
-an H200, 1 GiB of bf16 at 10%: 0.061 ms, and 0.059 / 0.058 ms with 2 / 1 warps, within the spread
-of one run to the next; 4 is what the GPU tests ran. Triton's `bitmap_counts` and `scan` take
-0.058 + 0.011 ms: the launch `starts` saves is the point."""
+"""Warps a program of `starts`, each counting one tile of a bitmap row (a tile's 512 words are 128
+runs of 16 bytes: 4 a lane, all read before the first count); the row's last program scans its
+tile counts, 1,024 a pass. On an H200, 1 GiB of bf16 at 10% (64 MiB of bitmap): 0.033-0.035 ms,
+0.037-0.039 ms with 8 warps, against 0.067-0.069 ms when each program counted a single tile
+(bound by the programs' count, whatever their warps)."""
 _ENV = "RL_SYNC_SPARSE_KERNELS"
 
 
@@ -242,7 +243,8 @@ def starts(
     done: torch.Tensor,
 ) -> None:
     """`sparse_triton.bitmap_counts` then `sparse_triton.scan` over every `RECV_*` row of `table`, in
-    one launch: `firsts` gives a bitmap row one program a tile and any other row one; `counts`
+    one launch: `firsts` gives a bitmap row one program every `STARTS_WARPS` tiles and any other
+    row one; `counts`
     (int32, the tile counts) as `bitmap_counts` leaves them; `positions` (int64, each row's payload
     positions from its first slot), `flags` and `guard` as `scan` leaves its `starts` and flags;
     `done`: `boxes` zeroed int64 counters (the programs of a bitmap row count themselves off, and

@@ -413,8 +413,9 @@ class FusedReceiver:
             return
         up, boxes = kernels.Upload(), len(self._rows)
         table = up.add_rows(row for *_, row in self._rows)
-        if self._cuda:  # a bitmap row: a program a tile; any other, one
-            counting = self._upload_starts(up, [m if c == BITMAP else 1 for c, _, _, m, _ in self._rows])
+        if self._cuda:  # a bitmap row: a program every `STARTS_WARPS` tiles; any other, one
+            per = sparse_cuda.STARTS_WARPS
+            counting = self._upload_starts(up, [-(-m // per) if c == BITMAP else 1 for c, _, _, m, _ in self._rows])
             done = up.add(itertools.repeat(0, boxes))
         else:
             bitmaps = self._firsts(up, BITMAP)

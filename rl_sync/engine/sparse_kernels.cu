@@ -342,34 +342,35 @@ __device__ __forceinline__ void raise_flag(const i64* row, int* flags, int* guar
   atomicMax(guard, 1);
 }
 
-// Tile `t` of a bitmap RECV row: its marks below `n`, and whether a bit of the wire bitmap's last
-// byte past `n` is set (`*stray`), summed over the block. Each thread reads 16 bytes of words at a
-// time; a run that starts below `n` ends inside the payload (its bitmap is padded to 16 bytes), and
-// its words wholly past `n` count nothing.
-template <int TILE, int WARPS>
-__device__ __forceinline__ int tile_marks(const i64* row, i64 t, int* partial, int* stray) {
+// Tile `t` of a bitmap RECV row, counted by one warp: its marks below `n` (every lane gets the
+// sum), and whether a bit of the wire bitmap's last byte past `n` is set (`*stray`, this lane's
+// share). Each lane reads 16 bytes of words at a time, every read issued before the first count; a
+// run that starts below `n` ends inside the payload (its bitmap is padded to 16 bytes), and its
+// words wholly past `n` count nothing.
+template <int TILE>
+__device__ __forceinline__ int tile_marks(const i64* row, i64 t, int* stray) {
+  constexpr int RUNS = TILE / 128 / 32;  // 16-byte runs a lane
+  const int lane = threadIdx.x & 31;
   const i64 n = row[RECV_N], start = t * TILE;
   const int left = (int)(n - start < TILE ? n - start : TILE), pad = (int)((n + 7) / 8 * 8 - n);
   const uint4* runs = reinterpret_cast<const uint4*>(row[RECV_WORDS]) + t * (TILE / 128);
+  uint4 run[RUNS];
+#pragma unroll
+  for (int r = 0; r < RUNS; r++) run[r] = (r * 32 + lane) * 128 < left ? runs[r * 32 + lane] : make_uint4(0, 0, 0, 0);
   int marks = 0, odd = 0;
-  for (int q = threadIdx.x; q * 128 < left; q += WARPS * 32) {
-    const uint4 run = runs[q];
-    const u32 words[4] = {run.x, run.y, run.z, run.w};
+#pragma unroll
+  for (int r = 0; r < RUNS; r++) {
+    const u32 words[4] = {run[r].x, run[r].y, run[r].z, run[r].w};
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-      const int rest = left - (4 * q + j) * 32, wire = rest + pad;
+      const int rest = left - (4 * (r * 32 + lane) + j) * 32, wire = rest + pad;
       if (rest <= 0) break;
       marks += __popc(rest >= 32 ? words[j] : words[j] & ((1u << rest) - 1u));
       if (rest < 32) odd |= (words[j] & ~((1u << rest) - 1u) & (wire >= 32 ? ~0u : (1u << wire) - 1u)) != 0;
     }
   }
-  *stray = __syncthreads_or(odd);
-  marks = warp_sum(marks);
-  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = marks;
-  __syncthreads();
-  int total = 0;
-  for (int i = 0; i < WARPS; i++) total += partial[i];
-  return total;
+  *stray = odd;
+  return warp_sum(marks);
 }
 
 // `out[i]` = the exclusive prefix sums of `source[0 .. m)`, each clamped to the row's limit; the
@@ -415,29 +416,35 @@ __device__ __forceinline__ void scan_row(const i64* row, const int* source, i64*
 }  // namespace
 
 // `sparse_triton.bitmap_counts` and `sparse_triton.scan` in one launch: each RECV row's payload
-// positions (`positions`, Triton's `starts`, at its first slot) and its checks. A bitmap row takes one program a tile, which counts the
-// tile's marks into `counts` and flags stray bits past `n`; the row's last program to finish (by
-// `done`, one zeroed counter a row) scans the row's counts. Any other row takes one program, which
-// scans the row's wire block counts.
+// positions (`positions`, Triton's `starts`, at its first slot) and its checks. A bitmap row takes
+// one program for every `WARPS` tiles, each warp counting a tile's marks into `counts` and flagging
+// stray bits past `n`; the row's last program to finish (by `done`, one zeroed counter a row) scans
+// the row's counts. Any other row takes one program, which scans the row's wire block counts.
 template <int TILE, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
     starts(const i64* table, const i64* firsts, i64 boxes, int* counts, i64* positions, int* flags, int* guard,
            unsigned long long* done) {
   __shared__ int partial[WARPS];
   __shared__ bool last;
-  i64 t;
-  const i64 box = find_box(firsts, boxes, &t);
+  i64 p;
+  const i64 box = find_box(firsts, boxes, &p);
   const i64* row = table + box * RECV_COLUMNS;
   const i64 first = row[RECV_FIRST], m = row[RECV_M];
   const int* wire = reinterpret_cast<const int*>(row[RECV_COUNTS]);
   if (!wire) {
-    int stray;
-    const int marks = tile_marks<TILE, WARPS>(row, t, partial, &stray);
+    const i64 t = p * WARPS + (threadIdx.x >> 5);  // this warp's tile
+    int stray = 0;
+    if (t < m) {
+      const int marks = tile_marks<TILE>(row, t, &stray);
+      if ((threadIdx.x & 31) == 0) {
+        counts[first + t] = marks;
+        __threadfence();  // the count is seen before the row's counter moves
+      }
+    }
+    stray = __syncthreads_or(stray);
     if (threadIdx.x == 0) {
-      counts[first + t] = marks;
       raise_flag(row, flags, guard, stray);
-      __threadfence();  // the count is seen before the row's counter moves
-      last = atomicAdd(done + box, 1ull) == (unsigned long long)(m - 1);
+      last = atomicAdd(done + box, 1ull) == (unsigned long long)((m + WARPS - 1) / WARPS - 1);
     }
     __syncthreads();
     if (!last) return;
