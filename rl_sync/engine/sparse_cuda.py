@@ -244,9 +244,9 @@ def starts(
 ) -> None:
     """`sparse_triton.bitmap_counts` then `sparse_triton.scan` over every `RECV_*` row of `table`, in
     one launch: `firsts` gives a bitmap row one program every `STARTS_WARPS` tiles and any other
-    row one; `counts`
-    (int32, the tile counts) as `bitmap_counts` leaves them; `positions` (int64, each row's payload
-    positions from its first slot), `flags` and `guard` as `scan` leaves its `starts` and flags;
+    row one; `counts` (int32, the tile counts) as `bitmap_counts` leaves them; `positions` (int64,
+    each row's payload positions from its first slot), `flags` and `guard` as `scan` leaves its
+    `starts` and flags;
     `done`: `boxes` zeroed int64 counters (the programs of a bitmap row count themselves off, and
     its last one scans it)."""
     if total:

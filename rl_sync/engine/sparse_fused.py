@@ -238,8 +238,9 @@ class FusedSender:
 
     Usage: `encode(i, code, out)` per fused box, then `complete()` (the payloads, and the
     baselines of unshared boxes), then `advance(codes)` (the shared boxes' baselines). `encode`
-    itself launches `compact` for the boxes encoded so far once they hold a `FLUSHES`-th of the
-    bucket's tiles; every launch queues on the current stream, in order, so nothing waits."""
+    itself launches `compact` for the boxes encoded so far once the busy ones hold a
+    `FLUSHES`-th of the bucket's tiles; every launch queues on the current stream, in order, so
+    nothing waits."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], g: _Geometry):
         self.pairs, self.geometry = pairs, g
@@ -332,9 +333,10 @@ class FusedReceiver:
     """The fused boxes one rank receives in a bucket: validated, then written, each step one
     launch per kind (and per key and density class, for the writes).
 
-    Usage: `add(...)` per box that has a `destination`; `validate()` (raises the malformed boxes'
-    `flags`, and `guard` with them, on the device); `write()` right behind it: its kernels write
-    nothing while `guard` is raised, so no host synchronization is needed in between.
+    Usage: `add(...)` per box (it says whether the box takes the fused path); `validate()` (raises
+    the malformed boxes' `flags`, and `guard` with them, on the device); `write()` right behind
+    it: its kernels write nothing while `guard` is raised, so no host synchronization is needed in
+    between.
 
     The CUDA `expand` (`sparse_cuda`) rewrites whole 16-byte runs of a live view, unmarked elements
     with the values they had: it takes only buckets whose bitmap destinations share no byte (others
