@@ -246,9 +246,8 @@ def starts(
     one launch: `firsts` gives a bitmap row one program every `STARTS_WARPS` tiles and any other
     row one; `counts` (int32, the tile counts) as `bitmap_counts` leaves them; `positions` (int64,
     each row's payload positions from its first slot), `flags` and `guard` as `scan` leaves its
-    `starts` and flags;
-    `done`: `boxes` zeroed int64 counters (the programs of a bitmap row count themselves off, and
-    its last one scans it)."""
+    `starts` and flags; `done`: `boxes` zeroed int64 counters (the programs of a bitmap row count
+    themselves off, and its last one scans it)."""
     if total:
         addresses = (counts, positions, flags, guard, done)
         args = (table.data_ptr(), firsts.data_ptr(), boxes, *(t.data_ptr() for t in addresses))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,14 +120,29 @@ def _kernel(name: str, key: Key, density_: int | None, cuda: bool):
     return getattr(_kernels(name, key, density_, cuda), name)
 
 
+Prepared = tuple[Callable[..., None], tuple, tuple]
+"""A launch ready to run: (kernel, its arguments up to its key, its density class when it has
+one): `kernel(*head, *args, *choice)`."""
+
+
+def _prepared(name: str, launches: list[_Launch], dev: torch.Tensor, cuda: bool) -> list[Prepared]:
+    """Each launch of kernel `name` with programs (`_kernel`'s choice, with `cuda`), its table and
+    starts sliced from the uploaded `dev`."""
+    return [
+        (
+            _kernel(name, launch.key, launch.density, cuda),
+            (dev[launch.rows], dev[launch.firsts], launch.boxes, launch.total, launch.key),
+            () if launch.density is None else (launch.density,),
+        )
+        for launch in launches
+        if launch.total
+    ]
+
+
 def _run(name: str, launches: list[_Launch], dev: torch.Tensor, *args, cuda: bool) -> None:
-    """Each launch of kernel `name` (`_kernel`'s choice, with `cuda`), its table and starts sliced
-    from the uploaded `dev` (then `args`, then its density class when it has one)."""
-    for launch in launches:
-        if launch.total:
-            choice = () if launch.density is None else (launch.density,)
-            kernel = _kernel(name, launch.key, launch.density, cuda)
-            kernel(dev[launch.rows], dev[launch.firsts], launch.boxes, launch.total, launch.key, *args, *choice)
+    """Each launch of kernel `name` (`_prepared`), with `args` after its key."""
+    for kernel, head, choice in _prepared(name, launches, dev, cuda):
+        kernel(*head, *args, *choice)
 
 
 @dataclass
@@ -145,21 +160,10 @@ class _Geometry:
     `diff`s cut a tile into different parts, so `diff` must take the one it was built for."""
 
     @functools.cached_property
-    def launches(self) -> list[tuple]:
-        """Each `diff` launch's kernel, then its arguments up to its key (its rows sliced from
-        `table` once, not every round)."""
-        return [
-            (
-                _kernel("diff", at.key, None, self.cuda),
-                self.table[at.rows],
-                self.table[at.firsts],
-                at.boxes,
-                at.total,
-                at.key,
-            )
-            for at in self.diff
-            if at.total
-        ]
+    def launches(self) -> list[Prepared]:
+        """The `diff` launches, ready to run (their rows sliced from `table` once, not every
+        round)."""
+        return _prepared("diff", self.diff, self.table, self.cuda)
 
 
 _GEOMETRIES: OrderedDict[tuple, _Geometry] = OrderedDict()
@@ -250,8 +254,8 @@ class FusedSender:
         counts = torch.zeros(g.slots + len(pairs), dtype=torch.int64, device=device)
         self._tiles, totals = counts[: g.slots], counts[g.slots :]
         self._words = torch.empty(g.slots * kernels.WORDS, dtype=torch.int32, device=device)
-        for kernel, *rows in g.launches:
-            kernel(*rows, self._words, self._tiles, totals)
+        for kernel, head, _ in g.launches:
+            kernel(*head, self._words, self._tiles, totals)
         self._blocks = self._tiles.view(-1, BLOCK // kernels.TILE).sum(1, dtype=torch.int32)
         self._starts = torch.cumsum(self._tiles, 0) - self._tiles
         self.counts = totals.tolist()  # the bucket's one host transfer
