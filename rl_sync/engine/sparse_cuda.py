@@ -20,9 +20,10 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import os
+import threading
 import warnings
-from typing import Any
 
+import numpy as np
 import torch
 
 from ..sparse.encodings import BLOCK
@@ -98,11 +99,13 @@ def _name(kernel: str, width: int) -> str:
 
 
 _STARTS = f"starts<{kernels.TILE}, {STARTS_WARPS}>"
+_NAMES = {(kernel, width): _name(kernel, width) for kernel in WARPS for width in C_TYPES}
+"""`_name` of each kernel and width (a launch looks its name up rather than formatting it)."""
 
 
 def _names() -> list[str]:
     """Every kernel the file is compiled for."""
-    return [_name(kernel, width) for kernel in WARPS for width in C_TYPES] + [_STARTS]
+    return [*_NAMES.values(), _STARTS]
 
 
 def _source() -> str:
@@ -110,50 +113,58 @@ def _source() -> str:
 
 
 @functools.cache
-def _functions(device: int) -> dict[str, Any]:
-    """Every kernel of the file, built for `device` (one NVRTC compile, cached by CuPy on disk)."""
+def _functions(device: int) -> dict[str, int]:
+    """The driver handle of every kernel of the file, built for `device` (one NVRTC compile, cached
+    by CuPy on disk; loaded in the device's primary context, which torch uses too)."""
     import cupy
 
     names = _names()
     source = _source()
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=source, options=_options(), name_expressions=names)
-        return {name: module.get_function(name) for name in names}
+        return {name: module.get_function(name).kernel.ptr for name in names}
 
 
-class _StreamHandle:
-    """A CUDA stream's address, as the CUDA stream protocol hands it to CuPy."""
-
-    def __init__(self, address: int):
-        self.address = address
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return 0, self.address
+MAX_ARGS = 16
+"""Arguments a kernel of the file takes, at most (all 64-bit)."""
 
 
-@functools.lru_cache(maxsize=64)
-def _stream(address: int, device: int):
-    """CuPy's view of the torch stream at `address` on `device` (kept: torch keeps its streams)."""
-    import cupy
+class _Params(threading.local):
+    """This thread's argument slots for `cuLaunchKernel`: `values`, and `address`, that of an array
+    of pointers to each slot (the driver copies the values when the launch is queued, so the slots
+    are free again once `_launch` returns)."""
 
-    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14 on
-        with cupy.cuda.Device(device):
-            return cupy.cuda.Stream.from_external(_StreamHandle(address))
-    return cupy.cuda.ExternalStream(address, device)
+    def __init__(self) -> None:
+        self.values = np.zeros(MAX_ARGS, dtype=np.int64)
+        first = self.values.ctypes.data
+        self._pointers = np.arange(first, first + 8 * MAX_ARGS, 8, dtype=np.uint64)
+        self.address = self._pointers.ctypes.data
 
 
-def _launch(name: str, warps: int, total: int, device: torch.device, *args: int) -> None:
+_PARAMS = _Params()
+
+
+def _launch(name: str, warps: int, total: int, device: int, *args: int) -> None:
     """Kernel `name` (`_names`) over `total` programs of `warps` warps, on torch's current stream of
-    `device`; `args` are addresses and counts (Python ints, which CuPy passes as 64-bit integers,
-    as every kernel of the file takes them)."""
-    function = _functions(device.index)[name]
-    stream = _stream(_current_stream(device.index), device.index)
-    call = ((total,), (32 * warps,), args)
-    if device.index == torch.cuda.current_device():
-        function(*call, stream=stream)
+    the device numbered `device`; `args` are addresses and counts, 64-bit as every kernel of the file
+    takes them. Queued through the driver with the arguments in one int64 array: CuPy's kernel call
+    converts each argument to an object first, about 10 µs a launch on an H200's host."""
+    handle, params = _functions(device)[name], _PARAMS
+    params.values[: len(args)] = args
+    launch = (handle, total, 1, 1, 32 * warps, 1, 1, 0, _current_stream(device), params.address, 0)
+    if device == torch.cuda.current_device():
+        _driver().launchKernel(*launch)
     else:
         with torch.cuda.device(device):  # the module's context
-            function(*call, stream=stream)
+            _driver().launchKernel(*launch)
+
+
+@functools.cache
+def _driver():
+    """CuPy's bindings of the CUDA driver (`cuLaunchKernel`)."""
+    from cupy.cuda import driver
+
+    return driver
 
 
 def _current_stream(device: int) -> int:
@@ -182,10 +193,10 @@ def _launch_rows(
         busy, what = ("", key) if density is None else ("busy ", f"{key}, density {density}")
         raise ValueError(f"the CUDA {name} takes {busy}launches on the vectorized path, not {what}")
     if total:
-        device = data[0].device
-        addresses = (*(t.data_ptr() for t in data), kernels.anchor(device, width).data_ptr())
-        kernel = _name(name, width)
-        _launch(kernel, WARPS[name][width], total, device, table.data_ptr(), firsts.data_ptr(), boxes, *addresses)
+        device = data[0].get_device()
+        rows = (table.data_ptr(), firsts.data_ptr(), boxes)
+        addresses = (*(t.data_ptr() for t in data), kernels.anchor_address(device, width))
+        _launch(_NAMES[name, width], WARPS[name][width], total, device, *rows, *addresses)
 
 
 def diff(
@@ -251,4 +262,4 @@ def starts(
     if total:
         addresses = (counts, positions, flags, guard, done)
         args = (table.data_ptr(), firsts.data_ptr(), boxes, *(t.data_ptr() for t in addresses))
-        _launch(_STARTS, STARTS_WARPS, total, counts.device, *args)
+        _launch(_STARTS, STARTS_WARPS, total, counts.get_device(), *args)

@@ -331,6 +331,17 @@ _FUSED_CODES = (BITMAP, BLOCKED)
 """The encodings a receiver's fused kernels check and write (the rest take the torch path)."""
 _NO_LAUNCH = (slice(0, 0), 0)
 """(program starts, programs) of a launch without rows: not uploaded, not launched."""
+Launch = tuple
+"""A receiver's launch: `CHECKS`, `BLOCKED_CHECKS`, or a write, `(key, density class)` (`expand`)
+or `(key, None)` (`blocked_apply`)."""
+CHECKS: Launch = ("checks",)
+BLOCKED_CHECKS: Launch = ("blocked checks",)
+
+
+def _write_order(launch: Launch) -> tuple:
+    """Each key's `expand`s, by density class, then its `blocked_apply`."""
+    key, density_ = launch
+    return key, density_ is None, density_ or 0
 
 
 class FusedReceiver:
@@ -354,7 +365,7 @@ class FusedReceiver:
         self._rows: list[tuple[int, Key, int, int, list[int]]] = []  # (code, key, density, programs, row)
         self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # the table holds their addresses
         self._entries = 0
-        self._writes: list[tuple[Key, list[tuple[int, slice, int]], tuple[slice, int]]] = []
+        self._writes: list[tuple[Key, int | None, slice, int]] = []  # (key, density class or None, starts, programs)
 
     def add(
         self,
@@ -398,12 +409,24 @@ class FusedReceiver:
         """Boxes added."""
         return len(self._rows)
 
-    def _firsts(self, up: kernels.Upload, code: int, key: Key | None = None, density_: int | None = None):
-        """(program starts over every row, those not of `code` (and `key`, and `density_`) given
-        none; programs in all)."""
-        return self._upload_starts(
-            up, [m if c == code and key in (None, k) and density_ in (None, d) else 0 for c, k, d, m, _ in self._rows]
-        )
+    def _programs(self) -> dict[Launch, list[int]]:
+        """The programs each row takes in each launch it joins (0 in the others), by launch:
+        `CHECKS` (the CUDA `starts`: a bitmap row one every `STARTS_WARPS` tiles, any other one; or
+        Triton's `bitmap_counts`, a program a bitmap tile), `BLOCKED_CHECKS`, and the writes:
+        `(key, density class)` for the bitmap rows' `expand`, `(key, None)` the blocked rows'
+        `blocked_apply`."""
+        boxes, per, out = len(self._rows), sparse_cuda.STARTS_WARPS, {}
+        for i, (code, key, density_, m, _) in enumerate(self._rows):
+            bitmap = code == BITMAP
+            checks = (-(-m // per) if bitmap else 1) if self._cuda else (m if bitmap else 0)
+            joined = [(CHECKS, checks), ((key, density_ if bitmap else None), m)]
+            if not bitmap:
+                joined.append((BLOCKED_CHECKS, m))
+            for launch, programs in joined:
+                if launch not in out:
+                    out[launch] = [0] * boxes
+                out[launch][i] = programs
+        return out
 
     @staticmethod
     def _upload_starts(up: kernels.Upload, programs: list[int]) -> tuple[slice, int]:
@@ -420,39 +443,33 @@ class FusedReceiver:
             return
         up, boxes = kernels.Upload(), len(self._rows)
         table = up.add_rows(row for *_, row in self._rows)
-        if self._cuda:  # a bitmap row: a program every `STARTS_WARPS` tiles; any other, one
-            per = sparse_cuda.STARTS_WARPS
-            counting = self._upload_starts(up, [-(-m // per) if c == BITMAP else 1 for c, _, _, m, _ in self._rows])
-            done = up.add(itertools.repeat(0, boxes))
-        else:
-            bitmaps = self._firsts(up, BITMAP)
-        blocked = self._firsts(up, BLOCKED)
-        for key in sorted({k for _, k, _, _, _ in self._rows}):
-            densities = sorted({d for c, k, d, _, _ in self._rows if (c, k) == (BITMAP, key)})  # those with rows
-            expands = [(d, *self._firsts(up, BITMAP, key, d)) for d in densities]
-            self._writes.append((key, expands, self._firsts(up, BLOCKED, key)))
+        firsts = {launch: self._upload_starts(up, programs) for launch, programs in self._programs().items()}
+        done = up.add(itertools.repeat(0, boxes)) if self._cuda else None  # `starts`' counters, zeroed
+        writes = sorted((launch for launch in firsts if launch not in (CHECKS, BLOCKED_CHECKS)), key=_write_order)
+        self._writes = [(key, density_, *firsts[key, density_]) for key, density_ in writes]
         self._dev = dev = up.send(self.device)
         self._table = dev[table]
         counts = torch.empty(self._entries, dtype=torch.int32, device=self.device)
         self._starts = torch.empty(self._entries, dtype=torch.int64, device=self.device)
         flags = self.flags, self.guard
-        if self._cuda:
-            at, programs = counting
-            sparse_cuda.starts(self._table, dev[at], boxes, programs, counts, self._starts, *flags, dev[done])
+        (checks_at, checks), (blocked_at, blocked) = firsts[CHECKS], firsts.get(BLOCKED_CHECKS, _NO_LAUNCH)
+        if done is not None:
+            sparse_cuda.starts(self._table, dev[checks_at], boxes, checks, counts, self._starts, *flags, dev[done])
         else:
-            if bitmaps[1]:
-                kernels.bitmap_counts(self._table, dev[bitmaps[0]], boxes, bitmaps[1], counts, *flags)
+            if checks:
+                kernels.bitmap_counts(self._table, dev[checks_at], boxes, checks, counts, *flags)
             kernels.scan(self._table, boxes, counts, self._starts, *flags)
-        if blocked[1]:
-            kernels.blocked_check(self._table, dev[blocked[0]], boxes, blocked[1], self._starts, *flags)
+        if blocked:
+            kernels.blocked_check(self._table, dev[blocked_at], boxes, blocked, self._starts, *flags)
 
     def write(self) -> None:
+        """Queue the writes (`validate` first), each key's `expand`s then its `blocked_apply`."""
         boxes, cuda = len(self._rows), self._cuda and disjoint(self._spans)
-        for key, expands, (apply_at, apply) in self._writes:
-            for density_, expand_at, expand in expands:
-                if expand:
-                    at = self._dev[expand_at]
-                    kernel = _kernel("expand", key, density_, cuda)
-                    kernel(self._table, at, boxes, expand, key, self._starts, density_, self.guard)
-            if apply:
-                kernels.blocked_apply(self._table, self._dev[apply_at], boxes, apply, key, self._starts, self.guard)
+        for key, density_, at, programs in self._writes:
+            if not programs:
+                continue
+            if density_ is None:
+                kernels.blocked_apply(self._table, self._dev[at], boxes, programs, key, self._starts, self.guard)
+            else:
+                kernel = _kernel("expand", key, density_, cuda)
+                kernel(self._table, self._dev[at], boxes, programs, key, self._starts, density_, self.guard)

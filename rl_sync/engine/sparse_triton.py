@@ -39,6 +39,8 @@ path (`sparse_fused` chooses).
 
 from __future__ import annotations
 
+import array
+import ctypes
 import functools
 import itertools
 import os
@@ -177,10 +179,10 @@ def element_offset(address: int, device: int, width: int) -> int:
     """Where the element of `width` bytes at `address` (on the device numbered `device`, as
     `Tensor.get_device` numbers it) is, in elements from its width's anchor; the address must be a
     whole number of elements from it."""
-    return _from(_anchor_address(device, width), address, width)
+    return _from(anchor_address(device, width), address, width)
 
 
-def _anchor_address(device: int, width: int) -> int:
+def anchor_address(device: int, width: int) -> int:
     """The address of `anchor(·, width)` on the device numbered `device` as `Tensor.get_device`
     numbers it (-1: the CPU)."""
     base = _ANCHOR_ADDRESSES.get((device, width))
@@ -221,7 +223,7 @@ def strided(
     (rows, row_stride), (cols, col_stride) = merged
     if rows == 1:
         row_stride = cols * col_stride
-    base = _anchor_address(device, width)
+    base = anchor_address(device, width)
     return Strided2D(_from(base, address, width), cols, row_stride, col_stride, address % 16 == 0)
 
 
@@ -253,11 +255,11 @@ class Upload:
         return self.add(itertools.chain.from_iterable(rows))
 
     def send(self, device: torch.device) -> torch.Tensor:
-        values = np.array(self._values, dtype=np.int64)
         if device.type != "cuda":
-            return torch.from_numpy(values)
-        host = torch.empty(values.size, dtype=torch.int64, pin_memory=True)
-        host.numpy()[:] = values
+            return torch.from_numpy(np.array(self._values, dtype=np.int64))
+        values = array.array("q", self._values)  # (a third faster than a numpy array from a list)
+        host = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
+        ctypes.memmove(host.data_ptr(), values.buffer_info()[0], 8 * len(values))
         return host.to(device, non_blocking=True)
 
 
