@@ -97,14 +97,26 @@ class _Launch:
 
 
 def _launches(rows: list[Row], up: kernels.Upload) -> list[_Launch]:
-    """One launch per (key, density class) of `rows`, its table and starts added to `up`."""
+    """One launch per (key, density class) of `rows`, in that order, its table and starts added to
+    `up`."""
+    groups: dict[tuple[Key, int | None], tuple[list[int], list[list[int]]]] = {}
+    for key, density_, count, row in rows:
+        group = groups.get((key, density_))
+        if group is None:
+            group = groups[key, density_] = ([], [])
+        group[0].append(count)
+        group[1].append(row)
     out = []
-    for key, density_ in sorted({(k, d) for k, d, _, _ in rows}, key=str):
-        group = [(p, r) for k, d, p, r in rows if (k, d) == (key, density_)]
-        firsts = kernels.starts([p for p, _ in group])
-        at = up.add_rows(r for _, r in group)
-        out.append(_Launch(key, density_, at, up.add(firsts), len(group), int(firsts[-1])))
+    for (key, density_), (programs, table) in sorted(groups.items(), key=_launch_order):
+        firsts = kernels.starts(programs)
+        at = up.add_rows(table)
+        out.append(_Launch(key, density_, at, up.add(firsts), len(table), firsts[-1]))
     return out
+
+
+def _launch_order(group: tuple[tuple[Key, int | None], object]) -> tuple[Key, int]:
+    (key, density_), _ = group
+    return key, -1 if density_ is None else density_
 
 
 def _kernels(name: str, key: Key, density_: int | None, cuda: bool):

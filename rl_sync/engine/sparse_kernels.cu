@@ -240,10 +240,11 @@ __device__ __forceinline__ void compact_kind(const i64* row, VT* anchor, const u
 // whole: unmarked elements equal the source already, as `diff` found them, since nothing writes
 // the source between the two launches), the marked values at their payload positions and their
 // indices (int32) or in-block offsets (uint16), the wire bitmap and wire block counts, as the row's
-// columns ask. At least 48 warps an SM for two-byte elements (40 registers a thread: with 40 warps and
-// 48 registers it took 4% longer on an H200), 32 for the other widths (64 registers; fewer spill).
+// columns ask. At least 48 warps an SM for 2-byte elements (40 registers a thread: with 40 warps and
+// 48 registers it took 4% longer on an H200), 40 for 1-byte ones (48 registers, as before the read one
+// step ahead; 32 warps took 2% longer), 32 for wider ones (64 registers; fewer spill).
 template <typename VT, int TILE, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32, (sizeof(VT) == 2 ? 48 : 32) / WARPS)
+__global__ void __launch_bounds__(WARPS * 32, (sizeof(VT) == 2 ? 48 : sizeof(VT) == 1 ? 40 : 32) / WARPS)
     compact(const i64* table, const i64* firsts, i64 boxes, const u32* words, const i64* starts, const int* blocks,
             VT* anchor) {
   constexpr int STEP = 32 * (16 / sizeof(VT)), WPT = TILE / 32;

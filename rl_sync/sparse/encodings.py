@@ -44,16 +44,19 @@ class PayloadLayout(NamedTuple):
 
 
 def payload_layout(code: int, n: int, k: int, itemsize: int) -> PayloadLayout:
-    """The layout of a transfer of `n` elements of `itemsize` bytes, `k` changed, as `code`."""
-    if code == INDICES:
-        return PayloadLayout(0, 0, _up(4 * k), _up(4 * k) + _up(itemsize * k))
+    """The layout of a transfer of `n` elements of `itemsize` bytes, `k` changed, as `code` (each
+    part rounded up to `ALIGN` inline: a round asks for one per box on each side)."""
+    values = (itemsize * k + ALIGN - 1) & -ALIGN
     if code == BITMAP:
         head = -(-n // 8)
-        return PayloadLayout(head, _up(head), _up(head), _up(head) + _up(itemsize * k))
+        at = (head + ALIGN - 1) & -ALIGN
+        return PayloadLayout(head, at, at, at + values)
     if code == BLOCKED:
         head = 4 * -(-n // BLOCK)
-        values = _up(head) + _up(2 * k)
-        return PayloadLayout(head, _up(head), values, values + _up(itemsize * k))
+        at = (head + ALIGN - 1) & -ALIGN
+        return PayloadLayout(head, at, at + _up(2 * k), at + _up(2 * k) + values)
+    if code == INDICES:
+        return PayloadLayout(0, 0, _up(4 * k), _up(4 * k) + values)
     if code == DENSE:
         return PayloadLayout(0, 0, 0, _up(itemsize * n))
     raise ValueError(
