@@ -248,6 +248,24 @@ FLUSH_TILES = 1024
 more than the device time it hides."""
 
 
+def _read_back(values: torch.Tensor) -> Callable[[], list[int]]:
+    """The int64 `values`, copied to the host as soon as the work queued so far is done: the
+    returned function waits for that copy alone, not for what is queued after it (on a GPU; a
+    CPU tensor is read at once)."""
+    if not values.is_cuda:
+        return values.tolist
+    host = torch.empty(values.numel(), dtype=torch.int64, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(values.device))
+
+    def read() -> list[int]:
+        copied.synchronize()
+        return host.tolist()
+
+    return read
+
+
 class FusedSender:
     """The fused boxes of a bucket (`geometry`, with at least one box), found in one `diff`
     launch per key; `counts[i]` read back in one transfer (0 for boxes not fused).
@@ -268,9 +286,10 @@ class FusedSender:
         self._words = torch.empty(g.slots * kernels.WORDS, dtype=torch.int32, device=device)
         for kernel, head, _ in g.launches:
             kernel(*head, self._words, self._tiles, totals)
+        counted = _read_back(totals)  # the bucket's one host transfer, queued before the sums below
         self._blocks = self._tiles.view(-1, BLOCK // kernels.TILE).sum(1, dtype=torch.int32)
         self._starts = torch.cumsum(self._tiles, 0) - self._tiles
-        self.counts = totals.tolist()  # the bucket's one host transfer
+        self.counts = counted()
         self._rows: list[Row] = []
         self._pending = 0  # tiles of `_rows`
         self._flush_at = max(g.tiles // FLUSHES, FLUSH_TILES)
