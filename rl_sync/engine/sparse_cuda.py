@@ -1,8 +1,8 @@
 """`diff` and the busy `compact` and `expand` as CUDA kernels (`sparse_kernels.cu`), for launches
 whose boxes are all on the vectorized path: drop-in replacements of `sparse_triton.diff`,
 `sparse_triton.compact` and `sparse_triton.expand` (the same arguments, tables and results, bit
-for bit). On an H200, 1 GiB of bf16 at 10% density: `diff` 0.52 against 0.66 ms, `compact` 0.66
-against 0.92 ms, `expand` 0.65 against 0.85 ms (`docs/benchmarks.md`). And `starts`: a receiver's
+for bit). On an H200, 1 GiB of bf16 at 10% density: `diff` 0.51 against 0.66 ms, `compact` 0.66
+against 0.92 ms, `expand` 0.61 against 0.85 ms (`docs/benchmarks.md`). And `starts`: a receiver's
 checks of every row, bitmap or blocked, strided or not, in one launch where Triton takes two
 (`sparse_triton.bitmap_counts`, then `sparse_triton.scan`).
 
@@ -11,8 +11,9 @@ but for `starts`, its key is on the vectorized path and it is a `diff` or its de
 busy or busier; every other launch, and every launch where CuPy is missing (the `cuda12` /
 `cuda13` extras) or `RL_SYNC_SPARSE_KERNELS=triton` is set, takes the Triton kernels. The file is compiled once per
 process and device by NVRTC through CuPy, with the table columns passed as macros, and the
-kernels run on torch's current stream, so they queue behind and ahead of the Triton launches of
-the same bucket with no synchronization in between.
+kernels are queued through the CUDA driver (`cuLaunchKernel`, their arguments in one int64 array)
+on torch's current stream, so they queue behind and ahead of the Triton launches of the same
+bucket with no synchronization in between.
 """
 
 from __future__ import annotations

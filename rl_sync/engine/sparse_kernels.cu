@@ -9,7 +9,9 @@
 // read-merge-writes) 16 bytes and takes its marks from the bitmap word they fall in; a warp-wide
 // shuffle scan gives the marks' payload positions, and the values pass through shared memory so
 // that the payload is read and written in consecutive runs rather than scattered 1- to 8-byte
-// accesses.
+// accesses. Loads that do not depend on each other are issued together (`compact` reads a step
+// ahead, `expand` stages 4 values a lane at once): a warp waiting on one load at a time left the
+// kernels short of memory bandwidth.
 
 typedef long long i64;
 typedef unsigned int u32;
