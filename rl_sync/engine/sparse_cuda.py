@@ -23,6 +23,7 @@ import importlib.resources
 import os
 import threading
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
@@ -114,16 +115,17 @@ def _source() -> str:
 
 
 @functools.cache
-def _functions(device: int) -> dict[str, int]:
-    """The driver handle of every kernel of the file, built for `device` (one NVRTC compile, cached
-    by CuPy on disk; loaded in the device's primary context, which torch uses too)."""
+def _functions(device: int) -> dict[str, Any]:
+    """Every kernel of the file, built for `device` (one NVRTC compile, cached by CuPy on disk;
+    loaded in the device's primary context, which torch uses too), as CuPy's `Function`: its `ptr`
+    is the driver's handle, valid while the `Function` (which holds its module) is kept here."""
     import cupy
 
     names = _names()
     source = _source()
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=source, options=_options(), name_expressions=names)
-        return {name: module.get_function(name).kernel.ptr for name in names}
+        return {name: module.get_function(name).kernel for name in names}
 
 
 MAX_ARGS = 16
@@ -150,7 +152,7 @@ def _launch(name: str, warps: int, total: int, device: int, *args: int) -> None:
     the device numbered `device`; `args` are addresses and counts, 64-bit as every kernel of the file
     takes them. Queued through the driver with the arguments in one int64 array: CuPy's kernel call
     converts each argument to an object first, about 10 µs a launch on an H200's host."""
-    handle, params = _functions(device)[name], _PARAMS
+    handle, params = _functions(device)[name].ptr, _PARAMS
     params.values[: len(args)] = args
     launch = (handle, total, 1, 1, 32 * warps, 1, 1, 0, _current_stream(device), params.address, 0)
     if device == torch.cuda.current_device():
