@@ -157,6 +157,46 @@ def test_a_receiver_checks_every_row_in_one_cuda_launch_or_in_tritons_two(monkey
             assert done.tolist() == [0, 0, 0] and counts.numel() == starts.numel() == tiles[0] + 2 + tiles[2]
 
 
+@pytest.mark.parametrize("cuda", [True, False])
+def test_a_receiver_writes_each_key_in_turn_its_expands_by_density_then_its_blocked_rows(monkeypatch, cuda):
+    """Rows of two element widths, bitmap ones of both busy classes and blocked ones, added out of
+    order: one write launch per (key, density class), each key's `expand`s before its
+    `blocked_apply`, each over its own rows' programs."""
+    from rl_sync.engine import sparse_cuda
+    from rl_sync.engine import sparse_triton as kernels
+    from rl_sync.sparse.encodings import BITMAP, BLOCKED, encoded_nbytes
+
+    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
+    monkeypatch.setattr(sparse_cuda, "usable", lambda device: cuda)
+    writes = []
+    for module in (sparse_cuda, kernels):
+        monkeypatch.setattr(module, "expand", lambda *a: writes.append(("expand", a[4], a[6], a[3])))
+    monkeypatch.setattr(kernels, "blocked_apply", lambda *a: writes.append(("apply", a[4], None, a[3])))
+    monkeypatch.setattr(sparse_cuda, "starts", lambda *a: None)
+    for name in ("bitmap_counts", "scan", "blocked_check"):
+        monkeypatch.setattr(kernels, name, lambda *a: None)
+    boxes = [  # (code, n, k, dtype)
+        (BLOCKED, 70_000, 5, torch.float32),
+        (BITMAP, 40_000, 10_000, torch.bfloat16),  # busier
+        (BITMAP, 20_000, 5_000, torch.float32),  # busier
+        (BLOCKED, 70_000, 5, torch.bfloat16),
+        (BITMAP, 40_000, 4_000, torch.bfloat16),  # busy
+    ]
+    received = sparse_codec.BucketReceiver(torch.device("cpu"), len(boxes))
+    for slot, (code, n, k, dtype) in enumerate(boxes):
+        payload = torch.zeros(encoded_nbytes(code, n, k, dtype.itemsize), dtype=torch.uint8)
+        received.add(slot, code, k, n, dtype, payload, torch.zeros(n, dtype=dtype))
+    assert received.commit() == []
+    bf16, fp32, blocks = (2, True), (4, True), -(-70_000 // 65_536)
+    assert writes == [
+        ("expand", bf16, 1, kernels.tiles(40_000)),
+        ("expand", bf16, 2, kernels.tiles(40_000)),
+        ("apply", bf16, None, blocks),
+        ("expand", fp32, 2, kernels.tiles(20_000)),
+        ("apply", fp32, None, blocks),
+    ]
+
+
 def test_a_sender_compacts_the_boxes_encoded_so_far_once_they_hold_a_share_of_the_bucket(monkeypatch):
     """`encode` launches `compact` for the boxes it has encoded once they hold a `FLUSHES`-th of the
     bucket's tiles; `complete` launches the rest: every box once, in the order encoded."""
