@@ -107,16 +107,19 @@ def _launches(rows: list[Row], up: kernels.Upload) -> list[_Launch]:
         group[0].append(count)
         group[1].append(row)
     out = []
-    for (key, density_), (programs, table) in sorted(groups.items(), key=_launch_order):
+    for key, density_ in sorted(groups, key=_launch_order):
+        programs, table = groups[key, density_]
         firsts = kernels.starts(programs)
         at = up.add_rows(table)
         out.append(_Launch(key, density_, at, up.add(firsts), len(table), firsts[-1]))
     return out
 
 
-def _launch_order(group: tuple[tuple[Key, int | None], object]) -> tuple[Key, int]:
-    (key, density_), _ = group
-    return key, -1 if density_ is None else density_
+def _launch_order(launch: tuple[Key, int | None]) -> tuple[Key, bool, int]:
+    """The order of launches `(key, density class or None)`: by key, then by density class, a
+    launch without one (a receiver's `blocked_apply`) last."""
+    key, density_ = launch
+    return key, density_ is None, density_ or 0
 
 
 def _kernels(name: str, key: Key, density_: int | None, cuda: bool):
@@ -369,12 +372,6 @@ CHECKS: Launch = ("checks",)
 BLOCKED_CHECKS: Launch = ("blocked checks",)
 
 
-def _write_order(launch: Launch) -> tuple:
-    """Each key's `expand`s, by density class, then its `blocked_apply`."""
-    key, density_ = launch
-    return key, density_ is None, density_ or 0
-
-
 class FusedReceiver:
     """The fused boxes one rank receives in a bucket: validated, then written, each step one
     launch per kind (and per key and density class, for the writes).
@@ -476,7 +473,7 @@ class FusedReceiver:
         table = up.add_rows(row for *_, row in self._rows)
         firsts = {launch: self._upload_starts(up, programs) for launch, programs in self._programs().items()}
         done = up.add(itertools.repeat(0, boxes)) if self._cuda else None  # `starts`' counters, zeroed
-        writes = sorted((launch for launch in firsts if launch not in (CHECKS, BLOCKED_CHECKS)), key=_write_order)
+        writes = sorted((launch for launch in firsts if launch not in (CHECKS, BLOCKED_CHECKS)), key=_launch_order)
         self._writes = [(key, density_, *firsts[key, density_]) for key, density_ in writes]
         self._dev = dev = up.send(self.device)
         self._table = dev[table]

@@ -45,18 +45,20 @@ class PayloadLayout(NamedTuple):
 
 def payload_layout(code: int, n: int, k: int, itemsize: int) -> PayloadLayout:
     """The layout of a transfer of `n` elements of `itemsize` bytes, `k` changed, as `code` (each
-    part rounded up to `ALIGN` inline: a round asks for one per box on each side)."""
-    values = (itemsize * k + ALIGN - 1) & -ALIGN
+    part rounded up once: a round asks for one per box on each side)."""
+    values = _up(itemsize * k)
     if code == BITMAP:
         head = -(-n // 8)
-        at = (head + ALIGN - 1) & -ALIGN
+        at = _up(head)
         return PayloadLayout(head, at, at, at + values)
     if code == BLOCKED:
         head = 4 * -(-n // BLOCK)
-        at = (head + ALIGN - 1) & -ALIGN
-        return PayloadLayout(head, at, at + _up(2 * k), at + _up(2 * k) + values)
+        at = _up(head)
+        offsets = _up(2 * k)
+        return PayloadLayout(head, at, at + offsets, at + offsets + values)
     if code == INDICES:
-        return PayloadLayout(0, 0, _up(4 * k), _up(4 * k) + values)
+        indices = _up(4 * k)
+        return PayloadLayout(0, 0, indices, indices + values)
     if code == DENSE:
         return PayloadLayout(0, 0, 0, _up(itemsize * n))
     raise ValueError(
