@@ -157,6 +157,8 @@ def codec_tables(
             for slot, (blk, code, k, l) in enumerate(zip(blocks, codes, ks, live)):
                 received.add(slot, code, k, n, torch.bfloat16, blk, l)
             mark(f"{tensors} add")
+            received.prepare()  # (a round adds and prepares while the payloads travel)
+            mark("prepare")
             assert not received.commit()
             mark("commit (waits: flags)")
 

@@ -347,21 +347,24 @@ class BucketReceiver:
     """Every box one rank receives in a bucket: validated together, then written together.
 
     Usage: `received = BucketReceiver(device, boxes)`; `received.add(slot, code, k, n, dtype,
-    block, view)` for each box; then `bad = received.commit()`: the slots whose payload is
-    malformed; when it is empty every box was written, otherwise none was.
+    block, view)` for each box, which reads the header and where `block` lies but not its bytes;
+    optionally `received.prepare()`; then, once every payload is in its block, `bad =
+    received.commit()`: the slots whose payload is malformed; when it is empty every box was
+    written, otherwise none was. A round adds its boxes and prepares while the payloads are on
+    their way, so that only the kernels wait for them.
 
     Bitmap and blocked payloads bound for a CUDA view of the wire dtype are validated by the
     fused kernels (`sparse_fused.FusedReceiver`), every such box of the bucket in the same
-    launches, and written likewise; the rest `decode` and `apply`. A malformed box raises its
-    flag and the bucket's guard (the last flag) on the device, and the fused writes, queued right
-    behind the checks, write nothing while the guard is raised; so `commit` reads the flags once
-    (the bucket's one host sync) after the fused writes, and only the torch path's writes wait
-    for it."""
+    launches, and written likewise; the rest `decode` and `apply` at `commit`. A malformed box
+    raises its flag and the bucket's guard (the last flag) on the device, and the fused writes,
+    queued right behind the checks, write nothing while the guard is raised; so `commit` reads
+    the flags once (the bucket's one host sync) after the fused writes, and only the torch
+    path's writes wait for it."""
 
     def __init__(self, device: torch.device, boxes: int):
         self.device, self._boxes = device, boxes
         self.flags = torch.zeros(boxes + 1, dtype=torch.int32, device=device)  # the last: the guard
-        self._writes: list[Callable[[], None]] = []
+        self._decodes: list[tuple] = []  # the torch path's boxes: `add`'s arguments, decoded at `commit`
         self._fused: FusedReceiver | None = None
 
     def add(
@@ -375,19 +378,33 @@ class BucketReceiver:
                 self._fused = _fused().FusedReceiver(self.device, self.flags[:-1], self.flags[-1:])
             if self._fused.add(slot, code, k, n, dtype, at, block, view):
                 return
-        index, values, ok = decode(code, k, n, dtype, block)
-        self.flags[slot] = (~ok).to(torch.int32)
-        self._writes.append(lambda: apply(code, view, index, values))
+        self._decodes.append((slot, code, k, n, dtype, block, view))
+
+    def prepare(self) -> None:
+        """Queue what needs only the headers: the fused boxes' tables go to the device, so that
+        `commit` only launches kernels (it prepares first when this has not run)."""
+        if self._fused is not None:
+            self._fused.prepare()
 
     def commit(self) -> list[int]:
         """Validate every box and write them all unless one is malformed; the malformed slots."""
+        writes = [self._decode(*box) for box in self._decodes]
         if self._fused is not None and self._fused.boxes:
-            if self._writes:  # boxes on the torch path too: their flags raise the guard as well
+            if writes:  # boxes on the torch path too: their flags raise the guard as well
                 torch.amax(self.flags[:-1], dim=0, keepdim=True, out=self.flags[-1:])
             self._fused.validate()
             self._fused.write()
         bad = [slot for slot, flag in enumerate(self.flags[:-1].tolist()) if flag]  # the one sync
         if not bad:
-            for write in self._writes:
+            for write in writes:
                 write()
         return bad
+
+    def _decode(
+        self, slot: int, code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor, view: torch.Tensor
+    ) -> Callable[[], None]:
+        """Box `slot` on the torch path decoded, its flag set; its write, to run once no box is
+        malformed."""
+        index, values, ok = decode(code, k, n, dtype, block)
+        self.flags[slot] = (~ok).to(torch.int32)
+        return lambda: apply(code, view, index, values)

@@ -54,17 +54,28 @@ tile counts, 1,024 a pass. On an H200, 1 GiB of bf16 at 10% (64 MiB of bitmap): 
 _ENV = "RL_SYNC_SPARSE_KERNELS"
 
 
-def usable(device: torch.device) -> bool:
-    """Whether launches on `device` may take these kernels: a CUDA device, CuPy imports, the file
-    compiles for the device (a failed compile warns once and leaves the Triton kernels in place),
-    and `RL_SYNC_SPARSE_KERNELS` is not `triton`. A sender or receiver asks once, before its first
+def usable(device: torch.device | int) -> bool:
+    """Whether launches on `device` (or the device numbered so, as `Tensor.get_device` numbers it:
+    -1 is the CPU) may take these kernels: a CUDA device, CuPy imports, the file compiles for the
+    device (a failed compile warns once and leaves the Triton kernels in place), and
+    `RL_SYNC_SPARSE_KERNELS` is not `triton`. A sender or receiver asks once, before its first
     launch, and keeps the answer for all of them."""
-    choice = os.environ.get(_ENV, "").strip().lower() or "cuda"
-    if choice not in ("cuda", "triton"):
-        raise ValueError(f"{_ENV}={choice!r}: expected 'cuda' (the default, where CuPy is installed) or 'triton'")
-    if choice == "triton" or device.type != "cuda":
+    if _choice(os.environ.get(_ENV, "")) == "triton":
+        return False
+    if isinstance(device, int):
+        return device >= 0 and _source_compiles(device)
+    if device.type != "cuda":
         return False
     return _source_compiles(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _choice(value: str) -> str:
+    """`RL_SYNC_SPARSE_KERNELS`'s value `value`, checked: 'cuda' (the default) or 'triton'."""
+    choice = value.strip().lower() or "cuda"
+    if choice not in ("cuda", "triton"):
+        raise ValueError(f"{_ENV}={choice!r}: expected 'cuda' (the default, where CuPy is installed) or 'triton'")
+    return choice
 
 
 @functools.cache
@@ -155,7 +166,7 @@ def _launch(name: str, warps: int, total: int, device: int, *args: int) -> None:
     handle, params = _functions(device)[name].ptr, _PARAMS
     params.values[: len(args)] = args
     launch = (handle, total, 1, 1, 32 * warps, 1, 1, 0, _current_stream(device), params.address, 0)
-    if device == torch.cuda.current_device():
+    if device == _current_device():
         _driver().launchKernel(*launch)
     else:
         with torch.cuda.device(device):  # the module's context
@@ -175,6 +186,13 @@ def _current_stream(device: int) -> int:
     uses, a few microseconds cheaper than `torch.cuda.current_stream`, where torch has it)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+def _current_device() -> int:
+    """torch's current CUDA device, by number (through the raw call behind
+    `torch.cuda.current_device`, a few microseconds cheaper, where torch has it)."""
+    raw = getattr(torch._C, "_cuda_getDevice", None)
+    return raw() if raw is not None else torch.cuda.current_device()
 
 
 def _launch_rows(

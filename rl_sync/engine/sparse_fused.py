@@ -215,13 +215,14 @@ def geometry(
     """The geometry of the boxes among `candidates` (indices of `pairs` on CUDA) that take the
     fused path: those on the first candidate's device whose source and baseline match (the
     others take the torch path); built on first use, then found by where the boxes are."""
-    device = pairs[candidates[0]][0].device
-    cuda = sparse_cuda.usable(device)  # (part of the signature: the two `diff`s cut tiles differently)
+    first = pairs[candidates[0]][0]
+    cuda = sparse_cuda.usable(first.get_device())  # (part of the signature: the two `diff`s cut tiles differently)
     signature = (cuda, _signature(pairs, candidates, shared))
     found = _GEOMETRIES.get(signature)
     if found is not None:
         _GEOMETRIES.move_to_end(signature)
         return found
+    device = first.device
     per_block, slot, boxes = BLOCK // kernels.TILE, 0, {}
     for i in candidates:
         cur = pairs[i][0]
@@ -369,6 +370,8 @@ Launch = tuple
 """A receiver's launch: `CHECKS`, `BLOCKED_CHECKS`, or a write, `(key, density class)` (`expand`)
 or `(key, None)` (`blocked_apply`)."""
 CHECKS: Launch = ("checks",)
+Queued = tuple[Callable[..., None], tuple]
+"""A receiver's launch, prepared: (kernel, its arguments)."""
 BLOCKED_CHECKS: Launch = ("blocked checks",)
 
 
@@ -376,10 +379,11 @@ class FusedReceiver:
     """The fused boxes one rank receives in a bucket: validated, then written, each step one
     launch per kind (and per key and density class, for the writes).
 
-    Usage: `add(...)` per box (it says whether the box takes the fused path); `validate()` (raises
-    the malformed boxes' `flags`, and `guard` with them, on the device); `write()` right behind
-    it: its kernels write nothing while `guard` is raised, so no host synchronization is needed in
-    between.
+    Usage: `add(...)` per box (it says whether the box takes the fused path; it reads where the
+    payload lies, not its bytes); `prepare()` (the tables to the device: a round runs it while the
+    payloads are on their way); `validate()` (raises the malformed boxes' `flags`, and `guard`
+    with them, on the device); `write()` right behind it: its kernels write nothing while `guard`
+    is raised, so no host synchronization is needed in between.
 
     The CUDA `expand` (`sparse_cuda`) rewrites whole 16-byte runs of a live view, unmarked elements
     with the values they had: it takes only buckets whose bitmap destinations share no byte (others
@@ -388,12 +392,17 @@ class FusedReceiver:
 
     def __init__(self, device: torch.device, flags: torch.Tensor, guard: torch.Tensor):
         self.device, self.flags, self.guard = device, flags, guard
-        self._cuda = sparse_cuda.usable(device)
+        self._cuda = sparse_cuda.usable(flags.get_device())
         self._spans: list[tuple[int, int]] = []  # the bytes of each bitmap destination on the vectorized path
-        self._rows: list[tuple[int, Key, int, int, list[int]]] = []  # (code, key, density, programs, row)
+        self._host_rows: list[int] = []  # the table's rows, one after another
+        self._programs: dict[Launch, list[int]] = {CHECKS: []}  # each launch's programs a row, up to its last row
+        self._check_programs = self._programs[CHECKS]
         self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # the table holds their addresses
+        self.boxes = 0
+        """Boxes added."""
         self._entries = 0
-        self._writes: list[tuple[Key, int | None, slice, int]] = []  # (key, density class or None, starts, programs)
+        self._checks: list[Queued] | None = None  # once prepared
+        self._writes: list[Queued] = []
 
     def add(
         self,
@@ -410,7 +419,14 @@ class FusedReceiver:
         `at`, to be written into `view`, when the box can take the fused path: bitmap or blocked,
         not empty, its payload on the view's device, the view of `dtype` (at most 8 bytes) with
         dims that merge into two. True when it takes it (`block` and `view` are kept until the
-        writes); False, with nothing kept, otherwise."""
+        writes); False, with nothing kept, otherwise.
+
+        Its row joins the checks (the CUDA `starts`: a program every `STARTS_WARPS` tiles of a
+        bitmap row, one for a blocked row; Triton's `bitmap_counts`: a program a bitmap tile) and
+        a write, `(key, density class)` (`expand`) for a bitmap row, `(key, None)`
+        (`blocked_apply`) and `BLOCKED_CHECKS` for a blocked one."""
+        if self._checks is not None:
+            raise RuntimeError(f"box {slot} was added after this bucket's receiver tables were prepared")
         width, device = dtype.itemsize, view.get_device()
         if code not in _FUSED_CODES or not n or view.dtype != dtype or width > 8 or block.get_device() != device:
             return False
@@ -420,84 +436,106 @@ class FusedReceiver:
             return False
         address = block.data_ptr()
         values = kernels.element_offset(address + at.values, device, width)
+        key = width, dest.fast
         if code == BITMAP:
-            m, payload, counts, limit = kernels.tiles(n), (address, 0, values), 0, kernels.TILE
+            m = kernels.tiles(n)
+            self._host_rows += (address, 0, values, *dest.columns, n, k, slot, self._entries, m, 0, kernels.TILE)
+            self._check_programs.append(-(-m // sparse_cuda.STARTS_WARPS) if self._cuda else m)
+            self._join((key, density(k, n)), m)
             if dest.fast:
                 self._spans.append((start, start + n * width))
         else:
-            m, payload, counts, limit = -(-n // BLOCK), (0, address + at.positions, values), address, BLOCK
-        row = [*payload, *dest.columns, n, k, slot, self._entries, m, counts, limit]
-        self._rows.append((code, (width, dest.fast), density(k, n), m, row))
+            m = -(-n // BLOCK)
+            self._host_rows += (
+                0,
+                address + at.positions,
+                values,
+                *dest.columns,
+                n,
+                k,
+                slot,
+                self._entries,
+                m,
+                address,
+                BLOCK,
+            )
+            self._check_programs.append(1 if self._cuda else 0)
+            self._join((key, None), m)
+            self._join(BLOCKED_CHECKS, m)
         self._kept.append((block, view))
         self._entries += m
+        self.boxes += 1
         return True
 
-    @property
-    def boxes(self) -> int:
-        """Boxes added."""
-        return len(self._rows)
+    def _join(self, launch: Launch, programs: int) -> None:
+        """The row being added (the `boxes`-th) joins `launch` with `programs` programs (the rows
+        before it that did not join take none)."""
+        counts = self._programs.get(launch)
+        if counts is None:
+            counts = self._programs[launch] = []
+        if len(counts) < self.boxes:
+            counts += itertools.repeat(0, self.boxes - len(counts))
+        counts.append(programs)
 
-    def _programs(self) -> dict[Launch, list[int]]:
-        """The programs each row takes in each launch it joins (0 in the others), by launch:
-        `CHECKS` (the CUDA `starts`: a bitmap row one every `STARTS_WARPS` tiles, any other one; or
-        Triton's `bitmap_counts`, a program a bitmap tile), `BLOCKED_CHECKS`, and the writes:
-        `(key, density class)` for the bitmap rows' `expand`, `(key, None)` the blocked rows'
-        `blocked_apply`."""
-        boxes, per, out = len(self._rows), sparse_cuda.STARTS_WARPS, {}
-        for i, (code, key, density_, m, _) in enumerate(self._rows):
-            bitmap = code == BITMAP
-            checks = (-(-m // per) if bitmap else 1) if self._cuda else (m if bitmap else 0)
-            joined = [(CHECKS, checks), ((key, density_ if bitmap else None), m)]
-            if not bitmap:
-                joined.append((BLOCKED_CHECKS, m))
-            for launch, programs in joined:
-                if launch not in out:
-                    out[launch] = [0] * boxes
-                out[launch][i] = programs
-        return out
-
-    @staticmethod
-    def _upload_starts(up: kernels.Upload, programs: list[int]) -> tuple[slice, int]:
-        """(where the program starts of rows of `programs` programs each went in `up`, programs in
-        all); `_NO_LAUNCH`, with nothing uploaded, when there are none."""
+    def _upload_starts(self, up: kernels.Upload, programs: list[int]) -> tuple[slice, int]:
+        """(where the program starts of a launch's rows of `programs` programs each went in `up`,
+        its programs in all), the rows after its last one taking none; `_NO_LAUNCH`, with nothing
+        uploaded, when it has none."""
         firsts = kernels.starts(programs)
-        return (up.add(firsts), firsts[-1]) if firsts[-1] else _NO_LAUNCH
+        if not firsts[-1]:
+            return _NO_LAUNCH
+        return up.add(itertools.chain(firsts, itertools.repeat(firsts[-1], self.boxes + 1 - len(firsts)))), firsts[-1]
 
-    def validate(self) -> None:
-        """Queue the checks: each row's payload positions (`starts`), its flag raised (and `guard`)
-        when its payload is malformed. The CUDA `starts` does in one launch what Triton's
-        `bitmap_counts` and `scan` do in two."""
-        if not self._rows:
+    def prepare(self) -> None:
+        """Everything the checks and writes need but the payloads' bytes: the table and program
+        starts uploaded, the buffers the checks fill, each launch's arguments. A round runs it
+        while the payloads are on their way; `validate` runs it when it has not run."""
+        if self._checks is not None or not self.boxes:
             return
-        up, boxes = kernels.Upload(), len(self._rows)
-        table = up.add_rows(row for *_, row in self._rows)
-        firsts = {launch: self._upload_starts(up, programs) for launch, programs in self._programs().items()}
+        up, boxes, device = kernels.Upload(), self.boxes, self.device
+        table_at = up.add(self._host_rows)
+        firsts = {launch: self._upload_starts(up, programs) for launch, programs in self._programs.items()}
         done = up.add(itertools.repeat(0, boxes)) if self._cuda else None  # `starts`' counters, zeroed
-        writes = sorted((launch for launch in firsts if launch not in (CHECKS, BLOCKED_CHECKS)), key=_launch_order)
-        self._writes = [(key, density_, *firsts[key, density_]) for key, density_ in writes]
-        self._dev = dev = up.send(self.device)
-        self._table = dev[table]
-        counts = torch.empty(self._entries, dtype=torch.int32, device=self.device)
-        self._starts = torch.empty(self._entries, dtype=torch.int64, device=self.device)
+        dev = up.send(device)
+        table = dev[table_at]
+        counts = torch.empty(self._entries, dtype=torch.int32, device=device)
+        starts = torch.empty(self._entries, dtype=torch.int64, device=device)
         flags = self.flags, self.guard
         (checks_at, checks), (blocked_at, blocked) = firsts[CHECKS], firsts.get(BLOCKED_CHECKS, _NO_LAUNCH)
+        queued: list[Queued] = []
         if done is not None:
-            sparse_cuda.starts(self._table, dev[checks_at], boxes, checks, counts, self._starts, *flags, dev[done])
+            queued.append(
+                (sparse_cuda.starts, (table, dev[checks_at], boxes, checks, counts, starts, *flags, dev[done]))
+            )
         else:
             if checks:
-                kernels.bitmap_counts(self._table, dev[checks_at], boxes, checks, counts, *flags)
-            kernels.scan(self._table, boxes, counts, self._starts, *flags)
+                queued.append((kernels.bitmap_counts, (table, dev[checks_at], boxes, checks, counts, *flags)))
+            queued.append((kernels.scan, (table, boxes, counts, starts, *flags)))
         if blocked:
-            kernels.blocked_check(self._table, dev[blocked_at], boxes, blocked, self._starts, *flags)
+            queued.append((kernels.blocked_check, (table, dev[blocked_at], boxes, blocked, starts, *flags)))
+        self._checks = queued
+        cuda = self._cuda and disjoint(self._spans)
+        for key, density_ in sorted(
+            (launch for launch in firsts if launch not in (CHECKS, BLOCKED_CHECKS)), key=_launch_order
+        ):
+            at, programs = firsts[key, density_]
+            if not programs:
+                continue
+            head = (table, dev[at], boxes, programs, key, starts)
+            if density_ is None:
+                self._writes.append((kernels.blocked_apply, (*head, self.guard)))
+            else:
+                self._writes.append((_kernel("expand", key, density_, cuda), (*head, density_, self.guard)))
+
+    def validate(self) -> None:
+        """Queue the checks (`prepare` first): each row's payload positions (`starts`), its flag
+        raised (and `guard`) when its payload is malformed. The CUDA `starts` does in one launch
+        what Triton's `bitmap_counts` and `scan` do in two."""
+        self.prepare()
+        for kernel, args in self._checks or ():
+            kernel(*args)
 
     def write(self) -> None:
         """Queue the writes (`validate` first), each key's `expand`s then its `blocked_apply`."""
-        boxes, cuda = len(self._rows), self._cuda and disjoint(self._spans)
-        for key, density_, at, programs in self._writes:
-            if not programs:
-                continue
-            if density_ is None:
-                kernels.blocked_apply(self._table, self._dev[at], boxes, programs, key, self._starts, self.guard)
-            else:
-                kernel = _kernel("expand", key, density_, cuda)
-                kernel(self._table, self._dev[at], boxes, programs, key, self._starts, density_, self.guard)
+        for kernel, args in self._writes:
+            kernel(*args)

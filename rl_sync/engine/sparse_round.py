@@ -9,7 +9,8 @@ smallest encoding (`rl_sync.sparse.encodings`), and advance the baseline
 Triton launches, and the bucket's counts read back once; the baselines of
 boxes the kernels did not update advance once the payloads are sent). Receivers validate
 every segment of the bucket and write it, in place, into live storage
-(`sparse_codec.BucketReceiver`: on CUDA the writes are queued behind the checks
+(`sparse_codec.BucketReceiver`: its tables are built and uploaded from the headers while
+the payloads travel; on CUDA the writes are queued behind the checks
 and skip themselves on the device when a segment is malformed; one host sync,
 after them): bad input raises and writes nothing of the bucket.
 
@@ -127,6 +128,27 @@ def _exchange(transport: Transport, sends, recvs, deadline: float, label: str) -
         transport.complete(deadline)
 
 
+def _receiver(
+    bucket: RankBucket,
+    layouts: list[list[tuple[int, int, int, int]]],
+    payloads: list[torch.Tensor],
+    io: SparseIO,
+    device: torch.device,
+) -> tuple[sparse_codec.BucketReceiver, list[Segment]]:
+    """The bucket's receiver, every segment it receives added (its payload at its place in
+    `payloads`, whose bytes have not arrived yet) and prepared; the segments, by slot."""
+    received = sparse_codec.BucketReceiver(device, sum(len(m.segments) for m in bucket.recvs))
+    segments: list[Segment] = []
+    for msg, blocks, payload in zip(bucket.recvs, layouts, payloads):
+        for seg, (code, k, start, size) in zip(msg.segments, blocks):
+            n = seg.nbytes // io.dtypes[seg.tensor].itemsize
+            view = io.dests[seg.tensor].view(seg.offsets, seg.sizes)
+            received.add(len(segments), code, k, n, io.dtypes[seg.tensor], payload[start : start + size], view)
+            segments.append(seg)
+    received.prepare()
+    return received, segments
+
+
 def run_sparse_bucket(
     bucket: RankBucket,
     io: SparseIO,
@@ -157,6 +179,7 @@ def run_sparse_bucket(
         for m, h in zip(bucket.recvs, headers_in)
     ]
     payloads_in = [torch.empty(sum(b[3] for b in blocks), dtype=torch.uint8, device=device) for blocks in layouts]
+    received, segments = _receiver(bucket, layouts, payloads_in, io, device)  # its tables, while the payloads travel
     _exchange(
         transport,
         [(m.peer, p) for m, (_, p) in zip(bucket.sends, encoded)],
@@ -168,21 +191,6 @@ def run_sparse_bucket(
     for msg, header, payload in zip(bucket.recvs, headers_in, payloads_in):
         if msg.relay in io.forwards:
             io.kept[msg.relay] = (header, payload)  # forwarded as it arrived, in a later bucket
-    received = sparse_codec.BucketReceiver(device, sum(len(m.segments) for m in bucket.recvs))
-    segments: list[Segment] = []
-    for msg, blocks, payload in zip(bucket.recvs, layouts, payloads_in):
-        for seg, (code, k, start, size) in zip(msg.segments, blocks):
-            n = seg.nbytes // io.dtypes[seg.tensor].itemsize
-            received.add(
-                len(segments),
-                code,
-                k,
-                n,
-                io.dtypes[seg.tensor],
-                payload[start : start + size],
-                io.dests[seg.tensor].view(seg.offsets, seg.sizes),
-            )
-            segments.append(seg)
     bad = received.commit() if segments else []  # written unless malformed; the bucket's one host sync
     if bad:
         raise BucketError(

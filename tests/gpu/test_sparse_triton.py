@@ -218,15 +218,20 @@ def test_a_bucket_of_mixed_widths_and_encodings_round_trips_and_names_its_one_ba
     assert all(torch.equal(p, p.ref) for p in payloads)
 
     def receive(corrupt: int | None):
+        """The receiver, every box added and prepared before its payload's bytes arrive, as a round
+        does; then they arrive."""
         received = sparse_codec.BucketReceiver(torch.device("cuda"), len(specs))
         lives = [_strided(base)[0] if i % 2 else base.clone() for i, (_, base) in enumerate(pairs)]
-        for i, ((dtype, code, _), (cur, _), payload) in enumerate(zip(specs, pairs, payloads)):
-            payload = payload.clone()
+        arriving = [torch.zeros_like(payload) for payload in payloads]
+        for i, ((dtype, code, _), (cur, _)) in enumerate(zip(specs, pairs)):
+            received.add(i, code, found.counts[i], cur.numel(), dtype, arriving[i], lives[i])
+        received.prepare()
+        for i, (payload, buffer) in enumerate(zip(payloads, arriving)):
+            buffer.copy_(payload)
             if i == corrupt == 3:
-                payload[: 4 * 6].view(torch.int32)[0] += 1  # one block claims an extra entry
+                buffer[: 4 * 6].view(torch.int32)[0] += 1  # one block claims an extra entry
             if i == corrupt == 5:
-                payload[:8].view(torch.int32)[:] = payload[:8].view(torch.int32).flip(0).clone()  # out of order
-            received.add(i, code, found.counts[i], cur.numel(), dtype, payload, lives[i])
+                buffer[:8].view(torch.int32)[:] = buffer[:8].view(torch.int32).flip(0).clone()  # out of order
         return received, lives
 
     for corrupt in (3, 5):

@@ -68,8 +68,12 @@ def main() -> None:
         assert torch.equal(_bits(baseline), _bits(cur)), f"baseline {i}"
     received = sparse_codec.BucketReceiver(torch.device("cpu"), len(cases))
     lives = [_strided(base) if strided else base.clone() for (_, base), (*_, strided) in zip(pairs, cases)]
-    for i, ((payload, _), (cur, _), (_, dtype, _, code, _)) in enumerate(zip(payloads, pairs, cases)):
-        received.add(i, code, found.counts[i], cur.numel(), dtype, payload, lives[i])
+    arriving = [torch.zeros_like(payload) for payload, _ in payloads]  # added and prepared before the bytes arrive
+    for i, (buffer, (cur, _), (_, dtype, _, code, _)) in enumerate(zip(arriving, pairs, cases)):
+        received.add(i, code, found.counts[i], cur.numel(), dtype, buffer, lives[i])
+    received.prepare()
+    for buffer, (payload, _) in zip(arriving, payloads):
+        buffer.copy_(payload)
     assert received.commit() == []
     assert all(torch.equal(_bits(live), _bits(cur)) for live, (cur, _) in zip(lives, pairs))
     blocked = payloads[0][0].clone()

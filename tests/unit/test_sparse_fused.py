@@ -225,3 +225,20 @@ def test_a_sender_compacts_the_boxes_encoded_so_far_once_they_hold_a_share_of_th
     assert per_launch == [0, 1, 1, 2, 2, 3, 3]  # 21 tiles: a launch once 5 (a quarter) wait
     found.finish()
     assert [table[:, -1].tolist() for table in launched] == [[0, 1], [2, 3], [4, 5], [6]]
+
+
+def test_a_receiver_refuses_a_box_added_after_its_tables_were_prepared(monkeypatch):
+    """`prepare` uploads the tables of the boxes added so far: a later box would be missing from
+    every launch, so it is refused, naming its slot."""
+    from rl_sync.engine import sparse_cuda
+    from rl_sync.sparse.encodings import BITMAP, encoded_nbytes
+
+    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
+    monkeypatch.setattr(sparse_cuda, "usable", lambda device: False)
+    n, k = 40_000, 5_000
+    received = sparse_codec.BucketReceiver(torch.device("cpu"), 2)
+    box = (BITMAP, k, n, torch.bfloat16, torch.zeros(encoded_nbytes(BITMAP, n, k, 2), dtype=torch.uint8))
+    received.add(0, *box, torch.zeros(n, dtype=torch.bfloat16))
+    received.prepare()
+    with pytest.raises(RuntimeError, match="box 1 was added after this bucket's receiver tables were prepared"):
+        received.add(1, *box, torch.zeros(n, dtype=torch.bfloat16))
