@@ -16,17 +16,30 @@ by the torch profiler): the rest of the wall time is host work and waiting.
 `--phases` adds the wall time of each step of both sides, with no
 synchronization inside the round: where the host spends it, and which steps
 wait for the device (the sender's counts, the receiver's flags, the tail).
+`--against TREE` adds this tree's codec against the `rl_sync` of an older
+checkout, in one process on the same buckets, round by round in alternating
+order: lent hosts drift by more than most host-side changes gain, so a
+comparison across runs or machines says little.
 
     python benchmarks/sparse_bench.py --e2e
     python benchmarks/sparse_bench.py --codec --device cuda --reference
     python benchmarks/sparse_bench.py --codec --device cuda --phases
+    git worktree add /tmp/base HEAD~3
+    python benchmarks/sparse_bench.py --codec --device cuda --against /tmp/base
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
+import shutil
 import statistics
+import sys
+import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -48,17 +61,19 @@ WARM_UP = 2
 memory, the allocator's blocks)."""
 
 
+def _once(fn, device: torch.device, setup=lambda: None) -> float:
+    """Seconds of one `fn()`, after an untimed `setup()`, the device idle before and after."""
+    setup()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def _timed(fn, device: torch.device, repeat: int = 3, setup=lambda: None) -> float:
     """Median seconds of `fn()` over `repeat` runs after `WARM_UP` more, `setup()` untimed before each."""
-    times = []
-    for _ in range(repeat + WARM_UP):
-        setup()
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[WARM_UP:])
+    return statistics.median([_once(fn, device, setup) for _ in range(repeat + WARM_UP)][WARM_UP:])
 
 
 def _steps(fn, device: torch.device, repeat: int, setup) -> dict[str, float]:
@@ -97,6 +112,85 @@ def _device_seconds(runs, device: torch.device) -> float | None:
     return seconds
 
 
+@dataclass
+class _Bucket:
+    """One bucket of `tensors` bf16 boxes of `n` elements at one density: the sources `cur`, the
+    baselines and live views (each reset to `base` before a timed run), each box's count,
+    encoding and payload buffer."""
+
+    n: int
+    base: list[torch.Tensor]
+    cur: list[torch.Tensor]
+    baseline: list[torch.Tensor]
+    live: list[torch.Tensor]
+    ks: list[int]
+    codes: list[int]
+    blocks: list[torch.Tensor]
+
+    def reset(self, targets: list[torch.Tensor]):
+        return lambda: [t.copy_(b) for t, b in zip(targets, self.base)]
+
+
+def _bucket(bucket: _Bucket, density: float, gen: torch.Generator) -> _Bucket:
+    """`bucket` with exactly `density` of each box's elements changed in its sources."""
+    device, n = bucket.base[0].device, bucket.n
+    cur = []
+    for b in bucket.base:
+        c = b.clone()
+        idx = torch.randperm(n, generator=gen, device=device)[: int(n * density)]
+        c[idx] = (c[idx].float() + 1.0).to(torch.bfloat16)
+        cur.append(c)
+    ks = [int(sparse_codec.changed(c, b).sum()) for c, b in zip(cur, bucket.base)]
+    codes = [choose(n, k, 2, allow_dense=True) for k in ks]
+    blocks = [
+        torch.empty(encoded_nbytes(code, n, k, 2), dtype=torch.uint8, device=device) for code, k in zip(codes, ks)
+    ]
+    return dataclasses.replace(bucket, cur=cur, ks=ks, codes=codes, blocks=blocks)
+
+
+def _sides(codec, bucket: _Bucket):
+    """(encode_all, apply_all) of `bucket` through the codec module `codec` (`sparse_codec`, or an
+    older tree's for `--against`), as a sparse round runs them; each takes `mark(name)`, called
+    at the end of each step."""
+    tensors, n, device = len(bucket.base), bucket.n, bucket.base[0].device
+    boxes = [(i, (0,), (n,)) for i in range(tensors)]
+
+    def encode_all(mark=_no_mark):  # the changes, the encodings, the baselines
+        found = codec.BucketChanges(list(zip(bucket.cur, bucket.baseline)), boxes)
+        mark("find (waits: counts)")
+        for i, (code, blk) in enumerate(zip(bucket.codes, bucket.blocks)):
+            found.encode(i, code, blk)
+        mark(f"{tensors} encode")
+        found.finish()
+        mark("finish")
+
+    def apply_all(mark=_no_mark):  # validate and write every box (one host sync, after the writes)
+        received = codec.BucketReceiver(device, tensors)
+        for slot, (blk, code, k, live) in enumerate(zip(bucket.blocks, bucket.codes, bucket.ks, bucket.live)):
+            received.add(slot, code, k, n, torch.bfloat16, blk, live)
+        mark(f"{tensors} add")
+        if hasattr(received, "prepare"):  # (a round adds and prepares while the payloads travel; older trees lack it)
+            received.prepare()
+        mark("prepare")
+        assert not received.commit()
+        mark("commit (waits: flags)")
+
+    return encode_all, apply_all
+
+
+def _empty_bucket(device: torch.device, total_bytes: int, tensors: int) -> tuple[_Bucket, torch.Generator]:
+    n = total_bytes // 2 // tensors
+    gen = torch.Generator(device=device).manual_seed(0)
+    base = [torch.randn(n, generator=gen, device=device).to(torch.bfloat16) for _ in range(tensors)]
+    bucket = _Bucket(n, base, [], [b.clone() for b in base], [b.clone() for b in base], [], [], [])
+    return bucket, gen
+
+
+def _copy(bucket: _Bucket):
+    """A device copy of the bucket's bytes (the yardstick)."""
+    return lambda: [live.copy_(b) for live, b in zip(bucket.live, bucket.base)]
+
+
 def codec_tables(
     device: torch.device,
     repeat: int,
@@ -110,11 +204,8 @@ def codec_tables(
     `phases` adds a table of each step's wall time (`_steps`)."""
     if reference:
         sparse_codec._on_kernel_device = lambda t: False
-    n = total_bytes // 2 // tensors
-    gen = torch.Generator(device=device).manual_seed(0)
-    base = [torch.randn(n, generator=gen, device=device).to(torch.bfloat16) for _ in range(tensors)]
-    live, baseline = [b.clone() for b in base], [b.clone() for b in base]
-    copy_s = _timed(lambda: [l.copy_(b) for l, b in zip(live, base)], device, repeat)
+    empty, gen = _empty_bucket(device, total_bytes, tensors)
+    copy_s = _timed(_copy(empty), device, repeat)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     kind = "torch"
     if device.type == "cuda" and not reference:
@@ -129,50 +220,20 @@ def codec_tables(
     for column in (*columns, "device ms", "device / copy"):
         table.add_column(column, justify="right")
     steps = Table(title=f"{table.title}: µs of each step, no synchronization inside the round")
-    boxes = [(i, (0,), (n,)) for i in range(tensors)]
     for density in DENSITIES:
-        cur = []
-        for b in base:
-            c = b.clone()
-            idx = torch.randperm(n, generator=gen, device=device)[: int(n * density)]
-            c[idx] = (c[idx].float() + 1.0).to(torch.bfloat16)
-            cur.append(c)
-        ks = [int(sparse_codec.changed(c, b).sum()) for c, b in zip(cur, base)]
-        codes = [choose(n, k, 2, allow_dense=True) for k in ks]
-        blocks = [
-            torch.empty(encoded_nbytes(code, n, k, 2), dtype=torch.uint8, device=device) for code, k in zip(codes, ks)
-        ]
-
-        def encode_all(mark=_no_mark):  # as a sparse round does: the changes, the encodings, the baselines
-            found = sparse_codec.BucketChanges(list(zip(cur, baseline)), boxes)
-            mark("find (waits: counts)")
-            for i, (code, blk) in enumerate(zip(codes, blocks)):
-                found.encode(i, code, blk)
-            mark(f"{tensors} encode")
-            found.finish()
-            mark("finish")
-
-        def apply_all(mark=_no_mark):  # validate and write every box (one host sync, after the writes)
-            received = sparse_codec.BucketReceiver(device, tensors)
-            for slot, (blk, code, k, l) in enumerate(zip(blocks, codes, ks, live)):
-                received.add(slot, code, k, n, torch.bfloat16, blk, l)
-            mark(f"{tensors} add")
-            received.prepare()  # (a round adds and prepares while the payloads travel)
-            mark("prepare")
-            assert not received.commit()
-            mark("commit (waits: flags)")
-
-        def reset(targets):
-            return lambda: [t.copy_(b) for t, b in zip(targets, base)]
-
-        encode_s = _timed(encode_all, device, repeat, setup=reset(baseline))
-        apply_s = _timed(apply_all, device, repeat, setup=reset(live))
-        assert all(torch.equal(t.view(torch.int16), c.view(torch.int16)) for t, c in zip(live + baseline, cur + cur))
-        device_s = _device_seconds([(encode_all, reset(baseline)), (apply_all, reset(live))], device)
-        wire = sum(b.numel() for b in blocks)
+        bucket = _bucket(empty, density, gen)
+        encode_all, apply_all = _sides(sparse_codec, bucket)
+        sides = [("send", encode_all, bucket.reset(bucket.baseline)), ("receive", apply_all, bucket.reset(bucket.live))]
+        encode_s, apply_s = (_timed(fn, device, repeat, setup=setup) for _, fn, setup in sides)
+        assert all(
+            torch.equal(t.view(torch.int16), c.view(torch.int16))
+            for t, c in zip(bucket.live + bucket.baseline, bucket.cur + bucket.cur)
+        )
+        device_s = _device_seconds([(fn, setup) for _, fn, setup in sides], device)
+        wire = sum(b.numel() for b in bucket.blocks)
         table.add_row(
             f"{density:.1%}",
-            NAMES[codes[0]],
+            NAMES[bucket.codes[0]],
             f"{wire / total_bytes:.2%}",
             f"{encode_s * 1e3:.2f}",
             f"{apply_s * 1e3:.2f}",
@@ -181,7 +242,6 @@ def codec_tables(
             "-" if device_s is None else f"{device_s / copy_s:.1f}x",
         )
         if phases:
-            sides = [("send", encode_all, reset(baseline)), ("receive", apply_all, reset(live))]
             times = {
                 f"{side}: {name}": t
                 for side, fn, setup in sides
@@ -192,6 +252,59 @@ def codec_tables(
                     steps.add_column(column, justify="right")
             steps.add_row(f"{density:.1%}", *(f"{t * 1e6:.0f}" for t in times.values()))
     return [table, steps] if phases else [table]
+
+
+def _base_codec(tree: Path):
+    """The `sparse_codec` module of the `rl_sync` package under `tree` (an older checkout, e.g.
+    `git worktree add /tmp/base <commit>`), imported as `rl_sync_base` (its imports are relative)."""
+    package = tree / "rl_sync"
+    if not (package / "__init__.py").is_file():
+        raise SystemExit(f"--against {tree}: no rl_sync package there (expected {package / '__init__.py'})")
+    holder = Path(tempfile.mkdtemp(prefix="rl_sync_base_"))
+    shutil.copytree(package, holder / "rl_sync_base", ignore=shutil.ignore_patterns("__pycache__"))
+    sys.path.insert(0, str(holder))
+    return importlib.import_module("rl_sync_base.engine.sparse_codec")
+
+
+def against_table(
+    device: torch.device, repeat: int, tree: Path, total_bytes: int = 1 << 30, tensors: int = 16
+) -> Table:
+    """This tree's codec against the one under `tree`, in one process on the same buckets: each
+    round runs both, in alternating order, so drifts of the host (lent machines differ by up to
+    1.5x, and one machine by 0.25x over minutes) fall on both alike; the median and first quartile
+    of total / copy over `repeat` rounds (a copy timed each round)."""
+    codecs = {"this tree": sparse_codec, str(tree): _base_codec(tree)}
+    empty, gen = _empty_bucket(device, total_bytes, tensors)
+    table = Table(
+        title=f"sparse codec against {tree}: {total_bytes / 2**30:.0f} GiB bf16 in {tensors} tensors, "
+        f"{repeat} rounds each, alternating"
+    )
+    for column in ("density", "codec", "diff+encode ms", "decode+apply ms", "total / copy", "first quartile"):
+        table.add_column(column, justify="right")
+    for density in (0.01, 0.1):
+        bucket = _bucket(empty, density, gen)
+        runs = {label: _sides(codec, bucket) for label, codec in codecs.items()}
+        resets = bucket.reset(bucket.baseline), bucket.reset(bucket.live)
+        times: dict[str, list[tuple[float, float]]] = {label: [] for label in runs}
+        copies = []
+        for r in range(repeat + WARM_UP):
+            copies.append(_once(_copy(bucket), device))
+            for label in list(runs)[:: 1 if r % 2 else -1]:
+                (encode_all, apply_all), (reset_baseline, reset_live) = runs[label], resets
+                times[label].append((_once(encode_all, device, reset_baseline), _once(apply_all, device, reset_live)))
+        copy_s = statistics.median(copies[WARM_UP:])
+        for label, pairs in times.items():
+            pairs = pairs[WARM_UP:]
+            totals = [(e + a) / copy_s for e, a in pairs]
+            table.add_row(
+                f"{density:.1%}",
+                label,
+                f"{statistics.median(e for e, _ in pairs) * 1e3:.3f}",
+                f"{statistics.median(a for _, a in pairs) * 1e3:.3f}",
+                f"{statistics.median(totals):.2f}x",
+                f"{statistics.quantiles(totals, n=4)[0]:.2f}x",
+            )
+    return table
 
 
 def e2e_table(repeat: int) -> Table:
@@ -279,6 +392,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--reference", action="store_true", help="with --codec: time the torch codec too")
     parser.add_argument("--phases", action="store_true", help="with --codec: the wall time of each step")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        metavar="TREE",
+        help="with --codec: also this tree's codec against the rl_sync under TREE",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per figure (their median)")
     args = parser.parse_args()
     console = Console(width=160)
@@ -287,6 +406,8 @@ def main() -> None:
             console.print(table)
         if args.reference:
             console.print(*codec_tables(torch.device(args.device), args.repeat, reference=True))
+        if args.against:
+            console.print(against_table(torch.device(args.device), args.repeat, args.against))
     if args.e2e:
         console.print(e2e_table(args.repeat))
 
