@@ -103,6 +103,7 @@ def _macros() -> tuple[str, ...]:
     values = {name: getattr(kernels, name) for name in names}
     values |= {"NO_INDEX": kernels.NONE, "INT32_INDEX": kernels.INT32_INDEX, "UINT16_OFFSET": kernels.UINT16_OFFSET}
     values["BLOCK"] = BLOCK
+    values["INLINE_VALUES"] = INLINE_VALUES
     return tuple(f"-D{name}={getattr(value, 'value', value)}" for name, value in sorted(values.items()))
 
 
@@ -140,32 +141,55 @@ def _functions(device: int) -> dict[str, Any]:
 
 
 MAX_ARGS = 16
-"""Arguments a kernel of the file takes, at most (all 64-bit)."""
+"""Arguments a kernel of the file takes, at most (all 64-bit), besides its inline rows."""
+INLINE_VALUES = 480
+"""int64 values a launch of `compact`, `expand` or `starts` can carry in its parameters (`Inline` in
+the source: its program starts, then its rows), rather than in a table uploaded to the device
+(3,840 bytes: with the other arguments, under the 4 KiB a kernel's parameters may take). A launch
+of fewer rows skips the upload, its pinned staging and its slices: on an H200's host about 30 µs
+of a sender's first `compact` and of a receiver's checks, both on the round's critical path."""
+
+
+def fits_inline(boxes: int, columns: int) -> bool:
+    """Whether a launch of `boxes` rows of `columns` values carries them in its parameters."""
+    return boxes + 1 + boxes * columns <= INLINE_VALUES
 
 
 class _Params(threading.local):
-    """This thread's argument slots for `cuLaunchKernel`: `values`, and `address`, that of an array
-    of pointers to each slot (the driver copies the values when the launch is queued, so the slots
-    are free again once `_launch` returns)."""
+    """This thread's argument slots for `cuLaunchKernel`: `values`, `inline` (a launch's rows, when
+    its kernel takes them), and the addresses of two arrays of pointers to the slots: `address`
+    (the values alone) and `inline_address` (the inline rows first). The driver copies the values
+    when the launch is queued, so the slots are free again once `_launch` returns."""
 
     def __init__(self) -> None:
         self.values = np.zeros(MAX_ARGS, dtype=np.int64)
+        self.inline = np.zeros(INLINE_VALUES, dtype=np.int64)
         first = self.values.ctypes.data
-        self._pointers = np.arange(first, first + 8 * MAX_ARGS, 8, dtype=np.uint64)
-        self.address = self._pointers.ctypes.data
+        pointers = [self.inline.ctypes.data, *range(first, first + 8 * MAX_ARGS, 8)]
+        self._pointers = np.array(pointers, dtype=np.uint64)
+        self.inline_address = self._pointers.ctypes.data
+        self.address = self.inline_address + 8
 
 
 _PARAMS = _Params()
 
 
-def _launch(name: str, warps: int, total: int, device: int, *args: int) -> None:
+def _launch(name: str, warps: int, total: int, device: int, *args: int, inline: list[int] | None = None) -> None:
     """Kernel `name` (`_names`) over `total` programs of `warps` warps, on torch's current stream of
     the device numbered `device`; `args` are addresses and counts, 64-bit as every kernel of the file
-    takes them. Queued through the driver with the arguments in one int64 array: CuPy's kernel call
-    converts each argument to an object first, about 10 µs a launch on an H200's host."""
+    takes them, after `inline`, the values of its `Inline` parameter (`compact`, `expand` and
+    `starts` take one; `diff` none: None). Queued through the driver with the arguments in one
+    int64 array: CuPy's kernel call converts each argument to an object first, about 10 µs a launch
+    on an H200's host."""
     handle, params = _functions(device)[name].ptr, _PARAMS
     params.values[: len(args)] = args
-    launch = (handle, total, 1, 1, 32 * warps, 1, 1, 0, _current_stream(device), params.address, 0)
+    pointers = params.address
+    if inline is not None:
+        if len(inline) > INLINE_VALUES:
+            raise ValueError(f"{len(inline)} inline values for {name}; a launch carries at most {INLINE_VALUES}")
+        params.inline[: len(inline)] = inline
+        pointers = params.inline_address
+    launch = (handle, total, 1, 1, 32 * warps, 1, 1, 0, _current_stream(device), pointers, 0)
     if device == _current_device():
         _driver().launchKernel(*launch)
     else:
@@ -195,29 +219,45 @@ def _current_device() -> int:
     return raw() if raw is not None else torch.cuda.current_device()
 
 
+Rows = torch.Tensor | list[int]
+"""A launch's table (or its program starts): int64 on the device, or host values, which the
+kernels that take an `Inline` parameter carry there (`fits_inline`)."""
+
+
+def _rows(table: Rows, firsts: Rows, takes_inline: bool) -> tuple[tuple[int, int], list[int] | None]:
+    """((table address, starts address), the launch's inline values): (0, 0) and the starts then
+    the rows for host values; the tensors' addresses and none (`[]`, or None for a kernel without
+    the parameter) otherwise."""
+    if isinstance(table, torch.Tensor) and isinstance(firsts, torch.Tensor):
+        return (table.data_ptr(), firsts.data_ptr()), [] if takes_inline else None
+    if not takes_inline or isinstance(table, torch.Tensor) or isinstance(firsts, torch.Tensor):
+        raise ValueError("a launch takes its table and program starts both on the device or both inline (not diff)")
+    return (0, 0), [*firsts, *table]
+
+
 def _launch_rows(
     name: str,
     key: tuple[int, bool],
     density: int | None,
     total: int,
-    table: torch.Tensor,
-    firsts: torch.Tensor,
+    table: Rows,
+    firsts: Rows,
     boxes: int,
     *data: torch.Tensor,
 ) -> None:
-    """Kernel `name` over `total` programs of the rows `table` (program starts `firsts`, `boxes` rows),
-    with the addresses of `data` and of the width's anchor after them: every kernel of the file takes
-    its arguments in that order. Refuses a launch `sparse_fused` would not send here: off the
-    vectorized path, or (`density` given) not busy."""
+    """Kernel `name` over `total` programs of the rows `table` (program starts `firsts`, `boxes` rows;
+    `Rows`), with the addresses of `data` and of the width's anchor after them: every kernel of
+    the file takes its arguments in that order. Refuses a launch `sparse_fused` would not send
+    here: off the vectorized path, or (`density` given) not busy."""
     width, fast = key
     if not fast or density == 0:
         busy, what = ("", key) if density is None else ("busy ", f"{key}, density {density}")
         raise ValueError(f"the CUDA {name} takes {busy}launches on the vectorized path, not {what}")
     if total:
         device = data[0].get_device()
-        rows = (table.data_ptr(), firsts.data_ptr(), boxes)
+        where, inline = _rows(table, firsts, name != "diff")
         addresses = (*(t.data_ptr() for t in data), kernels.anchor_address(device, width))
-        _launch(_NAMES[name, width], WARPS[name][width], total, device, *rows, *addresses)
+        _launch(_NAMES[name, width], WARPS[name][width], total, device, *where, boxes, *addresses, inline=inline)
 
 
 def diff(
@@ -235,8 +275,8 @@ def diff(
 
 
 def compact(
-    table: torch.Tensor,
-    firsts: torch.Tensor,
+    table: Rows,
+    firsts: Rows,
     boxes: int,
     total: int,
     key: tuple[int, bool],
@@ -250,8 +290,8 @@ def compact(
 
 
 def expand(
-    table: torch.Tensor,
-    firsts: torch.Tensor,
+    table: Rows,
+    firsts: Rows,
     boxes: int,
     total: int,
     key: tuple[int, bool],
@@ -264,8 +304,8 @@ def expand(
 
 
 def starts(
-    table: torch.Tensor,
-    firsts: torch.Tensor,
+    table: Rows,
+    firsts: Rows,
     boxes: int,
     total: int,
     counts: torch.Tensor,
@@ -281,6 +321,7 @@ def starts(
     `starts` and flags; `done`: `boxes` zeroed int64 counters (the programs of a bitmap row count
     themselves off, and its last one scans it)."""
     if total:
+        where, inline = _rows(table, firsts, True)
         addresses = (counts, positions, flags, guard, done)
-        args = (table.data_ptr(), firsts.data_ptr(), boxes, *(t.data_ptr() for t in addresses))
-        _launch(_STARTS, STARTS_WARPS, total, counts.get_device(), *args)
+        args = (*where, boxes, *(t.data_ptr() for t in addresses))
+        _launch(_STARTS, STARTS_WARPS, total, counts.get_device(), *args, inline=inline)

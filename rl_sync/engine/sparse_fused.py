@@ -86,19 +86,23 @@ launch."""
 
 @dataclass(frozen=True)
 class _Launch:
-    """One kernel launch's rows on the device: `table[rows]` and their program starts `firsts`."""
+    """One kernel launch's rows and their program starts: `table[rows]` and `table[firsts]` of the
+    uploaded `table` (slices), or host values its kernel carries inline (`sparse_cuda.Rows`)."""
 
     key: Key
     density: int | None
-    rows: slice
-    firsts: slice
+    rows: slice | list[int]
+    firsts: slice | list[int]
     boxes: int
     total: int
 
 
-def _launches(rows: list[Row], up: kernels.Upload) -> list[_Launch]:
-    """One launch per (key, density class) of `rows`, in that order, its table and starts added to
-    `up`."""
+def _launches(
+    rows: list[Row], up: kernels.Upload, inline: Callable[[Key, int | None], bool] = lambda *_: False
+) -> list[_Launch]:
+    """One launch per (key, density class) of `rows`, in that order: its table and starts carried
+    inline where `inline(key, density class)` says its kernel takes them so and they fit
+    (`sparse_cuda.fits_inline`), else added to `up`."""
     groups: dict[tuple[Key, int | None], tuple[list[int], list[list[int]]]] = {}
     for key, density_, count, row in rows:
         group = groups.get((key, density_))
@@ -110,8 +114,11 @@ def _launches(rows: list[Row], up: kernels.Upload) -> list[_Launch]:
     for key, density_ in sorted(groups, key=_launch_order):
         programs, table = groups[key, density_]
         firsts = kernels.starts(programs)
-        at = up.add_rows(table)
-        out.append(_Launch(key, density_, at, up.add(firsts), len(table), firsts[-1]))
+        if inline(key, density_) and sparse_cuda.fits_inline(len(table), len(table[0])):
+            out.append(_Launch(key, density_, [*itertools.chain.from_iterable(table)], firsts, len(table), firsts[-1]))
+        else:
+            at = up.add_rows(table)
+            out.append(_Launch(key, density_, at, up.add(firsts), len(table), firsts[-1]))
     return out
 
 
@@ -140,13 +147,13 @@ Prepared = tuple[Callable[..., None], tuple, tuple]
 one): `kernel(*head, *args, *choice)`."""
 
 
-def _prepared(name: str, launches: list[_Launch], dev: torch.Tensor, cuda: bool) -> list[Prepared]:
+def _prepared(name: str, launches: list[_Launch], dev: torch.Tensor | None, cuda: bool) -> list[Prepared]:
     """Each launch of kernel `name` with programs (`_kernel`'s choice, with `cuda`), its table and
-    starts sliced from the uploaded `dev`."""
+    starts sliced from the uploaded `dev` (or carried inline)."""
     return [
         (
             _kernel(name, launch.key, launch.density, cuda),
-            (dev[launch.rows], dev[launch.firsts], launch.boxes, launch.total, launch.key),
+            (_part(dev, launch.rows), _part(dev, launch.firsts), launch.boxes, launch.total, launch.key),
             () if launch.density is None else (launch.density,),
         )
         for launch in launches
@@ -154,7 +161,21 @@ def _prepared(name: str, launches: list[_Launch], dev: torch.Tensor, cuda: bool)
     ]
 
 
-def _run(name: str, launches: list[_Launch], dev: torch.Tensor, *args, cuda: bool) -> None:
+def _part(dev: torch.Tensor | None, where: slice | list[int]) -> torch.Tensor | list[int]:
+    """`where` of the uploaded `dev`, or the host values of a launch that carries them inline."""
+    if isinstance(where, list):
+        return where
+    assert dev is not None  # (something was uploaded)
+    return dev[where]
+
+
+def _on_cuda(name: str, cuda: bool) -> Callable[[Key, int | None], bool]:
+    """Whether a launch of kernel `name`, key and density class takes `sparse_cuda`'s kernel (which
+    can carry its rows inline), with `cuda` (`sparse_cuda.usable`)."""
+    return lambda key, density_: _kernels(name, key, density_, cuda) is sparse_cuda
+
+
+def _run(name: str, launches: list[_Launch], dev: torch.Tensor | None, *args, cuda: bool) -> None:
     """Each launch of kernel `name` (`_prepared`), with `args` after its key."""
     for kernel, head, choice in _prepared(name, launches, dev, cuda):
         kernel(*head, *args, *choice)
@@ -330,10 +351,10 @@ class FusedSender:
                 self.complete()
 
     def _compact(self, rows: list[Row]) -> None:
-        up = kernels.Upload()
-        launches = _launches(rows, up)
-        dev = up.send(self.device)
-        _run("compact", launches, dev, self._words, self._starts, self._blocks, cuda=self.geometry.cuda)
+        up, cuda = kernels.Upload(), self.geometry.cuda
+        launches = _launches(rows, up, _on_cuda("compact", cuda))
+        dev = up.send(self.device) if len(up) else None
+        _run("compact", launches, dev, self._words, self._starts, self._blocks, cuda=cuda)
 
     def complete(self) -> None:
         """Every encoding, and the baselines of boxes no other box overlaps."""
@@ -364,8 +385,8 @@ def disjoint(spans: list[tuple[int, int]]) -> bool:
 
 _FUSED_CODES = (BITMAP, BLOCKED)
 """The encodings a receiver's fused kernels check and write (the rest take the torch path)."""
-_NO_LAUNCH = (slice(0, 0), 0)
-"""(program starts, programs) of a launch without rows: not uploaded, not launched."""
+_NO_LAUNCH = (None, 0)
+"""(program starts, programs) of a launch without rows: not launched."""
 Launch = tuple
 """A receiver's launch: `CHECKS`, `BLOCKED_CHECKS`, or a write, `(key, density class)` (`expand`)
 or `(key, None)` (`blocked_apply`)."""
@@ -477,55 +498,79 @@ class FusedReceiver:
             counts += itertools.repeat(0, self.boxes - len(counts))
         counts.append(programs)
 
-    def _upload_starts(self, up: kernels.Upload, programs: list[int]) -> tuple[slice, int]:
-        """(where the program starts of a launch's rows of `programs` programs each went in `up`,
-        its programs in all), the rows after its last one taking none; `_NO_LAUNCH`, with nothing
-        uploaded, when it has none."""
-        firsts = kernels.starts(programs)
-        if not firsts[-1]:
-            return _NO_LAUNCH
-        return up.add(itertools.chain(firsts, itertools.repeat(firsts[-1], self.boxes + 1 - len(firsts)))), firsts[-1]
-
     def prepare(self) -> None:
         """Everything the checks and writes need but the payloads' bytes: the table and program
-        starts uploaded, the buffers the checks fill, each launch's arguments. A round runs it
-        while the payloads are on their way; `validate` runs it when it has not run."""
+        starts uploaded (or kept, to be carried inline), the buffers the checks fill, each launch's
+        arguments. A round runs it while the payloads are on their way; `validate` runs it when it
+        has not run."""
         if self._checks is not None or not self.boxes:
             return
-        up, boxes, device = kernels.Upload(), self.boxes, self.device
-        table_at = up.add(self._host_rows)
-        firsts = {launch: self._upload_starts(up, programs) for launch, programs in self._programs.items()}
-        done = up.add(itertools.repeat(0, boxes)) if self._cuda else None  # `starts`' counters, zeroed
-        dev = up.send(device)
-        table = dev[table_at]
+        boxes, device, cuda = self.boxes, self.device, self._cuda and disjoint(self._spans)
+        table, firsts, done = self._placed(self._inline(cuda))
         counts = torch.empty(self._entries, dtype=torch.int32, device=device)
         starts = torch.empty(self._entries, dtype=torch.int64, device=device)
         flags = self.flags, self.guard
         (checks_at, checks), (blocked_at, blocked) = firsts[CHECKS], firsts.get(BLOCKED_CHECKS, _NO_LAUNCH)
         queued: list[Queued] = []
         if done is not None:
-            queued.append(
-                (sparse_cuda.starts, (table, dev[checks_at], boxes, checks, counts, starts, *flags, dev[done]))
-            )
+            queued.append((sparse_cuda.starts, (table, checks_at, boxes, checks, counts, starts, *flags, done)))
         else:
             if checks:
-                queued.append((kernels.bitmap_counts, (table, dev[checks_at], boxes, checks, counts, *flags)))
+                queued.append((kernels.bitmap_counts, (table, checks_at, boxes, checks, counts, *flags)))
             queued.append((kernels.scan, (table, boxes, counts, starts, *flags)))
         if blocked:
-            queued.append((kernels.blocked_check, (table, dev[blocked_at], boxes, blocked, starts, *flags)))
+            queued.append((kernels.blocked_check, (table, blocked_at, boxes, blocked, starts, *flags)))
         self._checks = queued
-        cuda = self._cuda and disjoint(self._spans)
-        for key, density_ in sorted(
-            (launch for launch in firsts if launch not in (CHECKS, BLOCKED_CHECKS)), key=_launch_order
-        ):
+        writes = sorted((launch for launch in firsts if launch not in (CHECKS, BLOCKED_CHECKS)), key=_launch_order)
+        for key, density_ in writes:
             at, programs = firsts[key, density_]
             if not programs:
                 continue
-            head = (table, dev[at], boxes, programs, key, starts)
+            head = (table, at, boxes, programs, key, starts)
             if density_ is None:
                 self._writes.append((kernels.blocked_apply, (*head, self.guard)))
             else:
                 self._writes.append((_kernel("expand", key, density_, cuda), (*head, density_, self.guard)))
+
+    def _inline(self, cuda: bool) -> bool:
+        """Whether every launch carries the table inline: all of them `sparse_cuda`'s (its `starts`,
+        and busy `expand`s on the vectorized path, `cuda` as `write` picks them) and the rows few
+        enough (`sparse_cuda.fits_inline`)."""
+        writes = (launch for launch in self._programs if launch != CHECKS)
+        return (
+            self._cuda
+            and sparse_cuda.fits_inline(self.boxes, kernels.RECV_COLUMNS)
+            and all(
+                launch != BLOCKED_CHECKS and _kernels("expand", launch[0], launch[1], cuda) is sparse_cuda
+                for launch in writes
+            )
+        )
+
+    def _placed(
+        self, inline: bool
+    ) -> tuple[sparse_cuda.Rows, dict[Launch, tuple[sparse_cuda.Rows | None, int]], torch.Tensor | None]:
+        """(the table; each launch's program starts (None when it has no programs: not uploaded)
+        and programs; `starts`' zeroed counters, on the CUDA path): host values carried inline, or
+        one upload sliced."""
+        firsts = {launch: self._starts_of(programs) for launch, programs in self._programs.items()}
+        if inline:
+            done = torch.zeros(self.boxes, dtype=torch.int64, device=self.device)
+            return self._host_rows, {launch: (at, at[-1]) for launch, at in firsts.items()}, done
+        up = kernels.Upload()
+        table_at = up.add(self._host_rows)
+        uploaded = {launch: up.add(at) for launch, at in firsts.items() if at[-1]}
+        done_at = up.add(itertools.repeat(0, self.boxes)) if self._cuda else None  # `starts`' counters, zeroed
+        dev = up.send(self.device)
+        placed: dict[Launch, tuple[sparse_cuda.Rows | None, int]] = {
+            launch: (dev[uploaded[launch]] if at[-1] else None, at[-1]) for launch, at in firsts.items()
+        }
+        return dev[table_at], placed, None if done_at is None else dev[done_at]
+
+    def _starts_of(self, programs: list[int]) -> list[int]:
+        """The program starts of a launch whose rows take `programs` programs each, the rows after
+        its last one taking none (`boxes + 1` values)."""
+        firsts = kernels.starts(programs)
+        return firsts + [firsts[-1]] * (self.boxes + 1 - len(firsts))
 
     def validate(self) -> None:
         """Queue the checks (`prepare` first): each row's payload positions (`starts`), its flag

@@ -26,6 +26,23 @@ union Lane {
   VT el[16 / sizeof(VT)];
 };
 
+// A launch's program starts (`boxes + 1`) then its rows, passed in the kernel's parameters rather
+// than uploaded: `compact`, `expand` and `starts` read them from here when their `table` is null.
+// `__grid_constant__` keeps them in the parameter space, read through their address, not copied
+// to each thread.
+struct Inline {
+  i64 v[INLINE_VALUES];
+};
+
+// Where a launch's rows and program starts are: `*table` and `*firsts` in global memory, or,
+// `*table` being null, inline in `in`.
+__device__ __forceinline__ void rows_of(const Inline& in, i64 boxes, const i64** table, const i64** firsts) {
+  if (*table == nullptr) {
+    *firsts = in.v;
+    *table = in.v + boxes + 1;
+  }
+}
+
 // This program's box (the last whose first program is at most this one) and its tile within it.
 __device__ __forceinline__ i64 find_box(const i64* firsts, i64 boxes, i64* tile) {
   const i64 pid = blockIdx.x;
@@ -247,9 +264,10 @@ __device__ __forceinline__ void compact_kind(const i64* row, VT* anchor, const u
 // step ahead; 32 warps took 2% longer), 32 for wider ones (64 registers; fewer spill).
 template <typename VT, int TILE, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32, (sizeof(VT) == 2 ? 48 : sizeof(VT) == 1 ? 40 : 32) / WARPS)
-    compact(const i64* table, const i64* firsts, i64 boxes, const u32* words, const i64* starts, const int* blocks,
-            VT* anchor) {
+    compact(const __grid_constant__ Inline in, const i64* table, const i64* firsts, i64 boxes, const u32* words,
+            const i64* starts, const int* blocks, VT* anchor) {
   constexpr int STEP = 32 * (16 / sizeof(VT)), WPT = TILE / 32;
+  rows_of(in, boxes, &table, &firsts);
   __shared__ int counts[WARPS];
   __shared__ VT staged_values[WARPS][STEP + 32];
   __shared__ int staged_index[WARPS][STEP + 32];
@@ -348,8 +366,10 @@ __device__ __forceinline__ void expand_tile(const i64* row, VT* anchor, const u3
 // where the 16 bytes reach past the box). Payload positions at or past `k` are not read.
 template <typename VT, int TILE, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
-    expand(const i64* table, const i64* firsts, i64 boxes, const i64* starts, const int* guard, VT* anchor) {
+    expand(const __grid_constant__ Inline in, const i64* table, const i64* firsts, i64 boxes, const i64* starts,
+           const int* guard, VT* anchor) {
   if (*guard) return;  // a box of the bucket is malformed: nothing is written
+  rows_of(in, boxes, &table, &firsts);
   __shared__ int counts[WARPS];
   __shared__ VT staged_values[WARPS][1024];
   i64 t;
@@ -452,8 +472,9 @@ __device__ __forceinline__ void scan_row(const i64* row, const int* source, i64*
 // the row's counts. Any other row takes one program, which scans the row's wire block counts.
 template <int TILE, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
-    starts(const i64* table, const i64* firsts, i64 boxes, int* counts, i64* positions, int* flags, int* guard,
-           unsigned long long* done) {
+    starts(const __grid_constant__ Inline in, const i64* table, const i64* firsts, i64 boxes, int* counts,
+           i64* positions, int* flags, int* guard, unsigned long long* done) {
+  rows_of(in, boxes, &table, &firsts);
   __shared__ int partial[WARPS];
   __shared__ bool last;
   i64 p;

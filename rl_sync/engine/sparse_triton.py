@@ -246,6 +246,10 @@ class Upload:
     def __init__(self) -> None:
         self._values: list[int] = []
 
+    def __len__(self) -> int:
+        """Values added so far."""
+        return len(self._values)
+
     def add(self, values: Iterable[int]) -> slice:
         first = len(self._values)
         self._values.extend(values)

@@ -366,3 +366,31 @@ def test_boxes_of_many_tiles_and_blocks_are_checked_whole_before_any_write(corru
     assert received.commit() == expected
     wanted = [base for _, base in pairs] if expected else [cur for cur, _ in pairs]
     assert all(torch.equal(_bits(live), _bits(w)) for live, w in zip(lives, wanted))
+
+
+@pytest.mark.parametrize("boxes", [3, 40])
+def test_busy_buckets_round_trip_with_their_tables_inline_or_uploaded(boxes):
+    """Busy bitmap boxes on the vectorized path: 3 carry the sender's and receiver's tables in the
+    CUDA kernels' parameters, 40 are too many (`sparse_cuda.INLINE_VALUES`) and upload them; either
+    way the payloads are the reference's and the live copies end equal to the sources, and a
+    corrupted bitmap writes nothing."""
+    pairs = [_pair(8, 5000, 0.3, torch.bfloat16, seed) for seed in range(boxes)]
+    sources = [(c.clone(), b.clone()) for c, b in pairs]
+    found = sparse_codec.BucketChanges(sources, [(i, (0, 0), (8, 5000)) for i in range(boxes)])
+    refs = [_reference(BITMAP, c, b) for c, b in pairs]
+    payloads = [torch.zeros_like(ref) for _, ref in refs]
+    for i, payload in enumerate(payloads):
+        found.encode(i, BITMAP, payload)
+    found.finish()
+    assert all(torch.equal(p, ref) for p, (_, ref) in zip(payloads, refs))
+    for corrupt in (boxes - 1, None):
+        lives = [b.clone() for _, b in pairs]
+        received = sparse_codec.BucketReceiver(torch.device("cuda"), boxes)
+        for i, ((k, _), payload, live) in enumerate(zip(refs, payloads, lives)):
+            if i == corrupt:
+                payload = payload.clone()
+                payload[0] ^= 1  # one mark more or fewer than k
+            received.add(i, BITMAP, k, 8 * 5000, torch.bfloat16, payload, live)
+        assert received.commit() == ([] if corrupt is None else [corrupt])
+        wanted = [b for _, b in pairs] if corrupt is not None else [c for c, _ in pairs]
+        assert all(torch.equal(_bits(live), _bits(w)) for live, w in zip(lives, wanted)), corrupt

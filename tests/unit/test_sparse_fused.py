@@ -242,3 +242,65 @@ def test_a_receiver_refuses_a_box_added_after_its_tables_were_prepared(monkeypat
     received.prepare()
     with pytest.raises(RuntimeError, match="box 1 was added after this bucket's receiver tables were prepared"):
         received.add(1, *box, torch.zeros(n, dtype=torch.bfloat16))
+
+
+def test_a_receiver_carries_few_rows_inline_and_uploads_many(monkeypatch):
+    """With the CUDA kernels, a bucket of busy bitmap rows few enough for `sparse_cuda.INLINE_VALUES`
+    passes its table and program starts to `starts` and `expand` as host values (no upload), with
+    zeroed counters; one of more rows uploads them."""
+    from rl_sync.engine import sparse_cuda
+    from rl_sync.engine import sparse_triton as kernels
+    from rl_sync.sparse.encodings import BITMAP, encoded_nbytes
+
+    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
+    monkeypatch.setattr(sparse_cuda, "usable", lambda device: True)
+    launched = []
+    monkeypatch.setattr(sparse_cuda, "starts", lambda *a: launched.append(("starts", a)))
+    monkeypatch.setattr(sparse_cuda, "expand", lambda *a: launched.append(("expand", a)))
+    n, k = 40_000, 5_000  # busy
+    many = sparse_cuda.INLINE_VALUES // kernels.RECV_COLUMNS
+    assert sparse_cuda.fits_inline(3, kernels.RECV_COLUMNS) and not sparse_cuda.fits_inline(many, kernels.RECV_COLUMNS)
+    for boxes in (3, many):
+        launched.clear()
+        received = sparse_codec.BucketReceiver(torch.device("cpu"), boxes)
+        for slot in range(boxes):
+            payload = torch.zeros(encoded_nbytes(BITMAP, n, k, 2), dtype=torch.uint8)
+            received.add(slot, BITMAP, k, n, torch.bfloat16, payload, torch.zeros(n, dtype=torch.bfloat16))
+        assert received.commit() == []
+        (_, checks), (_, writes) = launched
+        table, firsts, rows, *_, done = checks
+        assert rows == boxes and writes[:3] == (table, writes[1], boxes)
+        if boxes == 3:
+            each = -(-kernels.tiles(n) // sparse_cuda.STARTS_WARPS)
+            assert len(table) == 3 * kernels.RECV_COLUMNS and firsts == [0, each, 2 * each, 3 * each]
+            assert writes[1] == [0, kernels.tiles(n), 2 * kernels.tiles(n), 3 * kernels.tiles(n)]
+            assert done.tolist() == [0, 0, 0]
+        else:
+            assert all(isinstance(t, torch.Tensor) for t in (table, firsts, writes[1]))
+
+
+def test_a_sender_carries_a_flush_of_few_busy_rows_inline(monkeypatch):
+    """With the CUDA kernels, each `compact` launch passes its rows and program starts as host
+    values: the same rows, in the order encoded, as an uploaded table would hold."""
+    from rl_sync.engine import sparse_cuda
+    from rl_sync.engine import sparse_triton as kernels
+    from rl_sync.sparse.encodings import BITMAP, encoded_nbytes
+
+    n, k = 40_000, 4_000  # 3 tiles a box, busy
+    launched = []
+
+    def diff(table, firsts, boxes, total, key, words, counts, totals):
+        totals.fill_(k)
+
+    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
+    monkeypatch.setattr(sparse_cuda, "usable", lambda device: True)
+    monkeypatch.setattr(sparse_fused, "FLUSH_TILES", 1)
+    monkeypatch.setattr(sparse_cuda, "diff", diff)
+    monkeypatch.setattr(sparse_cuda, "compact", lambda table, firsts, boxes, *args: launched.append((table, firsts)))
+    found = sparse_codec.BucketChanges(_pairs(7, n), [(i, (0,), (n,)) for i in range(7)])
+    for i in range(7):
+        found.encode(i, BITMAP, torch.zeros(encoded_nbytes(BITMAP, n, k, 2), dtype=torch.uint8))
+    found.finish()
+    columns = kernels.SEND_COLUMNS
+    assert [table[columns - 1 :: columns] for table, _ in launched] == [[0, 1], [2, 3], [4, 5], [6]]
+    assert [firsts for _, firsts in launched] == [[0, 3, 6]] * 3 + [[0, 3]]
