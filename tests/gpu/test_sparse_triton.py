@@ -249,7 +249,7 @@ def test_launches_on_the_vectorized_path_take_the_cuda_kernels(sparse_kernels, m
     Triton either way, but for the checks, which do not touch the destination."""
     launched = []
     original = sparse_cuda._launch
-    spy = lambda kernel, *args: launched.append(kernel.split("<")[0]) or original(kernel, *args)  # noqa: E731
+    spy = lambda kernel, *args, **inline: launched.append(kernel.split("<")[0]) or original(kernel, *args, **inline)  # noqa: E731
     monkeypatch.setattr(sparse_cuda, "_launch", spy)
     for strided in (False, True):
         cur, base = _pair(64, 4096, 0.1, torch.bfloat16, 7)
