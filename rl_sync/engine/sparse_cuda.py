@@ -13,7 +13,9 @@ busy or busier; every other launch, and every launch where CuPy is missing (the 
 process and device by NVRTC through CuPy, with the table columns passed as macros, and the
 kernels are queued through the CUDA driver (`cuLaunchKernel`, their arguments in one int64 array)
 on torch's current stream, so they queue behind and ahead of the Triton launches of the same
-bucket with no synchronization in between.
+bucket with no synchronization in between. `compact`, `expand` and `starts` take their table and
+program starts either uploaded (pointers) or, up to `INLINE_VALUES` values, in their parameters
+(`Rows`: a list of host values), which spares the host an upload on the round's critical path.
 """
 
 from __future__ import annotations

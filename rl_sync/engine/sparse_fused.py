@@ -1,8 +1,9 @@
 """The fused sparse codec's host side: box tables for the Triton kernels (`sparse_triton`) and the
 CUDA ones that replace `diff`, the busy `compact` and `expand` and the receiver's checks where
-CuPy is installed (`sparse_cuda`), one upload per step (the sender's `compact` takes up to
-`FLUSHES` steps, each launched while the host encodes the next boxes), and a bucket's counts read
-back in one transfer.
+CuPy is installed (`sparse_cuda`), one upload per step, or none where every launch of the step
+is a CUDA one whose rows fit in its parameters (`sparse_cuda.fits_inline`; the sender's `compact`
+takes up to `FLUSHES` steps, each launched while the host encodes the next boxes), and a bucket's
+counts read back in one transfer.
 
 `FusedSender` finds and encodes the CUDA boxes one rank sends in a bucket, `FusedReceiver`
 validates and writes the CUDA boxes it receives; `sparse_codec.BucketChanges` and
