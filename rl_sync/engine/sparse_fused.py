@@ -392,9 +392,9 @@ Launch = tuple
 """A receiver's launch: `CHECKS`, `BLOCKED_CHECKS`, or a write, `(key, density class)` (`expand`)
 or `(key, None)` (`blocked_apply`)."""
 CHECKS: Launch = ("checks",)
+BLOCKED_CHECKS: Launch = ("blocked checks",)
 Queued = tuple[Callable[..., None], tuple]
 """A receiver's launch, prepared: (kernel, its arguments)."""
-BLOCKED_CHECKS: Launch = ("blocked checks",)
 
 
 class FusedReceiver:
@@ -402,10 +402,11 @@ class FusedReceiver:
     launch per kind (and per key and density class, for the writes).
 
     Usage: `add(...)` per box (it says whether the box takes the fused path; it reads where the
-    payload lies, not its bytes); `prepare()` (the tables to the device: a round runs it while the
-    payloads are on their way); `validate()` (raises the malformed boxes' `flags`, and `guard`
-    with them, on the device); `write()` right behind it: its kernels write nothing while `guard`
-    is raised, so no host synchronization is needed in between.
+    payload lies, not its bytes); `prepare()` (the tables to the device, or kept for the
+    launches' parameters: a round runs it while the payloads are on their way); `validate()`
+    (raises the malformed boxes' `flags`, and `guard` with them, on the device); `write()` right
+    behind it: its kernels write nothing while `guard` is raised, so no host synchronization is
+    needed in between.
 
     The CUDA `expand` (`sparse_cuda`) rewrites whole 16-byte runs of a live view, unmarked elements
     with the values they had: it takes only buckets whose bitmap destinations share no byte (others
