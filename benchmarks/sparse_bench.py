@@ -31,6 +31,7 @@ comparison across runs or machines says little.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import importlib
 import shutil
@@ -202,8 +203,18 @@ def codec_tables(
     """Diff + encode + baseline update, then validate + apply, for `total_bytes` of bf16 in
     `tensors` tensors, as one bucket (as a sparse round does); `reference` forces the torch codec;
     `phases` adds a table of each step's wall time (`_steps`)."""
+    on_kernel_device = sparse_codec._on_kernel_device
     if reference:
         sparse_codec._on_kernel_device = lambda t: False
+    try:
+        return _codec_tables(device, repeat, total_bytes, tensors, reference, phases)
+    finally:
+        sparse_codec._on_kernel_device = on_kernel_device
+
+
+def _codec_tables(
+    device: torch.device, repeat: int, total_bytes: int, tensors: int, reference: bool, phases: bool
+) -> list[Table]:
     empty, gen = _empty_bucket(device, total_bytes, tensors)
     copy_s = _timed(_copy(empty), device, repeat)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -261,6 +272,7 @@ def _base_codec(tree: Path):
     if not (package / "__init__.py").is_file():
         raise SystemExit(f"--against {tree}: no rl_sync package there (expected {package / '__init__.py'})")
     holder = Path(tempfile.mkdtemp(prefix="rl_sync_base_"))
+    atexit.register(shutil.rmtree, holder, ignore_errors=True)
     shutil.copytree(package, holder / "rl_sync_base", ignore=shutil.ignore_patterns("__pycache__"))
     sys.path.insert(0, str(holder))
     return importlib.import_module("rl_sync_base.engine.sparse_codec")
@@ -302,7 +314,7 @@ def against_table(
                 f"{statistics.median(e for e, _ in pairs) * 1e3:.3f}",
                 f"{statistics.median(a for _, a in pairs) * 1e3:.3f}",
                 f"{statistics.median(totals):.2f}x",
-                f"{statistics.quantiles(totals, n=4)[0]:.2f}x",
+                f"{statistics.quantiles(totals, n=4)[0] if len(totals) > 1 else totals[0]:.2f}x",
             )
     return table
 

@@ -448,8 +448,6 @@ class FusedReceiver:
         bitmap row, one for a blocked row; Triton's `bitmap_counts`: a program a bitmap tile) and
         a write, `(key, density class)` (`expand`) for a bitmap row, `(key, None)`
         (`blocked_apply`) and `BLOCKED_CHECKS` for a blocked one."""
-        if self._checks is not None:
-            raise RuntimeError(f"box {slot} was added after this bucket's receiver tables were prepared")
         width, device = dtype.itemsize, view.get_device()
         if code not in _FUSED_CODES or not n or view.dtype != dtype or width > 8 or block.get_device() != device:
             return False
@@ -457,6 +455,8 @@ class FusedReceiver:
         dest = kernels.strided(start, view.shape, view.stride(), width, device)
         if dest is None:
             return False
+        if self._checks is not None:
+            raise RuntimeError(f"box {slot} was added after this bucket's receiver tables were prepared")
         address = block.data_ptr()
         values = kernels.element_offset(address + at.values, device, width)
         key = width, dest.fast
@@ -575,12 +575,13 @@ class FusedReceiver:
         return firsts + [firsts[-1]] * (self.boxes + 1 - len(firsts))
 
     def validate(self) -> None:
-        """Queue the checks (`prepare` first): each row's payload positions (`starts`), its flag
-        raised (and `guard`) when its payload is malformed. The CUDA `starts` does in one launch
-        what Triton's `bitmap_counts` and `scan` do in two."""
+        """Queue the checks (`prepare` first; once, later calls queue nothing): each row's payload
+        positions (`starts`), its flag raised (and `guard`) when its payload is malformed. The CUDA
+        `starts` does in one launch what Triton's `bitmap_counts` and `scan` do in two."""
         self.prepare()
         for kernel, args in self._checks or ():
             kernel(*args)
+        self._checks = []  # queued once: `starts`' counters are spent
 
     def write(self) -> None:
         """Queue the writes (`validate` first), each key's `expand`s then its `blocked_apply`."""

@@ -9,8 +9,8 @@ smallest encoding (`rl_sync.sparse.encodings`), and advance the baseline
 Triton launches, and the bucket's counts read back once; the baselines of
 boxes the kernels did not update advance once the payloads are sent). Receivers validate
 every segment of the bucket and write it, in place, into live storage
-(`sparse_codec.BucketReceiver`: its tables are built and uploaded from the headers while
-the payloads travel; on CUDA the writes are queued behind the checks
+(`sparse_codec.BucketReceiver`: its tables are built and uploaded from the headers once
+the payload exchange is posted, while the payloads travel; on CUDA the writes are queued behind the checks
 and skip themselves on the device when a segment is malformed; one host sync,
 after them): bad input raises and writes nothing of the bucket.
 
@@ -22,8 +22,9 @@ message as it arrived and sends them unchanged in the bucket its schedule names.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -35,6 +36,8 @@ from ..transport.base import Transport
 from . import sparse_codec
 from .endpoint import Endpoint
 from .runner import BucketError, Counters, describe_bucket
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -120,12 +123,18 @@ def _payload_sizes(msg: Message, header: list[int], io: SparseIO, where: str) ->
     return blocks
 
 
-def _exchange(transport: Transport, sends, recvs, deadline: float, label: str) -> None:
+def _exchange(transport: Transport, sends, recvs, deadline: float, label: str, meanwhile: Callable[[], T]) -> T:
     """One grouped exchange, complete before the host reads it (digests are checked once, at
-    the round's `finish`)."""
-    if sends or recvs:
-        transport.post(sends, recvs, label=label).wait(deadline)
-        transport.complete(deadline)
+    the round's `finish`); `meanwhile()` runs while it is in flight (what arrives must not be
+    read there), and what it returns is returned. The exchange completes even when `meanwhile`
+    raises, so no peer waits on this rank."""
+    pending = transport.post(sends, recvs, label=label) if sends or recvs else None
+    try:
+        return meanwhile()
+    finally:
+        if pending is not None:
+            pending.wait(deadline)
+            transport.complete(deadline)
 
 
 def _receiver(
@@ -173,21 +182,22 @@ def run_sparse_bucket(
         [(m.peer, h.view(torch.uint8)) for m, h in zip(bucket.recvs, headers_in)],
         deadline,
         f"{where} (headers)",
+        lambda: None,
     )
     layouts = [
         _payload_sizes(m, h.tolist(), io, f"{where}, message from rank {m.peer}")
         for m, h in zip(bucket.recvs, headers_in)
     ]
     payloads_in = [torch.empty(sum(b[3] for b in blocks), dtype=torch.uint8, device=device) for blocks in layouts]
-    received, segments = _receiver(bucket, layouts, payloads_in, io, device)  # its tables, while the payloads travel
-    _exchange(
+    received, segments = _exchange(
         transport,
         [(m.peer, p) for m, (_, p) in zip(bucket.sends, encoded)],
         [(m.peer, p) for m, p in zip(bucket.recvs, payloads_in)],
         deadline,
         where,
+        lambda: _receiver(bucket, layouts, payloads_in, io, device),  # its tables, while the payloads travel
     )
-    found.advance()  # the baselines, while the receivers decode
+    found.advance()  # the baselines, before the received boxes are checked and written
     for msg, header, payload in zip(bucket.recvs, headers_in, payloads_in):
         if msg.relay in io.forwards:
             io.kept[msg.relay] = (header, payload)  # forwarded as it arrived, in a later bucket

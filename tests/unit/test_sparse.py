@@ -183,3 +183,36 @@ def test_a_bucket_diffs_overlapping_boxes_against_the_baseline_it_started_with()
         received.add(slot, code, found.counts[slot], cur[a:b].numel(), torch.bfloat16, payload, live[a:b])
     assert received.commit() == []
     assert torch.equal(live[:48].view(torch.int16), cur[:48].view(torch.int16))
+
+
+def test_the_payload_exchange_completes_while_and_even_when_the_receiver_is_prepared():
+    """A sparse round prepares its receiver between posting the payload exchange and waiting on it;
+    when preparing fails, the exchange still completes (no peer waits on this rank) and the error
+    comes out."""
+    from rl_sync.engine import sparse_round
+
+    steps = []
+
+    class Transport:
+        def post(self, sends, recvs, label=""):
+            steps.append("post")
+            pending = type("Pending", (), {"wait": lambda self, deadline: steps.append("wait")})
+            return pending()
+
+        def complete(self, deadline):
+            steps.append("complete")
+
+    buf = torch.zeros(4, dtype=torch.uint8)
+    got = sparse_round._exchange(
+        Transport(), [(1, buf)], [(1, buf)], 0.0, "bucket 0", lambda: steps.append("prepare") or 7
+    )
+    assert got == 7 and steps == ["post", "prepare", "wait", "complete"]
+    steps.clear()
+
+    def refuse():
+        steps.append("prepare")
+        raise ValueError("not aligned")
+
+    with pytest.raises(ValueError, match="not aligned"):
+        sparse_round._exchange(Transport(), [(1, buf)], [(1, buf)], 0.0, "bucket 0", refuse)
+    assert steps == ["post", "prepare", "wait", "complete"]
