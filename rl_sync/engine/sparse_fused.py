@@ -538,14 +538,12 @@ class FusedReceiver:
         """Whether every launch carries the table inline: all of them `sparse_cuda`'s (its `starts`,
         and busy `expand`s on the vectorized path, `cuda` as `write` picks them) and the rows few
         enough (`sparse_cuda.fits_inline`)."""
+        on_cuda = _on_cuda("expand", cuda)
         writes = (launch for launch in self._programs if launch != CHECKS)
         return (
             self._cuda
             and sparse_cuda.fits_inline(self.boxes, kernels.RECV_COLUMNS)
-            and all(
-                launch != BLOCKED_CHECKS and _kernels("expand", launch[0], launch[1], cuda) is sparse_cuda
-                for launch in writes
-            )
+            and all(launch != BLOCKED_CHECKS and on_cuda(launch[0], launch[1]) for launch in writes)
         )
 
     def _placed(

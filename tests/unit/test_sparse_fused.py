@@ -197,30 +197,41 @@ def test_a_receiver_writes_each_key_in_turn_its_expands_by_density_then_its_bloc
     ]
 
 
+BUSY_N, BUSY_K = 40_000, 4_000
+"""`_busy_sender`'s boxes: elements and changes."""
+
+
+def _busy_sender(monkeypatch, cuda: bool, compact) -> sparse_codec.BucketChanges:
+    """A sender of 7 busy boxes of 40,000 bf16 elements (3 tiles each), `BUSY_K` changes each (the
+    `diff` of `sparse_cuda` with `cuda`, else Triton's, stubbed to count them), flushing from one
+    tile on, its `compact` launches handed to `compact` (the same module's)."""
+    from rl_sync.engine import sparse_cuda
+    from rl_sync.engine import sparse_triton as kernels
+
+    def diff(table, firsts, boxes, total, key, words, counts, totals):
+        totals.fill_(BUSY_K)
+
+    module = sparse_cuda if cuda else kernels
+    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
+    monkeypatch.setattr(sparse_cuda, "usable", lambda device: cuda)
+    monkeypatch.setattr(sparse_fused, "FLUSH_TILES", 1)
+    monkeypatch.setattr(module, "diff", diff)
+    monkeypatch.setattr(module, "compact", compact)
+    return sparse_codec.BucketChanges(_pairs(7, BUSY_N), [(i, (0,), (BUSY_N,)) for i in range(7)])
+
+
 def test_a_sender_compacts_the_boxes_encoded_so_far_once_they_hold_a_share_of_the_bucket(monkeypatch):
     """`encode` launches `compact` for the boxes it has encoded once they hold a `FLUSHES`-th of the
     bucket's tiles; `complete` launches the rest: every box once, in the order encoded."""
-    from rl_sync.engine import sparse_cuda
     from rl_sync.engine import sparse_triton as kernels
     from rl_sync.sparse.encodings import BITMAP, encoded_nbytes
 
-    n, k = 40_000, 4_000  # 3 tiles a box, busy
     launched = []
-
-    def diff(table, firsts, boxes, total, key, words, counts, totals):
-        totals.fill_(k)
-
-    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
-    monkeypatch.setattr(sparse_cuda, "usable", lambda device: False)
-    monkeypatch.setattr(sparse_fused, "FLUSH_TILES", 1)
-    monkeypatch.setattr(kernels, "diff", diff)
-    monkeypatch.setattr(kernels, "compact", lambda table, *args: launched.append(table.view(-1, kernels.SEND_COLUMNS)))
-    pairs = _pairs(7, n)
-    found = sparse_codec.BucketChanges(pairs, [(i, (0,), (n,)) for i in range(7)])
-    assert found.counts == [k] * 7
+    found = _busy_sender(monkeypatch, False, lambda table, *args: launched.append(table.view(-1, kernels.SEND_COLUMNS)))
+    assert found.counts == [BUSY_K] * 7
     per_launch = []
     for i in range(7):
-        found.encode(i, BITMAP, torch.zeros(encoded_nbytes(BITMAP, n, k, 2), dtype=torch.uint8))
+        found.encode(i, BITMAP, torch.zeros(encoded_nbytes(BITMAP, BUSY_N, BUSY_K, 2), dtype=torch.uint8))
         per_launch.append(len(launched))
     assert per_launch == [0, 1, 1, 2, 2, 3, 3]  # 21 tiles: a launch once 5 (a quarter) wait
     found.finish()
@@ -282,24 +293,13 @@ def test_a_receiver_carries_few_rows_inline_and_uploads_many(monkeypatch):
 def test_a_sender_carries_a_flush_of_few_busy_rows_inline(monkeypatch):
     """With the CUDA kernels, each `compact` launch passes its rows and program starts as host
     values: the same rows, in the order encoded, as an uploaded table would hold."""
-    from rl_sync.engine import sparse_cuda
     from rl_sync.engine import sparse_triton as kernels
     from rl_sync.sparse.encodings import BITMAP, encoded_nbytes
 
-    n, k = 40_000, 4_000  # 3 tiles a box, busy
     launched = []
-
-    def diff(table, firsts, boxes, total, key, words, counts, totals):
-        totals.fill_(k)
-
-    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
-    monkeypatch.setattr(sparse_cuda, "usable", lambda device: True)
-    monkeypatch.setattr(sparse_fused, "FLUSH_TILES", 1)
-    monkeypatch.setattr(sparse_cuda, "diff", diff)
-    monkeypatch.setattr(sparse_cuda, "compact", lambda table, firsts, boxes, *args: launched.append((table, firsts)))
-    found = sparse_codec.BucketChanges(_pairs(7, n), [(i, (0,), (n,)) for i in range(7)])
+    found = _busy_sender(monkeypatch, True, lambda table, firsts, boxes, *args: launched.append((table, firsts)))
     for i in range(7):
-        found.encode(i, BITMAP, torch.zeros(encoded_nbytes(BITMAP, n, k, 2), dtype=torch.uint8))
+        found.encode(i, BITMAP, torch.zeros(encoded_nbytes(BITMAP, BUSY_N, BUSY_K, 2), dtype=torch.uint8))
     found.finish()
     columns = kernels.SEND_COLUMNS
     assert [table[columns - 1 :: columns] for table, _ in launched] == [[0, 1], [2, 3], [4, 5], [6]]
