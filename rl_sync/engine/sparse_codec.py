@@ -241,6 +241,14 @@ def _fused():
     return sparse_fused
 
 
+def flags_layout(boxes: int) -> tuple[int, int]:
+    """(where the counters begin, how many values in all) of the int32 values a receiver of `boxes`
+    boxes zeroes: a flag a box, the guard, then a counter (int64, so 8-byte aligned) a box for the
+    fused checks (the CUDA `starts`, `sparse_fused.FusedReceiver`)."""
+    counters = (boxes + 2) // 2 * 2
+    return counters, counters + 2 * boxes
+
+
 def _on_kernel_device(t: torch.Tensor) -> bool:
     return t.is_cuda  # (not `t.device.type`: building the device object costs 10x more, per box)
 
@@ -363,7 +371,7 @@ class BucketReceiver:
 
     def __init__(self, device: torch.device, boxes: int):
         self.device, self._boxes = device, boxes
-        self.flags = torch.zeros(boxes + 1, dtype=torch.int32, device=device)  # the last: the guard
+        self.flags = torch.zeros(flags_layout(boxes)[1], dtype=torch.int32, device=device)
         self._decodes: list[tuple] = []  # the torch path's boxes: `add`'s arguments, decoded at `commit`
         self._fused: FusedReceiver | None = None
 
@@ -375,7 +383,7 @@ class BucketReceiver:
         at = _checked_layout(code, k, n, dtype, block)
         if _on_kernel_device(view):
             if self._fused is None:
-                self._fused = _fused().FusedReceiver(self.device, self.flags[:-1], self.flags[-1:])
+                self._fused = _fused().FusedReceiver(self.device, self.flags, self._boxes)
             if self._fused.add(slot, code, k, n, dtype, at, block, view):
                 return
         self._decodes.append((slot, code, k, n, dtype, block, view))
@@ -391,10 +399,11 @@ class BucketReceiver:
         writes = [self._decode(*box) for box in self._decodes]
         if self._fused is not None and self._fused.boxes:
             if writes:  # boxes on the torch path too: their flags raise the guard as well
-                torch.amax(self.flags[:-1], dim=0, keepdim=True, out=self.flags[-1:])
+                boxes = self._boxes
+                torch.amax(self.flags[:boxes], dim=0, keepdim=True, out=self.flags[boxes : boxes + 1])
             self._fused.validate()
             self._fused.write()
-        bad = [slot for slot, flag in enumerate(self.flags[:-1].tolist()) if flag]  # the one sync
+        bad = [slot for slot, flag in enumerate(self.flags[: self._boxes].tolist()) if flag]  # the one sync
         if not bad:
             for write in writes:
                 write()

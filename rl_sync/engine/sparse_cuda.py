@@ -25,7 +25,7 @@ import importlib.resources
 import os
 import threading
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -176,20 +176,23 @@ class _Params(threading.local):
 _PARAMS = _Params()
 
 
-def _launch(name: str, warps: int, total: int, device: int, *args: int, inline: list[int] | None = None) -> None:
+def _launch(name: str, warps: int, total: int, device: int, *args: int, inline: Inline | None = None) -> None:
     """Kernel `name` (`_names`) over `total` programs of `warps` warps, on torch's current stream of
     the device numbered `device`; `args` are addresses and counts, 64-bit as every kernel of the file
-    takes them, after `inline`, the values of its `Inline` parameter (`compact`, `expand` and
-    `starts` take one; `diff` none: None). Queued through the driver with the arguments in one
-    int64 array: CuPy's kernel call converts each argument to an object first, about 10 µs a launch
-    on an H200's host."""
+    takes them, after `inline`, the values of its `Inline` parameter (program starts, then rows:
+    `compact`, `expand` and `starts` take one; `diff` none: None). Queued through the driver with
+    the arguments in one int64 array: CuPy's kernel call converts each argument to an object first,
+    about 10 µs a launch on an H200's host."""
     handle, params = _functions(device)[name].ptr, _PARAMS
     params.values[: len(args)] = args
     pointers = params.address
     if inline is not None:
-        if len(inline) > INLINE_VALUES:
-            raise ValueError(f"{len(inline)} inline values for {name}; a launch carries at most {INLINE_VALUES}")
-        params.inline[: len(inline)] = inline
+        firsts, rows = inline
+        end = len(firsts) + len(rows)
+        if end > INLINE_VALUES:
+            raise ValueError(f"{end} inline values for {name}; a launch carries at most {INLINE_VALUES}")
+        params.inline[: len(firsts)] = firsts
+        params.inline[len(firsts) : end] = rows
         pointers = params.inline_address
     launch = (handle, total, 1, 1, 32 * warps, 1, 1, 0, _current_stream(device), pointers, 0)
     if device == _current_device():
@@ -221,20 +224,39 @@ def _current_device() -> int:
     return raw() if raw is not None else torch.cuda.current_device()
 
 
-Rows = torch.Tensor | list[int]
-"""A launch's table (or its program starts): int64 on the device, or host values, which the
-kernels that take an `Inline` parameter carry there (`fits_inline`)."""
+Rows = torch.Tensor | list[int] | np.ndarray
+"""A launch's table (or its program starts): int64 on the device, or host values (a list, or an
+int64 array for a table several launches carry), which the kernels that take an `Inline`
+parameter carry there (`fits_inline`)."""
+Inline = tuple[list[int] | np.ndarray, list[int] | np.ndarray]
+"""A launch's inline values: its program starts, then its rows."""
 
 
-def _rows(table: Rows, firsts: Rows, takes_inline: bool) -> tuple[tuple[int, int], list[int] | None]:
-    """((table address, starts address), the launch's inline values): (0, 0) and the starts then
-    the rows for host values; the tensors' addresses and none (`[]`, or None for a kernel without
-    the parameter) otherwise."""
+class Address(NamedTuple):
+    """Device memory a launch takes by its address `at` (on the device numbered `device`) rather
+    than as a tensor, where a view would cost the host more than the launch: a launch reads only
+    `data_ptr()` and `get_device()` of the tensors it is given. Whoever passes one keeps the memory
+    alive until the launch is done (stream order: until later work on the stream may reuse it)."""
+
+    at: int
+    device: int
+
+    def data_ptr(self) -> int:
+        return self.at
+
+    def get_device(self) -> int:
+        return self.device
+
+
+def _rows(table: Rows, firsts: Rows, takes_inline: bool) -> tuple[tuple[int, int], Inline | None]:
+    """((table address, starts address), the launch's inline values): (0, 0) and (the starts, the
+    rows) for host values; the tensors' addresses and none (empty, or None for a kernel without the
+    parameter) otherwise."""
     if isinstance(table, torch.Tensor) and isinstance(firsts, torch.Tensor):
-        return (table.data_ptr(), firsts.data_ptr()), [] if takes_inline else None
+        return (table.data_ptr(), firsts.data_ptr()), ([], []) if takes_inline else None
     if not takes_inline or isinstance(table, torch.Tensor) or isinstance(firsts, torch.Tensor):
         raise ValueError("a launch takes its table and program starts both on the device or both inline (not diff)")
-    return (0, 0), [*firsts, *table]
+    return (0, 0), (firsts, table)
 
 
 def _launch_rows(
@@ -245,7 +267,7 @@ def _launch_rows(
     table: Rows,
     firsts: Rows,
     boxes: int,
-    *data: torch.Tensor,
+    *data: torch.Tensor | Address,
 ) -> None:
     """Kernel `name` over `total` programs of the rows `table` (program starts `firsts`, `boxes` rows;
     `Rows`), with the addresses of `data` and of the width's anchor after them: every kernel of
@@ -297,9 +319,9 @@ def expand(
     boxes: int,
     total: int,
     key: tuple[int, bool],
-    starts: torch.Tensor,
+    starts: torch.Tensor | Address,
     density: int,
-    guard: torch.Tensor,
+    guard: torch.Tensor | Address,
 ) -> None:
     """`sparse_triton.expand` for busy rows (`density` 1 or 2) on the vectorized path (`key`'s flag)."""
     _launch_rows("expand", key, density, total, table, firsts, boxes, starts, guard)
@@ -310,11 +332,11 @@ def starts(
     firsts: Rows,
     boxes: int,
     total: int,
-    counts: torch.Tensor,
-    positions: torch.Tensor,
-    flags: torch.Tensor,
-    guard: torch.Tensor,
-    done: torch.Tensor,
+    counts: torch.Tensor | Address,
+    positions: torch.Tensor | Address,
+    flags: torch.Tensor | Address,
+    guard: torch.Tensor | Address,
+    done: torch.Tensor | Address,
 ) -> None:
     """`sparse_triton.bitmap_counts` then `sparse_triton.scan` over every `RECV_*` row of `table`, in
     one launch: `firsts` gives a bitmap row one program every `STARTS_WARPS` tiles and any other

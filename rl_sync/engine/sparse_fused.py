@@ -21,11 +21,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, DENSE, PayloadLayout, payload_layout
 from . import sparse_cuda
 from . import sparse_triton as kernels
+from .sparse_codec import flags_layout
 from .sparse_triton import Strided2D
 
 Key = tuple[int, bool]
@@ -182,9 +184,48 @@ def _run(name: str, launches: list[_Launch], dev: torch.Tensor | None, *args, cu
         kernel(*head, *args, *choice)
 
 
+class _Scratch:
+    """A sender's device buffers for one round of a bucket: `tiles`, each tile slot's changes, then
+    `totals`, each box's (both in `counts`, zeroed each round), the bitmap `words`, and where the
+    totals are read back (pinned host memory, and the event of the copy). Kept with the bucket's
+    geometry and lent to one sender at a time, on the stream it was made for: stream order queues a
+    round's kernels behind the last round's, so a round allocates nothing before its `diff`."""
+
+    def __init__(self, slots: int, boxes: int, device: torch.device, stream: int):
+        self.counts = torch.empty(slots + boxes, dtype=torch.int64, device=device)
+        self.tiles, self.totals = self.counts[:slots], self.counts[slots:]
+        self.words = torch.empty(slots * kernels.WORDS, dtype=torch.int32, device=device)
+        cuda = device.type == "cuda"
+        self._host = torch.empty(boxes, dtype=torch.int64, pin_memory=True) if cuda else None
+        self._copied = torch.cuda.Event() if cuda else None
+        self._on = torch.cuda.current_stream(device) if cuda else None  # (the stream `stream` names)
+        self.stream, self.lent = stream, False
+
+    def read_back(self) -> Callable[[], list[int]]:
+        """`totals`, copied to the host as soon as the work queued so far is done: the returned
+        function waits for that copy alone, not for what is queued after it (on a GPU; on a CPU
+        they are read at once)."""
+        if self._host is None or self._copied is None:
+            return self.totals.tolist
+        host, copied = self._host, self._copied
+        host.copy_(self.totals, non_blocking=True)
+        copied.record(self._on)
+
+        def read() -> list[int]:
+            copied.synchronize()
+            return host.tolist()
+
+        return read
+
+
+def _stream(device: int) -> int:
+    """torch's current stream on the device numbered `device` (`Tensor.get_device`; 0 on a CPU)."""
+    return torch._C._cuda_getCurrentRawStream(device) if device >= 0 else 0
+
+
 @dataclass
 class _Geometry:
-    """A bucket's sender boxes and their `diff` launches, on the device."""
+    """A bucket's sender boxes and their `diff` launches, on the device, and its kept scratch."""
 
     boxes: dict[int, _Box]
     slots: int
@@ -195,12 +236,25 @@ class _Geometry:
     cuda: bool
     """Its launches may take the CUDA kernels (`sparse_cuda.usable` when it was built): the two
     `diff`s cut a tile into different parts, so `diff` must take the one it was built for."""
+    pairs: int
+    """Boxes of the bucket, fused or not (`counts` has a total for each)."""
+    _kept: _Scratch | None = None
 
     @functools.cached_property
     def launches(self) -> list[Prepared]:
         """The `diff` launches, ready to run (their rows sliced from `table` once, not every
         round)."""
         return _prepared("diff", self.diff, self.table, self.cuda)
+
+    def lend(self, device: torch.device, number: int) -> _Scratch:
+        """Scratch for one sender on `device` (numbered `number`), until it gives it back (`lent`
+        False): the kept one when it is free and was made for the current stream, else a new one,
+        kept in its place (one never given back, a round that raised, is so replaced once)."""
+        stream, kept = _stream(number), self._kept
+        if kept is None or kept.lent or kept.stream != stream:
+            kept = self._kept = _Scratch(self.slots, self.pairs, device, stream)
+        kept.lent = True
+        return kept
 
 
 _GEOMETRIES: OrderedDict[tuple, _Geometry] = OrderedDict()
@@ -221,14 +275,14 @@ def _pair_2d(cur: torch.Tensor, base: torch.Tensor, device: torch.device) -> tup
 
 def _signature(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[int], shared: Sequence[bool]) -> tuple:
     """Everything the geometry of `candidates` depends on: which boxes overlap, where each box's
-    source and baseline are, and their kind (devices by number: `Tensor.device` builds an object,
-    ten times the cost, for every box a round)."""
-    where: list[tuple] = [tuple(shared)]
-    for i in candidates:
-        cur, base = pairs[i]
-        where.append((i, cur.data_ptr(), base.data_ptr(), cur.shape, base.shape, cur.stride(), base.stride()))
-        where.append((cur.dtype, base.dtype, cur.get_device(), base.get_device()))
-    return tuple(where)
+    source and baseline are, and their kind. (Addresses name their device: CUDA's unified
+    addressing gives every device, and the host, its own range.)"""
+    boxes = [pairs[i] for i in candidates]
+    return (
+        tuple(shared),
+        tuple(candidates),
+        *[(c.data_ptr(), b.data_ptr(), c.shape, b.shape, c.stride(), b.stride(), c.dtype, b.dtype) for c, b in boxes],
+    )
 
 
 def geometry(
@@ -257,7 +311,7 @@ def geometry(
     diff = _launches([(b.key, None, b.tiles * parts[b.key], b.row()) for b in boxes.values()], up)
     tiles = sum(b.tiles for b in boxes.values())
     table = up.send(device) if boxes else torch.empty(0, dtype=torch.int64)
-    made = _Geometry(boxes, slot, tiles, diff, table, cuda)
+    made = _Geometry(boxes, slot, tiles, diff, table, cuda, len(pairs))
     _GEOMETRIES[signature] = made
     if len(_GEOMETRIES) > _KEPT_GEOMETRIES:
         _GEOMETRIES.popitem(last=False)
@@ -272,24 +326,6 @@ never start a launch: theirs takes the device less time than the host takes to p
 FLUSH_TILES = 1024
 """Tiles (16M elements) below which encoded boxes wait for more: a smaller launch costs the host
 more than the device time it hides."""
-
-
-def _read_back(values: torch.Tensor) -> Callable[[], list[int]]:
-    """The int64 `values`, copied to the host as soon as the work queued so far is done: the
-    returned function waits for that copy alone, not for what is queued after it (on a GPU; a
-    CPU tensor is read at once)."""
-    if not values.is_cuda:
-        return values.tolist
-    host = torch.empty(values.numel(), dtype=torch.int64, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(values.device))
-
-    def read() -> list[int]:
-        copied.synchronize()
-        return host.tolist()
-
-    return read
 
 
 class FusedSender:
@@ -307,12 +343,12 @@ class FusedSender:
         first = pairs[next(iter(g.boxes))][0]
         self.device = device = first.device
         self._device = first.get_device()  # (every fused box's, by number)
-        counts = torch.zeros(g.slots + len(pairs), dtype=torch.int64, device=device)
-        self._tiles, totals = counts[: g.slots], counts[g.slots :]
-        self._words = torch.empty(g.slots * kernels.WORDS, dtype=torch.int32, device=device)
+        self._scratch = scratch = g.lend(device, self._device)
+        scratch.counts.zero_()
+        self._words, self._tiles = scratch.words, scratch.tiles
         for kernel, head, _ in g.launches:
-            kernel(*head, self._words, self._tiles, totals)
-        counted = _read_back(totals)  # the bucket's one host transfer, queued before the sums below
+            kernel(*head, self._words, self._tiles, scratch.totals)
+        counted = scratch.read_back()  # the bucket's one host transfer, queued before the sums below
         self._blocks = self._tiles.view(-1, BLOCK // kernels.TILE).sum(1, dtype=torch.int32)
         self._starts = torch.cumsum(self._tiles, 0) - self._tiles
         self.counts = counted()
@@ -376,6 +412,7 @@ class FusedSender:
                 rows.append((box.key, density(self.counts[i], box.n), box.tiles, box.row(update=True)))
         if rows:
             self._compact(rows)
+        self._scratch.lent = False  # every launch that reads it is queued: the next round's queue behind
 
 
 def disjoint(spans: list[tuple[int, int]]) -> bool:
@@ -395,6 +432,8 @@ CHECKS: Launch = ("checks",)
 BLOCKED_CHECKS: Launch = ("blocked checks",)
 Queued = tuple[Callable[..., None], tuple]
 """A receiver's launch, prepared: (kernel, its arguments)."""
+Buffer = torch.Tensor | sparse_cuda.Address
+"""Device memory a receiver's launch takes: a tensor, or an address (CUDA launches only)."""
 
 
 class FusedReceiver:
@@ -413,9 +452,12 @@ class FusedReceiver:
     take Triton's, which writes marked elements alone), and nothing else may write those views
     while the bucket is written (an inference engine only reads its weights)."""
 
-    def __init__(self, device: torch.device, flags: torch.Tensor, guard: torch.Tensor):
-        self.device, self.flags, self.guard = device, flags, guard
-        self._cuda = sparse_cuda.usable(flags.get_device())
+    def __init__(self, device: torch.device, zeroed: torch.Tensor, bucket: int):
+        """`zeroed`: the int32 values the bucket's receiver zeroed (`flags_layout(bucket)` for its
+        `bucket` boxes): a flag a box, the guard, then the `starts` counters."""
+        self.device, self._zeroed, self._bucket = device, zeroed, bucket
+        self._number = zeroed.get_device()
+        self._cuda = sparse_cuda.usable(self._number)
         self._spans: list[tuple[int, int]] = []  # the bytes of each bitmap destination on the vectorized path
         self._host_rows: list[int] = []  # the table's rows, one after another
         self._programs: dict[Launch, list[int]] = {CHECKS: []}  # each launch's programs a row, up to its last row
@@ -507,14 +549,14 @@ class FusedReceiver:
         has not run."""
         if self._checks is not None or not self.boxes:
             return
-        boxes, device, cuda = self.boxes, self.device, self._cuda and disjoint(self._spans)
-        table, firsts, done = self._placed(self._inline(cuda))
-        counts = torch.empty(self._entries, dtype=torch.int32, device=device)
-        starts = torch.empty(self._entries, dtype=torch.int64, device=device)
-        flags = self.flags, self.guard
+        boxes, cuda = self.boxes, self._cuda and disjoint(self._spans)
+        inline = self._inline(cuda)
+        table, firsts = self._placed(inline)
+        counts, starts, flags = self._buffers(inline)
         (checks_at, checks), (blocked_at, blocked) = firsts[CHECKS], firsts.get(BLOCKED_CHECKS, _NO_LAUNCH)
         queued: list[Queued] = []
-        if done is not None:
+        if self._cuda:
+            done = sparse_cuda.Address(self._zeroed.data_ptr() + 4 * flags_layout(self._bucket)[0], self._number)
             queued.append((sparse_cuda.starts, (table, checks_at, boxes, checks, counts, starts, *flags, done)))
         else:
             if checks:
@@ -530,9 +572,27 @@ class FusedReceiver:
                 continue
             head = (table, at, boxes, programs, key, starts)
             if density_ is None:
-                self._writes.append((kernels.blocked_apply, (*head, self.guard)))
+                self._writes.append((kernels.blocked_apply, (*head, flags[1])))
             else:
-                self._writes.append((_kernel("expand", key, density_, cuda), (*head, density_, self.guard)))
+                self._writes.append((_kernel("expand", key, density_, cuda), (*head, density_, flags[1])))
+
+    def _buffers(self, inline: bool) -> tuple[Buffer, Buffer, tuple[Buffer, Buffer]]:
+        """(tile counts, payload positions, (flags, guard)) of the checks: tensors, or, where every
+        launch is a CUDA one (`inline`), addresses (a view costs the host more than the launch that
+        takes it): the counts and positions in one allocation, the flags in `zeroed`."""
+        entries, device, bucket, number = self._entries, self.device, self._bucket, self._number
+        if not inline:
+            counts = torch.empty(entries, dtype=torch.int32, device=device)
+            starts = torch.empty(entries, dtype=torch.int64, device=device)
+            return counts, starts, (self._zeroed[:bucket], self._zeroed[bucket : bucket + 1])
+        self._scratch = torch.empty(entries + (entries + 1) // 2, dtype=torch.int64, device=device)
+        at, flags = self._scratch.data_ptr(), self._zeroed.data_ptr()
+        Address = sparse_cuda.Address
+        return (
+            Address(at + 8 * entries, number),
+            Address(at, number),
+            (Address(flags, number), Address(flags + 4 * bucket, number)),
+        )
 
     def _inline(self, cuda: bool) -> bool:
         """Whether every launch carries the table inline: all of them `sparse_cuda`'s (its `starts`,
@@ -546,25 +606,22 @@ class FusedReceiver:
             and all(launch != BLOCKED_CHECKS and on_cuda(launch[0], launch[1]) for launch in writes)
         )
 
-    def _placed(
-        self, inline: bool
-    ) -> tuple[sparse_cuda.Rows, dict[Launch, tuple[sparse_cuda.Rows | None, int]], torch.Tensor | None]:
+    def _placed(self, inline: bool) -> tuple[sparse_cuda.Rows, dict[Launch, tuple[sparse_cuda.Rows | None, int]]]:
         """(the table; each launch's program starts (None when it has no programs: not uploaded)
-        and programs; `starts`' zeroed counters, on the CUDA path): host values carried inline, or
-        one upload sliced."""
+        and programs): host values carried inline (the table made an array once, for every launch
+        to copy), or one upload sliced."""
         firsts = {launch: self._starts_of(programs) for launch, programs in self._programs.items()}
         if inline:
-            done = torch.zeros(self.boxes, dtype=torch.int64, device=self.device)
-            return self._host_rows, {launch: (at, at[-1]) for launch, at in firsts.items()}, done
+            table = np.array(self._host_rows, dtype=np.int64)
+            return table, {launch: (at, at[-1]) for launch, at in firsts.items()}
         up = kernels.Upload()
         table_at = up.add(self._host_rows)
         uploaded = {launch: up.add(at) for launch, at in firsts.items() if at[-1]}
-        done_at = up.add(itertools.repeat(0, self.boxes)) if self._cuda else None  # `starts`' counters, zeroed
         dev = up.send(self.device)
         placed: dict[Launch, tuple[sparse_cuda.Rows | None, int]] = {
             launch: (dev[uploaded[launch]] if at[-1] else None, at[-1]) for launch, at in firsts.items()
         }
-        return dev[table_at], placed, None if done_at is None else dev[done_at]
+        return dev[table_at], placed
 
     def _starts_of(self, programs: list[int]) -> list[int]:
         """The program starts of a launch whose rows take `programs` programs each, the rows after

@@ -154,7 +154,10 @@ def test_a_receiver_checks_every_row_in_one_cuda_launch_or_in_tritons_two(monkey
             per = sparse_cuda.STARTS_WARPS  # tiles a program (a warp each)
             each = [-(-tiles[0] // per), 1, -(-tiles[2] // per)]
             assert (firsts.tolist(), rows, programs) == ([0, each[0], each[0] + 1, sum(each)], 3, sum(each))
-            assert done.tolist() == [0, 0, 0] and counts.numel() == starts.numel() == tiles[0] + 2 + tiles[2]
+            assert counts.numel() == starts.numel() == tiles[0] + 2 + tiles[2]
+            counters, size = sparse_codec.flags_layout(len(boxes))  # `starts`' counters: zeroed with the flags
+            assert done.data_ptr() == received.flags.data_ptr() + 4 * counters and received.flags.numel() == size
+            assert received.flags[counters:].view(torch.int64).tolist() == [0, 0, 0]
 
 
 @pytest.mark.parametrize("cuda", [True, False])
@@ -258,7 +261,9 @@ def test_a_receiver_refuses_a_box_added_after_its_tables_were_prepared(monkeypat
 def test_a_receiver_carries_few_rows_inline_and_uploads_many(monkeypatch):
     """With the CUDA kernels, a bucket of busy bitmap rows few enough for `sparse_cuda.INLINE_VALUES`
     passes its table and program starts to `starts` and `expand` as host values (no upload), with
-    zeroed counters; one of more rows uploads them."""
+    zeroed counters; one of more rows uploads them. The inline launches take their buffers by
+    address: the flags, the guard and the counters in the flags' buffer, the counts and positions in
+    one allocation."""
     from rl_sync.engine import sparse_cuda
     from rl_sync.engine import sparse_triton as kernels
     from rl_sync.sparse.encodings import BITMAP, encoded_nbytes
@@ -285,7 +290,12 @@ def test_a_receiver_carries_few_rows_inline_and_uploads_many(monkeypatch):
             each = -(-kernels.tiles(n) // sparse_cuda.STARTS_WARPS)
             assert len(table) == 3 * kernels.RECV_COLUMNS and firsts == [0, each, 2 * each, 3 * each]
             assert writes[1] == [0, kernels.tiles(n), 2 * kernels.tiles(n), 3 * kernels.tiles(n)]
-            assert done.tolist() == [0, 0, 0]
+            counts, starts, flags, guard = checks[4:8]  # by address: the flags' buffer, one allocation
+            counters, _ = sparse_codec.flags_layout(boxes)
+            at = received.flags.data_ptr()
+            assert [flags.data_ptr(), guard.data_ptr(), done.data_ptr()] == [at, at + 4 * boxes, at + 4 * counters]
+            assert counts.data_ptr() == starts.data_ptr() + 8 * 3 * kernels.tiles(n)
+            assert received.flags[counters:].view(torch.int64).tolist() == [0, 0, 0]
         else:
             assert all(isinstance(t, torch.Tensor) for t in (table, firsts, writes[1]))
 
