@@ -194,12 +194,53 @@ def _launch(name: str, warps: int, total: int, device: int, *args: int, inline: 
         params.inline[: len(firsts)] = firsts
         params.inline[len(firsts) : end] = rows
         pointers = params.inline_address
+    _queue(handle, total, warps, device, pointers)
+
+
+def _queue(handle: int, total: int, warps: int, device: int, pointers: int) -> None:
+    """Kernel `handle` over `total` programs of `warps` warps, its arguments at `pointers` (an array
+    of pointers to them), on torch's current stream of the device numbered `device`."""
     launch = (handle, total, 1, 1, 32 * warps, 1, 1, 0, _current_stream(device), pointers, 0)
     if device == _current_device():
         _driver().launchKernel(*launch)
     else:
         with torch.cuda.device(device):  # the module's context
             _driver().launchKernel(*launch)
+
+
+class BoundDiff:
+    """`diff(...)` with every argument fixed, to be queued again and again (`bound()`, on torch's
+    current stream when called): its arguments and their pointers are built once, as a bucket's
+    `diff` runs every round on the same table and scratch."""
+
+    def __init__(
+        self,
+        table: torch.Tensor,
+        firsts: torch.Tensor,
+        boxes: int,
+        total: int,
+        key: tuple[int, bool],
+        words: torch.Tensor,
+        counts: torch.Tensor,
+        totals: torch.Tensor,
+    ):
+        _check_path("diff", key, None)
+        width, self._device, self._total = key[0], words.get_device(), total
+        tensors = (table, firsts)
+        addresses = (
+            words.data_ptr(),
+            counts.data_ptr(),
+            totals.data_ptr(),
+            kernels.anchor_address(self._device, width),
+        )
+        self._values = np.array([*(t.data_ptr() for t in tensors), boxes, *addresses], dtype=np.int64)
+        first = self._values.ctypes.data
+        self._pointers = np.arange(first, first + 8 * len(self._values), 8, dtype=np.uint64)
+        self._handle, self._warps = _functions(self._device)[_NAMES["diff", width]].ptr, WARPS["diff"][width]
+
+    def __call__(self) -> None:
+        if self._total:
+            _queue(self._handle, self._total, self._warps, self._device, self._pointers.ctypes.data)
 
 
 @functools.cache
@@ -271,17 +312,22 @@ def _launch_rows(
 ) -> None:
     """Kernel `name` over `total` programs of the rows `table` (program starts `firsts`, `boxes` rows;
     `Rows`), with the addresses of `data` and of the width's anchor after them: every kernel of
-    the file takes its arguments in that order. Refuses a launch `sparse_fused` would not send
-    here: off the vectorized path, or (`density` given) not busy."""
-    width, fast = key
-    if not fast or density == 0:
-        busy, what = ("", key) if density is None else ("busy ", f"{key}, density {density}")
-        raise ValueError(f"the CUDA {name} takes {busy}launches on the vectorized path, not {what}")
+    the file takes its arguments in that order (`_check_path` refuses the launches it does not take)."""
+    _check_path(name, key, density)
+    width = key[0]
     if total:
         device = data[0].get_device()
         where, inline = _rows(table, firsts, name != "diff")
         addresses = (*(t.data_ptr() for t in data), kernels.anchor_address(device, width))
         _launch(_NAMES[name, width], WARPS[name][width], total, device, *where, boxes, *addresses, inline=inline)
+
+
+def _check_path(name: str, key: tuple[int, bool], density: int | None) -> None:
+    """Refuses a launch `sparse_fused` would not send here: off the vectorized path, or (`density`
+    given) not busy."""
+    if not key[1] or density == 0:
+        busy, what = ("", key) if density is None else ("busy ", f"{key}, density {density}")
+        raise ValueError(f"the CUDA {name} takes {busy}launches on the vectorized path, not {what}")
 
 
 def diff(

@@ -200,6 +200,8 @@ class _Scratch:
         self._copied = torch.cuda.Event() if cuda else None
         self._on = torch.cuda.current_stream(device) if cuda else None  # (the stream `stream` names)
         self.stream, self.lent = stream, False
+        self.diffs: list[Callable[[], None]] = []
+        """The bucket's `diff` launches on these buffers (`_Geometry.lend`)."""
 
     def read_back(self) -> Callable[[], list[int]]:
         """`totals`, copied to the host as soon as the work queued so far is done: the returned
@@ -253,8 +255,21 @@ class _Geometry:
         stream, kept = _stream(number), self._kept
         if kept is None or kept.lent or kept.stream != stream:
             kept = self._kept = _Scratch(self.slots, self.pairs, device, stream)
+            kept.diffs = [
+                _bind(kernel, (*head, kept.words, kept.tiles, kept.totals)) for kernel, head, _ in self.launches
+            ]
         kept.lent = True
         return kept
+
+
+_CUDA_DIFF = sparse_cuda.diff
+"""The CUDA `diff` (not a stand-in put in its place), which a scratch's launches take bound."""
+
+
+def _bind(kernel: Callable[..., None], args: tuple) -> Callable[[], None]:
+    """`kernel(*args)`, to be queued every round: the CUDA `diff` bound once (`sparse_cuda.BoundDiff`),
+    any other kernel called with them."""
+    return sparse_cuda.BoundDiff(*args) if kernel is _CUDA_DIFF else functools.partial(kernel, *args)
 
 
 _GEOMETRIES: OrderedDict[tuple, _Geometry] = OrderedDict()
@@ -346,8 +361,8 @@ class FusedSender:
         self._scratch = scratch = g.lend(device, self._device)
         scratch.counts.zero_()
         self._words, self._tiles = scratch.words, scratch.tiles
-        for kernel, head, _ in g.launches:
-            kernel(*head, self._words, self._tiles, scratch.totals)
+        for diff in scratch.diffs:
+            diff()
         counted = scratch.read_back()  # the bucket's one host transfer, queued before the sums below
         self._blocks = self._tiles.view(-1, BLOCK // kernels.TILE).sum(1, dtype=torch.int32)
         self._starts = torch.cumsum(self._tiles, 0) - self._tiles

@@ -241,6 +241,30 @@ def test_a_sender_compacts_the_boxes_encoded_so_far_once_they_hold_a_share_of_th
     assert [table[:, -1].tolist() for table in launched] == [[0, 1], [2, 3], [4, 5], [6]]
 
 
+def test_rounds_of_a_bucket_reuse_its_scratch_lent_to_one_sender_at_a_time(monkeypatch):
+    """A sender borrows its bucket's scratch from the geometry, zeroes its counts, and gives it back
+    at `advance` (its launches queued): the next round's sender takes the same buffers. A sender
+    that comes while the scratch is lent gets new buffers, kept in its place."""
+    from rl_sync.engine import sparse_triton as kernels
+
+    def diff(table, firsts, boxes, total, key, words, counts, totals):
+        totals += BUSY_K  # (added: counts left from an earlier round would show)
+
+    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
+    monkeypatch.setattr(kernels, "diff", diff)
+    pairs, boxes = _pairs(3, BUSY_N), [(i, (0,), (BUSY_N,)) for i in range(3)]
+    first = sparse_codec.BucketChanges(pairs, boxes)
+    while_lent = sparse_codec.BucketChanges(pairs, boxes)
+    lent = [found._fused._scratch for found in (first, while_lent)]
+    assert lent[0] is not lent[1] and all(found.counts == [BUSY_K] * 3 for found in (first, while_lent))
+    first.finish()
+    while_lent.finish()
+    for _ in range(2):
+        again = sparse_codec.BucketChanges(pairs, boxes)
+        assert again._fused._scratch is lent[1] and again.counts == [BUSY_K] * 3
+        again.finish()
+
+
 def test_a_receiver_refuses_a_box_added_after_its_tables_were_prepared(monkeypatch):
     """`prepare` uploads the tables of the boxes added so far: a later box would be missing from
     every launch, so it is refused, naming its slot."""
