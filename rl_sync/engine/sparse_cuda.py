@@ -209,9 +209,13 @@ def _queue(handle: int, total: int, warps: int, device: int, pointers: int) -> N
 
 
 class BoundDiff:
-    """`diff(...)` with every argument fixed, to be queued again and again (`bound()`, on torch's
-    current stream when called): its arguments and their pointers are built once, as a bucket's
-    `diff` runs every round on the same table and scratch."""
+    """`diff(table, firsts, boxes, total, key, words, counts, totals)` with every argument but
+    `words` fixed, to be queued again and again (`bound(words)`, on torch's current stream): its
+    arguments and their pointers are built once, as a bucket's `diff` runs every round on the same
+    table and counts (the words, 4 bytes a 32 elements, are allocated each round, not held)."""
+
+    _WORDS = 3
+    """Where the words' address is among the arguments."""
 
     def __init__(
         self,
@@ -220,30 +224,24 @@ class BoundDiff:
         boxes: int,
         total: int,
         key: tuple[int, bool],
-        words: torch.Tensor,
         counts: torch.Tensor,
         totals: torch.Tensor,
     ):
         _check_path("diff", key, None)
-        width, self._device, self._total = key[0], words.get_device(), total
-        tensors = (table, firsts)
-        addresses = (
-            words.data_ptr(),
-            counts.data_ptr(),
-            totals.data_ptr(),
-            kernels.anchor_address(self._device, width),
-        )
-        self._values = np.array([*(t.data_ptr() for t in tensors), boxes, *addresses], dtype=np.int64)
+        width, self._device, self._total = key[0], counts.get_device(), total
+        anchor = kernels.anchor_address(self._device, width)
+        values = [table.data_ptr(), firsts.data_ptr(), boxes, 0, counts.data_ptr(), totals.data_ptr(), anchor]
+        self._values = np.array(values, dtype=np.int64)
         first = self._values.ctypes.data
-        self._pointers = np.arange(first, first + 8 * len(self._values), 8, dtype=np.uint64)
+        self._pointers = np.arange(first, first + 8 * len(values), 8, dtype=np.uint64)
         self._handle, self._warps = _functions(self._device)[_NAMES["diff", width]].ptr, WARPS["diff"][width]
 
-    def __call__(self) -> None:
+    def __call__(self, words: torch.Tensor) -> None:
         if self._total:
+            self._values[self._WORDS] = words.data_ptr()
             _queue(self._handle, self._total, self._warps, self._device, self._pointers.ctypes.data)
 
 
-@functools.cache
 def _driver():
     """CuPy's bindings of the CUDA driver (`cuLaunchKernel`)."""
     from cupy.cuda import driver

@@ -185,23 +185,23 @@ def _run(name: str, launches: list[_Launch], dev: torch.Tensor | None, *args, cu
 
 
 class _Scratch:
-    """A sender's device buffers for one round of a bucket: `tiles`, each tile slot's changes, then
-    `totals`, each box's (both in `counts`, zeroed each round), the bitmap `words`, and where the
+    """A sender's counts for one round of a bucket: `tiles`, each tile slot's changes, then `totals`,
+    each box's (both in `counts`, zeroed each round: 8 bytes a 16,384-element tile), and where the
     totals are read back (pinned host memory, and the event of the copy). Kept with the bucket's
     geometry and lent to one sender at a time, on the stream it was made for: stream order queues a
-    round's kernels behind the last round's, so a round allocates nothing before its `diff`."""
+    round's kernels behind the last round's. (The bitmap words, 16 times more, are allocated each
+    round: a kept bucket would hold them while the trainer needs the memory.)"""
 
     def __init__(self, slots: int, boxes: int, device: torch.device, stream: int):
         self.counts = torch.empty(slots + boxes, dtype=torch.int64, device=device)
         self.tiles, self.totals = self.counts[:slots], self.counts[slots:]
-        self.words = torch.empty(slots * kernels.WORDS, dtype=torch.int32, device=device)
         cuda = device.type == "cuda"
         self._host = torch.empty(boxes, dtype=torch.int64, pin_memory=True) if cuda else None
         self._copied = torch.cuda.Event() if cuda else None
         self._on = torch.cuda.current_stream(device) if cuda else None  # (the stream `stream` names)
         self.stream, self.lent = stream, False
-        self.diffs: list[Callable[[], None]] = []
-        """The bucket's `diff` launches on these buffers (`_Geometry.lend`)."""
+        self.diffs: list[Callable[[torch.Tensor], None]] = []
+        """The bucket's `diff` launches on these counts, each taking the round's words (`_Geometry.lend`)."""
 
     def read_back(self) -> Callable[[], list[int]]:
         """`totals`, copied to the host as soon as the work queued so far is done: the returned
@@ -255,9 +255,7 @@ class _Geometry:
         stream, kept = _stream(number), self._kept
         if kept is None or kept.lent or kept.stream != stream:
             kept = self._kept = _Scratch(self.slots, self.pairs, device, stream)
-            kept.diffs = [
-                _bind(kernel, (*head, kept.words, kept.tiles, kept.totals)) for kernel, head, _ in self.launches
-            ]
+            kept.diffs = [_bind(kernel, head, kept) for kernel, head, _ in self.launches]
         kept.lent = True
         return kept
 
@@ -266,10 +264,13 @@ _CUDA_DIFF = sparse_cuda.diff
 """The CUDA `diff` (not a stand-in put in its place), which a scratch's launches take bound."""
 
 
-def _bind(kernel: Callable[..., None], args: tuple) -> Callable[[], None]:
-    """`kernel(*args)`, to be queued every round: the CUDA `diff` bound once (`sparse_cuda.BoundDiff`),
-    any other kernel called with them."""
-    return sparse_cuda.BoundDiff(*args) if kernel is _CUDA_DIFF else functools.partial(kernel, *args)
+def _bind(kernel: Callable[..., None], head: tuple, scratch: _Scratch) -> Callable[[torch.Tensor], None]:
+    """`diff(words)`: `kernel(*head, words, scratch.tiles, scratch.totals)`, to be queued every round;
+    the CUDA `diff` bound once (`sparse_cuda.BoundDiff`), any other kernel called with them."""
+    if kernel is _CUDA_DIFF:
+        table, firsts, boxes, total, key = head
+        return sparse_cuda.BoundDiff(table, firsts, boxes, total, key, scratch.tiles, scratch.totals)
+    return lambda words: kernel(*head, words, scratch.tiles, scratch.totals)
 
 
 _GEOMETRIES: OrderedDict[tuple, _Geometry] = OrderedDict()
@@ -360,9 +361,10 @@ class FusedSender:
         self._device = first.get_device()  # (every fused box's, by number)
         self._scratch = scratch = g.lend(device, self._device)
         scratch.counts.zero_()
-        self._words, self._tiles = scratch.words, scratch.tiles
+        self._tiles = scratch.tiles
+        self._words = torch.empty(g.slots * kernels.WORDS, dtype=torch.int32, device=device)
         for diff in scratch.diffs:
-            diff()
+            diff(self._words)
         counted = scratch.read_back()  # the bucket's one host transfer, queued before the sums below
         self._blocks = self._tiles.view(-1, BLOCK // kernels.TILE).sum(1, dtype=torch.int32)
         self._starts = torch.cumsum(self._tiles, 0) - self._tiles

@@ -248,9 +248,14 @@ def test_launches_on_the_vectorized_path_take_the_cuda_kernels(sparse_kernels, m
     `expand` run in CUDA unless Triton is asked for; a strided box of the same density stays on
     Triton either way, but for the checks, which do not touch the destination."""
     launched = []
-    original = sparse_cuda._launch
-    spy = lambda kernel, *args, **inline: launched.append(kernel.split("<")[0]) or original(kernel, *args, **inline)  # noqa: E731
-    monkeypatch.setattr(sparse_cuda, "_launch", spy)
+    original = sparse_cuda._queue
+
+    def spy(handle: int, total: int, warps: int, device: int, pointers: int) -> None:
+        functions = sparse_cuda._functions(device).items()
+        launched.append(next(name.split("<")[0] for name, function in functions if function.ptr == handle))
+        original(handle, total, warps, device, pointers)
+
+    monkeypatch.setattr(sparse_cuda, "_queue", spy)  # (every CUDA launch, a bound `diff`'s too)
     for strided in (False, True):
         cur, base = _pair(64, 4096, 0.1, torch.bfloat16, 7)
         k, ref = _reference(BITMAP, cur, base)
