@@ -28,7 +28,8 @@ from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, DENSE, PayloadLayout, pay
 from . import sparse_cuda
 from . import sparse_triton as kernels
 from .sparse_codec import flags_layout
-from .sparse_triton import Strided2D
+from .sparse_cuda import STARTS_WARPS
+from .sparse_triton import TILE, Strided2D
 
 Key = tuple[int, bool]
 """Which launch a box joins: (element width, every box of the launch on the vectorized path)."""
@@ -520,10 +521,10 @@ class FusedReceiver:
         values = kernels.element_offset(address + at.values, device, width)
         key = width, dest.fast
         if code == BITMAP:
-            m = kernels.tiles(n)
-            self._host_rows += (address, 0, values, *dest.columns, n, k, slot, self._entries, m, 0, kernels.TILE)
-            self._check_programs.append(-(-m // sparse_cuda.STARTS_WARPS) if self._cuda else m)
-            self._join((key, density(k, n)), m)
+            m = -(-n // TILE)
+            self._host_rows += (address, 0, values, *dest.columns, n, k, slot, self._entries, m, 0, TILE)
+            self._check_programs.append(-(-m // STARTS_WARPS) if self._cuda else m)
+            self._join((key, int(k * BUSY > n) + int(k * BUSIER > n)), m)  # (`density`, inline: once a box)
             if dest.fast:
                 self._spans.append((start, start + n * width))
         else:
@@ -556,7 +557,7 @@ class FusedReceiver:
         if counts is None:
             counts = self._programs[launch] = []
         if len(counts) < self.boxes:
-            counts += itertools.repeat(0, self.boxes - len(counts))
+            counts += [0] * (self.boxes - len(counts))
         counts.append(programs)
 
     def prepare(self) -> None:
