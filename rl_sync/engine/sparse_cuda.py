@@ -117,11 +117,16 @@ def _name(kernel: str, width: int) -> str:
 _STARTS = f"starts<{kernels.TILE}, {STARTS_WARPS}>"
 _NAMES = {(kernel, width): _name(kernel, width) for kernel in WARPS for width in C_TYPES}
 """`_name` of each kernel and width (a launch looks its name up rather than formatting it)."""
+BLOCKED_WARPS = 4
+"""Warps a program of `blocked_check` and `blocked_apply`, each program one wire block of 65,536
+elements (at 1% density, 655 entries: about 5 a thread)."""
+_BLOCKED_CHECK = f"blocked_check<{BLOCKED_WARPS}>"
+_BLOCKED_APPLY = {width: f"blocked_apply<{C_TYPES[width]}, {BLOCKED_WARPS}>" for width in C_TYPES}
 
 
 def _names() -> list[str]:
     """Every kernel the file is compiled for."""
-    return [*_NAMES.values(), _STARTS]
+    return [*_NAMES.values(), _STARTS, _BLOCKED_CHECK, *_BLOCKED_APPLY.values()]
 
 
 def _source() -> str:
@@ -393,3 +398,36 @@ def starts(
         addresses = (counts, positions, flags, guard, done)
         args = (*where, boxes, *(t.data_ptr() for t in addresses))
         _launch(_STARTS, STARTS_WARPS, total, counts.get_device(), *args, inline=inline)
+
+
+def blocked_check(
+    table: Rows,
+    firsts: Rows,
+    boxes: int,
+    total: int,
+    starts: torch.Tensor | Address,
+    flags: torch.Tensor | Address,
+    guard: torch.Tensor | Address,
+) -> None:
+    """`sparse_triton.blocked_check`, any blocked row (strided or not: it reads the payload alone)."""
+    if total:
+        where, inline = _rows(table, firsts, True)
+        args = (*where, boxes, starts.data_ptr(), flags.data_ptr(), guard.data_ptr())
+        _launch(_BLOCKED_CHECK, BLOCKED_WARPS, total, starts.get_device(), *args, inline=inline)
+
+
+def blocked_apply(
+    table: Rows,
+    firsts: Rows,
+    boxes: int,
+    total: int,
+    key: tuple[int, bool],
+    starts: torch.Tensor | Address,
+    guard: torch.Tensor | Address,
+) -> None:
+    """`sparse_triton.blocked_apply`, any blocked row (it writes one element at a time, strided or not)."""
+    if total:
+        device, width = starts.get_device(), key[0]
+        where, inline = _rows(table, firsts, True)
+        args = (*where, boxes, starts.data_ptr(), guard.data_ptr(), kernels.anchor_address(device, width))
+        _launch(_BLOCKED_APPLY[width], BLOCKED_WARPS, total, device, *args, inline=inline)

@@ -581,7 +581,8 @@ class FusedReceiver:
                 queued.append((kernels.bitmap_counts, (table, checks_at, boxes, checks, counts, *flags)))
             queued.append((kernels.scan, (table, boxes, counts, starts, *flags)))
         if blocked:
-            queued.append((kernels.blocked_check, (table, blocked_at, boxes, blocked, starts, *flags)))
+            check = (sparse_cuda if self._cuda else kernels).blocked_check
+            queued.append((check, (table, blocked_at, boxes, blocked, starts, *flags)))
         self._checks = queued
         writes = sorted((launch for launch in firsts if launch not in (CHECKS, BLOCKED_CHECKS)), key=_launch_order)
         for key, density_ in writes:
@@ -589,10 +590,20 @@ class FusedReceiver:
             if not programs:
                 continue
             head = (table, at, boxes, programs, key, starts)
+            writer = self._writer(key, density_, cuda)
             if density_ is None:
-                self._writes.append((kernels.blocked_apply, (*head, flags[1])))
+                self._writes.append((writer.blocked_apply, (*head, flags[1])))
             else:
-                self._writes.append((_kernel("expand", key, density_, cuda), (*head, density_, flags[1])))
+                self._writes.append((writer.expand, (*head, density_, flags[1])))
+
+    def _writer(self, key: Key, density_: int | None, cuda: bool):
+        """The module whose kernel writes a launch of `key` and density class `density_` (None:
+        blocked rows): `sparse_cuda` for blocked rows wherever it is usable (its `blocked_apply`
+        writes one element at a time, strided or not), and for bitmap ones as `_kernels` picks
+        `expand` with `cuda` (usable, and the bitmap destinations disjoint); else `sparse_triton`."""
+        if density_ is None:
+            return sparse_cuda if self._cuda else kernels
+        return _kernels("expand", key, density_, cuda)
 
     def _buffers(self, inline: bool) -> tuple[Buffer, Buffer, tuple[Buffer, Buffer]]:
         """(tile counts, payload positions, (flags, guard)) of the checks: tensors, or, where every
@@ -613,15 +624,14 @@ class FusedReceiver:
         )
 
     def _inline(self, cuda: bool) -> bool:
-        """Whether every launch carries the table inline: all of them `sparse_cuda`'s (its `starts`,
-        and busy `expand`s on the vectorized path, `cuda` as `write` picks them) and the rows few
+        """Whether every launch carries the table inline: all of them `sparse_cuda`'s (its `starts`
+        and `blocked_check`, and the writes as `_writer` picks them with `cuda`) and the rows few
         enough (`sparse_cuda.fits_inline`)."""
-        on_cuda = _on_cuda("expand", cuda)
-        writes = (launch for launch in self._programs if launch != CHECKS)
+        writes = (launch for launch in self._programs if launch not in (CHECKS, BLOCKED_CHECKS))
         return (
             self._cuda
             and sparse_cuda.fits_inline(self.boxes, kernels.RECV_COLUMNS)
-            and all(launch != BLOCKED_CHECKS and on_cuda(launch[0], launch[1]) for launch in writes)
+            and all(self._writer(key, density_, cuda) is sparse_cuda for key, density_ in writes)
         )
 
     def _placed(self, inline: bool) -> tuple[sparse_cuda.Rows, dict[Launch, tuple[sparse_cuda.Rows | None, int]]]:

@@ -503,3 +503,60 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
   scan_row<WARPS, 8>(row, wire ? wire : counts + first, positions + first, m, partial, flags, guard);
 }
+
+namespace {
+
+// The entries of wire block `b` of a blocked RECV row: its wire count, clamped to 0 .. `BLOCK` (a
+// count out of range is flagged by the row's scan, in `starts`).
+__device__ __forceinline__ int block_entries(const i64* row, i64 b) {
+  return min(max(reinterpret_cast<const int*>(row[RECV_COUNTS])[b], 0), BLOCK);
+}
+
+}  // namespace
+
+// `sparse_triton.blocked_check`: for each blocked RECV row, one program a wire block, its entries
+// (payload positions from `positions` at the row's first slot plus the block, below `k`) checked:
+// in-block offsets strictly increasing and inside the box; the row's flag raised otherwise.
+template <int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    blocked_check(const __grid_constant__ Inline in, const i64* table, const i64* firsts, i64 boxes,
+                  const i64* positions, int* flags, int* guard) {
+  rows_of(in, boxes, &table, &firsts);
+  i64 b;
+  const i64* row = table + find_box(firsts, boxes, &b) * RECV_COLUMNS;
+  const i64 n = row[RECV_N], k = row[RECV_K], first = positions[row[RECV_FIRST] + b];
+  const unsigned short* offsets = reinterpret_cast<const unsigned short*>(row[RECV_OFFSETS]);
+  const int count = block_entries(row, b);
+  int wrong = 0;
+  for (int j = threadIdx.x; j < count && first + j < k; j += WARPS * 32) {
+    const int off = offsets[first + j], before = j > 0 ? offsets[first + j - 1] : -1;
+    wrong |= off <= before || b * BLOCK + off >= n;
+  }
+  wrong = __syncthreads_or(wrong);
+  if (threadIdx.x == 0) raise_flag(row, flags, guard, wrong);
+}
+
+// `sparse_triton.blocked_apply`: for each blocked RECV row, one program a wire block, unless `guard`
+// is raised: each entry's value (payload positions as `blocked_check` reads them) into the live
+// view's element at the block's start plus its offset (strided or not: one element at a time).
+template <typename VT, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    blocked_apply(const __grid_constant__ Inline in, const i64* table, const i64* firsts, i64 boxes,
+                  const i64* positions, const int* guard, VT* anchor) {
+  if (*guard) return;  // a box of the bucket is malformed: nothing is written
+  rows_of(in, boxes, &table, &firsts);
+  i64 b;
+  const i64* row = table + find_box(firsts, boxes, &b) * RECV_COLUMNS;
+  const i64 k = row[RECV_K], first = positions[row[RECV_FIRST] + b];
+  const unsigned short* offsets = reinterpret_cast<const unsigned short*>(row[RECV_OFFSETS]);
+  const VT* values = anchor + row[RECV_VALUES];
+  VT* dest = anchor + row[RECV_DEST];
+  // The live box's columns after its start (`Strided2D.columns`): cols, row stride, col stride, contiguous.
+  const i64 cols = row[RECV_DEST + 1], row_stride = row[RECV_DEST + 2], col_stride = row[RECV_DEST + 3];
+  const bool contiguous = row[RECV_DEST + 4] != 0;
+  const int count = block_entries(row, b);
+  for (int j = threadIdx.x; j < count && first + j < k; j += WARPS * 32) {
+    const i64 i = b * BLOCK + offsets[first + j];
+    dest[contiguous ? i : (i / cols) * row_stride + (i % cols) * col_stride] = values[first + j];
+  }
+}

@@ -121,7 +121,8 @@ def test_a_bucket_geometry_records_which_diff_it_cuts_its_tiles_for(monkeypatch)
 def test_a_receiver_checks_every_row_in_one_cuda_launch_or_in_tritons_two(monkeypatch):
     """With the CUDA kernels, one `starts` launch: a program a tile for each bitmap row, one for each
     blocked row, and a zeroed counter a row; with Triton's, `bitmap_counts` then `scan`. Blocked rows
-    are checked for order either way, and the writes follow the checks."""
+    are checked for order and written by the same kernels' `blocked_check` and `blocked_apply`, and
+    the writes follow the checks."""
     from rl_sync.engine import sparse_cuda
     from rl_sync.engine import sparse_triton as kernels
     from rl_sync.sparse.encodings import BITMAP, BLOCKED, encoded_nbytes
@@ -133,10 +134,11 @@ def test_a_receiver_checks_every_row_in_one_cuda_launch_or_in_tritons_two(monkey
     def spy(name):
         return lambda *args: launched.append((name, args))
 
-    for module, name in [(sparse_cuda, "starts"), (sparse_cuda, "expand"), (kernels, "expand")] + [
-        (kernels, name) for name in ("bitmap_counts", "scan", "blocked_check", "blocked_apply")
+    blocked = ("blocked_check", "blocked_apply")
+    for module, name in [(sparse_cuda, name) for name in ("starts", "expand", *blocked)] + [
+        (kernels, name) for name in ("expand", "bitmap_counts", "scan", *blocked)
     ]:
-        monkeypatch.setattr(module, name, spy(name))
+        monkeypatch.setattr(module, name, spy(("cuda " if module is sparse_cuda else "") + name))
     for cuda in (True, False):
         monkeypatch.setattr(sparse_cuda, "usable", lambda device, cuda=cuda: cuda)
         launched.clear()
@@ -146,8 +148,10 @@ def test_a_receiver_checks_every_row_in_one_cuda_launch_or_in_tritons_two(monkey
             received.add(slot, code, 5, n, torch.bfloat16, payload, torch.zeros(n, dtype=torch.bfloat16))
         assert received.commit() == []
         names = [name for name, _ in launched]
-        checks = ["starts"] if cuda else ["bitmap_counts", "scan"]
-        assert names == [*checks, "blocked_check", "expand", "blocked_apply"], cuda
+        if cuda:  # (the bitmap rows are sparse: Triton's `expand`)
+            assert names == ["cuda starts", "cuda blocked_check", "expand", "cuda blocked_apply"]
+        else:
+            assert names == ["bitmap_counts", "scan", "blocked_check", "expand", "blocked_apply"]
         if cuda:
             _, firsts, rows, programs, counts, starts, *_, done = launched[0][1]
             tiles = [kernels.tiles(40_000), 1, kernels.tiles(20_000)]
@@ -174,9 +178,11 @@ def test_a_receiver_writes_each_key_in_turn_its_expands_by_density_then_its_bloc
     writes = []
     for module in (sparse_cuda, kernels):
         monkeypatch.setattr(module, "expand", lambda *a: writes.append(("expand", a[4], a[6], a[3])))
-    monkeypatch.setattr(kernels, "blocked_apply", lambda *a: writes.append(("apply", a[4], None, a[3])))
+    for module in (sparse_cuda, kernels):
+        monkeypatch.setattr(module, "blocked_apply", lambda *a: writes.append(("apply", a[4], None, a[3])))
+        monkeypatch.setattr(module, "blocked_check", lambda *a: None)
     monkeypatch.setattr(sparse_cuda, "starts", lambda *a: None)
-    for name in ("bitmap_counts", "scan", "blocked_check"):
+    for name in ("bitmap_counts", "scan"):
         monkeypatch.setattr(kernels, name, lambda *a: None)
     boxes = [  # (code, n, k, dtype)
         (BLOCKED, 70_000, 5, torch.float32),
@@ -322,6 +328,43 @@ def test_a_receiver_carries_few_rows_inline_and_uploads_many(monkeypatch):
             assert received.flags[counters:].view(torch.int64).tolist() == [0, 0, 0]
         else:
             assert all(isinstance(t, torch.Tensor) for t in (table, firsts, writes[1]))
+
+
+def test_a_bucket_of_blocked_rows_is_checked_and_written_in_cuda_with_its_table_inline(monkeypatch):
+    """With the CUDA kernels, blocked rows (a round at 1% density) are checked by `starts` and
+    `blocked_check` and written by `blocked_apply`, all CUDA launches: a few rows' table rides
+    inline in each (no upload), strided destinations included."""
+    from rl_sync.engine import sparse_cuda
+    from rl_sync.engine import sparse_triton as kernels
+    from rl_sync.sparse.encodings import BLOCKED, encoded_nbytes
+
+    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
+    monkeypatch.setattr(sparse_cuda, "usable", lambda device: True)
+    launched = []
+    for name in ("starts", "blocked_check", "blocked_apply"):
+        monkeypatch.setattr(sparse_cuda, name, lambda *a, name=name: launched.append((name, a)))
+    n, k = 70_000, 700
+    holder = torch.zeros(2, n, dtype=torch.bfloat16)
+    views = [torch.zeros(n, dtype=torch.bfloat16), holder[:, : n // 2], torch.zeros(n, dtype=torch.bfloat16)]
+    received = sparse_codec.BucketReceiver(torch.device("cpu"), len(views))
+    for slot, view in enumerate(views):
+        payload = torch.zeros(encoded_nbytes(BLOCKED, n, k, 2), dtype=torch.uint8)
+        received.add(slot, BLOCKED, k, n, torch.bfloat16, payload, view)
+    assert received.commit() == []
+    assert [name for name, _ in launched] == ["starts", "blocked_check", "blocked_apply", "blocked_apply"]
+    for name, (table, firsts, boxes, *_) in launched:
+        assert len(table) == 3 * kernels.RECV_COLUMNS and not isinstance(table, torch.Tensor), name
+        assert boxes == 3 and isinstance(firsts, list), name
+    blocks = -(-n // 65_536)  # a program a wire block
+    (_, checks), (_, blocked), *writes = launched
+    assert (checks[1], checks[3]) == ([0, 1, 2, 3], 3) and (blocked[1], blocked[3]) == (
+        [0, blocks, 2 * blocks, 3 * blocks],
+        3 * blocks,
+    )
+    assert [(args[4], args[1], args[3]) for _, args in writes] == [  # by key: the strided row, then the others
+        ((2, False), [0, 0, blocks, blocks], blocks),
+        ((2, True), [0, blocks, blocks, 2 * blocks], 2 * blocks),
+    ]
 
 
 def test_a_sender_carries_a_flush_of_few_busy_rows_inline(monkeypatch):
