@@ -42,6 +42,7 @@ DIFF_PARTS = 2
 WARPS = {
     "diff": {1: 4, 2: 8, 4: 8, 8: 16},
     "compact": {1: 8, 2: 8, 4: 8, 8: 8},
+    "compact_sparse": {1: 8, 2: 8, 4: 8, 8: 8},
     "expand": {1: 8, 2: 8, 4: 8, 8: 4},
 }
 """Warps a program, by kernel and element width (`diff` holds at most 8 of its 16-byte pairs a
@@ -358,8 +359,10 @@ def compact(
     blocks: torch.Tensor,
     density: int,
 ) -> None:
-    """`sparse_triton.compact` for busy rows (`density` 1 or 2) on the vectorized path (`key`'s flag)."""
-    _launch_rows("compact", key, density, total, table, firsts, boxes, words, starts, blocks)
+    """`sparse_triton.compact` for rows on the vectorized path (`key`'s flag): busy ones (`density` 1
+    or 2) read every element, sparse ones (0) their marked elements alone (`compact_sparse`)."""
+    name = "compact" if density else "compact_sparse"
+    _launch_rows(name, key, None, total, table, firsts, boxes, words, starts, blocks)
 
 
 def expand(

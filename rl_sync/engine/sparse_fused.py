@@ -136,9 +136,9 @@ def _launch_order(launch: tuple[Key, int | None]) -> tuple[Key, bool, int]:
 def _kernels(name: str, key: Key, density_: int | None, cuda: bool):
     """The module whose kernel `name` (`diff`, `compact` or `expand`) a launch of `key` and density
     class `density_` takes: with `cuda` (`sparse_cuda.usable`, asked once per sender or receiver),
-    `sparse_cuda` for launches on the vectorized path (every `diff`, busy `compact` and `expand`),
+    `sparse_cuda` for launches on the vectorized path (every `diff` and `compact`, busy `expand`s),
     else `sparse_triton`."""
-    return sparse_cuda if cuda and key[1] and (name == "diff" or bool(density_)) else kernels
+    return sparse_cuda if cuda and key[1] and (name != "expand" or bool(density_)) else kernels
 
 
 def _kernel(name: str, key: Key, density_: int | None, cuda: bool):

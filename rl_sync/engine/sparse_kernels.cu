@@ -301,6 +301,68 @@ __global__ void __launch_bounds__(WARPS * 32, (sizeof(VT) == 2 ? 48 : sizeof(VT)
     blocks_out[t / (BLOCK / TILE)] = blocks[(slot + t) / (BLOCK / TILE)];
 }
 
+// `compact` for sparse SEND rows (at most one change in `sparse_fused.BUSY` elements: a few marks a
+// word), one program a tile: each thread takes 2 consecutive words, a block-wide scan of their
+// marks gives its first payload position, and it visits its marks lowest first, `ROUND` at a time,
+// their loads issued together: the value (and its index or in-block offset) to the payload, the
+// baseline element, as the row's columns ask (the busy `compact`'s outputs, element by element:
+// only the marked elements are read).
+template <typename VT, int TILE, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    compact_sparse(const __grid_constant__ Inline in, const i64* table, const i64* firsts, i64 boxes,
+                   const u32* words, const i64* starts, const int* blocks, VT* anchor) {
+  constexpr int WPT = TILE / 32, ROUND = 4;
+  static_assert(2 * WARPS * 32 == WPT, "a tile's words are 2 a thread");
+  rows_of(in, boxes, &table, &firsts);
+  __shared__ int counts[WARPS];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  i64 t;
+  const i64* row = table + find_box(firsts, boxes, &t) * SEND_COLUMNS;
+  const i64 n = row[SEND_N], slot = row[SEND_SLOT], start = t * TILE;
+  const int left = (int)(n - start < TILE ? n - start : TILE), first = threadIdx.x * 2;
+  const u32* w = words + (slot + t) * WPT;
+  const u32 low = word_below(w, first, left), high = word_below(w, first + 1, left);
+  const int own = __popc(low) + __popc(high), through = warp_inclusive_scan(own, lane);
+  if (lane == 31) counts[warp] = through;
+  __syncthreads();
+  i64 pos = starts[slot + t] - starts[slot] + through - own;
+  for (int i = 0; i < warp; i++) pos += counts[i];
+  u32* bitmap = reinterpret_cast<u32*>(row[SEND_BITMAP_OUT]);
+  if (bitmap && first * 32 < left) bitmap[t * WPT + first] = low;
+  if (bitmap && (first + 1) * 32 < left) bitmap[t * WPT + first + 1] = high;
+  const int kind = (int)row[SEND_INDEX_KIND];
+  const bool update = row[SEND_UPDATE] != 0;
+  const VT* cur = anchor + row[SEND_CUR] + start + first * 32;
+  VT* base = anchor + row[SEND_BASE] + start + first * 32;
+  VT* values = anchor + row[SEND_VALUES];
+  void* index = reinterpret_cast<void*>(row[SEND_INDEX]);
+  for (unsigned long long m = (unsigned long long)high << 32 | low; m;) {
+    int at[ROUND];
+    VT v[ROUND];
+#pragma unroll
+    for (int r = 0; r < ROUND; r++) {
+      at[r] = m ? __ffsll(m) - 1 : -1;  // (this thread's element; -1: no more marks)
+      m &= m - 1;
+    }
+#pragma unroll
+    for (int r = 0; r < ROUND; r++)
+      if (at[r] >= 0) v[r] = cur[at[r]];
+#pragma unroll
+    for (int r = 0; r < ROUND; r++) {
+      if (at[r] < 0) break;
+      if (update) base[at[r]] = v[r];
+      if (kind >= NO_INDEX) values[pos] = v[r];
+      const i64 local = first * 32 + at[r];
+      if (kind == INT32_INDEX) reinterpret_cast<int*>(index)[pos] = (int)(start + local);
+      if (kind == UINT16_OFFSET) reinterpret_cast<short*>(index)[pos] = (short)((start % BLOCK + local) & 0xffff);
+      pos++;
+    }
+  }
+  int* blocks_out = reinterpret_cast<int*>(row[SEND_BLOCKS_OUT]);
+  if (blocks_out && threadIdx.x == 0 && t % (BLOCK / TILE) == 0)
+    blocks_out[t / (BLOCK / TILE)] = blocks[(slot + t) / (BLOCK / TILE)];
+}
+
 // The first `count` of `values` into `staged`, each lane's loads (4 at a time) all issued before it
 // stores the first: a lane's loads are in flight together rather than one after another.
 template <typename VT>

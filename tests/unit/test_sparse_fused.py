@@ -73,7 +73,7 @@ def test_boxes_whose_payloads_go_to_another_kind_of_device_take_the_torch_path(m
     assert found.counts == [100]
 
 
-def test_launches_take_the_cuda_kernels_only_on_the_vectorized_path_and_only_when_busy():
+def test_launches_take_the_cuda_kernels_only_on_the_vectorized_path_and_expand_only_when_busy():
     from rl_sync.engine import sparse_cuda
     from rl_sync.engine import sparse_triton as kernels
 
@@ -81,7 +81,8 @@ def test_launches_take_the_cuda_kernels_only_on_the_vectorized_path_and_only_whe
     assert pick("diff", (2, True), None, True) is sparse_cuda.diff
     assert pick("compact", (2, True), 1, True) is sparse_cuda.compact
     assert pick("expand", (8, True), 2, True) is sparse_cuda.expand
-    assert pick("compact", (2, True), 0, True) is kernels.compact  # sparse boxes: Triton's mark-by-mark launches
+    assert pick("compact", (2, True), 0, True) is sparse_cuda.compact  # (its sparse kernel: `compact_sparse`)
+    assert pick("expand", (2, True), 0, True) is kernels.expand  # sparse boxes: Triton's mark-by-mark launches
     assert (
         pick("diff", (2, False), None, True) is kernels.diff and pick("expand", (4, False), 1, True) is kernels.expand
     )
