@@ -26,8 +26,12 @@ ALIGN = 16
 MAX_INDEX = 2**31 - 1
 
 
+_PAD, _MASK = ALIGN - 1, -ALIGN
+"""`n` rounded up to `ALIGN` (a power of two) is `(n + _PAD) & _MASK`."""
+
+
 def _up(n: int) -> int:
-    return (n + ALIGN - 1) & -ALIGN  # (ALIGN a power of two)
+    return (n + _PAD) & _MASK
 
 
 class PayloadLayout(NamedTuple):
@@ -45,25 +49,29 @@ class PayloadLayout(NamedTuple):
 
 def payload_layout(code: int, n: int, k: int, itemsize: int) -> PayloadLayout:
     """The layout of a transfer of `n` elements of `itemsize` bytes, `k` changed, as `code` (each
-    part rounded up once: a round asks for one per box on each side)."""
-    values = _up(itemsize * k)
+    part rounded up to `ALIGN` inline, and the tuple made without the named tuple's own `__new__`: a
+    round asks for one per box on each side, on its critical path)."""
+    values = (itemsize * k + _PAD) & _MASK  # (`_up`, inline)
     if code == BITMAP:
         head = -(-n // 8)
-        at = _up(head)
-        return PayloadLayout(head, at, at, at + values)
+        at = (head + _PAD) & _MASK
+        return _layout(PayloadLayout, (head, at, at, at + values))
     if code == BLOCKED:
         head = 4 * -(-n // BLOCK)
-        at = _up(head)
-        offsets = _up(2 * k)
-        return PayloadLayout(head, at, at + offsets, at + offsets + values)
+        at = (head + _PAD) & _MASK
+        offsets = (2 * k + _PAD) & _MASK
+        return _layout(PayloadLayout, (head, at, at + offsets, at + offsets + values))
     if code == INDICES:
-        indices = _up(4 * k)
-        return PayloadLayout(0, 0, indices, indices + values)
+        indices = (4 * k + _PAD) & _MASK
+        return _layout(PayloadLayout, (0, 0, indices, indices + values))
     if code == DENSE:
-        return PayloadLayout(0, 0, 0, _up(itemsize * n))
+        return _layout(PayloadLayout, (0, 0, 0, _up(itemsize * n)))
     raise ValueError(
         f"unknown sparse encoding code {code!r}; expected 0 (indices), 1 (bitmap), 2 (dense) or 3 (blocked)"
     )
+
+
+_layout = tuple.__new__
 
 
 def encoded_nbytes(code: int, n: int, k: int, itemsize: int) -> int:
