@@ -340,6 +340,9 @@ FLUSHES = 4
 hold this fraction of the bucket's tiles (and `FLUSH_TILES` at least): the device compacts them
 while the host encodes the rest, rather than waiting for every box's table row. Sparse boxes
 never start a launch: theirs takes the device less time than the host takes to prepare it."""
+FIRST_FLUSH = 2 * FLUSHES
+"""The first such launch comes once the busy boxes hold this fraction (an eighth) instead: the
+device idles from the counts' arrival until it is queued, while later ones queue as it works."""
 FLUSH_TILES = 1024
 """Tiles (16M elements) below which encoded boxes wait for more: a smaller launch costs the host
 more than the device time it hides."""
@@ -352,8 +355,8 @@ class FusedSender:
     Usage: `encode(i, code, out)` per fused box, then `complete()` (the payloads, and the
     baselines of unshared boxes), then `advance(codes)` (the shared boxes' baselines). `encode`
     itself launches `compact` for the boxes encoded so far once the busy ones hold a
-    `FLUSHES`-th of the bucket's tiles; every launch queues on the current stream, in order, so
-    nothing waits."""
+    `FLUSHES`-th of the bucket's tiles (the first time, a `FIRST_FLUSH`-th); every launch queues
+    on the current stream, in order, so nothing waits."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], g: _Geometry):
         self.pairs, self.geometry = pairs, g
@@ -372,7 +375,7 @@ class FusedSender:
         self.counts = counted()
         self._rows: list[Row] = []
         self._pending = 0  # tiles of `_rows`
-        self._flush_at = max(g.tiles // FLUSHES, FLUSH_TILES)
+        self._flush_at = max(g.tiles // FIRST_FLUSH, FLUSH_TILES)
         self._payloads: list[torch.Tensor] = []  # the tables hold their addresses
 
     def encode(self, i: int, code: int, out: torch.Tensor) -> None:
@@ -404,6 +407,7 @@ class FusedSender:
             self._pending += box.tiles
             if self._pending >= self._flush_at:
                 self.complete()
+                self._flush_at = max(self.geometry.tiles // FLUSHES, FLUSH_TILES)
 
     def _compact(self, rows: list[Row]) -> None:
         up, cuda = kernels.Upload(), self.geometry.cuda

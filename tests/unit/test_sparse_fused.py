@@ -232,7 +232,8 @@ def _busy_sender(monkeypatch, cuda: bool, compact) -> sparse_codec.BucketChanges
 
 def test_a_sender_compacts_the_boxes_encoded_so_far_once_they_hold_a_share_of_the_bucket(monkeypatch):
     """`encode` launches `compact` for the boxes it has encoded once they hold a `FLUSHES`-th of the
-    bucket's tiles; `complete` launches the rest: every box once, in the order encoded."""
+    bucket's tiles (the first time a `FIRST_FLUSH`-th: the device waits for that one); `complete`
+    launches the rest: every box once, in the order encoded."""
     from rl_sync.engine import sparse_triton as kernels
     from rl_sync.sparse.encodings import BITMAP, encoded_nbytes
 
@@ -243,9 +244,9 @@ def test_a_sender_compacts_the_boxes_encoded_so_far_once_they_hold_a_share_of_th
     for i in range(7):
         found.encode(i, BITMAP, torch.zeros(encoded_nbytes(BITMAP, BUSY_N, BUSY_K, 2), dtype=torch.uint8))
         per_launch.append(len(launched))
-    assert per_launch == [0, 1, 1, 2, 2, 3, 3]  # 21 tiles: a launch once 5 (a quarter) wait
+    assert per_launch == [1, 1, 2, 2, 3, 3, 4]  # 21 tiles: the first once 2 (an eighth) wait, then 5 (a quarter)
     found.finish()
-    assert [table[:, -1].tolist() for table in launched] == [[0, 1], [2, 3], [4, 5], [6]]
+    assert [table[:, -1].tolist() for table in launched] == [[0], [1, 2], [3, 4], [5, 6]]
 
 
 def test_rounds_of_a_bucket_reuse_its_scratch_lent_to_one_sender_at_a_time(monkeypatch):
@@ -380,5 +381,5 @@ def test_a_sender_carries_a_flush_of_few_busy_rows_inline(monkeypatch):
         found.encode(i, BITMAP, torch.zeros(encoded_nbytes(BITMAP, BUSY_N, BUSY_K, 2), dtype=torch.uint8))
     found.finish()
     columns = kernels.SEND_COLUMNS
-    assert [table[columns - 1 :: columns] for table, _ in launched] == [[0, 1], [2, 3], [4, 5], [6]]
-    assert [firsts for _, firsts in launched] == [[0, 3, 6]] * 3 + [[0, 3]]
+    assert [table[columns - 1 :: columns] for table, _ in launched] == [[0], [1, 2], [3, 4], [5, 6]]
+    assert [firsts for _, firsts in launched] == [[0, 3]] + [[0, 3, 6]] * 3
