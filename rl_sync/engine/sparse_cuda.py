@@ -1,21 +1,26 @@
-"""`diff` and the busy `compact` and `expand` as CUDA kernels (`sparse_kernels.cu`), for launches
-whose boxes are all on the vectorized path: drop-in replacements of `sparse_triton.diff`,
-`sparse_triton.compact` and `sparse_triton.expand` (the same arguments, tables and results, bit
-for bit). On an H200, 1 GiB of bf16 at 10% density: `diff` 0.51 against 0.66 ms, `compact` 0.66
-against 0.92 ms, `expand` 0.61 against 0.85 ms (`docs/benchmarks.md`). And `starts`: a receiver's
-checks of every row, bitmap or blocked, strided or not, in one launch where Triton takes two
-(`sparse_triton.bitmap_counts`, then `sparse_triton.scan`).
+"""The sparse codec's kernels in CUDA (`sparse_kernels.cu`): drop-in replacements of their Triton
+versions (`sparse_triton`: the same arguments, tables and results, bit for bit) whose launches
+cost the host tens of microseconds less, on the round's critical path. On an H200, 1 GiB of bf16
+(`docs/benchmarks.md`):
+- for launches whose boxes are all on the vectorized path (contiguous, 16-byte aligned): `diff`
+  (0.51 against 0.66 ms), `compact`, busy rows at 10% density (0.66 against 0.92 ms) or sparse
+  ones at 1% (`compact_sparse`, 0.40 against Triton's 0.37 ms), and the busy `expand` (0.61
+  against 0.85 ms at 10%);
+- for any row: `starts`, a receiver's checks of every row, bitmap or blocked, in one launch where
+  Triton takes two (`sparse_triton.bitmap_counts`, then `sparse_triton.scan`); `blocked_check`
+  and `blocked_apply` for blocked rows (0.017 against 0.025 ms, 0.22 against 0.21 ms at 1%).
 
 `sparse_fused` sends a launch here when `usable(device)` (asked once per sender or receiver) and,
-but for `starts`, its key is on the vectorized path and it is a `diff` or its density class is
-busy or busier; every other launch, and every launch where CuPy is missing (the `cuda12` /
-`cuda13` extras) or `RL_SYNC_SPARSE_KERNELS=triton` is set, takes the Triton kernels. The file is compiled once per
-process and device by NVRTC through CuPy, with the table columns passed as macros, and the
-kernels are queued through the CUDA driver (`cuLaunchKernel`, their arguments in one int64 array)
-on torch's current stream, so they queue behind and ahead of the Triton launches of the same
-bucket with no synchronization in between. `compact`, `expand` and `starts` take their table and
-program starts either uploaded (pointers) or, up to `INLINE_VALUES` values, in their parameters
-(`Rows`: a list of host values), which spares the host an upload on the round's critical path.
+for `diff`, `compact` and `expand`, its key is on the vectorized path (and, for `expand`, its
+density class busy or busier); every other launch, and every launch where CuPy is missing (the
+`cuda12` / `cuda13` extras) or `RL_SYNC_SPARSE_KERNELS=triton` is set, takes the Triton kernels.
+The file is compiled once per process and device by NVRTC through CuPy, with the table columns
+passed as macros, and the kernels are queued through the CUDA driver (`cuLaunchKernel`, their
+arguments in one int64 array) on torch's current stream, so they queue behind and ahead of the
+Triton launches of the same bucket with no synchronization in between. All but `diff` take their
+table and program starts either uploaded (pointers) or, up to `INLINE_VALUES` values, in their
+parameters (`Rows`: host values), which spares the host an upload; their buffers come as tensors
+or as `Address`es; a bucket's `diff` is bound once (`BoundDiff`).
 """
 
 from __future__ import annotations

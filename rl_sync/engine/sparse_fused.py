@@ -1,16 +1,17 @@
 """The fused sparse codec's host side: box tables for the Triton kernels (`sparse_triton`) and the
-CUDA ones that replace `diff`, the busy `compact` and `expand` and the receiver's checks where
-CuPy is installed (`sparse_cuda`), one upload per step, or none where every launch of the step
-is a CUDA one whose rows fit in its parameters (`sparse_cuda.fits_inline`; the sender's `compact`
-takes up to `FLUSHES` steps, each launched while the host encodes the next boxes), and a bucket's
-counts read back in one transfer.
+CUDA ones that replace them where CuPy is installed (`sparse_cuda`: `diff`, `compact`, the busy
+`expand`, the receiver's checks and its blocked rows), one upload per step, or none where every
+launch of the step is a CUDA one whose rows fit in its parameters (`sparse_cuda.fits_inline`; the
+sender's `compact` takes up to `FLUSHES` + 1 steps, each launched while the host encodes the next
+boxes), and a bucket's counts read back in one transfer.
 
 `FusedSender` finds and encodes the CUDA boxes one rank sends in a bucket, `FusedReceiver`
 validates and writes the CUDA boxes it receives; `sparse_codec.BucketChanges` and
 `sparse_codec.BucketReceiver` drive them beside the torch path. Everything here is host
 arithmetic on addresses and sizes: no tensor is sliced per box, and a sender's geometry (its
-boxes' addresses, tile slots and the uploaded `diff` table) is built once and reused while a
-bucket's tensors stay where they are.
+boxes' addresses, tile slots, the uploaded `diff` table, its counts and their read-back, and the
+CUDA `diff` launch bound to them) is built once and reused while a bucket's tensors stay where
+they are.
 """
 
 from __future__ import annotations

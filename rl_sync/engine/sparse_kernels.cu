@@ -1,7 +1,10 @@
-// The sparse codec's `diff` and busy `compact` and `expand` in CUDA: the same box tables, tiles,
-// bitmap words and payload positions as their Triton versions (`sparse_triton.py`), for launches
-// whose boxes are all on the vectorized path (contiguous, 16-byte aligned); and `starts`, the
-// receiver's checks of every row (Triton's `bitmap_counts` then `scan`, in one launch).
+// The sparse codec's kernels in CUDA: the same box tables, tiles, bitmap words and payload
+// positions as their Triton versions (`sparse_triton.py`). `diff`, `compact` (busy rows) and
+// `compact_sparse` (the others), and the busy `expand`, for launches whose boxes are all on the
+// vectorized path (contiguous, 16-byte aligned); `starts`, the receiver's checks of every row
+// (Triton's `bitmap_counts` then `scan`, in one launch), and `blocked_check` and `blocked_apply`
+// for blocked rows, strided or not. A launch of Triton's costs the host tens of microseconds more,
+// on the round's critical path.
 // `sparse_cuda.py` compiles this file with NVRTC (through CuPy) and passes the table columns and
 // `BLOCK` as -D macros, so Python stays their one definition.
 //
