@@ -373,6 +373,7 @@ class BucketReceiver:
         self.device, self._boxes = device, boxes
         self.flags = torch.zeros(flags_layout(boxes)[1], dtype=torch.int32, device=device)
         self._decodes: list[tuple] = []  # the torch path's boxes: `add`'s arguments, decoded at `commit`
+        self._added = bytearray(boxes)  # the slots added so far
         self._fused: FusedReceiver | None = None
 
     def add(
@@ -380,6 +381,9 @@ class BucketReceiver:
     ) -> None:
         if not 0 <= slot < self._boxes:
             raise IndexError(f"box slot {slot} is outside this bucket's {self._boxes} boxes")
+        if self._added[slot]:  # (the fused checks keep a counter a box: a box added twice would overrun them)
+            raise ValueError(f"box slot {slot} was added twice to this bucket's receiver")
+        self._added[slot] = 1
         at = _checked_layout(code, k, n, dtype, block)
         if _on_kernel_device(view):
             if self._fused is None:

@@ -156,7 +156,7 @@ def _functions(device: int) -> dict[str, Any]:
 MAX_ARGS = 16
 """Arguments a kernel of the file takes, at most (all 64-bit), besides its inline rows."""
 INLINE_VALUES = 480
-"""int64 values a launch of `compact`, `expand` or `starts` can carry in its parameters (`Inline` in
+"""int64 values a launch of any kernel but `diff` can carry in its parameters (`Inline` in
 the source: its program starts, then its rows), rather than in a table uploaded to the device
 (3,840 bytes: with the other arguments, under the 4 KiB a kernel's parameters may take). A launch
 of fewer rows skips the upload, its pinned staging and its slices: on an H200's host about 30 µs
@@ -191,7 +191,7 @@ def _launch(name: str, warps: int, total: int, device: int, *args: int, inline: 
     """Kernel `name` (`_names`) over `total` programs of `warps` warps, on torch's current stream of
     the device numbered `device`; `args` are addresses and counts, 64-bit as every kernel of the file
     takes them, after `inline`, the values of its `Inline` parameter (program starts, then rows:
-    `compact`, `expand` and `starts` take one; `diff` none: None). Queued through the driver with
+    every kernel but `diff` takes one: None for `diff`). Queued through the driver with
     the arguments in one int64 array: CuPy's kernel call converts each argument to an object first,
     about 10 µs a launch on an H200's host."""
     handle, params = _functions(device)[name].ptr, _PARAMS
@@ -246,6 +246,7 @@ class BoundDiff:
         first = self._values.ctypes.data
         self._pointers = np.arange(first, first + 8 * len(values), 8, dtype=np.uint64)
         self._handle, self._warps = _functions(self._device)[_NAMES["diff", width]].ptr, WARPS["diff"][width]
+        self._kept = (table, firsts, counts, totals)  # (their addresses are in `_values`)
 
     def __call__(self, words: torch.Tensor) -> None:
         if self._total:

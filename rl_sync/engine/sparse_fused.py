@@ -191,8 +191,9 @@ class _Scratch:
     each box's (both in `counts`, zeroed each round: 8 bytes a 16,384-element tile), and where the
     totals are read back (pinned host memory, and the event of the copy). Kept with the bucket's
     geometry and lent to one sender at a time, on the stream it was made for: stream order queues a
-    round's kernels behind the last round's. (The bitmap words, 16 times more, are allocated each
-    round: a kept bucket would hold them while the trainer needs the memory.)"""
+    round's kernels behind the last round's. (The bitmap words, 256 times more, a sixteenth of the
+    bf16 bytes, are allocated each round: kept buckets would hold them while the trainer needs the
+    memory.)"""
 
     def __init__(self, slots: int, boxes: int, device: torch.device, stream: int):
         self.counts = torch.empty(slots + boxes, dtype=torch.int64, device=device)
@@ -293,13 +294,17 @@ def _pair_2d(cur: torch.Tensor, base: torch.Tensor, device: torch.device) -> tup
 
 def _signature(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[int], shared: Sequence[bool]) -> tuple:
     """Everything the geometry of `candidates` depends on: which boxes overlap, where each box's
-    source and baseline are, and their kind. (Addresses name their device: CUDA's unified
-    addressing gives every device, and the host, its own range.)"""
+    source and baseline are (devices by number: an address freed on one device may later be given
+    out on another), and their kind."""
     boxes = [pairs[i] for i in candidates]
     return (
         tuple(shared),
         tuple(candidates),
-        *[(c.data_ptr(), b.data_ptr(), c.shape, b.shape, c.stride(), b.stride(), c.dtype, b.dtype) for c, b in boxes],
+        *[
+            (c.data_ptr(), b.data_ptr(), c.get_device(), b.get_device(), c.shape, b.shape, c.stride(), b.stride())
+            for c, b in boxes
+        ],
+        *[(c.dtype, b.dtype) for c, b in boxes],
     )
 
 

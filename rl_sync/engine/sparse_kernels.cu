@@ -30,7 +30,7 @@ union Lane {
 };
 
 // A launch's program starts (`boxes + 1`) then its rows, passed in the kernel's parameters rather
-// than uploaded: `compact`, `expand` and `starts` read them from here when their `table` is null.
+// than uploaded: every kernel but `diff` reads them from here when its `table` is null.
 // `__grid_constant__` keeps them in the parameter space, read through their address, not copied
 // to each thread.
 struct Inline {

@@ -32,9 +32,9 @@ kernel read out of bounds.
 `compact` and `expand` come in launches per density class of their boxes
 (`sparse_fused.density`): the sparse one visits each word's marks `ROUNDS` at a time, the busy
 and busier ones handle every element of `SUB` words at once, each with its own warps. On the
-vectorized path, `diff` and the busy launches take `sparse_cuda`'s CUDA versions instead where
-CuPy is installed, and `bitmap_counts` and `scan` give way to its one `starts` launch on every
-path (`sparse_fused` chooses).
+vectorized path, `diff`, `compact` and the busy `expand` take `sparse_cuda`'s CUDA versions
+instead where CuPy is installed, and on every path `bitmap_counts` and `scan` give way to its
+one `starts` launch and `blocked_check` and `blocked_apply` to its own (`sparse_fused` chooses).
 """
 
 from __future__ import annotations

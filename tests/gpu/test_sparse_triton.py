@@ -244,9 +244,10 @@ def test_a_bucket_of_mixed_widths_and_encodings_round_trips_and_names_its_one_ba
 
 
 def test_launches_on_the_vectorized_path_take_the_cuda_kernels(sparse_kernels, monkeypatch):
-    """A 10% bitmap box, contiguous: its `diff`, `compact`, `starts` (the receiver's checks) and
-    `expand` run in CUDA unless Triton is asked for; a strided box of the same density stays on
-    Triton either way, but for the checks, which do not touch the destination."""
+    """Contiguous boxes take CUDA's `diff` and `compact` (busy or sparse: `compact_sparse`), a busy
+    bitmap its `expand`; the checks (`starts`) and blocked rows (`blocked_check`, `blocked_apply`)
+    take CUDA's on every path, unless Triton is asked for. Strided boxes keep Triton's `diff`,
+    `compact` and `expand`, as does a sparse bitmap's `expand`."""
     launched = []
     original = sparse_cuda._queue
 
@@ -256,18 +257,26 @@ def test_launches_on_the_vectorized_path_take_the_cuda_kernels(sparse_kernels, m
         original(handle, total, warps, device, pointers)
 
     monkeypatch.setattr(sparse_cuda, "_queue", spy)  # (every CUDA launch, a bound `diff`'s too)
-    for strided in (False, True):
-        cur, base = _pair(64, 4096, 0.1, torch.bfloat16, 7)
-        k, ref = _reference(BITMAP, cur, base)
+    cases = [  # (density, encoding, strided source and destination, the CUDA launches)
+        (0.1, BITMAP, False, ["diff", "compact", "starts", "expand"]),
+        (0.1, BITMAP, True, ["starts"]),
+        (0.01, BITMAP, False, ["diff", "compact_sparse", "starts"]),
+        (0.01, BLOCKED, False, ["diff", "compact_sparse", "starts", "blocked_check", "blocked_apply"]),
+        (0.01, BLOCKED, True, ["starts", "blocked_check", "blocked_apply"]),
+    ]
+    for density, code, strided, expected in cases:
+        launched.clear()
+        cur, base = _pair(64, 4096, density, torch.bfloat16, 7)
+        k, ref = _reference(code, cur, base)
         src, baseline = (_strided(cur)[0], _strided(base)[0]) if strided else (cur.clone(), base.clone())
         found = sparse_codec.BucketChanges([(src, baseline)], [(0, (0, 0), (64, 4096))])
         payload = torch.zeros_like(ref)
-        found.encode(0, BITMAP, payload)
+        found.encode(0, code, payload)
         found.finish()
         live = _strided(base)[0] if strided else base.clone()
-        assert torch.equal(payload, ref) and _receive(BITMAP, k, cur.numel(), torch.bfloat16, payload, live)
+        assert torch.equal(payload, ref) and _receive(code, k, cur.numel(), torch.bfloat16, payload, live)
         assert torch.equal(_bits(live), _bits(cur))
-    assert launched == (["diff", "compact", "starts", "expand", "starts"] if sparse_kernels == "cuda" else [])
+        assert launched == (expected if sparse_kernels == "cuda" else []), (density, code, strided)
 
 
 ODD = 3 * 16_384 + 8_191
@@ -277,11 +286,11 @@ is empty) and whose last 16-byte lane is partial at every width (the count is od
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("code", [INDICES, BLOCKED, BITMAP])
-@pytest.mark.parametrize("density", [0.1, 0.4])  # busy, busier
-def test_every_width_and_index_kind_round_trips_through_the_busy_launches(dtype, code, density, device="cuda"):
-    """A contiguous box of `ODD` elements at each width, encoding and density class of the busy
-    launches: the payload is the reference's byte for byte, the baseline and the live copy end equal
-    to the source."""
+@pytest.mark.parametrize("density", [0.01, 0.1, 0.4])  # sparse, busy, busier
+def test_every_width_and_index_kind_round_trips_through_each_density_class(dtype, code, density, device="cuda"):
+    """A contiguous box of `ODD` elements at each width, encoding and density class (sparse: CUDA's
+    `compact_sparse`; busy, busier): the payload is the reference's byte for byte, the baseline and
+    the live copy end equal to the source."""
     cur, base = _pair(1, ODD, density, dtype, 17, device)
     k, ref = _reference(code, cur, base)
     baseline, live = base.clone(), base.clone()
@@ -296,10 +305,11 @@ def test_every_width_and_index_kind_round_trips_through_the_busy_launches(dtype,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_box_sent_twice_advances_its_baseline_once_both_are_encoded_at_every_width(dtype, device="cuda"):
-    """The same busy box twice in a bucket (two replicas): both payloads are encoded against the old
+@pytest.mark.parametrize("density", [0.01, 0.1])  # sparse, busy
+def test_a_box_sent_twice_advances_its_baseline_once_both_are_encoded_at_every_width(dtype, density, device="cuda"):
+    """The same box twice in a bucket (two replicas): both payloads are encoded against the old
     baseline, then the update-only launch advances it, partial last lane included."""
-    cur, base = _pair(1, ODD, 0.1, dtype, 23, device)
+    cur, base = _pair(1, ODD, density, dtype, 23, device)
     ref = [_reference(code, cur, base) for code in (BITMAP, BLOCKED)]
     baseline = base.clone()
     found = sparse_codec.BucketChanges([(cur, baseline), (cur, baseline)], [(0, (0, 0), (1, ODD))] * 2)
