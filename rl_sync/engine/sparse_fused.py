@@ -496,6 +496,7 @@ class FusedReceiver:
         self._entries = 0
         self._checks: list[Queued] | None = None  # once prepared
         self._writes: list[Queued] = []
+        self._scratch: torch.Tensor | None = None  # the checks' counts and positions, where launches take addresses
 
     def add(
         self,
