@@ -289,8 +289,12 @@ class BucketChanges:
     back to the host in one transfer; at `complete`, one compact pass that reads only the
     bitmap and the changed elements, writes every payload and updates the baselines of boxes
     no other box overlaps; at `advance`, one pass updating the overlapping ones (a box sent to
-    several replicas is diffed against the same baseline each time). Other boxes use `Changes`
-    (one host sync each on a GPU) and `encode`."""
+    several replicas is diffed against the same baseline each time). Where the CUDA kernels take
+    a box (`sparse_cuda`), its diff itself advances the baseline of a box no other box overlaps,
+    at construction, and leaves the values of sparse runs for `complete` to copy: from then on
+    the baseline holds this round's values whatever is encoded (a round that fails later makes
+    the group send in full, `sparse.refresh`). Other boxes use `Changes` (one host sync each on a
+    GPU) and `encode`."""
 
     def __init__(
         self,

@@ -44,15 +44,37 @@ DIFF_PARTS = 2
 """Programs a tile of the CUDA `diff` (the Triton one takes `sparse_triton.DIFF_PARTS`): on an H200,
 1 GiB of bf16, 0.516 ms with 2 or 1 (about 0.9x the copy: it reads, where the copy also writes),
 0.519 ms with 4, 0.674 ms with 8."""
+_DIFF_PART = kernels.TILE // DIFF_PARTS
+"""Elements a program of the CUDA `diff` compares."""
+STAGE_SHARE = 8
+"""A warp of the CUDA `diff` whose changes are at most this fraction of its elements (an eighth)
+stages their values, so that `compact` reads them from there rather than from the source: a stage
+takes `1 / STAGE_SHARE` of the bytes of a bucket's boxes on the vectorized path, each round,
+beside the bitmap words (a sixteenth of bf16 bytes)."""
+
+
+def stage_run(width: int) -> int:
+    """Elements of a warp's run in the CUDA `diff` of `width`-byte elements: the unit a stage holds
+    the values of, when at most `1 / STAGE_SHARE` of them changed."""
+    return _DIFF_PART // WARPS["diff"][width]
+
+
+def stage_bytes(tiles: int, width: int) -> int:
+    """Bytes of the stage of a box of `tiles` tiles of `width`-byte elements (16-byte multiples)."""
+    return tiles * kernels.TILE // STAGE_SHARE * width
+
+
 WARPS = {
     "diff": {1: 4, 2: 8, 4: 8, 8: 16},
     "compact": {1: 8, 2: 8, 4: 8, 8: 8},
+    "compact_staged": {1: 8, 2: 8, 4: 8, 8: 8},
     "compact_sparse": {1: 8, 2: 8, 4: 8, 8: 8},
     "expand": {1: 8, 2: 8, 4: 8, 8: 4},
 }
 """Warps a program, by kernel and element width (`diff` holds at most 8 of its 16-byte pairs a
-thread in registers; `expand` stages 1,024 values a warp in shared memory, so wider elements take
-fewer warps)."""
+thread in registers, and each of its warps stages the values of its own run of elements,
+`stage_run`, which `compact` finds by the same split; `expand` stages 1,024 values a warp in
+shared memory, so wider elements take fewer warps)."""
 STARTS_WARPS = 4
 """Warps a program of `starts`, each counting one tile of a bitmap row (a tile's 512 words are 128
 runs of 16 bytes: 4 a lane, all read before the first count); the row's last program scans its
@@ -110,13 +132,13 @@ def _macros() -> tuple[str, ...]:
     names = [name for name in dir(kernels) if name.startswith(("SEND_", "RECV_"))]
     values = {name: getattr(kernels, name) for name in names}
     values |= {"NO_INDEX": kernels.NONE, "INT32_INDEX": kernels.INT32_INDEX, "UINT16_OFFSET": kernels.UINT16_OFFSET}
-    values["BLOCK"] = BLOCK
-    values["INLINE_VALUES"] = INLINE_VALUES
+    values |= {"BLOCK": BLOCK, "INLINE_VALUES": INLINE_VALUES, "STAGE_SHARE": STAGE_SHARE}
+    values |= {f"STAGE_CHUNK_{width}": stage_run(width) for width in C_TYPES}
     return tuple(f"-D{name}={getattr(value, 'value', value)}" for name, value in sorted(values.items()))
 
 
 def _name(kernel: str, width: int) -> str:
-    part = f", {kernels.TILE // DIFF_PARTS}" if kernel == "diff" else ""
+    part = f", {_DIFF_PART}" if kernel == "diff" else ""
     return f"{kernel}<{C_TYPES[width]}, {kernels.TILE}{part}, {WARPS[kernel][width]}>"
 
 
@@ -365,9 +387,11 @@ def compact(
     blocks: torch.Tensor,
     density: int,
 ) -> None:
-    """`sparse_triton.compact` for rows on the vectorized path (`key`'s flag): busy ones (`density` 1
-    or 2) read every element, sparse ones (0) their marked elements alone (`compact_sparse`)."""
-    name = "compact" if density else "compact_sparse"
+    """`sparse_triton.compact` for rows on the vectorized path (`key`'s flag): sparse ones (`density`
+    0, `compact_sparse`) read their marked elements alone, from the stage where `diff` left them;
+    busy ones (1, `compact_staged`) the stage where it holds them, else every element of the source;
+    busier ones (2, `compact`: more than a stage holds) every element of the source."""
+    name = ("compact_sparse", "compact_staged", "compact")[density]
     _launch_rows(name, key, None, total, table, firsts, boxes, words, starts, blocks)
 
 

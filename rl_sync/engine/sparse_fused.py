@@ -20,7 +20,7 @@ import functools
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -39,8 +39,10 @@ Key = tuple[int, bool]
 @dataclass(frozen=True)
 class _Box:
     """One sender box: where it is in the bucket, its source and baseline, its size, its first
-    tile slot (whole wire blocks per box, so padding tiles count 0) and whether another box of
-    the bucket overlaps it (then its baseline advances only after every box was diffed)."""
+    tile slot (whole wire blocks per box, so padding tiles count 0), whether another box of
+    the bucket overlaps it (then its baseline advances only after every box was diffed), and
+    where the CUDA `diff` stages its values (bytes from the round's words; -1: the box takes the
+    Triton kernels)."""
 
     index: int
     cur: Strided2D
@@ -49,6 +51,13 @@ class _Box:
     width: int
     slot: int
     shared: bool
+    stage: int = -1
+
+    @property
+    def on_cuda(self) -> bool:
+        """It takes the CUDA `diff` and `compact`, which stage its values: `diff` advances its
+        baseline (unless `shared`), `compact` does not."""
+        return self.stage >= 0
 
     @functools.cached_property
     def key(self) -> Key:
@@ -62,7 +71,7 @@ class _Box:
         self, values: int = 0, index: int = 0, kind: int = -1, update: bool = False, bitmap: int = 0, blocks: int = 0
     ) -> list[int]:
         """Its `sparse_triton.SEND_*` row (`kind` -1: no values written)."""
-        return [*self._head, values, index, kind, int(update), bitmap, blocks, self.index]
+        return [*self._head, values, index, kind, int(update), bitmap, blocks, self.index, self.stage]
 
     @functools.cached_property
     def _head(self) -> tuple[int, ...]:
@@ -243,6 +252,8 @@ class _Geometry:
     `diff`s cut a tile into different parts, so `diff` must take the one it was built for."""
     pairs: int
     """Boxes of the bucket, fused or not (`counts` has a total for each)."""
+    stage: int
+    """Bytes of its boxes' stages, after the words (`_Box.stage`)."""
     _kept: _Scratch | None = None
 
     @functools.cached_property
@@ -329,16 +340,31 @@ def geometry(
         if pair is not None:
             boxes[i] = _Box(i, *pair, cur.numel(), cur.element_size(), slot, shared[i])
             slot += -(-cur.numel() // BLOCK) * per_block
+    boxes, stage = _staged(boxes, slot, cuda)
     up = kernels.Upload()
     parts = {b.key: _kernels("diff", b.key, None, cuda).DIFF_PARTS for b in boxes.values()}  # as `launches` picks
-    diff = _launches([(b.key, None, b.tiles * parts[b.key], b.row()) for b in boxes.values()], up)
+    rows = [(b.key, None, b.tiles * parts[b.key], b.row(update=b.on_cuda and not b.shared)) for b in boxes.values()]
+    diff = _launches(rows, up)
     tiles = sum(b.tiles for b in boxes.values())
     table = up.send(device) if boxes else torch.empty(0, dtype=torch.int64)
-    made = _Geometry(boxes, slot, tiles, diff, table, cuda, len(pairs))
+    made = _Geometry(boxes, slot, tiles, diff, table, cuda, len(pairs), stage)
     _GEOMETRIES[signature] = made
     if len(_GEOMETRIES) > _KEPT_GEOMETRIES:
         _GEOMETRIES.popitem(last=False)
     return made
+
+
+def _staged(boxes: dict[int, _Box], slots: int, cuda: bool) -> tuple[dict[int, _Box], int]:
+    """`boxes` (of `slots` tile slots), those that take the CUDA `diff` (`_kernels`' choice, with
+    `cuda`) given their stage, one after another behind the words; and the stages' bytes."""
+    at = words = slots * kernels.WORDS * 4
+    staged = {}
+    for i, box in boxes.items():
+        if _kernels("diff", box.key, None, cuda) is sparse_cuda:
+            box = replace(box, stage=at)
+            at += sparse_cuda.stage_bytes(box.tiles, box.width)
+        staged[i] = box
+    return staged, at - words
 
 
 FLUSHES = 4
@@ -359,7 +385,9 @@ class FusedSender:
     launch per key; `counts[i]` read back in one transfer (0 for boxes not fused).
 
     Usage: `encode(i, code, out)` per fused box, then `complete()` (the payloads, and the
-    baselines of unshared boxes), then `advance(codes)` (the shared boxes' baselines). `encode`
+    baselines of unshared boxes), then `advance(codes)` (the shared boxes' baselines); the
+    unshared boxes on the CUDA `diff` (`_Box.on_cuda`) advance their baselines in that `diff`
+    already, at construction, and their `compact` reads the values it staged. `encode`
     itself launches `compact` for the boxes encoded so far once the busy ones hold a
     `FLUSHES`-th of the bucket's tiles (the first time, a `FIRST_FLUSH`-th); every launch queues
     on the current stream, in order, so nothing waits."""
@@ -372,7 +400,7 @@ class FusedSender:
         self._scratch = scratch = g.lend(device, self._device)
         scratch.counts.zero_()
         self._tiles = scratch.tiles
-        self._words = torch.empty(g.slots * kernels.WORDS, dtype=torch.int32, device=device)
+        self._words = torch.empty(g.slots * kernels.WORDS + g.stage // 4, dtype=torch.int32, device=device)
         for diff in scratch.diffs:
             diff(self._words)
         counted = scratch.read_back()  # the bucket's one host transfer, queued before the sums below
@@ -394,8 +422,8 @@ class FusedSender:
             )
         if code == DENSE:
             out[: box.width * box.n].view(cur.dtype).copy_(cur.reshape(-1))
-            if not box.shared:  # no other box reads this baseline: a whole copy now
-                self.pairs[i][1].copy_(cur)
+            if not box.shared and not box.on_cuda:  # (the CUDA `diff` advanced it)
+                self.pairs[i][1].copy_(cur)  # no other box reads this baseline: a whole copy now
             return
         k, address = self.counts[i], out.data_ptr()
         at = payload_layout(code, box.n, k, box.width)
@@ -405,7 +433,8 @@ class FusedSender:
         values = kernels.element_offset(address + at.values, self._device, box.width)
         bitmap, index = (address, 0) if code == BITMAP else (0, address + at.positions)
         blocks = address if code == BLOCKED else 0
-        row = box.row(values, index, kernels.INDEX_KIND[code], not box.shared, bitmap, blocks)
+        update = not box.shared and not box.on_cuda  # (the CUDA `diff` advanced it)
+        row = box.row(values, index, kernels.INDEX_KIND[code], update, bitmap, blocks)
         class_ = density(k, box.n)
         self._rows.append((box.key, class_, box.tiles, row))
         self._payloads.append(out)

@@ -5,8 +5,14 @@
 // (Triton's `bitmap_counts` then `scan`, in one launch), and `blocked_check` and `blocked_apply`
 // for blocked rows, strided or not. A launch of Triton's costs the host tens of microseconds more,
 // on the round's critical path.
-// `sparse_cuda.py` compiles this file with NVRTC (through CuPy) and passes the table columns and
-// `BLOCK` as -D macros, so Python stays their one definition.
+// `sparse_cuda.py` compiles this file with NVRTC (through CuPy) and passes the table columns,
+// `BLOCK`, `STAGE_SHARE` and the `STAGE_CHUNK_<width>`s as -D macros, so Python stays their one
+// definition.
+//
+// Unlike Triton's, the CUDA `diff` also advances the baseline of the rows that ask (SEND_UPDATE)
+// and leaves the values of each warp's run with few changes (at most `1 / STAGE_SHARE` of it) in a
+// stage beside the bitmap words, in order: the sender's `compact` then reads those runs' values from
+// there rather than the whole source again, and writes no baseline.
 //
 // `compact` and `expand` work a warp at a time on 16 bytes a lane: each lane reads (or
 // read-merge-writes) 16 bytes and takes its marks from the bitmap word they fall in; a warp-wide
@@ -83,6 +89,25 @@ __device__ __forceinline__ int warp_inclusive_scan(int x, int lane) {
   return x;
 }
 
+// The marks of a program's threads before this one's, each thread's being those of its 2 words
+// (`low`, `high`): a warp-wide scan, then the warps before this one (`counts`, a value a warp).
+// Every thread of the program calls it.
+__device__ __forceinline__ int marks_ahead(u32 low, u32 high, int* counts) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int own = __popc(low) + __popc(high), through = warp_inclusive_scan(own, lane);
+  if (lane == 31) counts[warp] = through;
+  __syncthreads();
+  int ahead = through - own;
+  for (int i = 0; i < warp; i++) ahead += counts[i];
+  return ahead;
+}
+
+// Elements of a warp's run in `diff` for elements of `VT` (`sparse_cuda.WARPS`): the unit of the stage.
+template <typename VT>
+__device__ constexpr int stage_chunk() {
+  return sizeof(VT) == 1 ? STAGE_CHUNK_1 : sizeof(VT) == 2 ? STAGE_CHUNK_2 : sizeof(VT) == 4 ? STAGE_CHUNK_4 : STAGE_CHUNK_8;
+}
+
 // The marks of the tile's first `warp` warps (each `span` elements) before this warp's own:
 // every warp counts its words, then adds up the counts of the warps before it.
 template <int WARPS>
@@ -100,27 +125,36 @@ __device__ __forceinline__ int marks_before(const u32* words, int span, int left
 
 }  // namespace
 
-// For each SEND row (`TILE / PART` programs a tile, `PART` elements each): the part's bitmap words at
-// the row's tile slot (bits at or past `n` zero), its changes added to its tile's count and to the
-// box's total (its SEND_COUNT). Elements compare as bits, so NaN payloads and -0.0 count as changes.
-// Every load of the part is issued before the first comparison.
+// For each SEND row (`TILE / PART` programs a tile, `PART` elements each, a run of `PART / WARPS`
+// a warp): the part's bitmap words at the row's tile slot (bits at or past `n` zero), its changes
+// added to its tile's count and to the box's total (its SEND_COUNT). Elements compare as bits, so
+// NaN payloads and -0.0 count as changes. Every load of a thread is issued before its first
+// comparison. The row's baseline takes the source's 16 bytes a lane wherever they differ
+// (SEND_UPDATE: no other box reads it), and a warp whose run has at most `1 / STAGE_SHARE` of it
+// changed leaves their values in order at the run's place in the row's stage (SEND_STAGE: bytes
+// from `words`), so that `compact` need not read the source again. A warp stages on its own (a
+// warp-wide scan, shared memory, then 16-byte stores): the one block-wide step is the count.
 template <typename VT, int TILE, int PART, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
     diff(const i64* table, const i64* firsts, i64 boxes, u32* words, unsigned long long* counts,
-         unsigned long long* totals, const VT* anchor) {
+         unsigned long long* totals, VT* anchor) {
   constexpr int EPL = 16 / sizeof(VT), ITER = PART / EPL / (WARPS * 32), PER_WORD = 32 / EPL;
+  constexpr int RUN = PART / WARPS, CAP = RUN / STAGE_SHARE;  // a warp's elements; values it stages
   static_assert(ITER * WARPS * 32 * EPL == PART, "a part is whole 16-byte lanes of every thread");
+  static_assert(RUN == stage_chunk<VT>(), "the run `compact` finds a stage by");
   __shared__ int warp_counts[WARPS];
+  __shared__ __align__(16) VT staged[WARPS][CAP];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   i64 p;
   const i64* row = table + find_box(firsts, boxes, &p) * SEND_COLUMNS;
   const i64 n = row[SEND_N], start = p * PART;
   const int left = (int)(n - start < PART ? n - start : PART);  // (at most 0 past the box's end)
   const VT* cur = anchor + row[SEND_CUR] + start;
-  const VT* base = anchor + row[SEND_BASE] + start;
+  VT* base = anchor + row[SEND_BASE] + start;
   Lane<VT> c[ITER], b[ITER];
 #pragma unroll
   for (int i = 0; i < ITER; i++) {
-    const int le = (i * WARPS * 32 + threadIdx.x) * EPL;
+    const int le = warp * RUN + (i * 32 + lane) * EPL;
     if (left == PART) {
       c[i].vec = *reinterpret_cast<const uint4*>(cur + le);
       b[i].vec = *reinterpret_cast<const uint4*>(base + le);
@@ -133,28 +167,50 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
   }
   u32* out = words + row[SEND_SLOT] * (TILE / 32) + p * (PART / 32);
-  int count = 0;
+  const bool update = row[SEND_UPDATE] != 0;
+  int fill = 0;  // the warp's changes so far, in element order
 #pragma unroll
   for (int i = 0; i < ITER; i++) {
-    const int v = i * WARPS * 32 + threadIdx.x;  // this lane's 16 bytes in the part
+    const int v = warp * (RUN / EPL) + i * 32 + lane;  // this lane's 16 bytes in the part
     u32 bits = 0;
 #pragma unroll
     for (int j = 0; j < EPL; j++) bits |= (u32)(c[i].el[j] != b[i].el[j]) << j;
-    count += __popc(bits);
     u32 word = bits << ((v % PER_WORD) * EPL);
     for (int o = 1; o < PER_WORD; o <<= 1) word |= __shfl_xor_sync(FULL_MASK, word, o);
     if (v % PER_WORD == 0) out[v / PER_WORD] = word;
-  }
-  count = warp_sum(count);
-  if ((threadIdx.x & 31) == 0) warp_counts[threadIdx.x >> 5] = count;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned long long total = 0;
-    for (int i = 0; i < WARPS; i++) total += warp_counts[i];
-    if (total) {
-      atomicAdd(counts + row[SEND_SLOT] + p / (TILE / PART), total);
-      atomicAdd(totals + row[SEND_COUNT], total);
+    if (update && bits) {
+      if (left == PART) {
+        *reinterpret_cast<uint4*>(base + v * EPL) = c[i].vec;
+      } else {
+#pragma unroll
+        for (int j = 0; j < EPL; j++)
+          if ((bits >> j) & 1u) base[v * EPL + j] = c[i].el[j];
+      }
     }
+    const int own = __popc(bits), through = warp_inclusive_scan(own, lane);
+    int at = fill + through - own;
+#pragma unroll
+    for (int j = 0; j < EPL; j++)
+      if ((bits >> j) & 1u) {
+        if (at < CAP) staged[warp][at] = c[i].el[j];
+        at++;
+      }
+    fill += __shfl_sync(FULL_MASK, through, 31);
+  }
+  if (fill <= CAP) {  // (else `compact` reads this run's values from the source)
+    __syncwarp();
+    uint4* stage = reinterpret_cast<uint4*>(reinterpret_cast<char*>(words) + row[SEND_STAGE]);
+    stage += (start / RUN + warp) * (CAP * sizeof(VT) / 16);
+    for (int r = lane; r * 16 < fill * (int)sizeof(VT); r += 32) stage[r] = reinterpret_cast<const uint4*>(staged[warp])[r];
+  }
+  if (lane == 0) warp_counts[warp] = fill;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  int total = 0;
+  for (int w = 0; w < WARPS; w++) total += warp_counts[w];
+  if (total) {
+    atomicAdd(counts + row[SEND_SLOT] + p / (TILE / PART), (unsigned long long)total);
+    atomicAdd(totals + row[SEND_COUNT], (unsigned long long)total);
   }
 }
 
@@ -251,6 +307,63 @@ __device__ __forceinline__ void compact_tile(const i64* row, VT* anchor, const u
   if (KIND >= 0 && lane < fill) put<VT, KIND>(values, index, pos + lane, staged, staged_at, lane);
 }
 
+// Tile `t` of a SEND row from the row's stage, if each of its runs left its values there (`diff`:
+// at most `1 / STAGE_SHARE` of a run changed; false, and nothing written, if not). Every thread of
+// the program calls it, with its 2 words of the tile (`low`, `high`) and its first payload position
+// `pos`: each group of the threads of a run copies the run's values in order (a run of the stage to
+// a run of the payload, all of a thread's loads in flight together), then each thread writes its marks' indices or in-block offsets from its
+// words. The source is not read, nor the baseline written (`diff` did).
+template <typename VT, int TILE>
+__device__ __forceinline__ bool staged_tile(const i64* row, VT* anchor, const u32* words, u32 low, u32 high, i64 t,
+                                            i64 pos) {
+  constexpr int RUN = stage_chunk<VT>(), GROUP = RUN / 64, CAP = RUN / STAGE_SHARE;
+  static_assert(GROUP * 64 == RUN && GROUP <= 32, "a run is the words of whole threads of a warp");
+  const int own = __popc(low) + __popc(high), lane = threadIdx.x & 31, g = lane % GROUP;
+  int marks = own;  // the run's
+  for (int o = GROUP / 2; o; o >>= 1) marks += __shfl_xor_sync(FULL_MASK, marks, o);
+  if (!__syncthreads_and(row[SEND_STAGE] >= 0 && marks <= CAP)) return false;
+  const int kind = (int)row[SEND_INDEX_KIND];
+  const i64 head = __shfl_sync(FULL_MASK, pos, lane - g), first = threadIdx.x * 64;  // (the run's first position)
+  const VT* stage = reinterpret_cast<const VT*>(reinterpret_cast<const char*>(words) + row[SEND_STAGE]);
+  stage += (t * TILE + first) / RUN * CAP;
+  VT* values = anchor + row[SEND_VALUES];
+  if (kind >= NO_INDEX) {  // (every load issued before the first store)
+    VT v[CAP / GROUP];
+#pragma unroll
+    for (int r = 0; r < CAP / GROUP; r++)
+      if (g + r * GROUP < marks) v[r] = stage[g + r * GROUP];
+#pragma unroll
+    for (int r = 0; r < CAP / GROUP; r++)
+      if (g + r * GROUP < marks) values[head + g + r * GROUP] = v[r];
+  }
+  if (kind != INT32_INDEX && kind != UINT16_OFFSET) return true;
+  void* index = reinterpret_cast<void*>(row[SEND_INDEX]);
+  const i64 start = t * TILE;
+  for (unsigned long long m = (unsigned long long)high << 32 | low; m; m &= m - 1, pos++) {
+    const i64 local = first + __ffsll(m) - 1;
+    if (kind == INT32_INDEX) reinterpret_cast<int*>(index)[pos] = (int)(start + local);
+    else reinterpret_cast<short*>(index)[pos] = (short)((start % BLOCK + local) & 0xffff);
+  }
+  return true;
+}
+
+// A thread's 2 words of tile `t` (`low`, `high`: words `first` and `first + 1`) to the wire bitmap
+// of a SEND row that asks for it (SEND_BITMAP_OUT), those wholly past the box's end (`left`) left out.
+template <int TILE>
+__device__ __forceinline__ void put_words(const i64* row, i64 t, int first, u32 low, u32 high, int left) {
+  u32* bitmap = reinterpret_cast<u32*>(row[SEND_BITMAP_OUT]);
+  if (bitmap && first * 32 < left) bitmap[t * (TILE / 32) + first] = low;
+  if (bitmap && (first + 1) * 32 < left) bitmap[t * (TILE / 32) + first + 1] = high;
+}
+
+// The wire block count of a SEND row that asks for them (SEND_BLOCKS_OUT), by the program of the
+// block's first tile `t`.
+template <int TILE>
+__device__ __forceinline__ void wire_block_count(const i64* row, const int* blocks, i64 slot, i64 t) {
+  int* out = reinterpret_cast<int*>(row[SEND_BLOCKS_OUT]);
+  if (out && threadIdx.x == 0 && t % (BLOCK / TILE) == 0) out[t / (BLOCK / TILE)] = blocks[(slot + t) / (BLOCK / TILE)];
+}
+
 template <typename VT, int TILE, int WARPS, int KIND>
 __device__ __forceinline__ void compact_kind(const i64* row, VT* anchor, const u32* w, i64 start, int left, i64 pos,
                                              VT* staged, int* staged_at) {
@@ -258,17 +371,16 @@ __device__ __forceinline__ void compact_kind(const i64* row, VT* anchor, const u
   else compact_tile<VT, TILE, WARPS, KIND, false>(row, anchor, w, start, left, pos, staged, staged_at);
 }
 
-// For each SEND row (one program a tile): the baseline update (16 bytes a lane, read and written
-// whole: unmarked elements equal the source already, as `diff` found them, since nothing writes
-// the source between the two launches), the marked values at their payload positions and their
-// indices (int32) or in-block offsets (uint16), the wire bitmap and wire block counts, as the row's
-// columns ask. At least 48 warps an SM for 2-byte elements (40 registers a thread: with 40 warps and
-// 48 registers it took 4% longer on an H200), 40 for 1-byte ones (48 registers, as before the read one
-// step ahead; 32 warps took 2% longer), 32 for wider ones (64 registers; fewer spill).
-template <typename VT, int TILE, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32, (sizeof(VT) == 2 ? 48 : sizeof(VT) == 1 ? 40 : 32) / WARPS)
-    compact(const __grid_constant__ Inline in, const i64* table, const i64* firsts, i64 boxes, const u32* words,
-            const i64* starts, const int* blocks, VT* anchor) {
+// One program (a tile) of `compact` or `compact_staged`: the marked values of a SEND row at their
+// payload positions and their indices (int32) or in-block offsets (uint16), the wire bitmap and wire
+// block counts, as the row's columns ask; with `STAGED`, from the stage where each run of the tile
+// left its values there and the row does not update the baseline (`staged_tile`); else from the
+// source, with the baseline update where the row asks (16 bytes a lane, read and written whole:
+// unmarked elements equal the source already, as `diff` found them, since nothing writes the source
+// between the two launches).
+template <typename VT, int TILE, int WARPS, bool STAGED>
+__device__ __forceinline__ void compact_program(const Inline& in, const i64* table, const i64* firsts, i64 boxes,
+                                                const u32* words, const i64* starts, const int* blocks, VT* anchor) {
   constexpr int STEP = 32 * (16 / sizeof(VT)), WPT = TILE / 32;
   rows_of(in, boxes, &table, &firsts);
   __shared__ int counts[WARPS];
@@ -280,10 +392,20 @@ __global__ void __launch_bounds__(WARPS * 32, (sizeof(VT) == 2 ? 48 : sizeof(VT)
   const i64 n = row[SEND_N], slot = row[SEND_SLOT], start = t * TILE;
   const int left = (int)(n - start < TILE ? n - start : TILE);
   const u32* w = words + (slot + t) * WPT;
+  const i64 first = starts[slot + t] - starts[slot];
+  if (STAGED && row[SEND_UPDATE] == 0) {
+    static_assert(2 * WARPS * 32 == WPT, "a tile's words are 2 a thread");
+    const u32 low = word_below(w, threadIdx.x * 2, left), high = word_below(w, threadIdx.x * 2 + 1, left);
+    if (staged_tile<VT, TILE>(row, anchor, words, low, high, t, first + marks_ahead(low, high, counts))) {
+      put_words<TILE>(row, t, threadIdx.x * 2, low, high, left);
+      wire_block_count<TILE>(row, blocks, slot, t);
+      return;
+    }
+  }
   u32* bitmap = reinterpret_cast<u32*>(row[SEND_BITMAP_OUT]);
   if (bitmap)
     for (int i = threadIdx.x; i * 32 < left; i += blockDim.x) bitmap[t * WPT + i] = word_below(w, i, left);
-  const i64 pos = starts[slot + t] - starts[slot] + marks_before<WARPS>(w, TILE / WARPS, left, counts);
+  const i64 pos = first + marks_before<WARPS>(w, TILE / WARPS, left, counts);
   VT* staged = staged_values[warp];
   int* staged_at = staged_index[warp];
   switch ((int)row[SEND_INDEX_KIND]) {
@@ -299,47 +421,42 @@ __global__ void __launch_bounds__(WARPS * 32, (sizeof(VT) == 2 ? 48 : sizeof(VT)
     default:
       compact_kind<VT, TILE, WARPS, -1>(row, anchor, w, start, left, pos, staged, staged_at);
   }
-  int* blocks_out = reinterpret_cast<int*>(row[SEND_BLOCKS_OUT]);
-  if (blocks_out && threadIdx.x == 0 && t % (BLOCK / TILE) == 0)
-    blocks_out[t / (BLOCK / TILE)] = blocks[(slot + t) / (BLOCK / TILE)];
+  wire_block_count<TILE>(row, blocks, slot, t);
 }
 
-// `compact` for sparse SEND rows (at most one change in `sparse_fused.BUSY` elements: a few marks a
-// word), one program a tile: each thread takes 2 consecutive words, a block-wide scan of their
-// marks gives its first payload position, and it visits its marks lowest first, `ROUND` at a time,
-// their loads issued together: the value (and its index or in-block offset) to the payload, the
-// baseline element, as the row's columns ask (the busy `compact`'s outputs, element by element:
-// only the marked elements are read).
+// `compact_program` for busier SEND rows (more than `1 / sparse_fused.BUSIER` changed: more than a
+// stage holds), from the source. At least 48 warps an SM for 2-byte elements (40 registers a
+// thread: with 40 warps and 48 registers it took 4% longer on an H200), 40 for 1-byte ones (48
+// registers, as before the read one step ahead; 32 warps took 2% longer), 32 for wider ones (64
+// registers; fewer spill).
 template <typename VT, int TILE, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32)
-    compact_sparse(const __grid_constant__ Inline in, const i64* table, const i64* firsts, i64 boxes,
+__global__ void __launch_bounds__(WARPS * 32, (sizeof(VT) == 2 ? 48 : sizeof(VT) == 1 ? 40 : 32) / WARPS)
+    compact(const __grid_constant__ Inline in, const i64* table, const i64* firsts, i64 boxes, const u32* words,
+            const i64* starts, const int* blocks, VT* anchor) {
+  compact_program<VT, TILE, WARPS, false>(in, table, firsts, boxes, words, starts, blocks, anchor);
+}
+
+// `compact_program` for busy SEND rows (most of whose tiles' runs a stage holds), from the stage
+// where it can: 40 warps an SM for 1- and 2-byte elements (48 registers: at 40 the staged path
+// spills), 32 for wider ones.
+template <typename VT, int TILE, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32, (sizeof(VT) <= 2 ? 40 : 32) / WARPS)
+    compact_staged(const __grid_constant__ Inline in, const i64* table, const i64* firsts, i64 boxes,
                    const u32* words, const i64* starts, const int* blocks, VT* anchor) {
-  constexpr int WPT = TILE / 32, ROUND = 4;
-  static_assert(2 * WARPS * 32 == WPT, "a tile's words are 2 a thread");
-  rows_of(in, boxes, &table, &firsts);
-  __shared__ int counts[WARPS];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  i64 t;
-  const i64* row = table + find_box(firsts, boxes, &t) * SEND_COLUMNS;
-  const i64 n = row[SEND_N], slot = row[SEND_SLOT], start = t * TILE;
-  const int left = (int)(n - start < TILE ? n - start : TILE), first = threadIdx.x * 2;
-  const u32* w = words + (slot + t) * WPT;
-  const u32 low = word_below(w, first, left), high = word_below(w, first + 1, left);
-  const int own = __popc(low) + __popc(high), through = warp_inclusive_scan(own, lane);
-  if (lane == 31) counts[warp] = through;
-  __syncthreads();
-  i64 pos = starts[slot + t] - starts[slot] + through - own;
-  for (int i = 0; i < warp; i++) pos += counts[i];
-  u32* bitmap = reinterpret_cast<u32*>(row[SEND_BITMAP_OUT]);
-  if (bitmap && first * 32 < left) bitmap[t * WPT + first] = low;
-  if (bitmap && (first + 1) * 32 < left) bitmap[t * WPT + first + 1] = high;
-  const int kind = (int)row[SEND_INDEX_KIND];
-  const bool update = row[SEND_UPDATE] != 0;
-  const VT* cur = anchor + row[SEND_CUR] + start + first * 32;
-  VT* base = anchor + row[SEND_BASE] + start + first * 32;
+  compact_program<VT, TILE, WARPS, true>(in, table, firsts, boxes, words, starts, blocks, anchor);
+}
+
+// The marks `m` of a SEND row's 64 elements from `local` in tile `start` on, lowest first, `ROUND` at
+// a time, their loads issued together: each value (and its index or in-block offset) to payload
+// position `pos` on, and to the baseline with `update`.
+template <typename VT, int ROUND = 4>
+__device__ __forceinline__ void marks_from_source(const i64* row, VT* anchor, i64 start, int local,
+                                                  unsigned long long m, i64 pos, int kind, bool update) {
+  const VT* cur = anchor + row[SEND_CUR] + start + local;
+  VT* base = anchor + row[SEND_BASE] + start + local;
   VT* values = anchor + row[SEND_VALUES];
   void* index = reinterpret_cast<void*>(row[SEND_INDEX]);
-  for (unsigned long long m = (unsigned long long)high << 32 | low; m;) {
+  while (m) {
     int at[ROUND];
     VT v[ROUND];
 #pragma unroll
@@ -355,15 +472,39 @@ __global__ void __launch_bounds__(WARPS * 32)
       if (at[r] < 0) break;
       if (update) base[at[r]] = v[r];
       if (kind >= NO_INDEX) values[pos] = v[r];
-      const i64 local = first * 32 + at[r];
-      if (kind == INT32_INDEX) reinterpret_cast<int*>(index)[pos] = (int)(start + local);
-      if (kind == UINT16_OFFSET) reinterpret_cast<short*>(index)[pos] = (short)((start % BLOCK + local) & 0xffff);
+      if (kind == INT32_INDEX) reinterpret_cast<int*>(index)[pos] = (int)(start + local + at[r]);
+      if (kind == UINT16_OFFSET) reinterpret_cast<short*>(index)[pos] = (short)((start % BLOCK + local + at[r]) & 0xffff);
       pos++;
     }
   }
-  int* blocks_out = reinterpret_cast<int*>(row[SEND_BLOCKS_OUT]);
-  if (blocks_out && threadIdx.x == 0 && t % (BLOCK / TILE) == 0)
-    blocks_out[t / (BLOCK / TILE)] = blocks[(slot + t) / (BLOCK / TILE)];
+}
+
+// `compact` for sparse SEND rows (at most one change in `sparse_fused.BUSY` elements: a few marks a
+// word), one program a tile: each thread takes 2 consecutive words and a block-wide scan of their
+// marks gives its first payload position. A tile whose runs left their values in the stage takes
+// them from there (`staged_tile`); any other visits its marks in the source (`marks_from_source`):
+// the busy `compact`'s outputs, element by element, only the marked elements read.
+template <typename VT, int TILE, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    compact_sparse(const __grid_constant__ Inline in, const i64* table, const i64* firsts, i64 boxes,
+                   const u32* words, const i64* starts, const int* blocks, VT* anchor) {
+  constexpr int WPT = TILE / 32;
+  static_assert(2 * WARPS * 32 == WPT, "a tile's words are 2 a thread");
+  rows_of(in, boxes, &table, &firsts);
+  __shared__ int counts[WARPS];
+  i64 t;
+  const i64* row = table + find_box(firsts, boxes, &t) * SEND_COLUMNS;
+  const i64 n = row[SEND_N], slot = row[SEND_SLOT], start = t * TILE;
+  const int left = (int)(n - start < TILE ? n - start : TILE), first = threadIdx.x * 2;
+  const u32* w = words + (slot + t) * WPT;
+  const u32 low = word_below(w, first, left), high = word_below(w, first + 1, left);
+  const i64 pos = starts[slot + t] - starts[slot] + marks_ahead(low, high, counts);
+  put_words<TILE>(row, t, first, low, high, left);
+  const int kind = (int)row[SEND_INDEX_KIND];
+  const bool update = row[SEND_UPDATE] != 0;
+  if (update || !staged_tile<VT, TILE>(row, anchor, words, low, high, t, pos))
+    marks_from_source<VT>(row, anchor, start, first * 32, (unsigned long long)high << 32 | low, pos, kind, update);
+  wire_block_count<TILE>(row, blocks, slot, t);
 }
 
 // The first `count` of `values` into `staged`, each lane's loads (4 at a time) all issued before it

@@ -100,11 +100,13 @@ BOX_COLS, BOX_ROW_STRIDE, BOX_COL_STRIDE, BOX_CONTIGUOUS = (tl.constexpr(c) for 
     SEND_BITMAP_OUT,
     SEND_BLOCKS_OUT,
     SEND_COUNT,
-) = (tl.constexpr(c) for c in (0, 5, *range(10, 19)))
-SEND_COLUMNS = 19
+    SEND_STAGE,
+) = (tl.constexpr(c) for c in (0, 5, *range(10, 20)))
+SEND_COLUMNS = 20
 """A sender row: source box (5 columns), baseline box (5), n, tile slot, values (element offset),
 index pointer, index kind, update the baseline, wire bitmap and block counts pointers (0: none),
-and where `diff` adds up the box's changes."""
+where `diff` adds up the box's changes, and where the CUDA `diff` stages its values (bytes from the
+words; `sparse_cuda.STAGE_CAP`; the Triton kernels do not read it)."""
 (
     RECV_WORDS,
     RECV_OFFSETS,

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rl_sync.engine import sparse_codec, sparse_cuda
+from rl_sync.engine.sparse_fused import density as density_class
 from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes
 
 pytestmark = pytest.mark.usefixtures("sparse_kernels")  # each test with the busy launches in CUDA, then Triton
@@ -146,9 +147,11 @@ def test_counts_of_a_bucket_come_back_in_one_transfer(monkeypatch):
     original = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or original(t))
     pairs = [_pair(8, 10_000, 0.01, torch.bfloat16, s) for s in range(16)]
+    expected = [int(sparse_codec.changed(c, b).sum()) for c, b in pairs]  # (before the CUDA `diff` advances them)
+    reads.clear()
     found = sparse_codec.BucketChanges(pairs, [(i, (0, 0), (8, 10_000)) for i in range(16)])
     assert reads == [16]
-    assert found.counts == [sparse_codec.Changes(c, b).count for c, b in pairs]
+    assert found.counts == expected
 
 
 @pytest.mark.parametrize(
@@ -244,7 +247,8 @@ def test_a_bucket_of_mixed_widths_and_encodings_round_trips_and_names_its_one_ba
 
 
 def test_launches_on_the_vectorized_path_take_the_cuda_kernels(sparse_kernels, monkeypatch):
-    """Contiguous boxes take CUDA's `diff` and `compact` (busy or sparse: `compact_sparse`), a busy
+    """Contiguous boxes take CUDA's `diff` and `compact` (busy: `compact_staged`, busier:
+    `compact`, sparse: `compact_sparse`), a busy
     bitmap its `expand`; the checks (`starts`) and blocked rows (`blocked_check`, `blocked_apply`)
     take CUDA's on every path, unless Triton is asked for. Strided boxes keep Triton's `diff`,
     `compact` and `expand`, as does a sparse bitmap's `expand`."""
@@ -258,7 +262,8 @@ def test_launches_on_the_vectorized_path_take_the_cuda_kernels(sparse_kernels, m
 
     monkeypatch.setattr(sparse_cuda, "_queue", spy)  # (every CUDA launch, a bound `diff`'s too)
     cases = [  # (density, encoding, strided source and destination, the CUDA launches)
-        (0.1, BITMAP, False, ["diff", "compact", "starts", "expand"]),
+        (0.1, BITMAP, False, ["diff", "compact_staged", "starts", "expand"]),
+        (0.4, BITMAP, False, ["diff", "compact", "starts", "expand"]),
         (0.1, BITMAP, True, ["starts"]),
         (0.01, BITMAP, False, ["diff", "compact_sparse", "starts"]),
         (0.01, BLOCKED, False, ["diff", "compact_sparse", "starts", "blocked_check", "blocked_apply"]),
@@ -320,6 +325,58 @@ def test_a_box_sent_twice_advances_its_baseline_once_both_are_encoded_at_every_w
     found.finish()
     assert all(torch.equal(p, r) for p, (_, r) in zip(payloads, ref))
     assert torch.equal(_bits(baseline), _bits(cur))
+
+
+def _changed_in(
+    dtype: torch.dtype, n: int, spans: list[tuple[int, int, int]], seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cur, base) of `n` elements, `count` changes at random among the `length` from `start` for
+    each `(start, length, count)` of `spans`, none elsewhere."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    base = (torch.randn(n, generator=gen, device="cuda") * 10).to(dtype)
+    change = torch.zeros(n, dtype=torch.bool, device="cuda")
+    for start, length, count in spans:
+        change[start + torch.randperm(length, generator=gen, device="cuda")[:count]] = True
+    cur = base.clone()
+    cur[change] = (base[change].double() + 1).to(dtype)  # (uint8 wraps: 255 becomes 0)
+    return cur, base
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("code", [INDICES, BLOCKED, BITMAP])
+def test_runs_with_more_changes_than_the_stage_holds_are_compacted_from_the_source(dtype, code):
+    """The CUDA `diff` stages the values of a warp's run (`sparse_cuda.stage_run`) with at most
+    `1 / STAGE_SHARE` of it changed; `compact` takes a tile whose runs all fit from the stage, any
+    other from the source. A busy box (`compact_staged`) whose tiles hold runs of exactly that many
+    and one more, one of 10%, one of 15%, none, and a partial last tile; a sparse box
+    (`compact_sparse`) with one run of one too many among few changes; a busier one (`compact`)
+    with a tile of runs that fit: the payloads are the reference's, the baselines and live copies
+    end equal to the sources."""
+    tile, run = 16_384, sparse_cuda.stage_run(torch.empty(0, dtype=dtype).element_size())
+    cap = run // sparse_cuda.STAGE_SHARE
+    busy = [(0, run, cap), (run, run, cap + 1), (tile, tile, tile // 10), (2 * tile, tile, 3 * tile // 20)]
+    busy.append((4 * tile, 5_000, 150))
+    sparse = [(run, run, cap + 1), (5 * tile, 40 * tile, 40 * tile // 200)]
+    busier = [(0, tile, tile // 10), (tile, 2 * tile, 2 * tile // 2)]
+    shapes = [(4 * tile + 5_000, busy), (48 * tile, sparse), (3 * tile, busier)]
+    pairs = [_changed_in(dtype, n, spans, seed) for seed, (n, spans) in enumerate(shapes)]
+    refs = [_reference(code, cur, base) for cur, base in pairs]
+    assert [density_class(k, cur.numel()) for (k, _), (cur, _) in zip(refs, pairs)] == [1, 0, 2]
+    baselines, lives = [base.clone() for _, base in pairs], [base.clone() for _, base in pairs]
+    boxes = [(i, (0,), (cur.numel(),)) for i, (cur, _) in enumerate(pairs)]
+    found = sparse_codec.BucketChanges([(cur, b) for (cur, _), b in zip(pairs, baselines)], boxes)
+    assert found.counts == [k for k, _ in refs]
+    payloads = [torch.zeros_like(ref) for _, ref in refs]
+    for i, payload in enumerate(payloads):
+        found.encode(i, code, payload)
+    found.finish()
+    assert all(torch.equal(payload, ref) for payload, (_, ref) in zip(payloads, refs))
+    received = sparse_codec.BucketReceiver(torch.device("cuda"), len(pairs))
+    for i, ((k, _), payload, live) in enumerate(zip(refs, payloads, lives)):
+        received.add(i, code, k, live.numel(), dtype, payload, live)
+    assert received.commit() == []
+    for (cur, _), baseline, live in zip(pairs, baselines, lives):
+        assert torch.equal(_bits(baseline), _bits(cur)) and torch.equal(_bits(live), _bits(cur))
 
 
 def test_a_round_trip_on_a_side_stream_queues_every_launch_behind_that_streams_work():

@@ -83,6 +83,6 @@ def test_the_cuda_source_compiles_for_an_h200_without_a_warning_and_names_every_
     assert (compiled, log.rstrip(b"\0").strip().decode()) == (nvrtc.nvrtcResult.NVRTC_SUCCESS, "")
     lowered = [nvrtc.nvrtcGetLoweredName(program, name.encode()) for name in names]
     assert all(result == nvrtc.nvrtcResult.NVRTC_SUCCESS and symbol for result, symbol in lowered)
-    per_width = ("diff", "compact", "compact_sparse", "expand", "blocked_apply")
+    per_width = ("diff", "compact", "compact_staged", "compact_sparse", "expand", "blocked_apply")
     assert len({symbol for _, symbol in lowered}) == len(names) == 4 * len(per_width) + 2  # starts, blocked_check
     nvrtc.nvrtcDestroyProgram(program)
