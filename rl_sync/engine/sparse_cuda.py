@@ -1,11 +1,16 @@
-"""The sparse codec's kernels in CUDA (`sparse_kernels.cu`): drop-in replacements of their Triton
-versions (`sparse_triton`: the same arguments, tables and results, bit for bit) whose launches
+"""The sparse codec's kernels in CUDA (`sparse_kernels.cu`): replacements of their Triton versions
+(`sparse_triton`: the same arguments and tables, and the same payloads, baselines and live
+tensors at the end of a round, bit for bit; but the CUDA `diff` advances the baselines that
+Triton's `compact` would, `sparse_fused` sets each row's SEND_UPDATE to match) whose launches
 cost the host tens of microseconds less, on the round's critical path. On an H200, 1 GiB of bf16
 (`docs/benchmarks.md`):
-- for launches whose boxes are all on the vectorized path (contiguous, 16-byte aligned): `diff`
-  (0.51 against 0.66 ms), `compact`, busy rows at 10% density (0.66 against 0.92 ms) or sparse
-  ones at 1% (`compact_sparse`, 0.40 against Triton's 0.37 ms), and the busy `expand` (0.61
-  against 0.85 ms at 10%);
+- for launches whose boxes are all on the vectorized path (contiguous, 16-byte aligned): `diff`,
+  which also advances the baseline and stages the values of runs with few changes (0.62 ms at 1%,
+  0.78 at 10%), then `compact_sparse` for sparse rows (0.15 ms at 1%), `compact_staged` for busy
+  ones (0.22 ms at 10%), both from that stage where it holds a tile, and `compact` for busier ones
+  (0.47 ms at 30%): the sender's kernels 0.79 ms at 1% and 1.01 at 10%, against Triton's 1.03
+  and 1.58 (`diff` 0.66, `compact` 0.37 and 0.92); and the busy `expand` (0.61 against 0.85 ms
+  at 10%);
 - for any row: `starts`, a receiver's checks of every row, bitmap or blocked, in one launch where
   Triton takes two (`sparse_triton.bitmap_counts`, then `sparse_triton.scan`); `blocked_check`
   and `blocked_apply` for blocked rows (0.017 against 0.025 ms, 0.22 against 0.21 ms at 1%).

@@ -201,8 +201,8 @@ class _Scratch:
     totals are read back (pinned host memory, and the event of the copy). Kept with the bucket's
     geometry and lent to one sender at a time, on the stream it was made for: stream order queues a
     round's kernels behind the last round's. (The bitmap words, 256 times more, a sixteenth of the
-    bf16 bytes, are allocated each round: kept buckets would hold them while the trainer needs the
-    memory.)"""
+    bf16 bytes, and the CUDA `diff`'s stage behind them, an eighth, are allocated each round: kept
+    buckets would hold them while the trainer needs the memory.)"""
 
     def __init__(self, slots: int, boxes: int, device: torch.device, stream: int):
         self.counts = torch.empty(slots + boxes, dtype=torch.int64, device=device)
