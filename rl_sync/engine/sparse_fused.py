@@ -343,7 +343,9 @@ def geometry(
     boxes, stage = _staged(boxes, slot, cuda)
     up = kernels.Upload()
     parts = {b.key: _kernels("diff", b.key, None, cuda).DIFF_PARTS for b in boxes.values()}  # as `launches` picks
-    rows = [(b.key, None, b.tiles * parts[b.key], b.row(update=b.on_cuda and not b.shared)) for b in boxes.values()]
+    rows: list[Row] = [
+        (b.key, None, b.tiles * parts[b.key], b.row(update=b.on_cuda and not b.shared)) for b in boxes.values()
+    ]
     diff = _launches(rows, up)
     tiles = sum(b.tiles for b in boxes.values())
     table = up.send(device) if boxes else torch.empty(0, dtype=torch.int64)
