@@ -138,7 +138,7 @@ def _macros() -> tuple[str, ...]:
     values = {name: getattr(kernels, name) for name in names}
     values |= {"NO_INDEX": kernels.NONE, "INT32_INDEX": kernels.INT32_INDEX, "UINT16_OFFSET": kernels.UINT16_OFFSET}
     values |= {"BLOCK": BLOCK, "INLINE_VALUES": INLINE_VALUES, "STAGE_SHARE": STAGE_SHARE}
-    values |= {f"STAGE_CHUNK_{width}": stage_run(width) for width in C_TYPES}
+    values |= {f"STAGE_RUN_{width}": stage_run(width) for width in C_TYPES}
     return tuple(f"-D{name}={getattr(value, 'value', value)}" for name, value in sorted(values.items()))
 
 

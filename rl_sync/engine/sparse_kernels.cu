@@ -6,7 +6,7 @@
 // for blocked rows, strided or not. A launch of Triton's costs the host tens of microseconds more,
 // on the round's critical path.
 // `sparse_cuda.py` compiles this file with NVRTC (through CuPy) and passes the table columns,
-// `BLOCK`, `STAGE_SHARE` and the `STAGE_CHUNK_<width>`s as -D macros, so Python stays their one
+// `BLOCK`, `STAGE_SHARE` and the `STAGE_RUN_<width>`s as -D macros, so Python stays their one
 // definition.
 //
 // Unlike Triton's, the CUDA `diff` also advances the baseline of the rows that ask (SEND_UPDATE)
@@ -102,10 +102,13 @@ __device__ __forceinline__ int marks_ahead(u32 low, u32 high, int* counts) {
   return ahead;
 }
 
-// Elements of a warp's run in `diff` for elements of `VT` (`sparse_cuda.WARPS`): the unit of the stage.
+// Elements of a warp's run in `diff` for elements of `VT` (`sparse_cuda.stage_run`): the unit of the stage.
 template <typename VT>
-__device__ constexpr int stage_chunk() {
-  return sizeof(VT) == 1 ? STAGE_CHUNK_1 : sizeof(VT) == 2 ? STAGE_CHUNK_2 : sizeof(VT) == 4 ? STAGE_CHUNK_4 : STAGE_CHUNK_8;
+__device__ constexpr int stage_run() {
+  return sizeof(VT) == 1   ? STAGE_RUN_1
+         : sizeof(VT) == 2 ? STAGE_RUN_2
+         : sizeof(VT) == 4 ? STAGE_RUN_4
+                           : STAGE_RUN_8;
 }
 
 // The marks of the tile's first `warp` warps (each `span` elements) before this warp's own:
@@ -141,7 +144,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int EPL = 16 / sizeof(VT), ITER = PART / EPL / (WARPS * 32), PER_WORD = 32 / EPL;
   constexpr int RUN = PART / WARPS, CAP = RUN / STAGE_SHARE;  // a warp's elements; values it stages
   static_assert(ITER * WARPS * 32 * EPL == PART, "a part is whole 16-byte lanes of every thread");
-  static_assert(RUN == stage_chunk<VT>(), "the run `compact` finds a stage by");
+  static_assert(RUN == stage_run<VT>(), "the run `compact` finds a stage by");
   __shared__ int warp_counts[WARPS];
   __shared__ __align__(16) VT staged[WARPS][CAP];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -201,7 +204,8 @@ __global__ void __launch_bounds__(WARPS * 32)
     __syncwarp();
     uint4* stage = reinterpret_cast<uint4*>(reinterpret_cast<char*>(words) + row[SEND_STAGE]);
     stage += (start / RUN + warp) * (CAP * sizeof(VT) / 16);
-    for (int r = lane; r * 16 < fill * (int)sizeof(VT); r += 32) stage[r] = reinterpret_cast<const uint4*>(staged[warp])[r];
+    const uint4* runs = reinterpret_cast<const uint4*>(staged[warp]);
+    for (int r = lane; r * 16 < fill * (int)sizeof(VT); r += 32) stage[r] = runs[r];
   }
   if (lane == 0) warp_counts[warp] = fill;
   __syncthreads();
@@ -311,12 +315,13 @@ __device__ __forceinline__ void compact_tile(const i64* row, VT* anchor, const u
 // at most `1 / STAGE_SHARE` of a run changed; false, and nothing written, if not). Every thread of
 // the program calls it, with its 2 words of the tile (`low`, `high`) and its first payload position
 // `pos`: each group of the threads of a run copies the run's values in order (a run of the stage to
-// a run of the payload, all of a thread's loads in flight together), then each thread writes its marks' indices or in-block offsets from its
-// words. The source is not read, nor the baseline written (`diff` did).
+// a run of the payload, all of a thread's loads in flight together), then each thread writes its
+// marks' indices or in-block offsets from its words. The source is not read, nor the baseline
+// written (`diff` did).
 template <typename VT, int TILE>
 __device__ __forceinline__ bool staged_tile(const i64* row, VT* anchor, const u32* words, u32 low, u32 high, i64 t,
                                             i64 pos) {
-  constexpr int RUN = stage_chunk<VT>(), GROUP = RUN / 64, CAP = RUN / STAGE_SHARE;
+  constexpr int RUN = stage_run<VT>(), GROUP = RUN / 64, CAP = RUN / STAGE_SHARE;
   static_assert(GROUP * 64 == RUN && GROUP <= 32, "a run is the words of whole threads of a warp");
   const int own = __popc(low) + __popc(high), lane = threadIdx.x & 31, g = lane % GROUP;
   int marks = own;  // the run's
