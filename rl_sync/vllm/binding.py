@@ -223,7 +223,7 @@ class _Resolver:
                 target = live.detach() if mode == "direct" else by_live[id(live)]
                 dst = entry.merged.dst
                 view = torch.as_strided(target, dst.sizes, dst.strides, target.storage_offset() + dst.offset)
-                param_dtype = live.dtype
+                param_dtype = target.dtype  # (reload: the loader form's, which may be narrower than the live one)
                 if mode == "reload":
                     modules_of[entry.name] = self._modules_of_param(param)
             destinations[entry.name] = Destination(
@@ -260,11 +260,27 @@ class _Resolver:
 
 
 def _module_forms(module: torch.nn.Module) -> dict[str, ParamForm]:
-    """The loader form of each parameter `module` loads (vLLM's recorded metadata)."""
+    """The loader form of each parameter `module` loads: vLLM's recorded metadata, and a
+    parameter that metadata leaves out (a linear layer's `bias`, made after its weights) whose
+    dtype the module's processing changed: on a CPU with AMX, vLLM widens a bf16 linear bias to
+    fp32 after loading, so its loader form is its shape in the dtype the module made it
+    (`params_dtype`), and a round passes its values through that dtype as vLLM's loader does."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_TENSORS
 
     params, _ = get_layerwise_info(module).restore_metadata
-    return {attr: ParamForm(tuple(p.shape), tuple(p.stride()), p.dtype) for attr, p in params.items()}
+    forms = {attr: ParamForm(tuple(p.shape), tuple(p.stride()), p.dtype) for attr, p in params.items()}
+    made = getattr(module, "params_dtype", None)
+    for attr in SKIP_TENSORS - SKIP_LOAD_TENSORS:  # (loaded, yet never put back on meta)
+        live = module._parameters.get(attr)
+        if live is not None and isinstance(made, torch.dtype) and live.is_floating_point() and live.dtype != made:
+            forms[attr] = ParamForm(tuple(live.shape), _contiguous(tuple(live.shape)), made)
+    return forms
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`."""
+    return tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
 
 
 def _attr_of(module: torch.nn.Module, param: torch.Tensor) -> str | None:

@@ -61,9 +61,13 @@ def reprocess(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> No
         layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr, operator]
         if hasattr(layer, "update_param_tp_status"):
             layer.update_param_tp_status()  # type: ignore[operator]
-        for name, tensor in {**live_params, **live_buffers}.items():
+        for name, tensor in list(live_params.items()) + list(live_buffers.items()):
             processed = getattr(layer, name, None)
-            if tensor is not None and processed is not None and processed is not tensor:
+            if tensor is None or processed is None or processed is tensor:
+                continue
+            if _released(tensor, processed):
+                (live_params if name in live_params else live_buffers)[name] = processed
+            else:
                 tensor.data.copy_(processed)
     finally:
         for name in list(layer._parameters) + list(layer._buffers):
@@ -72,6 +76,19 @@ def reprocess(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> No
             layer.register_parameter(name, param)
         for name, live in live_buffers.items():
             layer.register_buffer(name, live, persistent=name not in non_persistent)
+
+
+def _released(live: torch.Tensor, processed: torch.Tensor) -> bool:
+    """Whether a live tensor is one a later step released after deriving its own state from it
+    (empty where the processed one is not: MLA on a CPU with AMX packs `kv_b_proj`'s weight into
+    the attention layer, then frees it). No kernel reads it, so the processed tensor takes its
+    place, for the attention layer to derive from again."""
+    return live.numel() == 0 and processed.numel() > 0
+
+
+def _holds_released(module: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a parameter of `module` that a loader-form buffer feeds is empty (released)."""
+    return any((live := module._parameters.get(name)) is not None and _released(live, b) for name, b in buffers.items())
 
 
 @dataclass
@@ -92,11 +109,17 @@ class Processor:
     attention: list[torch.nn.Module]
 
     def after_update(self, names: Collection[str] | None) -> int:
-        """Process what the round changed; returns how many modules were processed."""
+        """Process what the round changed; returns how many modules were processed. A module
+        an attention layer derives from, whose weight that layer released (`_released`), is
+        processed whatever changed: the attention layers are processed after any round."""
         touched: dict[int, torch.nn.Module] = {}
         for name, modules in self.modules_of.items():
             if names is None or name in names:
                 touched.update((id(m), m) for m in modules)
+        for layer in self.attention:
+            for module in layer.modules():
+                if module in self.buffers and _holds_released(module, self.buffers[module]):
+                    touched[id(module)] = module
         for module in touched.values():
             reprocess(module, self.buffers[module])
         for layer in self.attention:

@@ -94,7 +94,7 @@ MODELS: dict[str, tuple[str, str, dict[str, object], str]] = {
             num_key_value_heads=4,
             q_lora_rank=32,
             kv_lora_rank=32,
-            qk_nope_head_dim=16,
+            qk_nope_head_dim=32,  # (vLLM's AMX MLA packs W_UK: 16 input features are refused)
             qk_rope_head_dim=16,
             v_head_dim=16,
             tie_word_embeddings=False,
@@ -160,16 +160,25 @@ def _build(directory: str, load_format: str, ep: bool = False):
         return config, get_model(vllm_config=config)
 
 
+KV_CACHE_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+"""Attention buffers no checkpoint tensor feeds and only an fp8 KV cache reads: vLLM's dummy
+loader randomizes them and its MLA processing resets them to 1.0, except on a CPU with AMX,
+where it returns before that; left out of the comparison."""
+
+
 def _snapshot(model) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, and the state MLA derives from `kv_b_proj`: `W_UV` and
+    `W_UK_T`, or, on a CPU with AMX, its packed copies on the attention's implementation."""
     out = {f"param {n}": p.detach().clone() for n, p in model.named_parameters()}
-    out |= {f"buffer {n}": b.clone() for n, b in model.named_buffers()}
-    out |= {
-        f"derived {n}.{a}": getattr(m, a).clone()
-        for n, m in model.named_modules()
-        for a in ("W_UV", "W_UK_T")
-        if isinstance(getattr(m, a, None), torch.Tensor)
-    }
+    out |= {f"buffer {n}": b.clone() for n, b in model.named_buffers() if not n.endswith(KV_CACHE_SCALES)}
+    for n, m in model.named_modules():
+        for owner, names in ((m, ("W_UV", "W_UK_T")), (getattr(m, "impl", None), ("_w_uk_packed", "_w_uv_packed"))):
+            out |= {f"derived {n}.{a}": getattr(owner, a).clone() for a in names if _is_tensor(getattr(owner, a, None))}
     return out
+
+
+def _is_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor)
 
 
 def _binder_disagrees(directory: str, checkpoint: dict, destinations: dict, ep: bool) -> list[str]:
