@@ -1,0 +1,74 @@
+"""The loader form the vLLM binding receives a parameter in, and the post-round reprocessing of a
+weight that a later step released (what vLLM does on a CPU with AMX, shown on stand-in modules)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from rl_sync.vllm.binding import _module_forms
+from rl_sync.vllm.probe import ParamForm
+from rl_sync.vllm.reload import Processor
+
+
+class _Linear(torch.nn.Module):
+    """A linear layer as vLLM makes one: weight and bias in `params_dtype`."""
+
+    def __init__(self, bias_dtype: torch.dtype):
+        super().__init__()
+        self.params_dtype = torch.bfloat16
+        self.weight = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(6, dtype=bias_dtype), requires_grad=False)
+
+
+def test_a_bias_vllm_widened_after_loading_is_received_in_the_dtype_its_loader_fills():
+    """vLLM's reload metadata leaves a linear bias out; on a CPU with AMX its processing widens it
+    to fp32, so its form is its shape in `params_dtype`, contiguous. A bias still in that dtype is
+    written in place (no form), as are the weights vLLM's metadata does not name."""
+    assert _module_forms(_Linear(torch.float32)) == {"bias": ParamForm((6,), (1,), torch.bfloat16)}
+    assert _module_forms(_Linear(torch.bfloat16)) == {}
+
+
+class _Method:
+    """A `quant_method` that keeps what it is given (the weight as loaded)."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        pass
+
+
+class _Attention(torch.nn.Module):
+    """An attention layer deriving its state from `kv_b_proj`'s weight, then freeing it (vLLM's
+    MLA on a CPU with AMX)."""
+
+    def __init__(self, kv_b_proj: torch.nn.Module):
+        super().__init__()
+        self.kv_b_proj = kv_b_proj
+        self.derived: torch.Tensor | None = None
+
+    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+        self.derived = self.kv_b_proj.weight.t().to(dtype).clone()
+        self.kv_b_proj.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def test_a_weight_the_attention_freed_is_processed_again_for_it_every_round():
+    """After each round, even one that changed nothing of it, the module the attention layer
+    derives from is processed from its loader-form buffer, the attention derives from the new
+    values, and frees the weight again."""
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+    kv_b_proj = _Linear(torch.bfloat16)
+    kv_b_proj.quant_method = _Method()
+    attention = _Attention(kv_b_proj)
+    model = torch.nn.ModuleDict({"attn": attention})
+    record_metadata_for_reloading(model)
+    attention.process_weights_after_loading(torch.bfloat16)  # as at load: derived, then freed
+    assert kv_b_proj.weight.numel() == 0
+    buffers = {kv_b_proj: {"weight": torch.arange(24, dtype=torch.bfloat16).view(6, 4)}}
+    processor = Processor(model, torch.bfloat16, None, buffers, {"w": [kv_b_proj]}, [], [attention])
+    for names in (None, ["another tensor"]):
+        buffers[kv_b_proj]["weight"] += 1
+        assert processor.after_update(names) == 1
+        assert torch.equal(attention.derived, buffers[kv_b_proj]["weight"].t())
+        assert kv_b_proj.weight.numel() == 0
