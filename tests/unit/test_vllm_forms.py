@@ -42,13 +42,15 @@ class _Attention(torch.nn.Module):
     """An attention layer deriving its state from `kv_b_proj`'s weight, then freeing it (vLLM's
     MLA on a CPU with AMX)."""
 
-    def __init__(self, kv_b_proj: torch.nn.Module):
+    def __init__(self, kv_b_proj: _Linear):
         super().__init__()
         self.kv_b_proj = kv_b_proj
         self.derived: torch.Tensor | None = None
 
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
-        self.derived = self.kv_b_proj.weight.t().to(dtype).clone()
+        weight = self.kv_b_proj.weight
+        assert isinstance(weight, torch.Tensor)
+        self.derived = weight.t().to(dtype).clone()
         self.kv_b_proj.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
 
 
