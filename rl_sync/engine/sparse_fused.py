@@ -55,9 +55,19 @@ class _Box:
 
     @property
     def on_cuda(self) -> bool:
-        """It takes the CUDA `diff` and `compact`, which stage its values: `diff` advances its
-        baseline (unless `shared`), `compact` does not."""
+        """It takes the CUDA `diff` and `compact`, which stage its values."""
         return self.stage >= 0
+
+    @property
+    def diff_advances(self) -> bool:
+        """Its `diff` advances its baseline: the CUDA one, where no other box reads the baseline."""
+        return self.on_cuda and not self.shared
+
+    @property
+    def encode_advances(self) -> bool:
+        """Its encoding advances its baseline (`compact`, or a dense copy): where no other box reads
+        the baseline and `diff` did not."""
+        return not self.shared and not self.on_cuda
 
     @functools.cached_property
     def key(self) -> Key:
@@ -343,9 +353,7 @@ def geometry(
     boxes, stage = _staged(boxes, slot, cuda)
     up = kernels.Upload()
     parts = {b.key: _kernels("diff", b.key, None, cuda).DIFF_PARTS for b in boxes.values()}  # as `launches` picks
-    rows: list[Row] = [
-        (b.key, None, b.tiles * parts[b.key], b.row(update=b.on_cuda and not b.shared)) for b in boxes.values()
-    ]
+    rows: list[Row] = [(b.key, None, b.tiles * parts[b.key], b.row(update=b.diff_advances)) for b in boxes.values()]
     diff = _launches(rows, up)
     tiles = sum(b.tiles for b in boxes.values())
     table = up.send(device) if boxes else torch.empty(0, dtype=torch.int64)
@@ -388,7 +396,7 @@ class FusedSender:
 
     Usage: `encode(i, code, out)` per fused box, then `complete()` (the payloads, and the
     baselines of unshared boxes), then `advance(codes)` (the shared boxes' baselines); the
-    unshared boxes on the CUDA `diff` (`_Box.on_cuda`) advance their baselines in that `diff`
+    unshared boxes on the CUDA `diff` (`_Box.diff_advances`) advance their baselines in that `diff`
     already, at construction, and their `compact` reads the values it staged. `encode`
     itself launches `compact` for the boxes encoded so far once the busy ones hold a
     `FLUSHES`-th of the bucket's tiles (the first time, a `FIRST_FLUSH`-th); every launch queues
@@ -424,8 +432,8 @@ class FusedSender:
             )
         if code == DENSE:
             out[: box.width * box.n].view(cur.dtype).copy_(cur.reshape(-1))
-            if not box.shared and not box.on_cuda:  # (the CUDA `diff` advanced it)
-                self.pairs[i][1].copy_(cur)  # no other box reads this baseline: a whole copy now
+            if box.encode_advances:
+                self.pairs[i][1].copy_(cur)  # a whole copy now
             return
         k, address = self.counts[i], out.data_ptr()
         at = payload_layout(code, box.n, k, box.width)
@@ -435,8 +443,7 @@ class FusedSender:
         values = kernels.element_offset(address + at.values, self._device, box.width)
         bitmap, index = (address, 0) if code == BITMAP else (0, address + at.positions)
         blocks = address if code == BLOCKED else 0
-        update = not box.shared and not box.on_cuda  # (the CUDA `diff` advanced it)
-        row = box.row(values, index, kernels.INDEX_KIND[code], update, bitmap, blocks)
+        row = box.row(values, index, kernels.INDEX_KIND[code], box.encode_advances, bitmap, blocks)
         class_ = density(k, box.n)
         self._rows.append((box.key, class_, box.tiles, row))
         self._payloads.append(out)

@@ -311,6 +311,13 @@ __device__ __forceinline__ void compact_tile(const i64* row, VT* anchor, const u
   if (KIND >= 0 && lane < fill) put<VT, KIND>(values, index, pos + lane, staged, staged_at, lane);
 }
 
+// The index (int32) or in-block offset (uint16) of element `local` of the tile from element
+// `start` of a SEND row, at payload position `pos`, as the row's index `kind` asks (none: nothing).
+__device__ __forceinline__ void put_index(void* index, int kind, i64 pos, i64 start, i64 local) {
+  if (kind == INT32_INDEX) reinterpret_cast<int*>(index)[pos] = (int)(start + local);
+  if (kind == UINT16_OFFSET) reinterpret_cast<short*>(index)[pos] = (short)((start % BLOCK + local) & 0xffff);
+}
+
 // Tile `t` of a SEND row from the row's stage, if each of its runs left its values there (`diff`:
 // at most `1 / STAGE_SHARE` of a run changed; false, and nothing written, if not). Every thread of
 // the program calls it, with its 2 words of the tile (`low`, `high`) and its first payload position
@@ -344,11 +351,8 @@ __device__ __forceinline__ bool staged_tile(const i64* row, VT* anchor, const u3
   if (kind != INT32_INDEX && kind != UINT16_OFFSET) return true;
   void* index = reinterpret_cast<void*>(row[SEND_INDEX]);
   const i64 start = t * TILE;
-  for (unsigned long long m = (unsigned long long)high << 32 | low; m; m &= m - 1, pos++) {
-    const i64 local = first + __ffsll(m) - 1;
-    if (kind == INT32_INDEX) reinterpret_cast<int*>(index)[pos] = (int)(start + local);
-    else reinterpret_cast<short*>(index)[pos] = (short)((start % BLOCK + local) & 0xffff);
-  }
+  for (unsigned long long m = (unsigned long long)high << 32 | low; m; m &= m - 1, pos++)
+    put_index(index, kind, pos, start, first + __ffsll(m) - 1);
   return true;
 }
 
@@ -477,8 +481,7 @@ __device__ __forceinline__ void marks_from_source(const i64* row, VT* anchor, i6
       if (at[r] < 0) break;
       if (update) base[at[r]] = v[r];
       if (kind >= NO_INDEX) values[pos] = v[r];
-      if (kind == INT32_INDEX) reinterpret_cast<int*>(index)[pos] = (int)(start + local + at[r]);
-      if (kind == UINT16_OFFSET) reinterpret_cast<short*>(index)[pos] = (short)((start % BLOCK + local + at[r]) & 0xffff);
+      put_index(index, kind, pos, start, local + at[r]);
       pos++;
     }
   }

@@ -106,7 +106,7 @@ SEND_COLUMNS = 20
 """A sender row: source box (5 columns), baseline box (5), n, tile slot, values (element offset),
 index pointer, index kind, update the baseline, wire bitmap and block counts pointers (0: none),
 where `diff` adds up the box's changes, and where the CUDA `diff` stages its values (bytes from the
-words; `sparse_cuda.STAGE_CAP`; the Triton kernels do not read it)."""
+words; `sparse_cuda.stage_bytes`; the Triton kernels do not read it)."""
 (
     RECV_WORDS,
     RECV_OFFSETS,

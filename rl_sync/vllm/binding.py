@@ -37,7 +37,7 @@ from ..planning.layout import Layout, Mesh, Replicate
 from ..storage import Destination
 from .entries import Entry, local_report, plan_entries
 from .modes import Mode, param_mode
-from .probe import ParamForm, Probe, probe_loads
+from .probe import ParamForm, Probe, contiguous_strides, probe_loads
 from .reload import Processor
 
 Checkpoint = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -274,13 +274,8 @@ def _module_forms(module: torch.nn.Module) -> dict[str, ParamForm]:
     for attr in SKIP_TENSORS - SKIP_LOAD_TENSORS:  # (loaded, yet never put back on meta)
         live = module._parameters.get(attr)
         if live is not None and isinstance(made, torch.dtype) and live.is_floating_point() and live.dtype != made:
-            forms[attr] = ParamForm(tuple(live.shape), _contiguous(tuple(live.shape)), made)
+            forms[attr] = ParamForm(tuple(live.shape), contiguous_strides(tuple(live.shape)), made)
     return forms
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of `shape`."""
-    return tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
 
 
 def _attr_of(module: torch.nn.Module, param: torch.Tensor) -> str | None:

@@ -60,10 +60,15 @@ class Probe:
     """Names whose copies are not a box of the checkpoint tensor, with the reason."""
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`."""
+    return tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+
+
 def _box_of(view: torch.Tensor, shape: tuple[int, ...]) -> tuple[Box, list[int]] | None:
     """The box of a contiguous tensor of `shape` that `view` (a view of it) covers, and which
     checkpoint dim each non-unit view dim is; `None` when the view is not such a box."""
-    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    strides = contiguous_strides(shape)
     offset, coords = view.storage_offset(), []
     for s in strides:
         coords.append(offset // s if s else 0)
