@@ -78,9 +78,9 @@ def test_the_cuda_source_compiles_for_an_h200_without_a_warning_and_names_every_
     options = [option.encode() for option in (*sparse_cuda._options(), "-arch=sm_90")]
     (compiled,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
     _, size = nvrtc.nvrtcGetProgramLogSize(program)
-    log = b" " * size
+    log = bytearray(size)  # (NVRTC writes into it: `b" " * 1` is CPython's cached one-byte object)
     nvrtc.nvrtcGetProgramLog(program, log)
-    assert (compiled, log.rstrip(b"\0").strip().decode()) == (nvrtc.nvrtcResult.NVRTC_SUCCESS, "")
+    assert (compiled, bytes(log).rstrip(b"\0").strip().decode()) == (nvrtc.nvrtcResult.NVRTC_SUCCESS, "")
     lowered = [nvrtc.nvrtcGetLoweredName(program, name.encode()) for name in names]
     assert all(result == nvrtc.nvrtcResult.NVRTC_SUCCESS and symbol for result, symbol in lowered)
     per_width = ("diff", "compact", "compact_staged", "compact_sparse", "expand", "blocked_apply")
