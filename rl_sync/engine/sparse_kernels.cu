@@ -90,15 +90,24 @@ __device__ __forceinline__ int warp_inclusive_scan(int x, int lane) {
 }
 
 // The marks of a program's threads before this one's, each thread's being those of its 2 words
-// (`low`, `high`): a warp-wide scan, then the warps before this one (`counts`, a value a warp).
-// Every thread of the program calls it.
-__device__ __forceinline__ int marks_ahead(u32 low, u32 high, int* counts) {
+// (`low`, `high`), a program being `WARPS` warps: a warp-wide scan, then the warps before this one
+// (`counts`, a value a warp); and, through the same barrier, whether `ok` holds on every thread of
+// the program (`*all`, where given). Every thread of the program calls it.
+template <int WARPS>
+__device__ __forceinline__ int marks_ahead(u32 low, u32 high, int* counts, bool ok = true, bool* all = nullptr) {
+  constexpr int NOT_OK = 1 << 30;  // (above any count: a warp's threads have at most 64 * 32 marks)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int own = __popc(low) + __popc(high), through = warp_inclusive_scan(own, lane);
-  if (lane == 31) counts[warp] = through;
+  const bool not_ok = __any_sync(FULL_MASK, !ok);
+  if (lane == 31) counts[warp] = through | (not_ok ? NOT_OK : 0);
   __syncthreads();
-  int ahead = through - own;
-  for (int i = 0; i < warp; i++) ahead += counts[i];
+  int ahead = through - own, seen = 0;
+#pragma unroll
+  for (int i = 0; i < WARPS; i++) {
+    seen |= counts[i];
+    if (i < warp) ahead += counts[i] & (NOT_OK - 1);
+  }
+  if (all) *all = !(seen & NOT_OK);
   return ahead;
 }
 
@@ -320,30 +329,38 @@ __device__ __forceinline__ void put_index(void* index, int kind, i64 pos, i64 st
 
 // Tile `t` of a SEND row from the row's stage, if each of its runs left its values there (`diff`:
 // at most `1 / STAGE_SHARE` of a run changed; false, and nothing written, if not). Every thread of
-// the program calls it, with its 2 words of the tile (`low`, `high`) and its first payload position
-// `pos`: each group of the threads of a run copies the run's values in order (a run of the stage to
-// a run of the payload, all of a thread's loads in flight together), then each thread writes its
-// marks' indices or in-block offsets from its words. The source is not read, nor the baseline
-// written (`diff` did).
+// the program calls it, with its 2 words of the tile (`low`, `high`) and the tile's first payload
+// position `first`; `*pos`, where given, becomes the thread's first payload position either way.
+// Each group of the threads of a run loads the run's values from the stage before the program's
+// one barrier (the loads in flight while it waits), then stores them in order at the run's payload
+// positions; then each thread writes its marks' indices or in-block offsets from its words. The
+// source is not read, nor the baseline written (`diff` did).
 template <typename VT, int TILE>
 __device__ __forceinline__ bool staged_tile(const i64* row, VT* anchor, const u32* words, u32 low, u32 high, i64 t,
-                                            i64 pos) {
-  constexpr int RUN = stage_run<VT>(), GROUP = RUN / 64, CAP = RUN / STAGE_SHARE;
+                                            i64 first, int* counts, i64* pos = nullptr) {
+  constexpr int RUN = stage_run<VT>(), GROUP = RUN / 64, CAP = RUN / STAGE_SHARE, WARPS = TILE / 64 / 32;
   static_assert(GROUP * 64 == RUN && GROUP <= 32, "a run is the words of whole threads of a warp");
-  const int own = __popc(low) + __popc(high), lane = threadIdx.x & 31, g = lane % GROUP;
-  int marks = own;  // the run's
+  const int lane = threadIdx.x & 31, g = lane % GROUP;
+  int marks = __popc(low) + __popc(high);  // the run's
   for (int o = GROUP / 2; o; o >>= 1) marks += __shfl_xor_sync(FULL_MASK, marks, o);
-  if (!__syncthreads_and(row[SEND_STAGE] >= 0 && marks <= CAP)) return false;
   const int kind = (int)row[SEND_INDEX_KIND];
-  const i64 head = __shfl_sync(FULL_MASK, pos, lane - g), first = threadIdx.x * 64;  // (the run's first position)
-  const VT* stage = reinterpret_cast<const VT*>(reinterpret_cast<const char*>(words) + row[SEND_STAGE]);
-  stage += (t * TILE + first) / RUN * CAP;
-  VT* values = anchor + row[SEND_VALUES];
-  if (kind >= NO_INDEX) {  // (every load issued before the first store)
-    VT v[CAP / GROUP];
+  const bool fits = row[SEND_STAGE] >= 0 && marks <= CAP;
+  const i64 own = threadIdx.x * 64;  // (the thread's first element in the tile)
+  VT v[CAP / GROUP];
+  if (fits && kind >= NO_INDEX) {
+    const VT* stage = reinterpret_cast<const VT*>(reinterpret_cast<const char*>(words) + row[SEND_STAGE]);
+    stage += (t * TILE + own) / RUN * CAP;
 #pragma unroll
     for (int r = 0; r < CAP / GROUP; r++)
       if (g + r * GROUP < marks) v[r] = stage[g + r * GROUP];
+  }
+  bool all_fit;
+  i64 at = first + marks_ahead<WARPS>(low, high, counts, fits, &all_fit);
+  if (pos) *pos = at;
+  if (!all_fit) return false;
+  const i64 head = __shfl_sync(FULL_MASK, at, lane - g);  // (the run's first position)
+  VT* values = anchor + row[SEND_VALUES];
+  if (kind >= NO_INDEX) {
 #pragma unroll
     for (int r = 0; r < CAP / GROUP; r++)
       if (g + r * GROUP < marks) values[head + g + r * GROUP] = v[r];
@@ -351,8 +368,8 @@ __device__ __forceinline__ bool staged_tile(const i64* row, VT* anchor, const u3
   if (kind != INT32_INDEX && kind != UINT16_OFFSET) return true;
   void* index = reinterpret_cast<void*>(row[SEND_INDEX]);
   const i64 start = t * TILE;
-  for (unsigned long long m = (unsigned long long)high << 32 | low; m; m &= m - 1, pos++)
-    put_index(index, kind, pos, start, first + __ffsll(m) - 1);
+  for (unsigned long long m = (unsigned long long)high << 32 | low; m; m &= m - 1, at++)
+    put_index(index, kind, at, start, own + __ffsll(m) - 1);
   return true;
 }
 
@@ -405,11 +422,12 @@ __device__ __forceinline__ void compact_program(const Inline& in, const i64* tab
   if (STAGED && row[SEND_UPDATE] == 0) {
     static_assert(2 * WARPS * 32 == WPT, "a tile's words are 2 a thread");
     const u32 low = word_below(w, threadIdx.x * 2, left), high = word_below(w, threadIdx.x * 2 + 1, left);
-    if (staged_tile<VT, TILE>(row, anchor, words, low, high, t, first + marks_ahead(low, high, counts))) {
+    if (staged_tile<VT, TILE>(row, anchor, words, low, high, t, first, counts)) {
       put_words<TILE>(row, t, threadIdx.x * 2, low, high, left);
       wire_block_count<TILE>(row, blocks, slot, t);
       return;
     }
+    __syncthreads();  // (`counts` is read again below)
   }
   u32* bitmap = reinterpret_cast<u32*>(row[SEND_BITMAP_OUT]);
   if (bitmap)
@@ -491,9 +509,11 @@ __device__ __forceinline__ void marks_from_source(const i64* row, VT* anchor, i6
 // word), one program a tile: each thread takes 2 consecutive words and a block-wide scan of their
 // marks gives its first payload position. A tile whose runs left their values in the stage takes
 // them from there (`staged_tile`); any other visits its marks in the source (`marks_from_source`):
-// the busy `compact`'s outputs, element by element, only the marked elements read.
+// the busy `compact`'s outputs, element by element, only the marked elements read. 48 warps an SM
+// (40 registers; 40 for 8-byte elements, which spill at 40 registers): the staged loads before the
+// barrier took 48 registers, and 40 warps made it 7% slower than before them on an H200.
 template <typename VT, int TILE, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, (sizeof(VT) == 8 ? 40 : 48) / WARPS)
     compact_sparse(const __grid_constant__ Inline in, const i64* table, const i64* firsts, i64 boxes,
                    const u32* words, const i64* starts, const int* blocks, VT* anchor) {
   constexpr int WPT = TILE / 32;
@@ -506,11 +526,13 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int left = (int)(n - start < TILE ? n - start : TILE), first = threadIdx.x * 2;
   const u32* w = words + (slot + t) * WPT;
   const u32 low = word_below(w, first, left), high = word_below(w, first + 1, left);
-  const i64 pos = starts[slot + t] - starts[slot] + marks_ahead(low, high, counts);
+  const i64 tile_first = starts[slot + t] - starts[slot];
   put_words<TILE>(row, t, first, low, high, left);
   const int kind = (int)row[SEND_INDEX_KIND];
   const bool update = row[SEND_UPDATE] != 0;
-  if (update || !staged_tile<VT, TILE>(row, anchor, words, low, high, t, pos))
+  i64 pos;
+  if (update) pos = tile_first + marks_ahead<WARPS>(low, high, counts);
+  if (update || !staged_tile<VT, TILE>(row, anchor, words, low, high, t, tile_first, counts, &pos))
     marks_from_source<VT>(row, anchor, start, first * 32, (unsigned long long)high << 32 | low, pos, kind, update);
   wire_block_count<TILE>(row, blocks, slot, t);
 }
