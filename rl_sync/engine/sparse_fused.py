@@ -377,16 +377,13 @@ def _staged(boxes: dict[int, _Box], slots: int, cuda: bool) -> tuple[dict[int, _
     return staged, at - words
 
 
-FLUSHES = 2
+FLUSHES = 4
 """A sender's `compact` launches for the boxes encoded so far once its busy ones (`density` 1 or 2)
 hold this fraction of the bucket's tiles (and `FLUSH_TILES` at least): the device compacts them
 while the host encodes the rest, rather than waiting for every box's table row. Sparse boxes
-never start a launch: theirs takes the device less time than the host takes to prepare it. (On
-an H200's host a launch costs the host 30-50 µs, as much as the device takes to compact 3 busy
-boxes of 64 MiB: a sender of 16 such boxes was 3% faster with a launch at a quarter, then one at
-a half, than with one every quarter after an eighth, and 12% slower with none before `complete`.)"""
+never start a launch: theirs takes the device less time than the host takes to prepare it."""
 FIRST_FLUSH = 2 * FLUSHES
-"""The first such launch comes once the busy boxes hold this fraction (a quarter) instead: the
+"""The first such launch comes once the busy boxes hold this fraction (an eighth) instead: the
 device idles from the counts' arrival until it is queued, while later ones queue as it works."""
 FLUSH_TILES = 1024
 """Tiles (16M elements) below which encoded boxes wait for more: a smaller launch costs the host

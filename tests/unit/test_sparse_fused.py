@@ -243,9 +243,9 @@ def test_a_sender_compacts_the_boxes_encoded_so_far_once_they_hold_a_share_of_th
     for i in range(7):
         found.encode(i, BITMAP, torch.zeros(encoded_nbytes(BITMAP, BUSY_N, BUSY_K, 2), dtype=torch.uint8))
         per_launch.append(len(launched))
-    assert per_launch == [0, 1, 1, 1, 1, 2, 2]  # 21 tiles: the first once 5 (a quarter) wait, then 10 (a half)
+    assert per_launch == [1, 1, 2, 2, 3, 3, 4]  # 21 tiles: the first once 2 (an eighth) wait, then 5 (a quarter)
     found.finish()
-    assert [table[:, kernels.SEND_COUNT.value].tolist() for table in launched] == [[0, 1], [2, 3, 4, 5], [6]]
+    assert [table[:, kernels.SEND_COUNT.value].tolist() for table in launched] == [[0], [1, 2], [3, 4], [5, 6]]
 
 
 def test_rounds_of_a_bucket_reuse_its_scratch_lent_to_one_sender_at_a_time(monkeypatch):
@@ -391,5 +391,5 @@ def test_a_sender_carries_a_flush_of_few_busy_rows_inline(monkeypatch):
         found.encode(i, BITMAP, torch.zeros(encoded_nbytes(BITMAP, BUSY_N, BUSY_K, 2), dtype=torch.uint8))
     found.finish()
     columns, count = kernels.SEND_COLUMNS, kernels.SEND_COUNT.value
-    assert [table[count::columns] for table, _ in launched] == [[0, 1], [2, 3, 4, 5], [6]]
-    assert [firsts for _, firsts in launched] == [[0, 3, 6], [0, 3, 6, 9, 12], [0, 3]]
+    assert [table[count::columns] for table, _ in launched] == [[0], [1, 2], [3, 4], [5, 6]]
+    assert [firsts for _, firsts in launched] == [[0, 3]] + [[0, 3, 6]] * 3
