@@ -16,6 +16,7 @@ launches; the rest through the per-box torch functions below (`Changes`,
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -249,6 +250,36 @@ def flags_layout(boxes: int) -> tuple[int, int]:
     return counters, counters + 2 * boxes
 
 
+_SPARE_FLAGS: OrderedDict[tuple[torch.device, int], list[torch.Tensor]] = OrderedDict()
+_SPARE_KINDS = 64
+"""Bucket sizes (device, boxes) whose spare flag buffers are kept (a few hundred bytes each)."""
+_SPARE_EACH = 2
+
+
+def _zeroed_flags(device: torch.device, boxes: int) -> torch.Tensor:
+    """`flags_layout(boxes)` int32 zeros on `device`: a spare buffer a clean receiver gave back
+    (`_give_back_flags`), or a new one. A round takes one a bucket; a spare saves an allocation and
+    a fill launch on the receiver's critical path."""
+    spare = _SPARE_FLAGS.get((device, boxes))
+    if spare:
+        return spare.pop()
+    return torch.zeros(flags_layout(boxes)[1], dtype=torch.int32, device=device)
+
+
+def _give_back_flags(device: torch.device, boxes: int, flags: torch.Tensor) -> None:
+    """Keep `flags` for the next receiver of `boxes` boxes on `device`: only once every value is
+    zero again and nothing queued still uses it (a commit that found no malformed box raised no
+    flag nor the guard, the CUDA `starts` resets each counter it counted, and the commit's host
+    read of the flags waited for every launch behind them)."""
+    kind = (device, boxes)
+    spare = _SPARE_FLAGS.setdefault(kind, [])
+    _SPARE_FLAGS.move_to_end(kind)
+    if len(spare) < _SPARE_EACH:
+        spare.append(flags)
+    if len(_SPARE_FLAGS) > _SPARE_KINDS:
+        _SPARE_FLAGS.popitem(last=False)
+
+
 def _on_kernel_device(t: torch.Tensor) -> bool:
     return t.is_cuda  # (not `t.device.type`: building the device object costs 10x more, per box)
 
@@ -371,11 +402,14 @@ class BucketReceiver:
     raises its flag and the bucket's guard (the last flag) on the device, and the fused writes,
     queued right behind the checks, write nothing while the guard is raised; so `commit` reads
     the flags once (the bucket's one host sync) after the fused writes, and only the torch
-    path's writes wait for it."""
+    path's writes wait for it. A commit that finds no malformed box leaves the flags all zero and
+    gives them to the next receiver of as many boxes on the device (`_zeroed_flags`): no zeroing
+    is queued before its checks."""
 
     def __init__(self, device: torch.device, boxes: int):
         self.device, self._boxes = device, boxes
-        self.flags = torch.zeros(flags_layout(boxes)[1], dtype=torch.int32, device=device)
+        self.flags = _zeroed_flags(device, boxes)
+        self._spare = True  # (the flags go back once, after a clean commit)
         self._decodes: list[tuple] = []  # the torch path's boxes: `add`'s arguments, decoded at `commit`
         self._added = bytearray(boxes)  # the slots added so far
         self._fused: FusedReceiver | None = None
@@ -415,6 +449,9 @@ class BucketReceiver:
         if not bad:
             for write in writes:
                 write()
+            if self._spare:
+                self._spare = False
+                _give_back_flags(self.device, self._boxes, self.flags)
         return bad
 
     def _decode(

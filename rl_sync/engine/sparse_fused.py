@@ -63,10 +63,10 @@ class _Box:
         """Its `diff` advances its baseline: the CUDA one, where no other box reads the baseline."""
         return self.on_cuda and not self.shared
 
-    @property
+    @functools.cached_property
     def encode_advances(self) -> bool:
         """Its encoding advances its baseline (`compact`, or a dense copy): where no other box reads
-        the baseline and `diff` did not."""
+        the baseline and `diff` did not (kept: `encode` asks for every box, every round)."""
         return not self.shared and not self.on_cuda
 
     @functools.cached_property
@@ -207,15 +207,17 @@ def _run(name: str, launches: list[_Launch], dev: torch.Tensor | None, *args, cu
 
 class _Scratch:
     """A sender's counts for one round of a bucket: `tiles`, each tile slot's changes, then `totals`,
-    each box's (both in `counts`, zeroed each round: 8 bytes a 16,384-element tile), and where the
-    totals are read back (pinned host memory, and the event of the copy). Kept with the bucket's
-    geometry and lent to one sender at a time, on the stream it was made for: stream order queues a
-    round's kernels behind the last round's. (The bitmap words, 256 times more, a sixteenth of the
-    bf16 bytes, and the CUDA `diff`'s stage behind them, an eighth, are allocated each round: kept
-    buckets would hold them while the trainer needs the memory.)"""
+    each box's (both in `counts`, 8 bytes a 16,384-element tile: zero when made, and zeroed again
+    by the sender that gives it back, behind its last launch, so that no zeroing is queued before
+    the next round's `diff`), and where the totals are read back (pinned host memory, and the event
+    of the copy). Kept with the bucket's geometry and lent to one sender at a time, on the stream it
+    was made for: stream order queues a round's kernels behind the last round's. (The bitmap words,
+    256 times more, a sixteenth of the bf16 bytes, and the CUDA `diff`'s stage behind them, an
+    eighth, are allocated each round: kept buckets would hold them while the trainer needs the
+    memory.)"""
 
     def __init__(self, slots: int, boxes: int, device: torch.device, stream: int):
-        self.counts = torch.empty(slots + boxes, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(slots + boxes, dtype=torch.int64, device=device)
         self.tiles, self.totals = self.counts[:slots], self.counts[slots:]
         cuda = device.type == "cuda"
         self._host = torch.empty(boxes, dtype=torch.int64, pin_memory=True) if cuda else None
@@ -408,7 +410,6 @@ class FusedSender:
         self.device = device = first.device
         self._device = first.get_device()  # (every fused box's, by number)
         self._scratch = scratch = g.lend(device, self._device)
-        scratch.counts.zero_()
         self._tiles = scratch.tiles
         self._words = torch.empty(g.slots * kernels.WORDS + g.stage // 4, dtype=torch.int32, device=device)
         for diff in scratch.diffs:
@@ -425,26 +426,28 @@ class FusedSender:
     def encode(self, i: int, code: int, out: torch.Tensor) -> None:
         """Box `i` as `code` into byte buffer `out`, on the box's device (complete after
         `complete`)."""
-        box, cur = self.geometry.boxes[i], self.pairs[i][0]
+        box = self.geometry.boxes[i]
         if out.get_device() != self._device:
             raise ValueError(
-                f"the payload buffer of box {i} is on {out.device}; the fused codec writes it from {cur.device}"
+                f"the payload buffer of box {i} is on {out.device}; the fused codec writes it from {self.device}"
             )
         if code == DENSE:
+            cur = self.pairs[i][0]
             out[: box.width * box.n].view(cur.dtype).copy_(cur.reshape(-1))
             if box.encode_advances:
                 self.pairs[i][1].copy_(cur)  # a whole copy now
             return
-        k, address = self.counts[i], out.data_ptr()
-        at = payload_layout(code, box.n, k, box.width)
+        k, address, n, width = self.counts[i], out.data_ptr(), box.n, box.width
+        at = payload_layout(code, n, k, width)
         if not k:
             out[: at.head].zero_()
             return
-        values = kernels.element_offset(address + at.values, self._device, box.width)
+        values = kernels.element_offset(address + at.values, self._device, width)
         bitmap, index = (address, 0) if code == BITMAP else (0, address + at.positions)
-        blocks = address if code == BLOCKED else 0
-        row = box.row(values, index, kernels.INDEX_KIND[code], box.encode_advances, bitmap, blocks)
-        class_ = density(k, box.n)
+        row = box.row(
+            values, index, kernels.INDEX_KIND[code], box.encode_advances, bitmap, address if code == BLOCKED else 0
+        )
+        class_ = int(k * BUSY > n) + int(k * BUSIER > n)  # (`density`, inline: once a box)
         self._rows.append((box.key, class_, box.tiles, row))
         self._payloads.append(out)
         if class_:  # (a sparse box's `compact` is brief on the device: it waits for `complete`)
@@ -478,6 +481,7 @@ class FusedSender:
                 rows.append((box.key, density(self.counts[i], box.n), box.tiles, box.row(update=True)))
         if rows:
             self._compact(rows)
+        self._scratch.counts.zero_()  # behind every launch that reads them, for the next round's `diff`
         self._scratch.lent = False  # every launch that reads it is queued: the next round's queue behind
 
 

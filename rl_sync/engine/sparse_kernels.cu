@@ -704,8 +704,9 @@ __device__ __forceinline__ void scan_row(const i64* row, const int* source, i64*
 // `sparse_triton.bitmap_counts` and `sparse_triton.scan` in one launch: each RECV row's payload
 // positions (`positions`, Triton's `starts`, at its first slot) and its checks. A bitmap row takes
 // one program for every `WARPS` tiles, each warp counting a tile's marks into `counts` and flagging
-// stray bits past `n`; the row's last program to finish (by `done`, one zeroed counter a row) scans
-// the row's counts. Any other row takes one program, which scans the row's wire block counts.
+// stray bits past `n`; the row's last program to finish (by `done`, one zeroed counter a row, which
+// it zeroes again) scans the row's counts. Any other row takes one program, which scans the row's
+// wire block counts.
 template <int TILE, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
     starts(const __grid_constant__ Inline in, const i64* table, const i64* firsts, i64 boxes, int* counts,
@@ -732,6 +733,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     if (threadIdx.x == 0) {
       raise_flag(row, flags, guard, stray);
       last = atomicAdd(done + box, 1ull) == (unsigned long long)((m + WARPS - 1) / WARPS - 1);
+      if (last) done[box] = 0;  // every program of the row has counted: zero for the buffer's next receiver
     }
     __syncthreads();
     if (!last) return;

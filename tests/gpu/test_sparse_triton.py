@@ -114,13 +114,16 @@ def test_a_bucket_of_overlapping_boxes_diffs_each_against_the_old_baseline():
 def test_rounds_on_the_same_tensors_reuse_the_bucket_geometry_and_stay_bit_exact():
     """Four rounds over one bucket of the same live tensors, each at another density (the sparse
     and the busy launches, the second round on reusing the first's geometry): every payload is
-    the reference's, and the baselines and live copies end equal to the sources."""
+    the reference's, and the baselines and live copies end equal to the sources. Each receiver
+    after the first takes the flag buffer the one before gave back, every value zero again (the
+    CUDA `starts` zeroes the counters it counted with)."""
     rows, cols = 32, 20_000
     sources = [_pair(rows, cols, 0.0, torch.bfloat16, seed)[0] for seed in range(3)]
     baselines = [s.clone() for s in sources]
     lives = [s.clone() for s in sources]
     boxes = [(i, (0, 0), (rows, cols)) for i in range(3)]
     gen = torch.Generator(device="cuda").manual_seed(5)
+    given_back = None
     for density in (0.01, 0.1, 0.001, 0.03):
         for s in sources:
             change = torch.rand(rows, cols, generator=gen, device="cuda") < density
@@ -135,10 +138,12 @@ def test_rounds_on_the_same_tensors_reuse_the_bucket_geometry_and_stay_bit_exact
         found.finish()
         assert all(torch.equal(p, ref) for p, (_, ref) in zip(payloads, refs)), density
         received = sparse_codec.BucketReceiver(torch.device("cuda"), 3)
+        assert given_back is None or received.flags is given_back
         for i, (code, (k, _), payload, live) in enumerate(zip(codes, refs, payloads, lives)):
             received.add(i, code, k, rows * cols, torch.bfloat16, payload, live)
-        assert received.commit() == []
+        assert received.commit() == [] and not received.flags.any()
         assert all(torch.equal(_bits(x), _bits(s)) for x, s in zip(baselines + lives, sources + sources)), density
+        given_back = received.flags
 
 
 def test_counts_of_a_bucket_come_back_in_one_transfer(monkeypatch):

@@ -216,3 +216,34 @@ def test_the_payload_exchange_completes_while_and_even_when_the_receiver_is_prep
     with pytest.raises(ValueError, match="not aligned"):
         sparse_round._exchange(Transport(), [(1, buf)], [(1, buf)], 0.0, "bucket 0", refuse)
     assert steps == ["post", "prepare", "wait", "complete"]
+
+
+def test_a_clean_receiver_gives_its_zeroed_flags_to_the_next_one_of_its_size(monkeypatch):
+    """A commit that wrote every box gives its flag buffer, all zero again, to the next receiver of
+    as many boxes on the device (once, however often it is committed); a commit that named a
+    malformed box keeps its raised flags away from later receivers, which start from zeros."""
+    from collections import OrderedDict
+
+    monkeypatch.setattr(sparse_codec, "_SPARE_FLAGS", OrderedDict())
+    cpu = torch.device("cpu")
+    cur, base = torch.arange(10, dtype=torch.float32), torch.zeros(10)
+    good = _block(BITMAP, 10, 9)
+    sparse_codec.encode(BITMAP, sparse_codec.Changes(cur, base), good)
+    bad = good.clone()
+    bad[0] ^= 0b10  # one mark fewer than k
+
+    def receiver(block: torch.Tensor, boxes: int = 1) -> sparse_codec.BucketReceiver:
+        received = sparse_codec.BucketReceiver(cpu, boxes)
+        received.add(0, BITMAP, 9, 10, torch.float32, block, torch.zeros(10))
+        return received
+
+    first = receiver(good)
+    assert first.commit() == [] and first.commit() == []
+    second, other_size, third = receiver(good), receiver(good, boxes=2), receiver(good)
+    assert second.flags is first.flags and other_size.flags is not first.flags and third.flags is not first.flags
+    assert second.commit() == [] and third.commit() == []
+    failed = receiver(bad)
+    assert any(failed.flags is spare for spare in (first.flags, third.flags))  # (a spare, all zero)
+    assert failed.commit() == [0] and failed.flags.any()
+    after = [receiver(good) for _ in range(2)]
+    assert all(r.flags is not failed.flags and not r.flags.any() for r in after)

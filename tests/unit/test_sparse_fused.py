@@ -249,9 +249,9 @@ def test_a_sender_compacts_the_boxes_encoded_so_far_once_they_hold_a_share_of_th
 
 
 def test_rounds_of_a_bucket_reuse_its_scratch_lent_to_one_sender_at_a_time(monkeypatch):
-    """A sender borrows its bucket's scratch from the geometry, zeroes its counts, and gives it back
-    at `advance` (its launches queued): the next round's sender takes the same buffers. A sender
-    that comes while the scratch is lent gets new buffers, kept in its place."""
+    """A sender borrows its bucket's scratch from the geometry and gives it back at `advance`, its
+    counts zeroed behind its launches: the next round's sender takes the same buffers and counts
+    from zero. A sender that comes while the scratch is lent gets new buffers, kept in its place."""
     from rl_sync.engine import sparse_triton as kernels
 
     def diff(table, firsts, boxes, total, key, words, counts, totals):
