@@ -254,24 +254,27 @@ _SPARE_FLAGS: OrderedDict[tuple[torch.device, int], list[torch.Tensor]] = Ordere
 _SPARE_KINDS = 64
 """Bucket sizes (device, boxes) whose spare flag buffers are kept (a few hundred bytes each)."""
 _SPARE_EACH = 2
+"""Spare buffers kept of each kind: a round's receivers of one size come one after another."""
 
 
 def _zeroed_flags(device: torch.device, boxes: int) -> torch.Tensor:
     """`flags_layout(boxes)` int32 zeros on `device`: a spare buffer a clean receiver gave back
     (`_give_back_flags`), or a new one. A round takes one a bucket; a spare saves an allocation and
     a fill launch on the receiver's critical path."""
+    if device.type == "cuda" and device.index is None:  # (as the buffer is kept: by the device it is on)
+        device = torch.device("cuda", torch.cuda.current_device())
     spare = _SPARE_FLAGS.get((device, boxes))
     if spare:
         return spare.pop()
     return torch.zeros(flags_layout(boxes)[1], dtype=torch.int32, device=device)
 
 
-def _give_back_flags(device: torch.device, boxes: int, flags: torch.Tensor) -> None:
-    """Keep `flags` for the next receiver of `boxes` boxes on `device`: only once every value is
-    zero again and nothing queued still uses it (a commit that found no malformed box raised no
+def _give_back_flags(boxes: int, flags: torch.Tensor) -> None:
+    """Keep `flags` for the next receiver of `boxes` boxes on their device: only once every value
+    is zero again and nothing queued still uses it (a commit that found no malformed box raised no
     flag nor the guard, the CUDA `starts` resets each counter it counted, and the commit's host
     read of the flags waited for every launch behind them)."""
-    kind = (device, boxes)
+    kind = (flags.device, boxes)
     spare = _SPARE_FLAGS.setdefault(kind, [])
     _SPARE_FLAGS.move_to_end(kind)
     if len(spare) < _SPARE_EACH:
@@ -451,7 +454,7 @@ class BucketReceiver:
                 write()
             if self._spare:
                 self._spare = False
-                _give_back_flags(self.device, self._boxes, self.flags)
+                _give_back_flags(self._boxes, self.flags)
         return bad
 
     def _decode(
