@@ -244,8 +244,8 @@ def _fused():
 
 def flags_layout(boxes: int) -> tuple[int, int]:
     """(where the counters begin, how many values in all) of the int32 values a receiver of `boxes`
-    boxes zeroes: a flag a box, the guard, then a counter (int64, so 8-byte aligned) a box for the
-    fused checks (the CUDA `starts`, `sparse_fused.FusedReceiver`)."""
+    boxes starts from zero (`_zeroed_flags`): a flag a box, the guard, then a counter (int64, so
+    8-byte aligned) a box for the fused checks (the CUDA `starts`, `sparse_fused.FusedReceiver`)."""
     counters = (boxes + 2) // 2 * 2
     return counters, counters + 2 * boxes
 
@@ -264,8 +264,11 @@ def _zeroed_flags(device: torch.device, boxes: int) -> torch.Tensor:
     if device.type == "cuda" and device.index is None:  # (as the buffer is kept: by the device it is on)
         device = torch.device("cuda", torch.cuda.current_device())
     spare = _SPARE_FLAGS.get((device, boxes))
-    if spare:
-        return spare.pop()
+    if spare is not None:
+        try:
+            return spare.pop()  # (not `if spare:` first: another thread may take the last one between)
+        except IndexError:
+            pass
     return torch.zeros(flags_layout(boxes)[1], dtype=torch.int32, device=device)
 
 
@@ -412,7 +415,7 @@ class BucketReceiver:
     def __init__(self, device: torch.device, boxes: int):
         self.device, self._boxes = device, boxes
         self.flags = _zeroed_flags(device, boxes)
-        self._spare = True  # (the flags go back once, after a clean commit)
+        self._committed: list[int] | None = None  # (what `commit` found, once it has run)
         self._decodes: list[tuple] = []  # the torch path's boxes: `add`'s arguments, decoded at `commit`
         self._added = bytearray(boxes)  # the slots added so far
         self._fused: FusedReceiver | None = None
@@ -440,7 +443,11 @@ class BucketReceiver:
             self._fused.prepare()
 
     def commit(self) -> list[int]:
-        """Validate every box and write them all unless one is malformed; the malformed slots."""
+        """Validate every box and write them all unless one is malformed; the malformed slots. Once:
+        a later call returns the first one's answer and does nothing (a clean commit has given its
+        flags to the next receiver)."""
+        if self._committed is not None:
+            return list(self._committed)
         writes = [self._decode(*box) for box in self._decodes]
         if self._fused is not None and self._fused.boxes:
             if writes:  # boxes on the torch path too: their flags raise the guard as well
@@ -449,13 +456,12 @@ class BucketReceiver:
             self._fused.validate()
             self._fused.write()
         bad = [slot for slot, flag in enumerate(self.flags[: self._boxes].tolist()) if flag]  # the one sync
+        self._committed = bad
         if not bad:
             for write in writes:
                 write()
-            if self._spare:
-                self._spare = False
-                _give_back_flags(self._boxes, self.flags)
-        return bad
+            _give_back_flags(self._boxes, self.flags)
+        return list(bad)
 
     def _decode(
         self, slot: int, code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor, view: torch.Tensor

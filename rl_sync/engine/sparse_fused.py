@@ -481,8 +481,19 @@ class FusedSender:
                 rows.append((box.key, density(self.counts[i], box.n), box.tiles, box.row(update=True)))
         if rows:
             self._compact(rows)
-        self._scratch.counts.zero_()  # behind every launch that reads them, for the next round's `diff`
-        self._scratch.lent = False  # every launch that reads it is queued: the next round's queue behind
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """The scratch back to the geometry, its counts zeroed on the stream it is lent on (behind
+        every launch that reads them, and before the next round's `diff`, whatever stream is current
+        now)."""
+        scratch = self._scratch
+        if _stream(self._device) == scratch.stream:
+            scratch.counts.zero_()
+        else:
+            with torch.cuda.stream(scratch._on):
+                scratch.counts.zero_()
+        scratch.lent = False  # every launch that reads it is queued: the next round's queue behind
 
 
 def disjoint(spans: list[tuple[int, int]]) -> bool:
@@ -523,7 +534,7 @@ class FusedReceiver:
     while the bucket is written (an inference engine only reads its weights)."""
 
     def __init__(self, device: torch.device, zeroed: torch.Tensor, bucket: int):
-        """`zeroed`: the int32 values the bucket's receiver zeroed (`flags_layout(bucket)` for its
+        """`zeroed`: the bucket receiver's int32 values, all zero (`flags_layout(bucket)` for its
         `bucket` boxes): a flag a box, the guard, then the `starts` counters."""
         self.device, self._zeroed, self._bucket = device, zeroed, bucket
         self._number = zeroed.get_device()

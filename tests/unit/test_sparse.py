@@ -220,8 +220,9 @@ def test_the_payload_exchange_completes_while_and_even_when_the_receiver_is_prep
 
 def test_a_clean_receiver_gives_its_zeroed_flags_to_the_next_one_of_its_size(monkeypatch):
     """A commit that wrote every box gives its flag buffer, all zero again, to the next receiver of
-    as many boxes on the device (once, however often it is committed); a commit that named a
-    malformed box keeps its raised flags away from later receivers, which start from zeros."""
+    as many boxes on the device (once: a later commit returns the first answer and reads nothing);
+    a commit that named a malformed box keeps its raised flags away from later receivers, which
+    start from zeros."""
     from collections import OrderedDict
 
     monkeypatch.setattr(sparse_codec, "_SPARE_FLAGS", OrderedDict())
@@ -247,3 +248,9 @@ def test_a_clean_receiver_gives_its_zeroed_flags_to_the_next_one_of_its_size(mon
     assert failed.commit() == [0] and failed.flags.any()
     after = [receiver(good) for _ in range(2)]
     assert all(r.flags is not failed.flags and not r.flags.any() for r in after)
+    lender = receiver(good, boxes=2)  # (its slot 1 left empty)
+    assert lender.commit() == []
+    borrower = receiver(good, boxes=2)
+    borrower.add(1, BITMAP, 9, 10, torch.float32, bad, torch.zeros(10))
+    assert borrower.flags is lender.flags and borrower.commit() == [1]
+    assert lender.commit() == []  # answered once: the buffer it gave away, flag 1 raised, is not read
