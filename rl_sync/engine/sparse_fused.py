@@ -444,10 +444,9 @@ class FusedSender:
             return
         values = kernels.element_offset(address + at.values, self._device, width)
         bitmap, index = (address, 0) if code == BITMAP else (0, address + at.positions)
-        row = box.row(
-            values, index, kernels.INDEX_KIND[code], box.encode_advances, bitmap, address if code == BLOCKED else 0
-        )
-        class_ = int(k * BUSY > n) + int(k * BUSIER > n)  # (`density`, inline: once a box)
+        blocks = address if code == BLOCKED else 0
+        row = box.row(values, index, kernels.INDEX_KIND[code], box.encode_advances, bitmap, blocks)
+        class_ = density(k, n)
         self._rows.append((box.key, class_, box.tiles, row))
         self._payloads.append(out)
         if class_:  # (a sparse box's `compact` is brief on the device: it waits for `complete`)
