@@ -407,6 +407,31 @@ def test_a_round_trip_on_a_side_stream_queues_every_launch_behind_that_streams_w
     assert torch.equal(_bits(baseline), _bits(cur)) and torch.equal(_bits(live), _bits(cur))
 
 
+def test_a_sender_advanced_on_another_stream_zeroes_its_counts_on_its_own():
+    """Buckets found on a side stream and advanced under the default one, kept busy: the counts are
+    zeroed on the side stream, behind the launches that read them, so the next round's `diff` there
+    counts afresh (a zeroing queued behind the default stream's work would come after it)."""
+    cur, base = _pair(64, 4096, 0.1, torch.bfloat16, 31)
+    k, ref = _reference(BITMAP, cur, base)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    payloads, baselines = [], []
+    for _ in range(2):
+        with torch.cuda.stream(side):
+            baseline, payload = base.clone(), torch.zeros_like(ref)
+            found = sparse_codec.BucketChanges([(cur, baseline)], [(0, (0, 0), (64, 4096))])
+            found.encode(0, BITMAP, payload)
+            found.complete()
+        torch.cuda._sleep(50_000_000)  # the default stream busy for tens of milliseconds
+        found.advance()
+        assert found.counts == [k]
+        payloads.append(payload)
+        baselines.append(baseline)
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, ref) for p in payloads)
+    assert all(torch.equal(_bits(b), _bits(cur)) for b in baselines)
+
+
 @pytest.mark.parametrize("corrupt", [None, "first tile", "last tile", "stray bit", "block count"])
 def test_boxes_of_many_tiles_and_blocks_are_checked_whole_before_any_write(corrupt):
     """A bitmap box of 1,031 tiles and a blocked box of 1,031 blocks (bytes) in one bucket: more counts
