@@ -34,6 +34,7 @@ import argparse
 import atexit
 import dataclasses
 import importlib
+import inspect
 import shutil
 import statistics
 import sys
@@ -156,11 +157,17 @@ def _sides(codec, bucket: _Bucket):
     tensors, n, device = len(bucket.base), bucket.n, bucket.base[0].device
     boxes = [(i, (0,), (n,)) for i in range(tensors)]
 
+    placing = {"allow_dense": True} if "allow_dense" in inspect.signature(codec.BucketChanges).parameters else {}
+
     def encode_all(mark=_no_mark):  # the changes, the encodings, the baselines
-        found = codec.BucketChanges(list(zip(bucket.cur, bucket.baseline)), boxes)
+        found = codec.BucketChanges(list(zip(bucket.cur, bucket.baseline)), boxes, **placing)
         mark("find (waits: counts)")
-        for i, (code, blk) in enumerate(zip(bucket.codes, bucket.blocks)):
-            found.encode(i, code, blk)
+        placed = getattr(found, "placed", None)  # (encoded on the device already; older trees lack it)
+        if placed is not None:
+            bucket.blocks[:] = [placed.span(i, i + 1) for i in range(tensors)]  # the receiver's payloads
+        else:
+            for i, (code, blk) in enumerate(zip(bucket.codes, bucket.blocks)):
+                found.encode(i, code, blk)
         mark(f"{tensors} encode")
         found.finish()
         mark("finish")

@@ -331,31 +331,42 @@ class BucketChanges:
     at construction, and leaves the values of sparse runs for `complete` to copy: from then on
     the baseline holds this round's values whatever is encoded (a round that fails later makes
     the group send in full, `sparse.refresh`). Other boxes use `Changes` (one host sync each on a
-    GPU) and `encode`."""
+    GPU) and `encode`.
+
+    Given `allow_dense`, a bucket whose boxes all take the CUDA kernels in one launch is encoded
+    on the device right behind its `diff`, each box as `choose(n, k, itemsize, allow_dense)`
+    picks, into one buffer (`sparse_fused.FusedSender`): `placed` (`sparse_fused.Placed`) then
+    holds every payload, its `codes` and `offsets`, and `encode` is not called. Otherwise, or when
+    the payloads do not fit the buffer kept for them (`sparse_fused._Geometry.capacity`), `placed`
+    is None and the caller encodes each box."""
 
     def __init__(
         self,
         pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
         boxes: Sequence[Box],
         payloads: torch.device | None = None,
+        allow_dense: bool | None = None,
     ):
         """`payloads`: the device the payload buffers will be on, when known (the fused path writes
-        them from the GPU, so CUDA boxes whose payloads go to the host take the torch path)."""
+        them from the GPU, so CUDA boxes whose payloads go to the host take the torch path);
+        `allow_dense`: whether dense may be picked, for a bucket encoded on the device (None: the
+        caller picks each encoding)."""
         self.pairs = list(pairs)
         fusable = payloads is None or payloads.type == "cuda"  # (the fused kernels write payloads on the GPU)
         candidates = [i for i, (cur, _) in enumerate(self.pairs) if _on_kernel_device(cur)] if fusable else []
         geometry = _fused().geometry(self.pairs, candidates, overlapping(boxes)) if candidates else None
-        self._fused = _fused().FusedSender(self.pairs, geometry) if geometry and geometry.boxes else None
-        fused = geometry.boxes if self._fused and geometry else {}
-        self._changes = [None if i in fused else Changes(*pair) for i, pair in enumerate(self.pairs)]
+        fused = _fused().FusedSender(self.pairs, geometry, allow_dense) if geometry and geometry.boxes else None
+        self._fused = fused
+        self._changes = [None if fused and i in fused.geometry.boxes else Changes(*p) for i, p in enumerate(self.pairs)]
         self._values: list[torch.Tensor | None] = [None] * len(self.pairs)
-        self._codes = [DENSE] * len(self.pairs)
-        fused_counts = self._fused.counts if self._fused else [0] * len(self.pairs)
+        self.placed = fused.placed if fused else None
+        self._codes = list(self.placed.codes) if self.placed else [DENSE] * len(self.pairs)
+        fused_counts = fused.counts if fused else [0] * len(self.pairs)
         self.counts = [c.count if c is not None else fused_counts[i] for i, c in enumerate(self._changes)]
 
     def encode(self, i: int, code: int, out: torch.Tensor) -> None:
         """Encode box `i` as `code` into the byte buffer `out` (`encoded_nbytes` long); complete
-        once `complete` has run."""
+        once `complete` has run. Not for a bucket encoded on the device (`placed`)."""
         _check_aligned(out)
         self._codes[i], changes = code, self._changes[i]
         if changes is not None:

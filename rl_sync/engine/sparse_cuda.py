@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..sparse.encodings import BLOCK
+from ..sparse.encodings import ALIGN, BITMAP, BLOCK, BLOCKED, DENSE, INDICES, MAX_INDEX
 from . import sparse_triton as kernels
 
 C_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
@@ -138,8 +138,18 @@ def _macros() -> tuple[str, ...]:
     values = {name: getattr(kernels, name) for name in names}
     values |= {"NO_INDEX": kernels.NONE, "INT32_INDEX": kernels.INT32_INDEX, "UINT16_OFFSET": kernels.UINT16_OFFSET}
     values |= {"BLOCK": BLOCK, "INLINE_VALUES": INLINE_VALUES, "STAGE_SHARE": STAGE_SHARE}
+    values |= {"ALIGN": ALIGN, "MAX_INDEX": MAX_INDEX, "BUSY": _density().BUSY, "BUSIER": _density().BUSIER}
+    values |= {"CODE_INDICES": INDICES, "CODE_BITMAP": BITMAP, "CODE_DENSE": DENSE, "CODE_BLOCKED": BLOCKED}
     values |= {f"STAGE_RUN_{width}": stage_run(width) for width in C_TYPES}
     return tuple(f"-D{name}={getattr(value, 'value', value)}" for name, value in sorted(values.items()))
+
+
+def _density():
+    """`sparse_fused`, where the density classes are defined (imported here, when the file is
+    compiled: it imports this module)."""
+    from . import sparse_fused
+
+    return sparse_fused
 
 
 def _name(kernel: str, width: int) -> str:
@@ -148,6 +158,9 @@ def _name(kernel: str, width: int) -> str:
 
 
 _STARTS = f"starts<{kernels.TILE}, {STARTS_WARPS}>"
+PLACE_THREADS = 256
+"""Threads of `place`'s one program: it takes the bucket's rows this many at a time."""
+_PLACE = f"place<{kernels.TILE}, {PLACE_THREADS}>"
 _NAMES = {(kernel, width): _name(kernel, width) for kernel in WARPS for width in C_TYPES}
 """`_name` of each kernel and width (a launch looks its name up rather than formatting it)."""
 BLOCKED_WARPS = 4
@@ -159,7 +172,7 @@ _BLOCKED_APPLY = {width: f"blocked_apply<{C_TYPES[width]}, {BLOCKED_WARPS}>" for
 
 def _names() -> list[str]:
     """Every kernel the file is compiled for."""
-    return [*_NAMES.values(), _STARTS, _BLOCKED_CHECK, *_BLOCKED_APPLY.values()]
+    return [*_NAMES.values(), _STARTS, _BLOCKED_CHECK, *_BLOCKED_APPLY.values(), _PLACE]
 
 
 def _source() -> str:
@@ -474,3 +487,31 @@ def blocked_apply(
         where, inline = _rows(table, firsts, True)
         args = (*where, boxes, starts.data_ptr(), guard.data_ptr(), kernels.anchor_address(device, width))
         _launch(_BLOCKED_APPLY[width], BLOCKED_WARPS, total, device, *args, inline=inline)
+
+
+def place(
+    rows: torch.Tensor,
+    boxes: int,
+    totals: torch.Tensor,
+    width: int,
+    dense: bool,
+    buffer: torch.Tensor,
+    out: torch.Tensor,
+    firsts: torch.Tensor,
+    placed: torch.Tensor,
+) -> None:
+    """Each of the `boxes` SEND rows of `rows` (one key, `width`-byte elements, payloads in row order)
+    encoded as `encodings.choose` picks from its count in `totals` (`dense`: dense may be picked),
+    and laid out one after another in `buffer` (uint8), all on the device: `out` takes the rows
+    `compact` reads, `firsts` each density class's program starts (`boxes + 1` values each, the
+    three one after another), `placed` (int64, `placed_values(boxes)`) each row's code, byte offset
+    and count, then the bytes in all, whether they fit in `buffer`, and each class's programs."""
+    device = rows.get_device()
+    anchor = kernels.anchor_address(device, width)
+    args = (rows.data_ptr(), boxes, totals.data_ptr(), width, int(dense), buffer.data_ptr(), buffer.numel(), anchor)
+    _launch(_PLACE, PLACE_THREADS // 32, 1, device, *args, out.data_ptr(), firsts.data_ptr(), placed.data_ptr())
+
+
+def placed_values(boxes: int) -> int:
+    """int64 values of `place`'s `placed` for `boxes` rows."""
+    return 3 * boxes + 5

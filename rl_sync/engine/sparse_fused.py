@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, DENSE, PayloadLayout, payload_layout
+from ..sparse.encodings import ALIGN, BITMAP, BLOCK, BLOCKED, DENSE, PayloadLayout, payload_layout
 from . import sparse_cuda
 from . import sparse_triton as kernels
 from .sparse_codec import flags_layout
@@ -226,6 +226,13 @@ class _Scratch:
         self.stream, self.lent = stream, False
         self.diffs: list[Callable[[torch.Tensor], None]] = []
         """The bucket's `diff` launches on these counts, each taking the round's words (`_Geometry.lend`)."""
+        self._plan: _Plan | None = None
+
+    def plan(self, boxes: int) -> _Plan:
+        """Where `place` leaves the rounds' rows and placements (made on first use)."""
+        if self._plan is None:
+            self._plan = _Plan(boxes, self.counts.device, self._on)
+        return self._plan
 
     def read_back(self) -> Callable[[], list[int]]:
         """`totals`, copied to the host as soon as the work queued so far is done: the returned
@@ -242,6 +249,50 @@ class _Scratch:
             return host.tolist()
 
         return read
+
+
+class _Plan:
+    """What `sparse_cuda.place` writes for a bucket of `boxes` boxes, kept with its scratch: the rows
+    `compact` reads, each density class's program starts, and the placement (`placed`), with its
+    copy in pinned host memory and the event of that copy."""
+
+    def __init__(self, boxes: int, device: torch.device, stream: torch.cuda.Stream | None):
+        rows, values = boxes * kernels.SEND_COLUMNS, sparse_cuda.placed_values(boxes)
+        memory = torch.empty(rows + 3 * (boxes + 1) + values, dtype=torch.int64, device=device)
+        self.rows, self.starts = memory[:rows], memory[rows : rows + 3 * (boxes + 1)]
+        self.firsts = [self.starts[d * (boxes + 1) : (d + 1) * (boxes + 1)] for d in range(3)]
+        self.placed = memory[rows + 3 * (boxes + 1) :]
+        self._host = torch.empty(values, dtype=torch.int64, pin_memory=True)
+        self._copied, self._on = torch.cuda.Event(), stream
+
+    def read_back(self) -> Callable[[], list[int]]:
+        """`placed`, copied to the host once `place` is done: the returned function waits for that
+        copy alone (`_Scratch.read_back`)."""
+        self._host.copy_(self.placed, non_blocking=True)
+        self._copied.record(self._on)
+
+        def read() -> list[int]:
+            self._copied.synchronize()
+            return self._host.tolist()
+
+        return read
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A bucket's payloads as `sparse_cuda.place` laid them out, one after another in `buffer`: box
+    i encoded as `codes[i]` from byte `offsets[i]` on, `total` bytes in all (complete once every
+    launch queued so far is done: read them on the stream they were queued on, or behind it)."""
+
+    buffer: torch.Tensor
+    codes: list[int]
+    offsets: list[int]
+    total: int
+
+    def span(self, first: int, stop: int) -> torch.Tensor:
+        """The payloads of boxes `first` up to `stop`, one after another (as a message carries them)."""
+        end = self.offsets[stop] if stop < len(self.offsets) else self.total
+        return self.buffer[self.offsets[first] : end]
 
 
 def _stream(device: int) -> int:
@@ -266,7 +317,29 @@ class _Geometry:
     """Boxes of the bucket, fused or not (`counts` has a total for each)."""
     stage: int
     """Bytes of its boxes' stages, after the words (`_Box.stage`)."""
+    rows: torch.Tensor | None = None
+    """The `diff` rows, where `sparse_cuda.place` may lay the payloads out (`_placeable`)."""
+    dense_bytes: int = 0
+    """Bytes of every box sent dense (each rounded up to `ALIGN`)."""
+    placed_bytes: int | None = None
+    """Bytes of the last placed round's payloads, fitting or not (None: no round placed yet)."""
+    likely: int | None = None
+    """The density class with the most `compact` programs in the last placed round: the next
+    round's launch of that class is queued right behind `place`, the others once the host knows
+    their programs."""
     _kept: _Scratch | None = None
+
+    def capacity(self) -> int:
+        """Bytes of a placed round's payload buffer: a quarter more than the last round's payloads
+        (and an alignment a box), or, before any round, a quarter of the dense bytes. Payloads that
+        do not fit are encoded by the host (`FusedSender.encode`), and the next round fits them."""
+        last = self.placed_bytes
+        return self.dense_bytes // 4 if last is None else last + last // 4 + ALIGN * len(self.boxes)
+
+    def learn(self, total: int, programs: Sequence[int]) -> None:
+        """A placed round's payload bytes and each density class's programs."""
+        self.placed_bytes = total
+        self.likely = max(range(3), key=programs.__getitem__) if any(programs) else None
 
     @functools.cached_property
     def launches(self) -> list[Prepared]:
@@ -360,10 +433,26 @@ def geometry(
     tiles = sum(b.tiles for b in boxes.values())
     table = up.send(device) if boxes else torch.empty(0, dtype=torch.int64)
     made = _Geometry(boxes, slot, tiles, diff, table, cuda, len(pairs), stage)
+    if _placeable(made):
+        made.rows = table[diff[0].rows]
+        made.dense_bytes = sum(-(-b.n * b.width // ALIGN) * ALIGN for b in boxes.values())
     _GEOMETRIES[signature] = made
     if len(_GEOMETRIES) > _KEPT_GEOMETRIES:
         _GEOMETRIES.popitem(last=False)
     return made
+
+
+def _placeable(g: _Geometry) -> bool:
+    """Whether `sparse_cuda.place` can lay out the payloads of `g`'s bucket: every box of the bucket
+    fused, in order, all in one CUDA `diff` launch (one element width, on the vectorized path)."""
+    boxes = list(g.boxes.values())
+    return (
+        g.cuda
+        and len(g.diff) == 1
+        and isinstance(g.diff[0].rows, slice)
+        and [b.index for b in boxes] == list(range(g.pairs))
+        and all(b.on_cuda for b in boxes)
+    )
 
 
 def _staged(boxes: dict[int, _Box], slots: int, cuda: bool) -> tuple[dict[int, _Box], int]:
@@ -402,9 +491,17 @@ class FusedSender:
     already, at construction, and their `compact` reads the values it staged. `encode`
     itself launches `compact` for the boxes encoded so far once the busy ones hold a
     `FLUSHES`-th of the bucket's tiles (the first time, a `FIRST_FLUSH`-th); every launch queues
-    on the current stream, in order, so nothing waits."""
+    on the current stream, in order, so nothing waits.
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], g: _Geometry):
+    Given `allow_dense` (True or False), a bucket `sparse_cuda.place` can lay out (`_placeable`)
+    is encoded on the device with no host step after `diff`: `place` picks each box's encoding as
+    `encodings.choose` does and lays the payloads out in one buffer (`Geometry.capacity`), and
+    `compact` follows it, while the host reads the placement back; `placed` then holds the
+    payloads (dense ones copied once the placement is read), `encode` is not called, and
+    `complete` has nothing left to launch. Payloads that do not fit the buffer leave `placed`
+    None: the host encodes them as above."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], g: _Geometry, allow_dense: bool | None = None):
         self.pairs, self.geometry = pairs, g
         first = pairs[next(iter(g.boxes))][0]
         self.device = device = first.device
@@ -414,18 +511,59 @@ class FusedSender:
         self._words = torch.empty(g.slots * kernels.WORDS + g.stage // 4, dtype=torch.int32, device=device)
         for diff in scratch.diffs:
             diff(self._words)
-        counted = scratch.read_back()  # the bucket's one host transfer, queued before the sums below
+        placing = allow_dense is not None and g.rows is not None
+        counted = None if placing else scratch.read_back()  # the bucket's one host transfer, before the sums
         self._blocks = self._tiles.view(-1, BLOCK // kernels.TILE).sum(1, dtype=torch.int32)
         self._starts = torch.cumsum(self._tiles, 0) - self._tiles
-        self.counts = counted()
+        self.placed: Placed | None = None
+        self.counts = self._place(bool(allow_dense)) if counted is None else counted()
         self._rows: list[Row] = []
         self._pending = 0  # tiles of `_rows`
         self._flush_at = max(g.tiles // FIRST_FLUSH, FLUSH_TILES)
         self._payloads: list[torch.Tensor] = []  # the tables hold their addresses
 
+    def _place(self, dense: bool) -> list[int]:
+        """Every payload laid out and encoded on the device (`sparse_cuda.place`, then `compact`), the
+        launch of the last round's likeliest density class queued before the host waits for the
+        placement, the others once it knows their programs; `placed` set when they fit. The counts."""
+        g, device = self.geometry, self.device
+        assert g.rows is not None  # (`_placeable`)
+        boxes, plan = len(g.boxes), self._scratch.plan(len(g.boxes))
+        buffer = torch.empty(g.capacity(), dtype=torch.uint8, device=device)
+        width, totals = next(iter(g.boxes.values())).width, self._scratch.totals
+        sparse_cuda.place(g.rows, boxes, totals, width, dense, buffer, plan.rows, plan.starts, plan.placed)
+        read, early = plan.read_back(), g.likely
+        if early is not None:
+            self._compact_placed(plan, early, g.tiles)  # (programs past the class's last return at once)
+        values = read()
+        total, fits, programs = values[3 * boxes], values[3 * boxes + 1], values[3 * boxes + 2 :]
+        g.learn(total, programs)
+        if fits:
+            for density_, count in enumerate(programs):
+                if count and density_ != early:
+                    self._compact_placed(plan, density_, count)
+            self.placed = Placed(buffer, values[:boxes], values[boxes : 2 * boxes], total)
+            self._copy_dense(self.placed)
+        return values[2 * boxes : 3 * boxes]
+
+    def _compact_placed(self, plan: _Plan, density_: int, total: int) -> None:
+        """`compact` of density class `density_` over `total` programs, from `place`'s rows."""
+        boxes, key = len(self.geometry.boxes), next(iter(self.geometry.boxes.values())).key
+        args = (self._words, self._starts, self._blocks, density_)
+        sparse_cuda.compact(plan.rows, plan.firsts[density_], boxes, total, key, *args)
+
+    def _copy_dense(self, placed: Placed) -> None:
+        """The boxes `place` sent dense, copied whole into their payloads."""
+        for i, code in enumerate(placed.codes):
+            if code == DENSE:
+                cur, start = self.pairs[i][0], placed.offsets[i]
+                placed.buffer[start : start + cur.numel() * cur.element_size()].view(cur.dtype).copy_(cur.reshape(-1))
+
     def encode(self, i: int, code: int, out: torch.Tensor) -> None:
         """Box `i` as `code` into byte buffer `out`, on the box's device (complete after
-        `complete`)."""
+        `complete`); not for a bucket `place`d on the device."""
+        if self.placed is not None:
+            raise RuntimeError(f"box {i} of this bucket was encoded on the device already: its payload is in `placed`")
         box = self.geometry.boxes[i]
         if out.get_device() != self._device:
             raise ValueError(

@@ -65,6 +65,10 @@ __device__ __forceinline__ i64 find_box(const i64* firsts, i64 boxes, i64* tile)
   return lo;
 }
 
+// Whether this program is past the launch's last (a launch `place` sized on the device, queued with
+// an upper bound of programs: those past `firsts[boxes]` return at once).
+__device__ __forceinline__ bool past_last(const i64* firsts, i64 boxes) { return blockIdx.x >= firsts[boxes]; }
+
 // Word `i` of a tile with `left` of its elements in the box, bits at or past `left` cleared
 // (words wholly past it are not read); `WHOLE`: the tile is whole, every word is read as it is.
 template <bool WHOLE = false>
@@ -409,6 +413,7 @@ __device__ __forceinline__ void compact_program(const Inline& in, const i64* tab
                                                 const u32* words, const i64* starts, const int* blocks, VT* anchor) {
   constexpr int STEP = 32 * (16 / sizeof(VT)), WPT = TILE / 32;
   rows_of(in, boxes, &table, &firsts);
+  if (past_last(firsts, boxes)) return;
   __shared__ int counts[WARPS];
   __shared__ VT staged_values[WARPS][STEP + 32];
   __shared__ int staged_index[WARPS][STEP + 32];
@@ -520,6 +525,7 @@ __global__ void __launch_bounds__(WARPS * 32, (sizeof(VT) == 8 ? 40 : 48) / WARP
   constexpr int WPT = TILE / 32;
   static_assert(2 * WARPS * 32 == WPT, "a tile's words are 2 a thread");
   rows_of(in, boxes, &table, &firsts);
+  if (past_last(firsts, boxes)) return;
   __shared__ int counts[WARPS];
   i64 t;
   const i64* row = table + find_box(firsts, boxes, &t) * SEND_COLUMNS;
@@ -797,5 +803,110 @@ __global__ void __launch_bounds__(WARPS * 32)
   for (int j = threadIdx.x; j < count && first + j < k; j += WARPS * 32) {
     const i64 i = b * BLOCK + offsets[first + j];
     dest[contiguous ? i : (i / cols) * row_stride + (i % cols) * col_stride] = values[first + j];
+  }
+}
+
+namespace {
+
+// `x` rounded up to `ALIGN` bytes (`encodings._up`).
+__device__ __forceinline__ i64 aligned(i64 x) { return (x + ALIGN - 1) & -(i64)ALIGN; }
+
+// The encoding `encodings.choose` picks for `k` changes of `n` elements of `width` bytes (the
+// smallest, ties to the lower code; dense only with `dense`), its bytes, and where its values and
+// positions start (`encodings.payload_layout`).
+struct Choice {
+  int code;
+  i64 bytes, values, positions;
+};
+
+__device__ __forceinline__ Choice choose(i64 n, i64 k, i64 width, bool dense) {
+  const i64 values = aligned(width * k), head = aligned((n + 7) / 8);
+  Choice best = {CODE_BITMAP, head + values, head, head};
+  if (n <= MAX_INDEX && aligned(4 * k) + values <= best.bytes) best = {CODE_INDICES, aligned(4 * k) + values, aligned(4 * k), 0};
+  if (dense && aligned(width * n) < best.bytes) best = {CODE_DENSE, aligned(width * n), 0, 0};
+  const i64 counts = aligned(4 * ((n + BLOCK - 1) / BLOCK)), offsets = aligned(2 * k);
+  if (counts + offsets + values < best.bytes) best = {CODE_BLOCKED, counts + offsets + values, counts + offsets, counts};
+  return best;
+}
+
+// The block-wide exclusive scan of `x` over a program of `THREADS` threads, from `*carry`, which it
+// then advances by the program's sum; `sums`: a value a warp of shared memory. Every thread calls it.
+template <int THREADS>
+__device__ __forceinline__ i64 scan_from(i64 x, i64* sums, i64* carry) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  i64 through = x;
+  for (int o = 1; o < 32; o <<= 1) {
+    const i64 y = __shfl_up_sync(FULL_MASK, through, o);
+    if (lane >= o) through += y;
+  }
+  if (lane == 31) sums[warp] = through;
+  __syncthreads();
+  i64 ahead = *carry + through - x;
+  for (int i = 0; i < warp; i++) ahead += sums[i];
+  __syncthreads();  // (every thread has read `sums` and `*carry`)
+  if (threadIdx.x == THREADS - 1) *carry = ahead + x;
+  __syncthreads();
+  return ahead;
+}
+
+}  // namespace
+
+// A bucket's payloads placed on the device, right behind `diff`, with no host step: one program of
+// `THREADS` threads takes each SEND row of `rows` (the bucket's `diff` rows, `boxes` of them, one
+// key of `width`-byte elements, in the order of their payloads), its count from `totals`, picks its
+// encoding as `encodings.choose` does (`dense`: whether dense may be picked), and lays the payloads
+// out one after another from `buffer` (byte address): `out` takes each row as `compact` reads it
+// (values, positions and outputs in the payload; no baseline update: `diff` made it), `firsts` the
+// program starts of the three density classes' `compact` launches (`sparse_fused.density`: a
+// program a tile, none for a dense payload or an empty indexed one), each `boxes + 1` values, and
+// `placed` each row's code, byte offset and count, then the payloads' bytes in all, whether they
+// fit in `capacity` bytes, and each class's programs. Payloads that do not fit leave every
+// launch's last start 0: `compact` writes nothing, and the host encodes the bucket itself.
+template <int TILE, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+    place(const i64* rows, i64 boxes, const i64* totals, i64 width, i64 dense, i64 buffer, i64 capacity, i64 anchor,
+          i64* out, i64* firsts, i64* placed) {
+  __shared__ i64 sums[THREADS / 32];
+  __shared__ i64 carry[4];  // bytes, then each class's programs
+  if (threadIdx.x < 4) carry[threadIdx.x] = 0;
+  __syncthreads();
+  for (i64 first = 0; first < boxes; first += THREADS) {
+    const i64 b = first + threadIdx.x;
+    const bool mine = b < boxes;
+    const i64* row = rows + (mine ? b : 0) * SEND_COLUMNS;
+    const i64 n = mine ? row[SEND_N] : 0, k = mine ? totals[row[SEND_COUNT]] : 0;
+    const Choice c = choose(n, k, width, dense != 0);
+    const int cls = (k * BUSY > n) + (k * BUSIER > n);
+    const bool runs = mine && c.code != CODE_DENSE && !(k == 0 && c.code == CODE_INDICES);
+    const i64 programs = runs ? (n + TILE - 1) / TILE : 0;
+    const i64 at = scan_from<THREADS>(mine ? c.bytes : 0, sums, carry);
+    i64 starts[3];
+#pragma unroll
+    for (int d = 0; d < 3; d++) starts[d] = scan_from<THREADS>(cls == d ? programs : 0, sums, carry + 1 + d);
+    if (!mine) continue;
+    const i64 address = buffer + at;
+    i64* o = out + b * SEND_COLUMNS;
+    for (int col = 0; col < SEND_COLUMNS; col++) o[col] = row[col];
+    o[SEND_VALUES] = (address + c.values - anchor) / width;
+    o[SEND_INDEX] = c.code == CODE_BITMAP ? 0 : address + c.positions;
+    o[SEND_INDEX_KIND] = c.code == CODE_BITMAP ? NO_INDEX : c.code == CODE_INDICES ? INT32_INDEX : UINT16_OFFSET;
+    o[SEND_UPDATE] = 0;
+    o[SEND_BITMAP_OUT] = c.code == CODE_BITMAP ? address : 0;
+    o[SEND_BLOCKS_OUT] = c.code == CODE_BLOCKED ? address : 0;
+#pragma unroll
+    for (int d = 0; d < 3; d++) firsts[d * (boxes + 1) + b] = starts[d];
+    placed[b] = c.code;
+    placed[boxes + b] = at;
+    placed[2 * boxes + b] = k;
+  }
+  if (threadIdx.x == 0) {
+    const bool fits = carry[0] <= capacity;
+#pragma unroll
+    for (int d = 0; d < 3; d++) {
+      firsts[d * (boxes + 1) + boxes] = fits ? carry[1 + d] : 0;
+      placed[3 * boxes + 2 + d] = carry[1 + d];
+    }
+    placed[3 * boxes] = carry[0];
+    placed[3 * boxes + 1] = fits;
   }
 }

@@ -80,7 +80,7 @@ def _find_changes(sends: Sequence[Message], io: SparseIO, device: torch.device) 
         for seg in segments
     ]
     boxes = [(seg.tensor, tuple(seg.offsets), tuple(seg.sizes)) for seg in segments]
-    return sparse_codec.BucketChanges(pairs, boxes, payloads=device)
+    return sparse_codec.BucketChanges(pairs, boxes, payloads=device, allow_dense=io.allow_dense)
 
 
 def _encode_message(
@@ -91,11 +91,12 @@ def _encode_message(
     counters: SparseCounters,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, payload) of one message, whose segments are `found`'s boxes from `first` on."""
-    header, blocks, total = [], [], 0
+    """(header, payload) of one message, whose segments are `found`'s boxes from `first` on: the
+    payloads `found` placed on the device, or each encoded here as `choose` picks."""
+    header, blocks, total, placed = [], [], 0, found.placed
     for i, seg in enumerate(msg.segments, start=first):
         n, size, k = found.pairs[i][0].numel(), found.pairs[i][0].element_size(), found.counts[i]
-        code = choose(n, k, size, io.allow_dense)
+        code = placed.codes[i] if placed else choose(n, k, size, io.allow_dense)
         header += [code, n if code == DENSE else k]  # a dense block carries every element
         nbytes = encoded_nbytes(code, n, k, size)
         blocks.append((i, code, total, nbytes))
@@ -103,9 +104,17 @@ def _encode_message(
         counters.encodings[NAMES[code]] += 1
         counters.changed += k
         counters.dense_bytes += seg.nbytes
-    payload = torch.empty(total, dtype=torch.uint8, device=device)
-    for i, code, start, nbytes in blocks:
-        found.encode(i, code, payload[start : start + nbytes])
+    if placed:
+        payload = placed.span(first, first + len(msg.segments))
+        if payload.numel() != total:
+            raise RuntimeError(
+                f"the device laid out {payload.numel()} payload bytes for a message to rank {msg.peer}; "
+                f"its headers imply {total}"
+            )
+    else:
+        payload = torch.empty(total, dtype=torch.uint8, device=device)
+        for i, code, start, nbytes in blocks:
+            found.encode(i, code, payload[start : start + nbytes])
     return torch.tensor(header, dtype=torch.int64).to(device), payload
 
 

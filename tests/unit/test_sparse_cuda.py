@@ -40,6 +40,9 @@ def test_the_cuda_source_ships_with_the_package_and_reads_only_constants_defined
     assert used and used <= set(macros)
     assert macros["SEND_COLUMNS"] == str(kernels.SEND_COLUMNS) and macros["RECV_K"] == str(kernels.RECV_K.value)
     assert macros["UINT16_OFFSET"] == "2" and macros["BLOCK"] == str(1 << 16)
+    placing = set(re.findall(r"\b(?:CODE_[A-Z]+|ALIGN|MAX_INDEX|BUSY|BUSIER)\b", source))
+    assert placing <= set(macros) and len(placing) == 8
+    assert (macros["CODE_BLOCKED"], macros["BUSY"], macros["BUSIER"]) == ("3", "32", "5")
 
 
 def test_a_source_that_does_not_compile_warns_once_and_leaves_triton_in_place(monkeypatch):
@@ -84,5 +87,6 @@ def test_the_cuda_source_compiles_for_an_h200_without_a_warning_and_names_every_
     lowered = [nvrtc.nvrtcGetLoweredName(program, name.encode()) for name in names]
     assert all(result == nvrtc.nvrtcResult.NVRTC_SUCCESS and symbol for result, symbol in lowered)
     per_width = ("diff", "compact", "compact_staged", "compact_sparse", "expand", "blocked_apply")
-    assert len({symbol for _, symbol in lowered}) == len(names) == 4 * len(per_width) + 2  # starts, blocked_check
+    once = ("starts", "blocked_check", "place")
+    assert len({symbol for _, symbol in lowered}) == len(names) == 4 * len(per_width) + len(once)
     nvrtc.nvrtcDestroyProgram(program)

@@ -1,0 +1,147 @@
+"""Buckets encoded on the device (`sparse_cuda.place`, `sparse_fused.FusedSender` given `allow_dense`):
+each box's encoding as `choose` picks it, the payloads laid out one after another bit for bit as
+the torch codec writes them, baselines advanced, a bucket that does not fit its buffer left to the
+host, and a sparse round through them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_sync.engine import sparse_codec, sparse_fused
+from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, choose, payload_layout
+
+from .test_sparse_triton import _bits, _pair
+
+pytestmark = pytest.mark.usefixtures("cuda_kernels")
+
+
+@pytest.fixture
+def cuda_kernels(monkeypatch):
+    pytest.importorskip("cupy")
+    monkeypatch.setenv("RL_SYNC_SPARSE_KERNELS", "cuda")
+
+
+def _meaningful(code: int, n: int, k: int, width: int, payload: torch.Tensor) -> list[torch.Tensor]:
+    """The bytes of a payload a receiver reads (not the padding between its parts)."""
+    at = payload_layout(code, n, k, width)
+    if code == DENSE:
+        return [payload[: n * width]]
+    head = {BITMAP: -(-n // 32) * 4, BLOCKED: at.head, INDICES: 0}[code]  # (the bitmap in whole words)
+    positions = {BITMAP: 0, BLOCKED: 2 * k, INDICES: 4 * k}[code]
+    return [
+        payload[:head],
+        payload[at.positions : at.positions + positions],
+        payload[at.values : at.values + width * k],
+    ]
+
+
+def _bucket(densities, dtype, rows=96, cols=4099, seed=0):
+    """One (cur, baseline) pair a density, and the reference count and payload of each (torch codec)."""
+    pairs, refs = [], []
+    for i, density in enumerate(densities):
+        cur, base = _pair(rows, cols, density, dtype, seed + i)
+        changes = sparse_codec.Changes(cur.clone(), base.clone())
+        pairs.append((cur, base))
+        refs.append(changes)
+    return pairs, refs
+
+
+def _check(found, pairs, refs, allow_dense: bool):
+    placed = found.placed
+    assert placed is not None
+    for i, ((cur, _), changes) in enumerate(zip(pairs, refs)):
+        n, width, k = cur.numel(), cur.element_size(), changes.count
+        code = choose(n, k, width, allow_dense)
+        assert (found.counts[i], placed.codes[i]) == (k, code), i
+        span = placed.span(i, i + 1)
+        assert span.numel() == payload_layout(code, n, k, width).nbytes
+        ref = torch.zeros(span.numel(), dtype=torch.uint8, device=cur.device)
+        sparse_codec.encode(code, changes, ref)
+        for got, want in zip(_meaningful(code, n, k, width, span), _meaningful(code, n, k, width, ref)):
+            assert torch.equal(got, want), (i, code)
+    assert placed.span(0, len(pairs)).numel() == placed.total
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float64])
+@pytest.mark.parametrize("allow_dense", [True, False])
+def test_a_bucket_placed_on_the_device_matches_the_torch_codec(dtype, allow_dense):
+    """Every encoding (no change: indices of nothing; 0.1% and 1%: indices or blocked; 10% and
+    30%: bitmap; all: dense or bitmap), every density class, NaN payloads and -0.0, in one bucket,
+    three rounds (the later ones queue the likeliest class first); then the receiver writes it."""
+    densities = [0, 0.001, 0.01, 0.1, 0.3, 1.0, 0.1]
+    for round_ in range(3):
+        pairs, refs = _bucket(densities[round_:] + densities[:round_], dtype, seed=10 * round_)
+        baselines = [base.clone() for _, base in pairs]
+        found = sparse_codec.BucketChanges(
+            [(cur, b) for (cur, _), b in zip(pairs, baselines)],
+            [(i, (0, 0), tuple(cur.shape)) for i, (cur, _) in enumerate(pairs)],
+            allow_dense=allow_dense,
+        )
+        with pytest.raises(RuntimeError, match="box 0 of this bucket was encoded on the device already"):
+            found.encode(0, BITMAP, found.placed.buffer)
+        found.finish()
+        _check(found, pairs, refs, allow_dense)
+        assert all(torch.equal(_bits(b), _bits(cur)) for (cur, _), b in zip(pairs, baselines))
+        received = sparse_codec.BucketReceiver(torch.device("cuda"), len(pairs))
+        lives = [base.clone() for _, base in pairs]
+        for i, ((cur, _), live) in enumerate(zip(pairs, lives)):
+            code, k, n = found.placed.codes[i], found.counts[i], cur.numel()
+            received.add(i, code, n if code == DENSE else k, n, dtype, found.placed.span(i, i + 1), live)
+        assert received.commit() == []
+        assert all(torch.equal(_bits(live), _bits(cur)) for (cur, _), live in zip(pairs, lives))
+
+
+def test_a_bucket_that_outgrows_its_buffer_is_encoded_by_the_host_and_the_next_round_fits():
+    pairs, refs = _bucket([0.1, 0.1, 0.2], torch.bfloat16, seed=7)
+    boxes = [(i, (0, 0), tuple(cur.shape)) for i, (cur, _) in enumerate(pairs)]
+    shared = sparse_codec.overlapping(boxes)
+    geometry = sparse_fused.geometry(pairs, list(range(len(pairs))), shared)
+    geometry.placed_bytes, geometry.likely = 1024, 1  # as if the last round had sent almost nothing
+    codes = [choose(cur.numel(), c.count, 2, True) for (cur, _), c in zip(pairs, refs)]
+    sizes = [payload_layout(code, cur.numel(), c.count, 2).nbytes for code, (cur, _), c in zip(codes, pairs, refs)]
+    for round_ in range(2):
+        baselines = [base.clone() for _, base in pairs]
+        work = [(cur, b) for (cur, _), b in zip(pairs, baselines)]
+        found = sparse_codec.BucketChanges(work, boxes, allow_dense=True)
+        assert sparse_fused.geometry(work, list(range(len(pairs))), shared) is geometry
+        assert geometry.placed_bytes == sum(sizes)  # learned, fitting or not
+        if round_ == 0:
+            assert found.placed is None and found.counts == [c.count for c in refs]
+            outs = [torch.zeros(size, dtype=torch.uint8, device="cuda") for size in sizes]
+            for i, (code, out) in enumerate(zip(codes, outs)):
+                found.encode(i, code, out)
+            found.finish()
+            for code, changes, out in zip(codes, refs, outs):
+                ref = torch.zeros_like(out)
+                sparse_codec.encode(code, changes, ref)
+                assert torch.equal(out, ref)
+        else:
+            found.finish()
+            _check(found, pairs, refs, True)
+        assert all(torch.equal(_bits(b), _bits(cur)) for (cur, _), b in zip(pairs, baselines))
+
+
+def test_boxes_sent_to_two_replicas_share_a_baseline_that_advances_once_sent():
+    """Two boxes over the same tensor (a bucket sent to two replicas): `place` lays out both, and
+    their baseline becomes the source only at `advance`."""
+    cur, base = _pair(128, 4096, 0.05, torch.bfloat16, 3)
+    baseline = base.clone()
+    boxes = [(0, (0, 0), (128, 4096)), (0, (0, 0), (128, 4096))]
+    found = sparse_codec.BucketChanges([(cur, baseline), (cur, baseline)], boxes, allow_dense=True)
+    changes = sparse_codec.Changes(cur.clone(), base.clone())
+    found.complete()
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(baseline), _bits(base))  # (nothing advanced it yet)
+    _check(found, [(cur, base)] * 2, [changes] * 2, True)
+    found.advance()
+    assert torch.equal(_bits(baseline), _bits(cur))
+
+
+def test_a_bucket_of_two_dtypes_is_left_to_the_host():
+    pairs, _ = _bucket([0.1], torch.bfloat16)
+    other, _ = _bucket([0.1], torch.float32)
+    work = pairs + other
+    found = sparse_codec.BucketChanges(work, [(i, (0, 0), (96, 4099)) for i in range(2)], allow_dense=True)
+    assert found.placed is None
+    found.complete()
