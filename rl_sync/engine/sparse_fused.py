@@ -291,8 +291,8 @@ class Placed:
 
     def span(self, first: int, stop: int) -> torch.Tensor:
         """The payloads of boxes `first` up to `stop`, one after another (as a message carries them)."""
-        end = self.offsets[stop] if stop < len(self.offsets) else self.total
-        return self.buffer[self.offsets[first] : end]
+        start, end = (self.offsets[at] if at < len(self.offsets) else self.total for at in (first, stop))
+        return self.buffer[start:end]
 
 
 def _stream(device: int) -> int:
