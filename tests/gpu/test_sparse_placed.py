@@ -102,15 +102,17 @@ def test_a_bucket_placed_on_the_device_matches_the_torch_codec(dtype, allow_dens
 
 def test_a_bucket_that_outgrows_its_buffer_is_encoded_by_the_host_and_the_next_round_fits():
     pairs, refs = _bucket([0.1, 0.1, 0.2], torch.bfloat16, seed=7)
+    baselines = [base.clone() for _, base in pairs]
+    work = [(cur, b) for (cur, _), b in zip(pairs, baselines)]
     boxes = [(i, (0, 0), tuple(cur.shape)) for i, (cur, _) in enumerate(pairs)]
     shared = sparse_codec.overlapping(boxes)
-    geometry = sparse_fused.geometry(pairs, list(range(len(pairs))), shared)
+    geometry = sparse_fused.geometry(work, list(range(len(pairs))), shared)
     geometry.placed_bytes, geometry.likely = 1024, 1  # as if the last round had sent almost nothing
     codes = [choose(cur.numel(), c.count, 2, True) for (cur, _), c in zip(pairs, refs)]
     sizes = [payload_layout(code, cur.numel(), c.count, 2).nbytes for code, (cur, _), c in zip(codes, pairs, refs)]
     for round_ in range(2):
-        baselines = [base.clone() for _, base in pairs]
-        work = [(cur, b) for (cur, _), b in zip(pairs, baselines)]
+        for b, (_, base) in zip(baselines, pairs):
+            b.copy_(base)
         found = sparse_codec.BucketChanges(work, boxes, allow_dense=True)
         assert sparse_fused.geometry(work, list(range(len(pairs))), shared) is geometry
         assert geometry.placed_bytes == sum(sizes)  # learned, fitting or not
