@@ -178,6 +178,7 @@ class RankSession:
             dense_bytes=sparse.dense_bytes,
             changed_elements=sparse.changed,
             encodings=sparse.encodings,
+            placed_buckets=sparse.placed,
         )
 
     @property

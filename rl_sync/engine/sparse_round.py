@@ -42,11 +42,13 @@ T = TypeVar("T")
 
 @dataclass
 class SparseCounters(Counters):
-    """Counters plus the encoding mix and the bytes a dense round would have moved."""
+    """Counters plus the encoding mix, the bytes a dense round would have moved, and the buckets
+    whose payloads the device laid out (`sparse_codec.BucketChanges.placed`)."""
 
     dense_bytes: int = 0
     changed: int = 0
     encodings: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NAMES.values(), 0))
+    placed: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ def run_sparse_bucket(
     """Headers, then payloads, then validate-all-then-apply (see the module docstring)."""
     device = transport.device
     found = _find_changes(bucket.sends, io, device)
+    counters.placed += found.placed is not None
     own = [m for m in bucket.sends if m.relay is None]
     firsts = np.cumsum([0] + [len(m.segments) for m in own]).tolist()
     fresh = iter([_encode_message(m, found, first, io, counters, device) for m, first in zip(own, firsts)])

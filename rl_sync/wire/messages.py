@@ -139,3 +139,8 @@ class RankStats:
     """Sparse transfers per encoding: indices, blocked, bitmap, dense."""
     fallbacks: int = 0
     """Tensors this worker received whole and handed to its load hook."""
+    placed_buckets: int = 0
+    """Buckets of a sparse round whose payloads this rank's GPU encoded and laid out with no host
+    step after finding the changes (`sparse_codec.BucketChanges.placed`); its other sent buckets
+    the host encoded (another device, dtypes mixed in a bucket, or payloads that outgrew the buffer
+    kept for them)."""

@@ -88,6 +88,11 @@ class RoundStats:
         return sum(r.sent_bytes for r in self.ranks)
 
     @property
+    def placed_buckets(self) -> int:
+        """Sent buckets the trainers' GPUs encoded with no host step (`RankStats.placed_buckets`)."""
+        return sum(r.placed_buckets for r in self.ranks if r.role != "worker")
+
+    @property
     def encodings(self) -> dict[str, int]:
         mix: dict[str, int] = {}
         for r in self.ranks:
