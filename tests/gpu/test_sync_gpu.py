@@ -66,11 +66,6 @@ def test_sparse_rounds_through_cuda_ipc_with_either_baseline(gpu_ray, baseline):
     try:
         sync = WeightSync.create(trainers, workers, SyncConfig(sparse_baseline=baseline, **CONFIG))
         assert sparse_rounds(ray, sync, trainers, workers) == ["m2n", "sparse", "sparse"]
-        set_versions(ray, trainers, 4)
-        stats = sync.push(mode="sparse")
-        check(ray, workers, len(workers), 4)
-        placed = stats.placed_buckets
-        assert placed > 0 if baseline == "device" else placed == 0  # (a baseline on the host: the torch path)
         sync.close()
     finally:
         release(ray, pg, trainers + workers)
