@@ -185,8 +185,9 @@ def test_a_sparse_round_sends_the_payloads_its_gpu_placed():
     host, and the next one fits again."""
     rows, cols = 512, 1024
     names = ["a", "b", "c"]
-    curs = [torch.zeros(rows, cols, dtype=torch.bfloat16, device="cuda") for _ in names]
-    baselines, lives = [torch.zeros_like(c) for c in curs], [torch.zeros_like(c) for c in curs]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    curs = [torch.randn(rows, cols, generator=gen, device="cuda").to(torch.bfloat16) for _ in names]
+    baselines, lives = [c.clone() for c in curs], [c.clone() for c in curs]  # (synced)
     half = rows // 2
 
     def segment(tensor, first, count):
@@ -200,9 +201,9 @@ def test_a_sparse_round_sends_the_payloads_its_gpu_placed():
     endpoint = lambda ts: {i: Endpoint(t, (0, 0)) for i, t in enumerate(ts)}  # noqa: E731
     io = SparseIO(endpoint(curs), endpoint(baselines), endpoint(lives), [torch.bfloat16] * 3, allow_dense=True)
     for round_, (densities, placed) in enumerate((((0.01, 0.1, 0.05), 1), ((1, 1, 1), 0), ((1, 0.5, 1), 1))):
-        for i, (cur, density) in enumerate(zip(curs, densities)):
-            fresh, _ = _pair(rows, cols, density, torch.bfloat16, 100 * round_ + i)
-            cur.copy_(fresh)
+        for cur, density in zip(curs, densities):  # (each change at least 1/8 away: a change in bf16)
+            change = torch.rand(rows, cols, generator=gen, device="cuda") < density
+            cur.copy_(torch.where(change, (cur.float() * 1.25 + 1).to(torch.bfloat16), cur))
         counters = SparseCounters()
         run_sparse_bucket(bucket, io, _Loopback(), time.monotonic() + 60, counters, names)
         torch.cuda.synchronize()
