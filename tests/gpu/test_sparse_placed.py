@@ -201,7 +201,7 @@ def test_a_sparse_round_sends_the_payloads_its_gpu_placed():
     endpoint = lambda ts: {i: Endpoint(t, (0, 0)) for i, t in enumerate(ts)}  # noqa: E731
     io = SparseIO(endpoint(curs), endpoint(baselines), endpoint(lives), [torch.bfloat16] * 3, allow_dense=True)
     for round_, (densities, placed) in enumerate((((0.01, 0.1, 0.05), 1), ((1, 1, 1), 0), ((1, 0.5, 1), 1))):
-        for cur, density in zip(curs, densities):  # (each change at least 1/8 away: a change in bf16)
+        for cur, density in zip(curs, densities):  # (about `density` of each source changed)
             change = torch.rand(rows, cols, generator=gen, device="cuda") < density
             cur.copy_(torch.where(change, (cur.float() * 1.25 + 1).to(torch.bfloat16), cur))
         counters = SparseCounters()
