@@ -240,15 +240,23 @@ class _Scratch:
         they are read at once)."""
         if self._host is None or self._copied is None:
             return self.totals.tolist
-        host, copied = self._host, self._copied
-        host.copy_(self.totals, non_blocking=True)
-        copied.record(self._on)
+        return _read_later(self.totals, self._host, self._copied, self._on)
 
-        def read() -> list[int]:
-            copied.synchronize()
-            return host.tolist()
 
-        return read
+def _read_later(
+    values: torch.Tensor, host: torch.Tensor, copied: torch.cuda.Event, stream: torch.cuda.Stream | None
+) -> Callable[[], list[int]]:
+    """`values` (on a GPU) copied into pinned `host` once the work queued on `stream` so far is done:
+    the returned function waits for that copy alone (`copied` records it), not for what is queued
+    after it."""
+    host.copy_(values, non_blocking=True)
+    copied.record(stream)
+
+    def read() -> list[int]:
+        copied.synchronize()
+        return host.tolist()
+
+    return read
 
 
 class _Plan:
@@ -266,16 +274,8 @@ class _Plan:
         self._copied, self._on = torch.cuda.Event(), stream
 
     def read_back(self) -> Callable[[], list[int]]:
-        """`placed`, copied to the host once `place` is done: the returned function waits for that
-        copy alone (`_Scratch.read_back`)."""
-        self._host.copy_(self.placed, non_blocking=True)
-        self._copied.record(self._on)
-
-        def read() -> list[int]:
-            self._copied.synchronize()
-            return self._host.tolist()
-
-        return read
+        """`placed`, copied to the host once `place` is done (`_read_later`)."""
+        return _read_later(self.placed, self._host, self._copied, self._on)
 
 
 @dataclass(frozen=True)
@@ -495,7 +495,7 @@ class FusedSender:
 
     Given `allow_dense` (True or False), a bucket `sparse_cuda.place` can lay out (`_placeable`)
     is encoded on the device with no host step after `diff`: `place` picks each box's encoding as
-    `encodings.choose` does and lays the payloads out in one buffer (`Geometry.capacity`), and
+    `encodings.choose` does and lays the payloads out in one buffer (`_Geometry.capacity`), and
     `compact` follows it, while the host reads the placement back; `placed` then holds the
     payloads (dense ones copied once the placement is read), `encode` is not called, and
     `complete` has nothing left to launch. Payloads that do not fit the buffer leave `placed`
