@@ -331,10 +331,12 @@ class _Geometry:
 
     def capacity(self) -> int:
         """Bytes of a placed round's payload buffer: a quarter more than the last round's payloads
-        (and an alignment a box), or, before any round, a quarter of the dense bytes. Payloads that
-        do not fit are encoded by the host (`FusedSender.encode`), and the next round fits them."""
-        last = self.placed_bytes
-        return self.dense_bytes // 4 if last is None else last + last // 4 + ALIGN * len(self.boxes)
+        (and an alignment a box), and at least a sixteenth of the dense bytes (a round after a quiet
+        one: 1% of bf16 takes 2% blocked); before any round, a quarter of the dense bytes. Payloads
+        that do not fit are encoded by the host (`FusedSender.encode`): a round whose payloads grow
+        by more than a quarter, and the first of a bucket busier than about 19% (bitmap, bf16)."""
+        last, dense = self.placed_bytes, self.dense_bytes
+        return dense // 4 if last is None else max(last + last // 4 + ALIGN * len(self.boxes), dense // 16)
 
     def learn(self, total: int, programs: Sequence[int]) -> None:
         """A placed round's payload bytes and each density class's programs."""

@@ -41,6 +41,19 @@ def test_a_bucket_geometry_is_built_once_and_rebuilt_when_a_box_moves():
     assert sparse_fused.geometry(pairs, [0, 1, 2], [True, True, False]) is not first
 
 
+def test_a_placed_buffer_is_a_quarter_more_than_the_last_payloads_and_a_sixteenth_of_dense_at_least():
+    """`_Geometry.capacity`: a quarter of the dense bytes before any round; then a quarter more than
+    the last round's payloads and 16 bytes a box, never under a sixteenth of the dense bytes; and
+    the class with the most programs is the one queued early next round (none after a quiet one)."""
+    g = sparse_fused.geometry(_pairs(tensors=3, n=1 << 16), [0, 1, 2], [False] * 3)
+    g.dense_bytes = 3 * 2 * (1 << 16)
+    assert (g.capacity(), g.likely) == (98_304, None)
+    g.learn(200_000, [0, 12, 3])
+    assert (g.capacity(), g.likely) == (250_048, 1)
+    g.learn(0, [0, 0, 0])
+    assert (g.capacity(), g.likely) == (24_576, None)
+
+
 def test_geometry_gives_each_box_whole_blocks_of_tile_slots_and_leaves_out_what_cannot_fuse():
     n = 70_000  # two wire blocks of 65,536 elements
     pairs = _pairs(2, n) + [(torch.zeros(8, dtype=torch.float32), torch.zeros(8, dtype=torch.float64))]
