@@ -499,17 +499,21 @@ def place(
     out: torch.Tensor,
     firsts: torch.Tensor,
     placed: torch.Tensor,
+    headers: torch.Tensor,
 ) -> None:
     """Each of the `boxes` SEND rows of `rows` (one key, `width`-byte elements, payloads in row order)
     encoded as `encodings.choose` picks from its count in `totals` (`dense`: dense may be picked),
     and laid out one after another in `buffer` (uint8), all on the device: `out` takes the rows
     `compact` reads, `firsts` each density class's program starts (`boxes + 1` values each, the
     three one after another), `placed` (int64, `placed_values(boxes)`) each row's code, byte offset
-    and count, then the bytes in all, whether they fit in `buffer`, and each class's programs."""
+    and count, then the bytes in all, whether they fit in `buffer`, and each class's programs;
+    `headers` (int64, 2 a row) each row's wire header, its code and count (`n` for dense), as a
+    sparse round sends it."""
     device = rows.get_device()
     anchor = kernels.anchor_address(device, width)
     args = (rows.data_ptr(), boxes, totals.data_ptr(), width, int(dense), buffer.data_ptr(), buffer.numel(), anchor)
-    _launch(_PLACE, PLACE_THREADS // 32, 1, device, *args, out.data_ptr(), firsts.data_ptr(), placed.data_ptr())
+    tables = (out.data_ptr(), firsts.data_ptr(), placed.data_ptr(), headers.data_ptr())
+    _launch(_PLACE, PLACE_THREADS // 32, 1, device, *args, *tables)
 
 
 def placed_values(boxes: int) -> int:

@@ -281,13 +281,19 @@ class _Plan:
 @dataclass(frozen=True)
 class Placed:
     """A bucket's payloads as `sparse_cuda.place` laid them out, one after another in `buffer`: box
-    i encoded as `codes[i]` from byte `offsets[i]` on, `total` bytes in all (complete once every
-    launch queued so far is done: read them on the stream they were queued on, or behind it)."""
+    i encoded as `codes[i]` from byte `offsets[i]` on, `total` bytes in all, its wire header (code
+    and count) at `headers[2 * i]` (both complete once every launch queued so far is done: read
+    them on the stream they were queued on, or behind it)."""
 
     buffer: torch.Tensor
     codes: list[int]
     offsets: list[int]
     total: int
+    headers: torch.Tensor
+
+    def header(self, first: int, stop: int) -> torch.Tensor:
+        """The wire headers of boxes `first` up to `stop` (int64, 2 a box), as a message sends them."""
+        return self.headers[2 * first : 2 * stop]
 
     def span(self, first: int, stop: int) -> torch.Tensor:
         """The payloads of boxes `first` up to `stop`, one after another (as a message carries them)."""
@@ -531,9 +537,10 @@ class FusedSender:
         g, device = self.geometry, self.device
         assert g.rows is not None  # (`_placeable`)
         boxes, plan = len(g.boxes), self._scratch.plan(len(g.boxes))
-        buffer = torch.empty(g.capacity(), dtype=torch.uint8, device=device)
+        memory = torch.empty(16 * boxes + g.capacity(), dtype=torch.uint8, device=device)  # headers, payloads
+        headers, buffer = memory[: 16 * boxes].view(torch.int64), memory[16 * boxes :]
         width, totals = next(iter(g.boxes.values())).width, self._scratch.totals
-        sparse_cuda.place(g.rows, boxes, totals, width, dense, buffer, plan.rows, plan.starts, plan.placed)
+        sparse_cuda.place(g.rows, boxes, totals, width, dense, buffer, plan.rows, plan.starts, plan.placed, headers)
         read, early = plan.read_back(), g.likely
         if early is not None:
             self._compact_placed(plan, early, g.tiles)  # (programs past the class's last return at once)
@@ -544,7 +551,7 @@ class FusedSender:
             for density_, count in enumerate(programs):
                 if count and density_ != early:
                     self._compact_placed(plan, density_, count)
-            self.placed = Placed(buffer, values[:boxes], values[boxes : 2 * boxes], total)
+            self.placed = Placed(buffer, values[:boxes], values[boxes : 2 * boxes], total, headers)
             self._copy_dense(self.placed)
         return values[2 * boxes : 3 * boxes]
 

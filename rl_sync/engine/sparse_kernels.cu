@@ -855,7 +855,8 @@ __device__ __forceinline__ i64 scan_from(i64 x, i64* sums, i64* carry) {
 // `THREADS` threads takes each SEND row of `rows` (the bucket's `diff` rows, `boxes` of them, one
 // key of `width`-byte elements, in the order of their payloads), its count from `totals`, picks its
 // encoding as `encodings.choose` does (`dense`: whether dense may be picked), and lays the payloads
-// out one after another from `buffer` (byte address): `out` takes each row as `compact` reads it
+// out one after another from `buffer` (byte address), each row's wire header (code, then its count,
+// `n` for dense) in `headers`: `out` takes each row as `compact` reads it
 // (values, positions and outputs in the payload; no baseline update: `diff` made it), `firsts` the
 // program starts of the three density classes' `compact` launches (`sparse_fused.density`: a
 // program a tile, none for a dense payload or an empty indexed one), each `boxes + 1` values, and
@@ -865,7 +866,7 @@ __device__ __forceinline__ i64 scan_from(i64 x, i64* sums, i64* carry) {
 template <int TILE, int THREADS>
 __global__ void __launch_bounds__(THREADS)
     place(const i64* rows, i64 boxes, const i64* totals, i64 width, i64 dense, i64 buffer, i64 capacity, i64 anchor,
-          i64* out, i64* firsts, i64* placed) {
+          i64* out, i64* firsts, i64* placed, i64* headers) {
   __shared__ i64 sums[THREADS / 32];
   __shared__ i64 carry[4];  // bytes, then each class's programs
   if (threadIdx.x < 4) carry[threadIdx.x] = 0;
@@ -895,6 +896,8 @@ __global__ void __launch_bounds__(THREADS)
     o[SEND_BLOCKS_OUT] = c.code == CODE_BLOCKED ? address : 0;
 #pragma unroll
     for (int d = 0; d < 3; d++) firsts[d * (boxes + 1) + b] = starts[d];
+    headers[2 * b] = c.code;
+    headers[2 * b + 1] = c.code == CODE_DENSE ? n : k;  // (a dense payload carries every element)
     placed[b] = c.code;
     placed[boxes + b] = at;
     placed[2 * boxes + b] = k;

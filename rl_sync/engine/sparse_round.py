@@ -106,17 +106,17 @@ def _encode_message(
         counters.encodings[NAMES[code]] += 1
         counters.changed += k
         counters.dense_bytes += seg.nbytes
-    if placed:
+    if placed:  # (its headers written on the device too: no host-to-device copy, which waits for the stream)
         payload = placed.span(first, first + len(msg.segments))
         if payload.numel() != total:
             raise RuntimeError(
                 f"the device laid out {payload.numel()} payload bytes for a message to rank {msg.peer}; "
                 f"its headers imply {total}"
             )
-    else:
-        payload = torch.empty(total, dtype=torch.uint8, device=device)
-        for i, code, start, nbytes in blocks:
-            found.encode(i, code, payload[start : start + nbytes])
+        return placed.header(first, first + len(msg.segments)), payload
+    payload = torch.empty(total, dtype=torch.uint8, device=device)
+    for i, code, start, nbytes in blocks:
+        found.encode(i, code, payload[start : start + nbytes])
     return torch.tensor(header, dtype=torch.int64).to(device), payload
 
 

@@ -62,6 +62,7 @@ def _check(found, pairs, refs, allow_dense: bool):
         assert (found.counts[i], placed.codes[i]) == (k, code), i
         span = placed.span(i, i + 1)
         assert span.numel() == payload_layout(code, n, k, width).nbytes
+        assert placed.header(i, i + 1).tolist() == [code, n if code == DENSE else k]  # (as a round sends it)
         ref = torch.zeros(span.numel(), dtype=torch.uint8, device=cur.device)
         sparse_codec.encode(code, changes, ref)
         for got, want in zip(_meaningful(code, n, k, width, span), _meaningful(code, n, k, width, ref)):
