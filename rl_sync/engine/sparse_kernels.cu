@@ -85,9 +85,10 @@ __device__ __forceinline__ int warp_sum(int x) {
   return x;
 }
 
-__device__ __forceinline__ int warp_inclusive_scan(int x, int lane) {
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T x, int lane) {
   for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(FULL_MASK, x, o);
+    const T y = __shfl_up_sync(FULL_MASK, x, o);
     if (lane >= o) x += y;
   }
   return x;
@@ -834,11 +835,7 @@ __device__ __forceinline__ Choice choose(i64 n, i64 k, i64 width, bool dense) {
 template <int THREADS>
 __device__ __forceinline__ i64 scan_from(i64 x, i64* sums, i64* carry) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  i64 through = x;
-  for (int o = 1; o < 32; o <<= 1) {
-    const i64 y = __shfl_up_sync(FULL_MASK, through, o);
-    if (lane >= o) through += y;
-  }
+  const i64 through = warp_inclusive_scan(x, lane);
   if (lane == 31) sums[warp] = through;
   __syncthreads();
   i64 ahead = *carry + through - x;
