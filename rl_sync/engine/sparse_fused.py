@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..sparse.encodings import ALIGN, BITMAP, BLOCK, BLOCKED, DENSE, PayloadLayout, payload_layout
+from ..sparse.encodings import ALIGN, BITMAP, BLOCK, BLOCKED, DENSE, PayloadLayout, encoded_nbytes, payload_layout
 from . import sparse_cuda
 from . import sparse_triton as kernels
 from .sparse_codec import flags_layout
@@ -443,7 +443,7 @@ def geometry(
     made = _Geometry(boxes, slot, tiles, diff, table, cuda, len(pairs), stage)
     if _placeable(made):
         made.rows = table[diff[0].rows]
-        made.dense_bytes = sum(-(-b.n * b.width // ALIGN) * ALIGN for b in boxes.values())
+        made.dense_bytes = sum(encoded_nbytes(DENSE, b.n, 0, b.width) for b in boxes.values())
     _GEOMETRIES[signature] = made
     if len(_GEOMETRIES) > _KEPT_GEOMETRIES:
         _GEOMETRIES.popitem(last=False)
