@@ -48,7 +48,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rl_sync.engine import sparse_codec, sparse_cuda
-from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, NAMES, choose, encoded_nbytes
+from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, NAMES, choose, encoded_nbytes, message_layout
 
 DENSITIES = (0.001, 0.01, 0.1, 0.3, 0.5, 1.0)
 
@@ -128,8 +128,16 @@ class _Bucket:
     ks: list[int]
     codes: list[int]
     blocks: list[torch.Tensor]
+    """Each box's payload: a slice of `payload`, where the host encodes it."""
+    payload: torch.Tensor
+    """The bucket's payloads, one after another: the one message a receiver takes."""
     placed: object = None
     """The payloads the last sender placed on the device, when it did (`sparse_fused.Placed`)."""
+
+    def header(self) -> list[int]:
+        """(code, count) of each box, as its message's header carries it (a dense box counts every
+        element)."""
+        return [v for code, k in zip(self.codes, self.ks) for v in (code, self.n if code == DENSE else k)]
 
     def reset(self, targets: list[torch.Tensor]):
         return lambda: [t.copy_(b) for t, b in zip(targets, self.base)]
@@ -143,6 +151,7 @@ class _Bucket:
             reset()
             if self.placed is not None:
                 self.blocks[:] = [self.placed.span(i, i + 1) for i in range(len(self.blocks))]
+                self.payload = self.placed.span(0, len(self.blocks))
 
         return setup
 
@@ -158,10 +167,10 @@ def _bucket(bucket: _Bucket, density: float, gen: torch.Generator) -> _Bucket:
         cur.append(c)
     ks = [int(sparse_codec.changed(c, b).sum()) for c, b in zip(cur, bucket.base)]
     codes = [choose(n, k, 2, allow_dense=True) for k in ks]
-    blocks = [
-        torch.empty(encoded_nbytes(code, n, k, 2), dtype=torch.uint8, device=device) for code, k in zip(codes, ks)
-    ]
-    return dataclasses.replace(bucket, cur=cur, ks=ks, codes=codes, blocks=blocks)
+    sizes = [encoded_nbytes(code, n, k, 2) for code, k in zip(codes, ks)]
+    payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    blocks = list(payload.split(sizes))
+    return dataclasses.replace(bucket, cur=cur, ks=ks, codes=codes, blocks=blocks, payload=payload)
 
 
 def _sides(codec, bucket: _Bucket):
@@ -172,6 +181,7 @@ def _sides(codec, bucket: _Bucket):
     boxes = [(i, (0,), (n,)) for i in range(tensors)]
 
     placing = {"allow_dense": True} if "allow_dense" in inspect.signature(codec.BucketChanges).parameters else {}
+    header = bucket.header()  # (as a round reads it before it adds the message)
 
     def encode_all(mark=_no_mark):  # the changes, the encodings, the baselines
         found = codec.BucketChanges(list(zip(bucket.cur, bucket.baseline)), boxes, **placing)
@@ -186,8 +196,12 @@ def _sides(codec, bucket: _Bucket):
 
     def apply_all(mark=_no_mark):  # validate and write every box (one host sync, after the writes)
         received = codec.BucketReceiver(device, tensors)
-        for slot, (blk, code, k, live) in enumerate(zip(bucket.blocks, bucket.codes, bucket.ks, bucket.live)):
-            received.add(slot, code, k, n, torch.bfloat16, blk, live)
+        if hasattr(received, "add_message"):  # (the whole message at once; older trees add box by box)
+            layout = message_layout(header, [n] * tensors, [2] * tensors, "the benchmark's message")
+            received.add_message(0, layout, [torch.bfloat16] * tensors, bucket.payload, bucket.live)
+        else:
+            for slot, (blk, code, k, live) in enumerate(zip(bucket.blocks, bucket.codes, bucket.ks, bucket.live)):
+                received.add(slot, code, k, n, torch.bfloat16, blk, live)
         mark(f"{tensors} add")
         if hasattr(received, "prepare"):  # (a round adds and prepares while the payloads travel; older trees lack it)
             received.prepare()
@@ -202,7 +216,7 @@ def _empty_bucket(device: torch.device, total_bytes: int, tensors: int) -> tuple
     n = total_bytes // 2 // tensors
     gen = torch.Generator(device=device).manual_seed(0)
     base = [torch.randn(n, generator=gen, device=device).to(torch.bfloat16) for _ in range(tensors)]
-    bucket = _Bucket(n, base, [], [b.clone() for b in base], [b.clone() for b in base], [], [], [])
+    bucket = _Bucket(n, base, [], [b.clone() for b in base], [b.clone() for b in base], [], [], [], torch.empty(0))
     return bucket, gen
 
 

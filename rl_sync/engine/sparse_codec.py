@@ -23,7 +23,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..sparse.encodings import ALIGN, BITMAP, BLOCK, BLOCKED, DENSE, INDICES, PayloadLayout, payload_layout
+from ..sparse.encodings import (
+    ALIGN,
+    BITMAP,
+    BLOCK,
+    BLOCKED,
+    DENSE,
+    INDICES,
+    MessageLayout,
+    PayloadLayout,
+    check_count,
+    payload_layout,
+)
 
 if TYPE_CHECKING:
     from .sparse_fused import FusedReceiver
@@ -406,8 +417,9 @@ def _advance(base: torch.Tensor, cur: torch.Tensor, code: int, changes: Changes,
 class BucketReceiver:
     """Every box one rank receives in a bucket: validated together, then written together.
 
-    Usage: `received = BucketReceiver(device, boxes)`; `received.add(slot, code, k, n, dtype,
-    block, view)` for each box, which reads the header and where `block` lies but not its bytes;
+    Usage: `received = BucketReceiver(device, boxes)`; `received.add_message(first, layout, dtypes,
+    payload, views)` for each message (or `received.add(slot, code, k, n, dtype, block, view)` for
+    each box), which reads the headers and where the payload lies but not its bytes;
     optionally `received.prepare()`; then, once every payload is in its block, `bad =
     received.commit()`: the slots whose payload is malformed; when it is empty every box was
     written, otherwise none was. A round adds its boxes and prepares while the payloads are on
@@ -434,18 +446,48 @@ class BucketReceiver:
     def add(
         self, slot: int, code: int, k: int, n: int, dtype: torch.dtype, block: torch.Tensor, view: torch.Tensor
     ) -> None:
-        if not 0 <= slot < self._boxes:
+        """Box `slot`: `k` of its `n` elements of `dtype` changed, encoded as `code` in `block`, to be
+        written into `view` (`add_message` of one box)."""
+        check_count(code, k, n, f"box slot {slot}")
+        at = payload_layout(code, n, k, dtype.itemsize)
+        self.add_message(slot, MessageLayout([(code, k, n, at, 0)], at.nbytes), [dtype], block, [view])
+
+    def add_message(
+        self,
+        first: int,
+        layout: MessageLayout,
+        dtypes: Sequence[torch.dtype],
+        payload: torch.Tensor,
+        views: Sequence[torch.Tensor],
+    ) -> None:
+        """The boxes of one message, in slots `first`, `first + 1`, ...: box i of `layout`
+        (`encodings.message_layout`) of `dtypes[i]`, its payload at its start in `payload`, to be
+        written into `views[i]`. Reads where `payload` lies, not its bytes. Refuses, adding nothing,
+        slots outside the bucket or added before, and a payload not of the layout's size or not
+        16-byte aligned."""
+        count = len(layout.boxes)
+        if len(dtypes) != count or len(views) != count:
+            raise ValueError(
+                f"{count} boxes in the layout, {len(dtypes)} dtypes and {len(views)} views; expected one of each a box"
+            )
+        if first < 0 or first + count > self._boxes:
+            slot = first if first < 0 else first + count - 1
             raise IndexError(f"box slot {slot} is outside this bucket's {self._boxes} boxes")
-        if self._added[slot]:  # (the fused checks keep a counter a box: a box added twice would overrun them)
-            raise ValueError(f"box slot {slot} was added twice to this bucket's receiver")
-        self._added[slot] = 1
-        at = _checked_layout(code, k, n, dtype, block)
-        if _on_kernel_device(view):
+        twice = self._added.find(1, first, first + count)
+        if twice >= 0:  # (the fused checks keep a counter a box: a box added twice would overrun them)
+            raise ValueError(f"box slot {twice} was added twice to this bucket's receiver")
+        if payload.numel() != layout.nbytes:
+            raise ValueError(f"payload of {payload.numel()} bytes, header implies {layout.nbytes}")
+        _check_aligned(payload)
+        others: Sequence[int] = range(count)
+        if _on_kernel_device(payload):
             if self._fused is None:
                 self._fused = _fused().FusedReceiver(self.device, self.flags, self._boxes)
-            if self._fused.add(slot, code, k, n, dtype, at, block, view):
-                return
-        self._decodes.append((slot, code, k, n, dtype, block, view))
+            others = self._fused.add_message(first, layout.boxes, dtypes, payload, views)
+        self._added[first : first + count] = b"\x01" * count
+        for i in others:
+            code, k, n, at, start = layout.boxes[i]
+            self._decodes.append((first + i, code, k, n, dtypes[i], payload[start : start + at.nbytes], views[i]))
 
     def prepare(self) -> None:
         """Queue what needs only the headers: the fused boxes' tables go to the device, so that

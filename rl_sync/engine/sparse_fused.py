@@ -667,8 +667,8 @@ class FusedReceiver:
     """The fused boxes one rank receives in a bucket: validated, then written, each step one
     launch per kind (and per key and density class, for the writes).
 
-    Usage: `add(...)` per box (it says whether the box takes the fused path; it reads where the
-    payload lies, not its bytes); `prepare()` (the tables to the device, or kept for the
+    Usage: `add_message(...)` per message (it says which boxes do not take the fused path; it reads
+    where the payload lies, not its bytes); `prepare()` (the tables to the device, or kept for the
     launches' parameters: a round runs it while the payloads are on their way); `validate()`
     (raises the malformed boxes' `flags`, and `guard` with them, on the device); `write()` right
     behind it: its kernels write nothing while `guard` is raised, so no host synchronization is
@@ -687,9 +687,10 @@ class FusedReceiver:
         self._cuda = sparse_cuda.usable(self._number)
         self._spans: list[tuple[int, int]] = []  # the bytes of each bitmap destination on the vectorized path
         self._host_rows: list[int] = []  # the table's rows, one after another
-        self._programs: dict[Launch, list[int]] = {CHECKS: []}  # each launch's programs a row, up to its last row
-        self._check_programs = self._programs[CHECKS]
-        self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # the table holds their addresses
+        self._check_programs: list[int] = []  # each row's programs in the checks
+        self._writes_of: list[Launch] = []  # each row's write launch
+        self._counts: list[int] = []  # each row's tile or block counts: its programs in its write
+        self._kept: list[tuple[torch.Tensor, Sequence[torch.Tensor]]] = []  # the table holds their addresses
         self.boxes = 0
         """Boxes added."""
         self._entries = 0
@@ -697,78 +698,68 @@ class FusedReceiver:
         self._writes: list[Queued] = []
         self._scratch: torch.Tensor | None = None  # the checks' counts and positions, where launches take addresses
 
-    def add(
+    def add_message(
         self,
-        slot: int,
-        code: int,
-        k: int,
-        n: int,
-        dtype: torch.dtype,
-        at: PayloadLayout,
-        block: torch.Tensor,
-        view: torch.Tensor,
-    ) -> bool:
-        """Box `slot`: `k` of its `n` elements of `dtype` changed, its payload `block` laid out as
-        `at`, to be written into `view`, when the box can take the fused path: bitmap or blocked,
-        not empty, its payload on the view's device, the view of `dtype` (at most 8 bytes) with
-        dims that merge into two. True when it takes it (`block` and `view` are kept until the
-        writes); False, with nothing kept, otherwise.
+        first: int,
+        boxes: Sequence[tuple[int, int, int, PayloadLayout, int]],
+        dtypes: Sequence[torch.dtype],
+        payload: torch.Tensor,
+        views: Sequence[torch.Tensor],
+    ) -> list[int]:
+        """The boxes of one message that can take the fused path, in slots `first`, `first + 1`, ...
+        (`encodings.MessageLayout.boxes`, box i of `dtypes[i]` at its start in `payload`, checked
+        already: `sparse_codec.BucketReceiver.add_message`), to be written into `views[i]`: bitmap or
+        blocked, not empty, the view on the payload's device, of its dtype (at most 8 bytes), with
+        dims that merge into two. The indices of the others, of which nothing is kept. One loop, no
+        call a box but the view's (cached) geometry: a round adds every box of a bucket on its
+        receiver's critical path.
 
-        Its row joins the checks (the CUDA `starts`: a program every `STARTS_WARPS` tiles of a
+        A row joins the checks (the CUDA `starts`: a program every `STARTS_WARPS` tiles of a
         bitmap row, one for a blocked row; Triton's `bitmap_counts`: a program a bitmap tile) and
         a write, `(key, density class)` (`expand`) for a bitmap row, `(key, None)`
         (`blocked_apply`) and `BLOCKED_CHECKS` for a blocked one."""
-        width, device = dtype.itemsize, view.get_device()
-        if code not in _FUSED_CODES or not n or view.dtype != dtype or width > 8 or block.get_device() != device:
-            return False
-        start = view.data_ptr()
-        dest = kernels.strided(start, view.shape, view.stride(), width, device)
-        if dest is None:
-            return False
         if self._checks is not None:
-            raise RuntimeError(f"box {slot} was added after this bucket's receiver tables were prepared")
-        address = block.data_ptr()
-        values = kernels.element_offset(address + at.values, device, width)
-        key = width, dest.fast
-        if code == BITMAP:
-            m = -(-n // TILE)
-            self._host_rows += (address, 0, values, *dest.columns, n, k, slot, self._entries, m, 0, TILE)
-            self._check_programs.append(-(-m // STARTS_WARPS) if self._cuda else m)
-            self._join((key, int(k * BUSY > n) + int(k * BUSIER > n)), m)  # (`density`, inline: once a box)
-            if dest.fast:
-                self._spans.append((start, start + n * width))
-        else:
-            m = -(-n // BLOCK)
-            self._host_rows += (
-                0,
-                address + at.positions,
-                values,
-                *dest.columns,
-                n,
-                k,
-                slot,
-                self._entries,
-                m,
-                address,
-                BLOCK,
-            )
-            self._check_programs.append(1 if self._cuda else 0)
-            self._join((key, None), m)
-            self._join(BLOCKED_CHECKS, m)
-        self._kept.append((block, view))
-        self._entries += m
-        self.boxes += 1
-        return True
-
-    def _join(self, launch: Launch, programs: int) -> None:
-        """The row being added (the `boxes`-th) joins `launch` with `programs` programs (the rows
-        before it that did not join take none)."""
-        counts = self._programs.get(launch)
-        if counts is None:
-            counts = self._programs[launch] = []
-        if len(counts) < self.boxes:
-            counts += [0] * (self.boxes - len(counts))
-        counts.append(programs)
+            raise RuntimeError(f"box {first} was added after this bucket's receiver tables were prepared")
+        device, base, cuda, entries = payload.get_device(), payload.data_ptr(), self._cuda, self._entries
+        rows, checks, writes, counts = self._host_rows, self._check_programs, self._writes_of, self._counts
+        spans = self._spans
+        others: list[int] = []
+        anchors: dict[int, int] = {}  # each width's anchor address on the device
+        for i, (code, k, n, at, start) in enumerate(boxes):
+            view, dtype = views[i], dtypes[i]
+            width = dtype.itemsize
+            if code not in _FUSED_CODES or not n or view.dtype != dtype or width > 8 or view.get_device() != device:
+                others.append(i)
+                continue
+            address = view.data_ptr()
+            dest = kernels.strided(address, view.shape, view.stride(), width, device)
+            if dest is None:
+                others.append(i)
+                continue
+            anchor = anchors.get(width)
+            if anchor is None:
+                anchor = anchors[width] = kernels.anchor_address(device, width)
+            block, fast, slot = base + start, dest.fast, first + i
+            values = (block + at.values - anchor) // width  # (every part 16-byte aligned: whole elements)
+            if code == BITMAP:
+                m = -(-n // TILE)
+                rows += (block, 0, values, *dest.columns, n, k, slot, entries, m, 0, TILE)
+                checks.append(-(-m // STARTS_WARPS) if cuda else m)
+                writes.append(((width, fast), int(k * BUSY > n) + int(k * BUSIER > n)))  # (`density`, inline)
+                if fast:
+                    spans.append((address, address + n * width))
+            else:
+                m = -(-n // BLOCK)
+                rows += (0, block + at.positions, values, *dest.columns, n, k, slot, entries, m, block, BLOCK)
+                checks.append(1 if cuda else 0)
+                writes.append(((width, fast), None))
+            counts.append(m)
+            entries += m
+        if len(others) < len(boxes):
+            self._kept.append((payload, views))
+            self.boxes += len(boxes) - len(others)
+            self._entries = entries
+        return others
 
     def prepare(self) -> None:
         """Everything the checks and writes need but the payloads' bytes: the table and program
@@ -778,8 +769,9 @@ class FusedReceiver:
         if self._checks is not None or not self.boxes:
             return
         boxes, cuda = self.boxes, self._cuda and disjoint(self._spans)
-        inline = self._inline(cuda)
-        table, firsts = self._placed(inline)
+        programs = self._programs()
+        inline = self._inline(programs, cuda)
+        table, firsts = self._placed(programs, inline)
         counts, starts, flags = self._buffers(inline)
         (checks_at, checks), (blocked_at, blocked) = firsts[CHECKS], firsts.get(BLOCKED_CHECKS, _NO_LAUNCH)
         queued: list[Queued] = []
@@ -796,10 +788,10 @@ class FusedReceiver:
         self._checks = queued
         writes = sorted((launch for launch in firsts if launch not in (CHECKS, BLOCKED_CHECKS)), key=_launch_order)
         for key, density_ in writes:
-            at, programs = firsts[key, density_]
-            if not programs:
+            at, total = firsts[key, density_]
+            if not total:
                 continue
-            head = (table, at, boxes, programs, key, starts)
+            head = (table, at, boxes, total, key, starts)
             writer = self._writer(key, density_, cuda)
             if density_ is None:
                 self._writes.append((writer.blocked_apply, (*head, flags[1])))
@@ -833,22 +825,36 @@ class FusedReceiver:
             (Address(flags, number), Address(flags + 4 * bucket, number)),
         )
 
-    def _inline(self, cuda: bool) -> bool:
+    def _programs(self) -> dict[Launch, list[int]]:
+        """Each launch's programs a row (0 for the rows it does not take): the checks, the blocked
+        checks where there are blocked rows, and each write."""
+        counts, writes = self._counts, self._writes_of
+        programs = {CHECKS: self._check_programs}
+        for launch in dict.fromkeys(writes):
+            programs[launch] = [m if write == launch else 0 for write, m in zip(writes, counts)]
+        blocked = [m if write[1] is None else 0 for write, m in zip(writes, counts)]
+        if any(blocked):
+            programs[BLOCKED_CHECKS] = blocked
+        return programs
+
+    def _inline(self, programs: dict[Launch, list[int]], cuda: bool) -> bool:
         """Whether every launch carries the table inline: all of them `sparse_cuda`'s (its `starts`
         and `blocked_check`, and the writes as `_writer` picks them with `cuda`) and the rows few
         enough (`sparse_cuda.fits_inline`)."""
-        writes = (launch for launch in self._programs if launch not in (CHECKS, BLOCKED_CHECKS))
+        writes = (launch for launch in programs if launch not in (CHECKS, BLOCKED_CHECKS))
         return (
             self._cuda
             and sparse_cuda.fits_inline(self.boxes, kernels.RECV_COLUMNS)
             and all(self._writer(key, density_, cuda) is sparse_cuda for key, density_ in writes)
         )
 
-    def _placed(self, inline: bool) -> tuple[sparse_cuda.Rows, dict[Launch, tuple[sparse_cuda.Rows | None, int]]]:
+    def _placed(
+        self, programs: dict[Launch, list[int]], inline: bool
+    ) -> tuple[sparse_cuda.Rows, dict[Launch, tuple[sparse_cuda.Rows | None, int]]]:
         """(the table; each launch's program starts (None when it has no programs: not uploaded)
-        and programs): host values carried inline (the table made an array once, for every launch
-        to copy), or one upload sliced."""
-        firsts = {launch: self._starts_of(programs) for launch, programs in self._programs.items()}
+        and programs), from each launch's `programs` a row: host values carried inline (the table
+        made an array once, for every launch to copy), or one upload sliced."""
+        firsts = {launch: kernels.starts(counts) for launch, counts in programs.items()}
         if inline:
             table = np.array(self._host_rows, dtype=np.int64)
             return table, {launch: (at, at[-1]) for launch, at in firsts.items()}
@@ -860,12 +866,6 @@ class FusedReceiver:
             launch: (dev[uploaded[launch]] if at[-1] else None, at[-1]) for launch, at in firsts.items()
         }
         return dev[table_at], placed
-
-    def _starts_of(self, programs: list[int]) -> list[int]:
-        """The program starts of a launch whose rows take `programs` programs each, the rows after
-        its last one taking none (`boxes + 1` values)."""
-        firsts = kernels.starts(programs)
-        return firsts + [firsts[-1]] * (self.boxes + 1 - len(firsts))
 
     def validate(self) -> None:
         """Queue the checks (`prepare` first; once, later calls queue nothing): each row's payload

@@ -31,7 +31,7 @@ import torch
 
 from ..planning.relay import RelayKey
 from ..planning.schedule import Message, RankBucket, Segment
-from ..sparse.encodings import DENSE, NAMES, check_count, choose, encoded_nbytes
+from ..sparse.encodings import DENSE, NAMES, MessageLayout, choose, encoded_nbytes, message_layout
 from ..transport.base import Transport
 from . import sparse_codec
 from .endpoint import Endpoint
@@ -120,18 +120,11 @@ def _encode_message(
     return torch.tensor(header, dtype=torch.int64).to(device), payload
 
 
-def _payload_sizes(msg: Message, header: list[int], io: SparseIO, where: str) -> list[tuple[int, int, int, int]]:
-    """(code, k, start, size) per segment, every header checked against the plan before allocation."""
-    blocks, total = [], 0
-    for i, seg in enumerate(msg.segments):
-        code, k = header[2 * i], header[2 * i + 1]
-        size = io.dtypes[seg.tensor].itemsize
-        n = seg.nbytes // size
-        check_count(code, k, n, f"{where}, segment {i}")
-        nbytes = encoded_nbytes(code, n, k, size)
-        blocks.append((code, k, total, nbytes))
-        total += nbytes
-    return blocks
+def _layout(msg: Message, header: list[int], io: SparseIO, where: str) -> MessageLayout:
+    """Where each segment of `msg` lies in its payload, every header checked against the plan
+    before allocation (`encodings.message_layout`)."""
+    sizes = [io.dtypes[seg.tensor].itemsize for seg in msg.segments]
+    return message_layout(header, [seg.nbytes // size for seg, size in zip(msg.segments, sizes)], sizes, where)
 
 
 def _exchange(transport: Transport, sends, recvs, deadline: float, label: str, meanwhile: Callable[[], T]) -> T:
@@ -149,22 +142,17 @@ def _exchange(transport: Transport, sends, recvs, deadline: float, label: str, m
 
 
 def _receiver(
-    bucket: RankBucket,
-    layouts: list[list[tuple[int, int, int, int]]],
-    payloads: list[torch.Tensor],
-    io: SparseIO,
-    device: torch.device,
+    bucket: RankBucket, layouts: list[MessageLayout], payloads: list[torch.Tensor], io: SparseIO, device: torch.device
 ) -> tuple[sparse_codec.BucketReceiver, list[Segment]]:
-    """The bucket's receiver, every segment it receives added (its payload at its place in
-    `payloads`, whose bytes have not arrived yet) and prepared; the segments, by slot."""
+    """The bucket's receiver, every message it receives added (its payload, whose bytes have not
+    arrived yet, in `payloads`) and prepared; the segments, by slot."""
     received = sparse_codec.BucketReceiver(device, sum(len(m.segments) for m in bucket.recvs))
     segments: list[Segment] = []
-    for msg, blocks, payload in zip(bucket.recvs, layouts, payloads):
-        for seg, (code, k, start, size) in zip(msg.segments, blocks):
-            n = seg.nbytes // io.dtypes[seg.tensor].itemsize
-            view = io.dests[seg.tensor].view(seg.offsets, seg.sizes)
-            received.add(len(segments), code, k, n, io.dtypes[seg.tensor], payload[start : start + size], view)
-            segments.append(seg)
+    for msg, layout, payload in zip(bucket.recvs, layouts, payloads):
+        dtypes = [io.dtypes[seg.tensor] for seg in msg.segments]
+        views = [io.dests[seg.tensor].view(seg.offsets, seg.sizes) for seg in msg.segments]
+        received.add_message(len(segments), layout, dtypes, payload, views)
+        segments += msg.segments
     received.prepare()
     return received, segments
 
@@ -197,10 +185,9 @@ def run_sparse_bucket(
         lambda: None,
     )
     layouts = [
-        _payload_sizes(m, h.tolist(), io, f"{where}, message from rank {m.peer}")
-        for m, h in zip(bucket.recvs, headers_in)
+        _layout(m, h.tolist(), io, f"{where}, message from rank {m.peer}") for m, h in zip(bucket.recvs, headers_in)
     ]
-    payloads_in = [torch.empty(sum(b[3] for b in blocks), dtype=torch.uint8, device=device) for blocks in layouts]
+    payloads_in = [torch.empty(layout.nbytes, dtype=torch.uint8, device=device) for layout in layouts]
     received, segments = _exchange(
         transport,
         [(m.peer, p) for m, (_, p) in zip(bucket.sends, encoded)],

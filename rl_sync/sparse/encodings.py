@@ -17,6 +17,7 @@ is `rl_sync.engine.sparse_codec`, its CUDA kernels `rl_sync.engine.sparse_triton
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 INDICES, BITMAP, DENSE, BLOCKED = 0, 1, 2, 3
@@ -93,3 +94,31 @@ def check_count(code: int, k: int, n: int, what: str) -> None:
         raise ValueError(f"{what}: encoding code {code} is not 0, 1, 2 or 3")
     if not 0 <= k <= n or (code == DENSE and k != n) or (code == INDICES and n > MAX_INDEX):
         raise ValueError(f"{what}: {NAMES[code]} header claims {k} changed of {n} elements")
+
+
+class MessageLayout(NamedTuple):
+    """Where each box of one message lies in its payload, its boxes' parts one after another:
+    `boxes[i]` is box i's (code, k, n, layout, start), `start` its first byte in the payload;
+    `nbytes` in all."""
+
+    boxes: list[tuple[int, int, int, PayloadLayout, int]]
+    nbytes: int
+
+
+def message_layout(header: Sequence[int], ns: Sequence[int], itemsizes: Sequence[int], what: str) -> MessageLayout:
+    """The layout of a message whose `header` holds (code, changed count) for each of its boxes,
+    of `ns[i]` elements of `itemsizes[i]` bytes; every count checked against its box first
+    (`check_count`, naming `what` and the segment), so nothing is sized from a bad header."""
+    if len(header) != 2 * len(ns) or len(itemsizes) != len(ns):
+        raise ValueError(
+            f"{what}: a header of {len(header)} values and {len(itemsizes)} element sizes for "
+            f"{len(ns)} boxes; expected {2 * len(ns)} values (code, count) and one size a box"
+        )
+    boxes, start = [], 0
+    for i, n in enumerate(ns):
+        code, k = header[2 * i], header[2 * i + 1]
+        check_count(code, k, n, f"{what}, segment {i}")
+        at = payload_layout(code, n, k, itemsizes[i])
+        boxes.append((code, k, n, at, start))
+        start += at.nbytes
+    return MessageLayout(boxes, start)

@@ -51,9 +51,10 @@ def _pair(rows: int, cols: int, density: float, dtype: torch.dtype, seed: int, d
 
 
 def _receive(code: int, k: int, n: int, dtype: torch.dtype, payload: torch.Tensor, live: torch.Tensor) -> bool:
-    """Validate one box and, when valid, write it; whether it was valid."""
+    """Validate one box of `k` changes (its header's count: `n` when dense, as a round sends it) and,
+    when valid, write it; whether it was valid."""
     received = sparse_codec.BucketReceiver(live.device, 1)
-    received.add(0, code, k, n, dtype, payload, live)
+    received.add(0, code, n if code == DENSE else k, n, dtype, payload, live)
     return not received.commit()
 
 

@@ -10,7 +10,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 
 from rl_sync.engine import sparse_codec  # noqa: E402
-from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes  # noqa: E402
+from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes, message_layout  # noqa: E402
 
 sparse_codec._on_kernel_device = lambda t: True  # the interpreter runs the kernels on CPU tensors
 
@@ -68,12 +68,14 @@ def main() -> None:
         assert torch.equal(_bits(baseline), _bits(cur)), f"baseline {i}"
     received = sparse_codec.BucketReceiver(torch.device("cpu"), len(cases))
     lives = [_strided(base) if strided else base.clone() for (_, base), (*_, strided) in zip(pairs, cases)]
-    arriving = [torch.zeros_like(payload) for payload, _ in payloads]  # added and prepared before the bytes arrive
-    for i, (buffer, (cur, _), (_, dtype, _, code, _)) in enumerate(zip(arriving, pairs, cases)):
-        received.add(i, code, found.counts[i], cur.numel(), dtype, buffer, lives[i])
+    codes = [code for *_, code, _ in cases]
+    counts = [c.numel() if code == DENSE else k for (c, _), code, k in zip(pairs, codes, found.counts)]  # (dense: all)
+    header = [v for code, k in zip(codes, counts) for v in (code, k)]
+    layout = message_layout(header, [c.numel() for c, _ in pairs], [c.element_size() for c, _ in pairs], "m")
+    arriving = torch.zeros(layout.nbytes, dtype=torch.uint8)  # one message, added and prepared before it arrives
+    received.add_message(0, layout, [dtype for _, dtype, *_ in cases], arriving, lives)
     received.prepare()
-    for buffer, (payload, _) in zip(arriving, payloads):
-        buffer.copy_(payload)
+    arriving.copy_(torch.cat([payload for payload, _ in payloads]))
     assert received.commit() == []
     assert all(torch.equal(_bits(live), _bits(cur)) for live, (cur, _) in zip(lives, pairs))
     blocked = payloads[0][0].clone()

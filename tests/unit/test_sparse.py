@@ -254,3 +254,68 @@ def test_a_clean_receiver_gives_its_zeroed_flags_to_the_next_one_of_its_size(mon
     borrower.add(1, BITMAP, 9, 10, torch.float32, bad, torch.zeros(10))
     assert borrower.flags is lender.flags and borrower.commit() == [1]
     assert lender.commit() == []  # answered once: the buffer it gave away, flag 1 raised, is not read
+
+
+def test_a_message_layout_places_each_box_after_the_one_before_and_checks_every_header():
+    """`message_layout` gives each box the layout and start a box-by-box sum of `payload_layout`
+    gives, for every encoding and width; a header of the wrong length, or one whose count cannot
+    describe its box, is refused, naming the message and the segment."""
+    from rl_sync.sparse.encodings import message_layout, payload_layout
+
+    ns, sizes = [1000, 70_000, 5, 3000, 1], [2, 1, 8, 4, 2]
+    header = [BITMAP, 100, BLOCKED, 900, INDICES, 2, DENSE, 3000, INDICES, 0]
+    layout = message_layout(header, ns, sizes, "message from rank 3")
+    start = 0
+    for i, (code, k, n, at, first) in enumerate(layout.boxes):
+        assert (code, k, n, first) == (header[2 * i], header[2 * i + 1], ns[i], start)
+        assert at == payload_layout(code, n, k, sizes[i]) and first % 16 == 0
+        start += at.nbytes
+    assert layout.nbytes == start
+    with pytest.raises(ValueError, match=r"^message from rank 3, segment 3: dense header claims 2999 changed of 3000"):
+        message_layout(header[:7] + [2999] + header[8:], ns, sizes, "message from rank 3")
+    with pytest.raises(ValueError, match=r"^m: a header of 9 values and 5 element sizes for 5 boxes; expected 10"):
+        message_layout(header[:9], ns, sizes, "m")
+
+
+def test_a_message_of_every_encoding_is_written_bit_exactly_and_a_bad_one_adds_nothing():
+    """`BucketReceiver.add_message`: the boxes of one message, each encoding, one of them strided,
+    in slots after a box added alone, are written bit-exactly from the one payload; a payload of
+    the wrong size, slots past the bucket or added before are refused, naming them, and leave the
+    receiver as it was."""
+    from rl_sync.sparse.encodings import message_layout
+
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(6, 500, generator=gen).to(torch.bfloat16)
+    cur = torch.where(torch.rand(6, 500, generator=gen) < 0.1, base + 1, base)
+    codes = [BLOCKED, BITMAP, INDICES, DENSE]
+    views = [
+        (slice(0, 1), slice(None)),
+        (slice(1, 3), slice(None)),
+        (slice(3, 6), slice(0, 250)),
+        (slice(3, 6), slice(250, None)),
+    ]
+    header, parts = [], []
+    for code, at in zip(codes, views):
+        changes = sparse_codec.Changes(cur[at], base[at])
+        n = cur[at].numel()
+        parts.append(torch.zeros(encoded_nbytes(code, n, changes.count, 2), dtype=torch.uint8))
+        sparse_codec.encode(code, changes, parts[-1])
+        header += [code, n if code == DENSE else changes.count]
+    layout = message_layout(header, [cur[at].numel() for at in views], [2] * 4, "m")
+    payload = torch.cat(parts)
+    live = base.clone()
+    received = sparse_codec.BucketReceiver(torch.device("cpu"), 5)
+    lone = torch.zeros(8)
+    received.add(0, INDICES, 0, 8, torch.float32, _block(INDICES, 8, 0), lone)
+    args = ([torch.bfloat16] * 4, payload, [live[at] for at in views])
+    with pytest.raises(
+        ValueError, match=rf"^payload of {payload.numel() - 16} bytes, header implies {payload.numel()}$"
+    ):
+        received.add_message(1, layout, [torch.bfloat16] * 4, payload[:-16], args[2])
+    with pytest.raises(IndexError, match=r"^box slot 5 is outside this bucket's 5 boxes$"):
+        received.add_message(2, layout, *args)
+    with pytest.raises(ValueError, match=r"^box slot 0 was added twice to this bucket's receiver$"):
+        received.add_message(0, layout, *args)
+    received.add_message(1, layout, *args)
+    assert received.commit() == []
+    assert torch.equal(live.view(torch.int16), cur.view(torch.int16)) and not lone.any()
