@@ -346,19 +346,19 @@ __device__ __forceinline__ bool staged_tile(const i64* row, VT* anchor, const u3
   constexpr int RUN = stage_run<VT>(), GROUP = RUN / 64, CAP = RUN / STAGE_SHARE, WARPS = TILE / 64 / 32;
   static_assert(GROUP * 64 == RUN && GROUP <= 32, "a run is the words of whole threads of a warp");
   const int lane = threadIdx.x & 31, g = lane % GROUP;
-  int marks = __popc(low) + __popc(high);  // the run's
-  for (int o = GROUP / 2; o; o >>= 1) marks += __shfl_xor_sync(FULL_MASK, marks, o);
   const int kind = (int)row[SEND_INDEX_KIND];
-  const bool fits = row[SEND_STAGE] >= 0 && marks <= CAP;
+  const bool staged = row[SEND_STAGE] >= 0;
   const i64 own = threadIdx.x * 64;  // (the thread's first element in the tile)
   VT v[CAP / GROUP];
-  if (fits && kind >= NO_INDEX) {
+  if (staged && kind >= NO_INDEX) {  // every slot of the run's stage, used or not: loads that need not wait
     const VT* stage = reinterpret_cast<const VT*>(reinterpret_cast<const char*>(words) + row[SEND_STAGE]);
-    stage += (t * TILE + own) / RUN * CAP;
+    stage += (t * TILE + own) / RUN * CAP;  // for the marks (the words' loads and these in flight together)
 #pragma unroll
-    for (int r = 0; r < CAP / GROUP; r++)
-      if (g + r * GROUP < marks) v[r] = stage[g + r * GROUP];
+    for (int r = 0; r < CAP / GROUP; r++) v[r] = stage[g + r * GROUP];
   }
+  int marks = __popc(low) + __popc(high);  // the run's
+  for (int o = GROUP / 2; o; o >>= 1) marks += __shfl_xor_sync(FULL_MASK, marks, o);
+  const bool fits = staged && marks <= CAP;
   bool all_fit;
   i64 at = first + marks_ahead<WARPS>(low, high, counts, fits, &all_fit);
   if (pos) *pos = at;
