@@ -35,7 +35,7 @@ from .broadcast import ROOT, BroadcastStaging, gather_schedule, run_broadcast
 from .endpoint import Endpoint
 from .quantize import QuantStage
 from .runner import BucketError, BucketIO, Counters, Program, compile_program, deadline_in, run_program
-from .sparse_round import SparseCounters, SparseIO, run_sparse_bucket
+from .sparse_round import BucketViews, SparseCounters, SparseIO, run_sparse_bucket
 
 MAX_PROGRAMS = 4
 """Compiled rounds (and expanded rank slices) kept per session: the full round plus recent subsets."""
@@ -88,6 +88,7 @@ class RankSession:
         self._gather = None
         self._programs: dict[tuple | None, tuple[Mapping, Mapping, Program]] = {}
         self._slices: dict[tuple | None, RankSchedule] = {}
+        self._sparse_views: dict[tuple | None, tuple[Mapping, Mapping, object, list[BucketViews | None]]] = {}
         self.compiles = 0
         """Rounds compiled so far; replayed rounds do not count."""
         self.baselines: dict[int, Endpoint] | None = None
@@ -268,10 +269,27 @@ class RankSession:
             src, self.baselines or {}, dst, self.dtypes, allow_dense=round_info.mode == "auto", forwards=forwards
         )
         counters = SparseCounters()
-        for bucket in mine.buckets:
-            run_sparse_bucket(bucket, io, self.transport, deadline, counters, self.names)
+        kept = self._bucket_views(wanted, sources, dests, len(mine.buckets))
+        for i, bucket in enumerate(mine.buckets):
+            views = kept[i] = kept[i] or BucketViews.of(bucket, io)
+            run_sparse_bucket(bucket, io, self.transport, deadline, counters, self.names, views)
         self.transport.finish(deadline)
         return counters
+
+    def _bucket_views(
+        self, wanted: tuple[int, ...] | None, sources: Mapping, dests: Mapping, buckets: int
+    ) -> list[BucketViews | None]:
+        """Each sparse bucket's views of this subset (None until its first round builds them), kept
+        while the endpoint mappings and the baselines are the same objects, as compiled rounds are."""
+        cached = self._sparse_views.get(wanted)
+        if cached is not None and cached[0] is sources and cached[1] is dests and cached[2] is self.baselines:
+            return cached[3]
+        self._sparse_views.pop(wanted, None)
+        if len(self._sparse_views) >= MAX_PROGRAMS:
+            self._sparse_views.pop(next(iter(self._sparse_views)))
+        views: list[BucketViews | None] = [None] * buckets
+        self._sparse_views[wanted] = (sources, dests, self.baselines, views)
+        return views
 
     def _slice(self, wanted: tuple[int, ...] | None) -> RankSchedule:
         """This rank's buckets for a tensor subset, expanded once (sparse rounds replay it)."""
@@ -304,3 +322,4 @@ class RankSession:
     def close(self) -> None:
         self.transport.close()
         self._programs.clear()
+        self._sparse_views.clear()

@@ -70,19 +70,46 @@ def _wire(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return view if view.dtype == dtype else view.to(dtype)
 
 
-def _find_changes(sends: Sequence[Message], io: SparseIO, device: torch.device) -> sparse_codec.BucketChanges:
+@dataclass
+class BucketViews:
+    """What a sparse bucket reads and writes, as views of the round's endpoints: each segment this
+    rank sends, its source (as the trainer keeps it), the wire's dtype, its baseline and its box;
+    each message it receives, its segments' dtypes, element counts and destination views. Built on
+    the bucket's first round; the session keeps them while its endpoint mappings stay the same
+    objects, as it keeps compiled dense rounds (a rank binds anew when a weight moves), so a round
+    slices no endpoint per segment."""
+
+    sources: list[torch.Tensor]
+    wire: list[torch.dtype]
+    baselines: list[torch.Tensor]
+    boxes: list[tuple[int, tuple[int, ...], tuple[int, ...]]]
+    receives: list[tuple[list[torch.dtype], list[int], list[torch.Tensor]]]
+
+    @classmethod
+    def of(cls, bucket: RankBucket, io: SparseIO) -> BucketViews:
+        sent = [seg for msg in bucket.sends if msg.relay is None for seg in msg.segments]
+        receives = []
+        for msg in bucket.recvs:
+            dtypes = [io.dtypes[seg.tensor] for seg in msg.segments]
+            ns = [seg.nbytes // dtype.itemsize for seg, dtype in zip(msg.segments, dtypes)]
+            receives.append((dtypes, ns, [io.dests[seg.tensor].view(seg.offsets, seg.sizes) for seg in msg.segments]))
+        return cls(
+            [io.sources[seg.tensor].view(seg.offsets, seg.sizes) for seg in sent],
+            [io.dtypes[seg.tensor] for seg in sent],
+            [io.baselines[seg.tensor].view(seg.offsets, seg.sizes) for seg in sent],
+            [(seg.tensor, tuple(seg.offsets), tuple(seg.sizes)) for seg in sent],
+            receives,
+        )
+
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(source in the wire's dtype, baseline) of each segment sent, as they are this round."""
+        return [(_wire(view, dtype), base) for view, dtype, base in zip(self.sources, self.wire, self.baselines)]
+
+
+def _find_changes(views: BucketViews, io: SparseIO, device: torch.device) -> sparse_codec.BucketChanges:
     """The changes of every segment this rank sends from its sources in the bucket, in message
     order, for payloads on `device` (the transport's)."""
-    segments = [seg for msg in sends if msg.relay is None for seg in msg.segments]
-    pairs = [
-        (
-            _wire(io.sources[seg.tensor].view(seg.offsets, seg.sizes), io.dtypes[seg.tensor]),
-            io.baselines[seg.tensor].view(seg.offsets, seg.sizes),
-        )
-        for seg in segments
-    ]
-    boxes = [(seg.tensor, tuple(seg.offsets), tuple(seg.sizes)) for seg in segments]
-    return sparse_codec.BucketChanges(pairs, boxes, payloads=device, allow_dense=io.allow_dense)
+    return sparse_codec.BucketChanges(views.pairs(), views.boxes, payloads=device, allow_dense=io.allow_dense)
 
 
 def _encode_message(
@@ -120,11 +147,10 @@ def _encode_message(
     return torch.tensor(header, dtype=torch.int64).to(device), payload
 
 
-def _layout(msg: Message, header: list[int], io: SparseIO, where: str) -> MessageLayout:
-    """Where each segment of `msg` lies in its payload, every header checked against the plan
+def _layout(header: list[int], ns: list[int], dtypes: list[torch.dtype], where: str) -> MessageLayout:
+    """Where each segment of a message lies in its payload, every header checked against the plan
     before allocation (`encodings.message_layout`)."""
-    sizes = [io.dtypes[seg.tensor].itemsize for seg in msg.segments]
-    return message_layout(header, [seg.nbytes // size for seg, size in zip(msg.segments, sizes)], sizes, where)
+    return message_layout(header, ns, [dtype.itemsize for dtype in dtypes], where)
 
 
 def _exchange(transport: Transport, sends, recvs, deadline: float, label: str, meanwhile: Callable[[], T]) -> T:
@@ -142,16 +168,14 @@ def _exchange(transport: Transport, sends, recvs, deadline: float, label: str, m
 
 
 def _receiver(
-    bucket: RankBucket, layouts: list[MessageLayout], payloads: list[torch.Tensor], io: SparseIO, device: torch.device
+    bucket: RankBucket, views: BucketViews, layouts: list[MessageLayout], payloads: list[torch.Tensor], device
 ) -> tuple[sparse_codec.BucketReceiver, list[Segment]]:
     """The bucket's receiver, every message it receives added (its payload, whose bytes have not
     arrived yet, in `payloads`) and prepared; the segments, by slot."""
     received = sparse_codec.BucketReceiver(device, sum(len(m.segments) for m in bucket.recvs))
     segments: list[Segment] = []
-    for msg, layout, payload in zip(bucket.recvs, layouts, payloads):
-        dtypes = [io.dtypes[seg.tensor] for seg in msg.segments]
-        views = [io.dests[seg.tensor].view(seg.offsets, seg.sizes) for seg in msg.segments]
-        received.add_message(len(segments), layout, dtypes, payload, views)
+    for msg, (dtypes, _, dests), layout, payload in zip(bucket.recvs, views.receives, layouts, payloads):
+        received.add_message(len(segments), layout, dtypes, payload, dests)
         segments += msg.segments
     received.prepare()
     return received, segments
@@ -164,10 +188,13 @@ def run_sparse_bucket(
     deadline: float,
     counters: SparseCounters,
     names: Sequence[str],
+    views: BucketViews | None = None,
 ) -> None:
-    """Headers, then payloads, then validate-all-then-apply (see the module docstring)."""
+    """Headers, then payloads, then validate-all-then-apply (see the module docstring); `views`, the
+    bucket's as a round before built them (`BucketViews.of`), where the caller kept them."""
     device = transport.device
-    found = _find_changes(bucket.sends, io, device)
+    views = views or BucketViews.of(bucket, io)
+    found = _find_changes(views, io, device)
     counters.placed += found.placed is not None
     own = [m for m in bucket.sends if m.relay is None]
     firsts = np.cumsum([0] + [len(m.segments) for m in own]).tolist()
@@ -185,7 +212,8 @@ def run_sparse_bucket(
         lambda: None,
     )
     layouts = [
-        _layout(m, h.tolist(), io, f"{where}, message from rank {m.peer}") for m, h in zip(bucket.recvs, headers_in)
+        _layout(h.tolist(), ns, dtypes, f"{where}, message from rank {m.peer}")
+        for m, h, (dtypes, ns, _) in zip(bucket.recvs, headers_in, views.receives)
     ]
     payloads_in = [torch.empty(layout.nbytes, dtype=torch.uint8, device=device) for layout in layouts]
     received, segments = _exchange(
@@ -194,7 +222,7 @@ def run_sparse_bucket(
         [(m.peer, p) for m, p in zip(bucket.recvs, payloads_in)],
         deadline,
         where,
-        lambda: _receiver(bucket, layouts, payloads_in, io, device),  # its tables, while the payloads travel
+        lambda: _receiver(bucket, views, layouts, payloads_in, device),  # its tables, while the payloads travel
     )
     found.advance()  # the baselines, before the received boxes are checked and written
     for msg, header, payload in zip(bucket.recvs, headers_in, payloads_in):
