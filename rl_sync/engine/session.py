@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -73,6 +74,19 @@ def part_endpoint(endpoints: Mapping[str, Endpoint], name: str) -> Endpoint | No
     return Endpoint(whole.tensor.narrow(dim, start, stop - start), whole.origin)
 
 
+@dataclass
+class _SparseKept:
+    """What a subset's sparse rounds keep while `sources`, `dests` and `baselines` stay the same
+    objects: the endpoints by tensor index (`src`, `dst`) and each bucket's views."""
+
+    sources: Mapping
+    dests: Mapping
+    baselines: object
+    src: dict[int, Endpoint]
+    dst: dict[int, Endpoint]
+    views: list[BucketViews | None]
+
+
 class RankSession:
     """Joined to the group; runs rounds between `sources` and `dests` endpoints."""
 
@@ -88,7 +102,7 @@ class RankSession:
         self._gather = None
         self._programs: dict[tuple | None, tuple[Mapping, Mapping, Program]] = {}
         self._slices: dict[tuple | None, RankSchedule] = {}
-        self._sparse_views: dict[tuple | None, tuple[Mapping, Mapping, object, list[BucketViews | None]]] = {}
+        self._sparse: dict[tuple | None, _SparseKept] = {}
         self.compiles = 0
         """Rounds compiled so far; replayed rounds do not count."""
         self.baselines: dict[int, Endpoint] | None = None
@@ -257,39 +271,37 @@ class RankSession:
     def _run_sparse(
         self, round_info: RoundInfo, wanted, sources, dests, deadline: float, context: str
     ) -> SparseCounters:
-        src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
-        if src and self.baselines is None:
+        kept = self._sparse_kept(wanted, sources, dests)
+        if kept.src and self.baselines is None:
             raise ValueError(
                 f"rank {self.rank}: a {round_info.mode} round needs the baselines a dense round leaves; "
                 "the coordinator runs the first round dense"
             )
         mine = self._slice(wanted)
         forwards = frozenset(m.relay for b in mine.buckets for m in b.sends if m.relay is not None)
-        io = SparseIO(
-            src, self.baselines or {}, dst, self.dtypes, allow_dense=round_info.mode == "auto", forwards=forwards
-        )
+        auto = round_info.mode == "auto"
+        io = SparseIO(kept.src, self.baselines or {}, kept.dst, self.dtypes, allow_dense=auto, forwards=forwards)
         counters = SparseCounters()
-        kept = self._bucket_views(wanted, sources, dests, len(mine.buckets))
         for i, bucket in enumerate(mine.buckets):
-            views = kept[i] = kept[i] or BucketViews.of(bucket, io)
+            views = kept.views[i] = kept.views[i] or BucketViews.of(bucket, io)
             run_sparse_bucket(bucket, io, self.transport, deadline, counters, self.names, views)
         self.transport.finish(deadline)
         return counters
 
-    def _bucket_views(
-        self, wanted: tuple[int, ...] | None, sources: Mapping, dests: Mapping, buckets: int
-    ) -> list[BucketViews | None]:
-        """Each sparse bucket's views of this subset (None until its first round builds them), kept
-        while the endpoint mappings and the baselines are the same objects, as compiled rounds are."""
-        cached = self._sparse_views.get(wanted)
-        if cached is not None and cached[0] is sources and cached[1] is dests and cached[2] is self.baselines:
-            return cached[3]
-        self._sparse_views.pop(wanted, None)
-        if len(self._sparse_views) >= MAX_PROGRAMS:
-            self._sparse_views.pop(next(iter(self._sparse_views)))
-        views: list[BucketViews | None] = [None] * buckets
-        self._sparse_views[wanted] = (sources, dests, self.baselines, views)
-        return views
+    def _sparse_kept(self, wanted: tuple[int, ...] | None, sources: Mapping, dests: Mapping) -> _SparseKept:
+        """This subset's endpoints by tensor index and each bucket's views (None until its first round
+        builds them), kept while the endpoint mappings and the baselines are the same objects, as
+        compiled rounds are: a sparse round then neither walks the plan's tensors nor slices a view."""
+        kept = self._sparse.get(wanted)
+        if kept is not None and kept.sources is sources and kept.dests is dests and kept.baselines is self.baselines:
+            return kept
+        self._sparse.pop(wanted, None)
+        src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
+        kept = _SparseKept(sources, dests, self.baselines, src, dst, [None] * len(self._slice(wanted).buckets))
+        if len(self._sparse) >= MAX_PROGRAMS:
+            self._sparse.pop(next(iter(self._sparse)))
+        self._sparse[wanted] = kept
+        return kept
 
     def _slice(self, wanted: tuple[int, ...] | None) -> RankSchedule:
         """This rank's buckets for a tensor subset, expanded once (sparse rounds replay it)."""
@@ -322,4 +334,4 @@ class RankSession:
     def close(self) -> None:
         self.transport.close()
         self._programs.clear()
-        self._sparse_views.clear()
+        self._sparse.clear()

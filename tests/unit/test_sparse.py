@@ -364,3 +364,29 @@ def test_a_bucket_s_views_built_once_serve_every_later_round_bit_exactly():
         for s, live, base in zip(sources, lives, baselines):
             wire = s.to(torch.bfloat16).view(torch.int16)
             assert torch.equal(live.view(torch.int16), wire) and torch.equal(base.view(torch.int16), wire), density
+
+
+def test_a_session_keeps_sparse_views_only_while_its_endpoints_and_baselines_are_the_same_objects():
+    """`RankSession._sparse_kept`: a subset's endpoints by index and its buckets' views are kept
+    round after round while the endpoint mappings and the baselines are the same objects; new
+    mappings (a rank binds anew when a weight moves) or new baselines start afresh."""
+    import types
+
+    from rl_sync.engine.session import RankSession
+
+    walked = []
+    session = types.SimpleNamespace(
+        _sparse={},
+        baselines={},
+        _indices=lambda endpoints, side: walked.append(side) or {0: endpoints},
+        _slice=lambda wanted: types.SimpleNamespace(buckets=["b0", "b1"]),
+    )
+    sources, dests = {"w": 1}, {"w": 2}
+    kept = RankSession._sparse_kept(session, None, sources, dests)
+    assert kept.views == [None, None] and kept.src == {0: sources} and walked == ["source", "destination"]
+    kept.views[0] = "views of b0"
+    assert RankSession._sparse_kept(session, None, sources, dests) is kept and len(walked) == 2
+    moved = RankSession._sparse_kept(session, None, dict(sources), dests)
+    assert moved is not kept and moved.views == [None, None] and len(walked) == 4
+    session.baselines = {}
+    assert RankSession._sparse_kept(session, None, moved.sources, dests) is not moved
