@@ -22,6 +22,7 @@ message as it arrived and sends them unchanged in the bucket its schedule names.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -201,7 +202,9 @@ def run_sparse_bucket(
     fresh = iter([_encode_message(m, found, first, io, counters, device) for m, first in zip(own, firsts)])
     found.complete()
     encoded = [next(fresh) if m.relay is None else io.kept.pop(m.relay) for m in bucket.sends]
-    headers_in = [torch.empty(2 * len(m.segments), dtype=torch.int64, device=device) for m in bucket.recvs]
+    sizes = [2 * len(m.segments) for m in bucket.recvs]
+    arriving = torch.empty(sum(sizes), dtype=torch.int64, device=device)  # every header, read in one copy
+    headers_in = list(arriving.split(sizes))
     where = describe_bucket(bucket, names)
     _exchange(
         transport,
@@ -211,9 +214,10 @@ def run_sparse_bucket(
         f"{where} (headers)",
         lambda: None,
     )
+    values, firsts = arriving.tolist(), itertools.accumulate(sizes, initial=0)
     layouts = [
-        _layout(h.tolist(), ns, dtypes, f"{where}, message from rank {m.peer}")
-        for m, h, (dtypes, ns, _) in zip(bucket.recvs, headers_in, views.receives)
+        _layout(values[first : first + size], ns, dtypes, f"{where}, message from rank {m.peer}")
+        for m, first, size, (dtypes, ns, _) in zip(bucket.recvs, firsts, sizes, views.receives)
     ]
     payloads_in = [torch.empty(layout.nbytes, dtype=torch.uint8, device=device) for layout in layouts]
     received, segments = _exchange(
