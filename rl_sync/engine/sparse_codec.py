@@ -450,7 +450,8 @@ class BucketReceiver:
         written into `view` (`add_message` of one box)."""
         check_count(code, k, n, f"box slot {slot}")
         at = payload_layout(code, n, k, dtype.itemsize)
-        self.add_message(slot, MessageLayout([(code, k, n, at, 0)], at.nbytes), [dtype], block, [view])
+        layout = MessageLayout([(code, k, n, at, 0)], at.nbytes, [dtype.itemsize])
+        self.add_message(slot, layout, [dtype], block, [view])
 
     def add_message(
         self,
@@ -463,13 +464,17 @@ class BucketReceiver:
         """The boxes of one message, in slots `first`, `first + 1`, ...: box i of `layout`
         (`encodings.message_layout`) of `dtypes[i]`, its payload at its start in `payload`, to be
         written into `views[i]`. Reads where `payload` lies, not its bytes. Refuses, adding nothing,
-        slots outside the bucket or added before, and a payload not of the layout's size or not
-        16-byte aligned."""
+        dtypes of other element sizes than the layout's, slots outside the bucket or added before,
+        a payload not of the layout's size or not 16-byte aligned, and a box for the fused path
+        once the tables are prepared."""
         count = len(layout.boxes)
         if len(dtypes) != count or len(views) != count:
             raise ValueError(
                 f"{count} boxes in the layout, {len(dtypes)} dtypes and {len(views)} views; expected one of each a box"
             )
+        sizes = [dtype.itemsize for dtype in dtypes]
+        if sizes != layout.itemsizes:  # (the parts' sizes, so the kernels' reads, follow from them)
+            raise ValueError(f"the layout was made for element sizes {layout.itemsizes}; the dtypes have {sizes}")
         if first < 0 or first + count > self._boxes:
             slot = first if first < 0 else first + count - 1
             raise IndexError(f"box slot {slot} is outside this bucket's {self._boxes} boxes")

@@ -718,11 +718,12 @@ class FusedReceiver:
         bitmap row, one for a blocked row; Triton's `bitmap_counts`: a program a bitmap tile) and
         a write, `(key, density class)` (`expand`) for a bitmap row, `(key, None)`
         (`blocked_apply`) and `BLOCKED_CHECKS` for a blocked one."""
-        if self._checks is not None:
-            raise RuntimeError(f"box {first} was added after this bucket's receiver tables were prepared")
         device, base, cuda, entries = payload.get_device(), payload.data_ptr(), self._cuda, self._entries
-        rows, checks, writes, counts = self._host_rows, self._check_programs, self._writes_of, self._counts
-        spans = self._spans
+        rows: list[int] = []  # (the message's, joined to the bucket's once every box is through: a box
+        checks: list[int] = []  # that raises leaves nothing of the message behind)
+        writes: list[Launch] = []
+        counts: list[int] = []
+        spans: list[tuple[int, int]] = []
         others: list[int] = []
         anchors: dict[int, int] = {}  # each width's anchor address on the device
         for i, (code, k, n, at, start) in enumerate(boxes):
@@ -736,6 +737,8 @@ class FusedReceiver:
             if dest is None:
                 others.append(i)
                 continue
+            if self._checks is not None:
+                raise RuntimeError(f"box {first + i} was added after this bucket's receiver tables were prepared")
             anchor = anchors.get(width)
             if anchor is None:
                 anchor = anchors[width] = kernels.anchor_address(device, width)
@@ -755,9 +758,14 @@ class FusedReceiver:
                 writes.append(((width, fast), None))
             counts.append(m)
             entries += m
-        if len(others) < len(boxes):
+        if counts:
+            self._host_rows += rows
+            self._check_programs += checks
+            self._writes_of += writes
+            self._counts += counts
+            self._spans += spans
             self._kept.append((payload, views))
-            self.boxes += len(boxes) - len(others)
+            self.boxes += len(counts)
             self._entries = entries
         return others
 

@@ -99,10 +99,11 @@ def check_count(code: int, k: int, n: int, what: str) -> None:
 class MessageLayout(NamedTuple):
     """Where each box of one message lies in its payload, its boxes' parts one after another:
     `boxes[i]` is box i's (code, k, n, layout, start), `start` its first byte in the payload;
-    `nbytes` in all."""
+    `nbytes` in all; `itemsizes`, each box's element size, as the layout was made for."""
 
     boxes: list[tuple[int, int, int, PayloadLayout, int]]
     nbytes: int
+    itemsizes: list[int]
 
 
 def message_layout(header: Sequence[int], ns: Sequence[int], itemsizes: Sequence[int], what: str) -> MessageLayout:
@@ -121,4 +122,4 @@ def message_layout(header: Sequence[int], ns: Sequence[int], itemsizes: Sequence
         at = payload_layout(code, n, k, itemsizes[i])
         boxes.append((code, k, n, at, start))
         start += at.nbytes
-    return MessageLayout(boxes, start)
+    return MessageLayout(boxes, start, list(itemsizes))

@@ -312,6 +312,9 @@ def test_a_message_of_every_encoding_is_written_bit_exactly_and_a_bad_one_adds_n
         ValueError, match=rf"^payload of {payload.numel() - 16} bytes, header implies {payload.numel()}$"
     ):
         received.add_message(1, layout, [torch.bfloat16] * 4, payload[:-16], args[2])
+    sizes = r"^the layout was made for element sizes \[2, 2, 2, 2\]; the dtypes have \[4, 2, 2, 2\]$"
+    with pytest.raises(ValueError, match=sizes):
+        received.add_message(1, layout, [torch.float32] + [torch.bfloat16] * 3, payload, args[2])
     with pytest.raises(IndexError, match=r"^box slot 5 is outside this bucket's 5 boxes$"):
         received.add_message(2, layout, *args)
     with pytest.raises(ValueError, match=r"^box slot 0 was added twice to this bucket's receiver$"):

@@ -406,3 +406,50 @@ def test_a_sender_carries_a_flush_of_few_busy_rows_inline(monkeypatch):
     columns, count = kernels.SEND_COLUMNS, kernels.SEND_COUNT.value
     assert [table[count::columns] for table, _ in launched] == [[0], [1, 2], [3, 4], [5, 6]]
     assert [firsts for _, firsts in launched] == [[0, 3]] + [[0, 3, 6]] * 3
+
+
+def _aligned(nbytes: int) -> torch.Tensor:
+    """`nbytes` zero bytes starting 16-byte aligned."""
+    buffer = torch.zeros(nbytes + 16, dtype=torch.uint8)
+    return buffer[(-buffer.data_ptr()) % 16 :][:nbytes]
+
+
+def test_a_message_refused_at_its_second_box_leaves_nothing_of_its_first(monkeypatch):
+    """A message whose second view is refused (an int16 view at an odd address) adds nothing: a
+    message after it takes its slots as if the refused one had never come, one row each."""
+    from rl_sync.engine import sparse_cuda
+    from rl_sync.sparse.encodings import BITMAP, message_layout
+
+    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
+    monkeypatch.setattr(sparse_cuda, "usable", lambda device: False)
+    n = 64
+    odd = torch.frombuffer(bytearray(2 * n + 2), dtype=torch.int16, offset=1, count=n)
+    received = sparse_codec.BucketReceiver(torch.device("cpu"), 3)
+    layout = message_layout([BITMAP, 1, BITMAP, 1], [n, n], [2, 2], "m")
+    with pytest.raises(ValueError, match="is not aligned to its 2-byte elements"):
+        views = [torch.zeros(n, dtype=torch.int16), odd]
+        received.add_message(0, layout, [torch.int16] * 2, _aligned(layout.nbytes), views)
+    after = message_layout([BITMAP, 1], [n], [2], "m")
+    received.add_message(2, after, [torch.int16], _aligned(after.nbytes), [torch.zeros(n, dtype=torch.int16)])
+    fused = received._fused
+    assert fused.boxes == 1 and len(fused._host_rows) == sparse_fused.kernels.RECV_COLUMNS
+    assert fused._host_rows[10] == 2 and fused._entries == 1 and list(received._added) == [0, 0, 1]
+
+
+def test_after_its_tables_are_prepared_a_receiver_takes_boxes_for_the_torch_path_only(monkeypatch):
+    """Once the fused tables are prepared, a box for the torch path (dense) is still taken; one for
+    the fused path is refused, naming its slot, and nothing of its message is added."""
+    from rl_sync.engine import sparse_cuda
+    from rl_sync.sparse.encodings import BITMAP, DENSE, encoded_nbytes
+
+    monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)
+    monkeypatch.setattr(sparse_cuda, "usable", lambda device: False)
+    n = 64
+    live = lambda: torch.zeros(n, dtype=torch.bfloat16)  # noqa: E731
+    received = sparse_codec.BucketReceiver(torch.device("cpu"), 3)
+    received.add(0, BITMAP, 0, n, torch.bfloat16, _aligned(encoded_nbytes(BITMAP, n, 0, 2)), live())
+    received.prepare()
+    received.add(1, DENSE, n, n, torch.bfloat16, _aligned(encoded_nbytes(DENSE, n, n, 2)), live())
+    with pytest.raises(RuntimeError, match=r"^box 2 was added after this bucket's receiver tables were prepared$"):
+        received.add(2, BITMAP, 0, n, torch.bfloat16, _aligned(encoded_nbytes(BITMAP, n, 0, 2)), live())
+    assert list(received._added) == [1, 1, 0] and received._fused.boxes == 1
