@@ -75,7 +75,8 @@ def _wire(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class BucketViews:
     """What a sparse bucket reads and writes, as views of the round's endpoints: each segment this
     rank sends, its source (as the trainer keeps it), the wire's dtype, its baseline and its box;
-    each message it receives, its segments' dtypes, element counts and destination views. Built on
+    each message it receives, its segments' dtypes, element counts and destination views; each
+    segment it copies locally, its source, destination and baseline views. Built on
     the bucket's first round; the session keeps them while its endpoint mappings stay the same
     objects, as it keeps compiled dense rounds (a rank binds anew when a weight moves), so a round
     slices no endpoint per segment."""
@@ -85,6 +86,7 @@ class BucketViews:
     baselines: list[torch.Tensor]
     boxes: list[tuple[int, tuple[int, ...], tuple[int, ...]]]
     receives: list[tuple[list[torch.dtype], list[int], list[torch.Tensor]]]
+    local: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
     @classmethod
     def of(cls, bucket: RankBucket, io: SparseIO) -> BucketViews:
@@ -100,6 +102,14 @@ class BucketViews:
             [io.baselines[seg.tensor].view(seg.offsets, seg.sizes) for seg in sent],
             [(seg.tensor, tuple(seg.offsets), tuple(seg.sizes)) for seg in sent],
             receives,
+            [
+                (
+                    io.sources[seg.tensor].view(seg.offsets, seg.sizes),
+                    io.dests[seg.tensor].view(seg.offsets, seg.sizes),
+                    io.baselines[seg.tensor].view(seg.offsets, seg.sizes),
+                )
+                for seg in bucket.local
+            ],
         )
 
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -239,10 +249,9 @@ def run_sparse_bucket(
             f"{[names[segments[i].tensor] for i in bad][:4]} (index out of range, out of order, or "
             "bitmap count mismatch); nothing of this bucket was written"
         )
-    for seg in bucket.local:
-        cur = io.sources[seg.tensor].view(seg.offsets, seg.sizes)
-        io.dests[seg.tensor].view(seg.offsets, seg.sizes).copy_(cur)
-        io.baselines[seg.tensor].view(seg.offsets, seg.sizes).copy_(cur)
+    for seg, (cur, dest, baseline) in zip(bucket.local, views.local):
+        dest.copy_(cur)
+        baseline.copy_(cur)
         counters.local_bytes += seg.nbytes
     counters.sent_bytes += sum(h.numel() * 8 + p.numel() for h, p in encoded)
     counters.received_bytes += sum(h.numel() * 8 + p.numel() for h, p in zip(headers_in, payloads_in))

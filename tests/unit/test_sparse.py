@@ -328,7 +328,7 @@ def test_a_bucket_s_views_built_once_serve_every_later_round_bit_exactly():
     """`BucketViews` of a bucket, built on its first round and passed to the rounds after (as the
     session keeps them): each round's changes, found in fp32 sources cast to the bf16 wire as they
     are that round, reach the live tensors and the baselines bit for bit, over a loopback on CPU,
-    two messages of two boxes each, one of them a strided box."""
+    two messages of two boxes each, one of them a strided box, and a box copied locally."""
     import time
     import types
 
@@ -348,7 +348,7 @@ def test_a_bucket_s_views_built_once_serve_every_later_round_bit_exactly():
             pass
 
     gen = torch.Generator().manual_seed(3)
-    sources = [torch.randn(64, 48, generator=gen) for _ in range(2)]
+    sources = [torch.randn(64, 48, generator=gen) for _ in range(3)]
     baselines = [s.to(torch.bfloat16) for s in sources]
     lives = [b.clone() for b in baselines]
     segment = lambda t, at, sizes: Segment(t, at, sizes, sizes[0] * sizes[1] * 2, 0)  # noqa: E731
@@ -356,14 +356,14 @@ def test_a_bucket_s_views_built_once_serve_every_later_round_bit_exactly():
         Message(1, 0, (segment(0, (0, 0), (32, 48)), segment(1, (0, 0), (64, 20)))),
         Message(1, 0, (segment(0, (32, 0), (32, 48)), segment(1, (0, 20), (64, 28)))),
     )
-    bucket = RankBucket(0, messages, messages, ())
+    bucket = RankBucket(0, messages, messages, (segment(2, (0, 0), (64, 48)),))
     endpoints = lambda ts: {i: Endpoint(t, (0, 0)) for i, t in enumerate(ts)}  # noqa: E731
-    io = SparseIO(endpoints(sources), endpoints(baselines), endpoints(lives), [torch.bfloat16] * 2, allow_dense=True)
+    io = SparseIO(endpoints(sources), endpoints(baselines), endpoints(lives), [torch.bfloat16] * 3, allow_dense=True)
     views = BucketViews.of(bucket, io)
     for density in (0.01, 0.2, 1.0):
         for s in sources:
             s.add_(torch.where(torch.rand(s.shape, generator=gen) < density, 1.0, 0.0))
-        run_sparse_bucket(bucket, io, Loopback(), time.monotonic() + 30, SparseCounters(), ["a", "b"], views)
+        run_sparse_bucket(bucket, io, Loopback(), time.monotonic() + 30, SparseCounters(), ["a", "b", "c"], views)
         for s, live, base in zip(sources, lives, baselines):
             wire = s.to(torch.bfloat16).view(torch.int16)
             assert torch.equal(live.view(torch.int16), wire) and torch.equal(base.view(torch.int16), wire), density
