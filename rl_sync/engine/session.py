@@ -81,7 +81,7 @@ class _SparseKept:
 
     sources: Mapping
     dests: Mapping
-    baselines: object
+    baselines: dict[int, Endpoint] | None
     src: dict[int, Endpoint]
     dst: dict[int, Endpoint]
     views: list[BucketViews | None]

@@ -725,7 +725,6 @@ class FusedReceiver:
         counts: list[int] = []
         spans: list[tuple[int, int]] = []
         others: list[int] = []
-        anchors: dict[int, int] = {}  # each width's anchor address on the device
         for i, (code, k, n, at, start) in enumerate(boxes):
             view, dtype = views[i], dtypes[i]
             width = dtype.itemsize
@@ -739,11 +738,8 @@ class FusedReceiver:
                 continue
             if self._checks is not None:
                 raise RuntimeError(f"box {first + i} was added after this bucket's receiver tables were prepared")
-            anchor = anchors.get(width)
-            if anchor is None:
-                anchor = anchors[width] = kernels.anchor_address(device, width)
             block, fast, slot = base + start, dest.fast, first + i
-            values = (block + at.values - anchor) // width  # (every part 16-byte aligned: whole elements)
+            values = (block + at.values - kernels.anchor_address(device, width)) // width  # (parts 16-byte aligned)
             if code == BITMAP:
                 m = -(-n // TILE)
                 rows += (block, 0, values, *dest.columns, n, k, slot, entries, m, 0, TILE)

@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import numpy as np
 import torch
 
 from ..planning.relay import RelayKey
@@ -75,7 +74,8 @@ def _wire(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class BucketViews:
     """What a sparse bucket reads and writes, as views of the round's endpoints: each segment this
     rank sends, its source (as the trainer keeps it), the wire's dtype, its baseline and its box;
-    each message it receives, its segments' dtypes, element counts and destination views; each
+    each message it receives, its segments' dtypes, element counts, element sizes and destination
+    views; each
     segment it copies locally, its source, destination and baseline views. Built on
     the bucket's first round; the session keeps them while its endpoint mappings stay the same
     objects, as it keeps compiled dense rounds (a rank binds anew when a weight moves), so a round
@@ -85,7 +85,7 @@ class BucketViews:
     wire: list[torch.dtype]
     baselines: list[torch.Tensor]
     boxes: list[tuple[int, tuple[int, ...], tuple[int, ...]]]
-    receives: list[tuple[list[torch.dtype], list[int], list[torch.Tensor]]]
+    receives: list[tuple[list[torch.dtype], list[int], list[int], list[torch.Tensor]]]
     local: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
     @classmethod
@@ -94,8 +94,10 @@ class BucketViews:
         receives = []
         for msg in bucket.recvs:
             dtypes = [io.dtypes[seg.tensor] for seg in msg.segments]
-            ns = [seg.nbytes // dtype.itemsize for seg, dtype in zip(msg.segments, dtypes)]
-            receives.append((dtypes, ns, [io.dests[seg.tensor].view(seg.offsets, seg.sizes) for seg in msg.segments]))
+            sizes = [dtype.itemsize for dtype in dtypes]
+            ns = [seg.nbytes // size for seg, size in zip(msg.segments, sizes)]
+            dests = [io.dests[seg.tensor].view(seg.offsets, seg.sizes) for seg in msg.segments]
+            receives.append((dtypes, ns, sizes, dests))
         return cls(
             [io.sources[seg.tensor].view(seg.offsets, seg.sizes) for seg in sent],
             [io.dtypes[seg.tensor] for seg in sent],
@@ -158,12 +160,6 @@ def _encode_message(
     return torch.tensor(header, dtype=torch.int64).to(device), payload
 
 
-def _layout(header: list[int], ns: list[int], dtypes: list[torch.dtype], where: str) -> MessageLayout:
-    """Where each segment of a message lies in its payload, every header checked against the plan
-    before allocation (`encodings.message_layout`)."""
-    return message_layout(header, ns, [dtype.itemsize for dtype in dtypes], where)
-
-
 def _exchange(transport: Transport, sends, recvs, deadline: float, label: str, meanwhile: Callable[[], T]) -> T:
     """One grouped exchange, complete before the host reads it (digests are checked once, at
     the round's `finish`); `meanwhile()` runs while it is in flight (what arrives must not be
@@ -179,13 +175,17 @@ def _exchange(transport: Transport, sends, recvs, deadline: float, label: str, m
 
 
 def _receiver(
-    bucket: RankBucket, views: BucketViews, layouts: list[MessageLayout], payloads: list[torch.Tensor], device
+    bucket: RankBucket,
+    views: BucketViews,
+    layouts: list[MessageLayout],
+    payloads: list[torch.Tensor],
+    device: torch.device,
 ) -> tuple[sparse_codec.BucketReceiver, list[Segment]]:
     """The bucket's receiver, every message it receives added (its payload, whose bytes have not
     arrived yet, in `payloads`) and prepared; the segments, by slot."""
     received = sparse_codec.BucketReceiver(device, sum(len(m.segments) for m in bucket.recvs))
     segments: list[Segment] = []
-    for msg, (dtypes, _, dests), layout, payload in zip(bucket.recvs, views.receives, layouts, payloads):
+    for msg, (dtypes, _, _, dests), layout, payload in zip(bucket.recvs, views.receives, layouts, payloads):
         received.add_message(len(segments), layout, dtypes, payload, dests)
         segments += msg.segments
     received.prepare()
@@ -208,7 +208,7 @@ def run_sparse_bucket(
     found = _find_changes(views, io, device)
     counters.placed += found.placed is not None
     own = [m for m in bucket.sends if m.relay is None]
-    firsts = np.cumsum([0] + [len(m.segments) for m in own]).tolist()
+    firsts = itertools.accumulate((len(m.segments) for m in own), initial=0)
     fresh = iter([_encode_message(m, found, first, io, counters, device) for m, first in zip(own, firsts)])
     found.complete()
     encoded = [next(fresh) if m.relay is None else io.kept.pop(m.relay) for m in bucket.sends]
@@ -224,10 +224,10 @@ def run_sparse_bucket(
         f"{where} (headers)",
         lambda: None,
     )
-    values, firsts = arriving.tolist(), itertools.accumulate(sizes, initial=0)
-    layouts = [
-        _layout(values[first : first + size], ns, dtypes, f"{where}, message from rank {m.peer}")
-        for m, first, size, (dtypes, ns, _) in zip(bucket.recvs, firsts, sizes, views.receives)
+    values, starts = arriving.tolist(), itertools.accumulate(sizes, initial=0)
+    layouts = [  # (every header checked against the plan before anything is allocated from it)
+        message_layout(values[start : start + size], ns, itemsizes, f"{where}, message from rank {m.peer}")
+        for m, start, size, (_, ns, itemsizes, _) in zip(bucket.recvs, starts, sizes, views.receives)
     ]
     payloads_in = [torch.empty(layout.nbytes, dtype=torch.uint8, device=device) for layout in layouts]
     received, segments = _exchange(
