@@ -194,8 +194,10 @@ def _sides(codec, bucket: _Bucket):
         found.finish()
         mark("finish")
 
+    kept = {"kept": codec.KeptTables()} if hasattr(codec, "KeptTables") else {}  # (kept by a round's bucket views)
+
     def apply_all(mark=_no_mark):  # validate and write every box (one host sync, after the writes)
-        received = codec.BucketReceiver(device, tensors)
+        received = codec.BucketReceiver(device, tensors, **kept)
         if hasattr(received, "add_message"):  # (the whole message at once; older trees add box by box)
             layout = message_layout(header, [n] * tensors, [2] * tensors, "the benchmark's message")
             received.add_message(0, layout, [torch.bfloat16] * tensors, bucket.payload, bucket.live)

@@ -37,7 +37,7 @@ from ..sparse.encodings import (
 )
 
 if TYPE_CHECKING:
-    from .sparse_fused import FusedReceiver
+    from .sparse_receiver import Destination, FusedReceiver, Tables
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -253,6 +253,14 @@ def _fused():
     return sparse_fused
 
 
+@functools.cache
+def _receiver():
+    """`sparse_receiver`, imported on first use, as `_fused`."""
+    from . import sparse_receiver
+
+    return sparse_receiver
+
+
 def flags_layout(boxes: int) -> tuple[int, int]:
     """(where the counters begin, how many values in all) of the int32 values a receiver of `boxes`
     boxes starts from zero (`_zeroed_flags`): a flag a box, the guard, then a counter (int64, so
@@ -414,10 +422,34 @@ def _advance(base: torch.Tensor, cur: torch.Tensor, code: int, changes: Changes,
         apply(INDICES, base, changes.index.to(base.device), values.to(base.device))
 
 
+def check_elements(first: int, boxes: Sequence[tuple], views: Sequence[torch.Tensor]) -> None:
+    """Refuses a message whose view i (slot `first + i`) holds other elements than its box
+    (`encodings.MessageLayout.boxes[i]`): the fused kernels would write past a smaller one."""
+    for i, (view, (_, _, n, _, _)) in enumerate(zip(views, boxes)):
+        if view.numel() != n:
+            held = view.numel()
+            raise ValueError(f"box slot {first + i}: its destination view holds {held} elements; the box has {n}")
+
+
+class KeptTables:
+    """What the receivers of one bucket keep from round to round (`BucketReceiver(..., kept=)`; a
+    sparse round keeps one with the bucket's views, `sparse_round.BucketViews`): each message's
+    destinations as the fused kernels address them, by first slot, while the same view objects
+    come there; and the tables of the last few header shapes (each box's encoding and density
+    class) of the bucket (`sparse_receiver.FusedReceiver`). The views are found again by identity:
+    a view whose own shape or storage is changed in place (`set_`, `resize_`) must not come back
+    under the same `KeptTables`. One round at a time."""
+
+    def __init__(self) -> None:
+        self.destinations: dict[int, tuple[tuple, tuple, int, list[Destination]]] = {}
+        self.tables: OrderedDict[tuple, Tables] = OrderedDict()
+
+
 class BucketReceiver:
     """Every box one rank receives in a bucket: validated together, then written together.
 
-    Usage: `received = BucketReceiver(device, boxes)`; `received.add_message(first, layout, dtypes,
+    Usage: `received = BucketReceiver(device, boxes)` (or `kept=` the bucket's `KeptTables`, to
+    reuse what its earlier rounds worked out); `received.add_message(first, layout, dtypes,
     payload, views)` for each message (or `received.add(slot, code, k, n, dtype, block, view)` for
     each box), which reads the headers and where the payload lies but not its bytes;
     optionally `received.prepare()`; then, once every payload is in its block, `bad =
@@ -435,8 +467,10 @@ class BucketReceiver:
     gives them to the next receiver of as many boxes on the device (`_zeroed_flags`): no zeroing
     is queued before its checks."""
 
-    def __init__(self, device: torch.device, boxes: int):
-        self.device, self._boxes = device, boxes
+    def __init__(self, device: torch.device, boxes: int, kept: KeptTables | None = None):
+        """`kept`: what the bucket's receivers of earlier rounds worked out (`KeptTables`), where
+        the caller keeps it."""
+        self.device, self._boxes, self._kept = device, boxes, kept
         self.flags = _zeroed_flags(device, boxes)
         self._committed: list[int] | None = None  # (what `commit` found, once it has run)
         self._decodes: list[tuple] = []  # the torch path's boxes: `add`'s arguments, decoded at `commit`
@@ -465,8 +499,8 @@ class BucketReceiver:
         (`encodings.message_layout`) of `dtypes[i]`, its payload at its start in `payload`, to be
         written into `views[i]`. Reads where `payload` lies, not its bytes. Refuses, adding nothing,
         dtypes of other element sizes than the layout's, slots outside the bucket or added before,
-        a payload not of the layout's size or not 16-byte aligned, and a box for the fused path
-        once the tables are prepared."""
+        a payload not of the layout's size or not 16-byte aligned, a view of other elements than
+        its box's, and a box for the fused path once the tables are prepared."""
         count = len(layout.boxes)
         if len(dtypes) != count or len(views) != count:
             raise ValueError(
@@ -487,8 +521,10 @@ class BucketReceiver:
         others: Sequence[int] = range(count)
         if _on_kernel_device(payload):
             if self._fused is None:
-                self._fused = _fused().FusedReceiver(self.device, self.flags, self._boxes)
+                self._fused = _receiver().FusedReceiver(self.device, self.flags, self._boxes, self._kept)
             others = self._fused.add_message(first, layout.boxes, dtypes, payload, views)
+        else:
+            check_elements(first, layout.boxes, views)
         self._added[first : first + count] = b"\x01" * count
         for i in others:
             code, k, n, at, start = layout.boxes[i]

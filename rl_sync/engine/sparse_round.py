@@ -75,8 +75,8 @@ class BucketViews:
     """What a sparse bucket reads and writes, as views of the round's endpoints: each segment this
     rank sends, its source (as the trainer keeps it), the wire's dtype, its baseline and its box;
     each message it receives, its segments' dtypes, element counts, element sizes and destination
-    views; each
-    segment it copies locally, its source, destination and baseline views. Built on
+    views (and what its receivers keep, `sparse_codec.KeptTables`); each segment it copies
+    locally, its source, destination and baseline views. Built on
     the bucket's first round; the session keeps them while its endpoint mappings stay the same
     objects, as it keeps compiled dense rounds (a rank binds anew when a weight moves), so a round
     slices no endpoint per segment."""
@@ -87,6 +87,8 @@ class BucketViews:
     boxes: list[tuple[int, tuple[int, ...], tuple[int, ...]]]
     receives: list[tuple[list[torch.dtype], list[int], list[int], list[torch.Tensor]]]
     local: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    tables: sparse_codec.KeptTables = field(default_factory=sparse_codec.KeptTables)
+    """What the bucket's receivers keep from round to round (its destinations and tables)."""
 
     @classmethod
     def of(cls, bucket: RankBucket, io: SparseIO) -> BucketViews:
@@ -183,7 +185,7 @@ def _receiver(
 ) -> tuple[sparse_codec.BucketReceiver, list[Segment]]:
     """The bucket's receiver, every message it receives added (its payload, whose bytes have not
     arrived yet, in `payloads`) and prepared; the segments, by slot."""
-    received = sparse_codec.BucketReceiver(device, sum(len(m.segments) for m in bucket.recvs))
+    received = sparse_codec.BucketReceiver(device, sum(len(m.segments) for m in bucket.recvs), views.tables)
     segments: list[Segment] = []
     for msg, (dtypes, _, _, dests), layout, payload in zip(bucket.recvs, views.receives, layouts, payloads):
         received.add_message(len(segments), layout, dtypes, payload, dests)

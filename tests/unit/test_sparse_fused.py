@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from rl_sync.engine import sparse_codec, sparse_fused
+from rl_sync.engine import sparse_codec, sparse_fused, sparse_receiver
 from rl_sync.engine.sparse_codec import overlapping
 
 
@@ -107,10 +107,10 @@ def test_launches_take_the_cuda_kernels_only_on_the_vectorized_path_and_expand_o
 def test_bitmap_destinations_that_share_a_byte_are_told_apart_from_disjoint_ones():
     """The CUDA `expand` rewrites whole 16-byte runs, so a bucket whose bitmap destinations overlap
     takes Triton's (`FusedReceiver.write`)."""
-    assert sparse_fused.disjoint([]) and sparse_fused.disjoint([(0, 64)])
-    assert sparse_fused.disjoint([(64, 128), (0, 64), (128, 130)])  # touching, in any order
-    assert not sparse_fused.disjoint([(64, 128), (0, 65)])
-    assert not sparse_fused.disjoint([(0, 1000), (16, 32)])  # one inside another
+    assert sparse_receiver.disjoint([]) and sparse_receiver.disjoint([(0, 64)])
+    assert sparse_receiver.disjoint([(64, 128), (0, 64), (128, 130)])  # touching, in any order
+    assert not sparse_receiver.disjoint([(64, 128), (0, 65)])
+    assert not sparse_receiver.disjoint([(0, 1000), (16, 32)])  # one inside another
 
 
 def test_a_bucket_geometry_records_which_diff_it_cuts_its_tiles_for(monkeypatch):
@@ -432,8 +432,10 @@ def test_a_message_refused_at_its_second_box_leaves_nothing_of_its_first(monkeyp
     after = message_layout([BITMAP, 1], [n], [2], "m")
     received.add_message(2, after, [torch.int16], _aligned(after.nbytes), [torch.zeros(n, dtype=torch.int16)])
     fused = received._fused
-    assert fused.boxes == 1 and len(fused._host_rows) == sparse_fused.kernels.RECV_COLUMNS
-    assert fused._host_rows[10] == 2 and fused._entries == 1 and list(received._added) == [0, 0, 1]
+    received.prepare()
+    table = fused._checks[0][1][0]  # (the checks' table: one row)
+    assert fused.boxes == 1 and len(table) == sparse_fused.kernels.RECV_COLUMNS
+    assert table[10] == 2 and fused._entries == 1 and list(received._added) == [0, 0, 1]
 
 
 def test_after_its_tables_are_prepared_a_receiver_takes_boxes_for_the_torch_path_only(monkeypatch):
