@@ -86,6 +86,7 @@ def main() -> None:
         good = [(2, payloads[2][0]), (6, payloads[6][0])]  # bitmap, blocked
         malformed_boxes_write_nothing(cases, pairs, found.counts, [(bad, corrupt), *good])
     rounds_over_overlapping_boxes()
+    rounds_with_kept_tables()
     print("ok")
 
 
@@ -128,6 +129,46 @@ def rounds_over_overlapping_boxes() -> None:
         found.finish()
         assert all(torch.equal(out, expected) for out, expected in outs), seed
         assert torch.equal(_bits(baseline), _bits(cur)), seed
+
+
+def rounds_with_kept_tables() -> None:
+    """Four rounds into the same live views (one strided) through receivers that keep the bucket's
+    tables (`sparse_codec.KeptTables`): the second and fourth with the first's shape (each box's
+    encoding and density class) but other counts, the third with another; each writes the live
+    views bit for bit, and the fourth finds the first's tables."""
+    cases = [((40, 1000), BITMAP), ((3, 70_000), BLOCKED), ((300, 70), BITMAP)]
+    bases = [
+        (torch.randn(shape, generator=torch.Generator().manual_seed(i)) * 10).to(torch.bfloat16)
+        for i, (shape, _) in enumerate(cases)
+    ]
+    lives = [bases[0].clone(), bases[1].clone(), _strided(bases[2])]
+    kept = sparse_codec.KeptTables()
+    for seed, densities, codes in (
+        (20, (0.05, 0.01, 0.1), (BITMAP, BLOCKED, BITMAP)),
+        (21, (0.06, 0.02, 0.09), (BITMAP, BLOCKED, BITMAP)),
+        (22, (0.3, 0.01, 0.01), (BITMAP, BITMAP, BLOCKED)),
+        (23, (0.04, 0.015, 0.11), (BITMAP, BLOCKED, BITMAP)),
+    ):
+        shapes = len(kept.tables)
+        gen = torch.Generator().manual_seed(seed)
+        curs, header, payloads = [], [], []
+        for base, density, code in zip(bases, densities, codes):
+            cur = torch.where(torch.rand(base.shape, generator=gen) < density, base + 1, base)
+            changes = sparse_codec.Changes(cur, base)
+            payload = torch.zeros(encoded_nbytes(code, cur.numel(), changes.count, 2), dtype=torch.uint8)
+            sparse_codec.encode(code, changes, payload)
+            curs.append(cur)
+            header += [code, changes.count]
+            payloads.append(payload)
+        layout = message_layout(header, [c.numel() for c in curs], [2] * len(curs), "m")
+        received = sparse_codec.BucketReceiver(torch.device("cpu"), len(curs), kept)
+        arriving = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        received.add_message(0, layout, [torch.bfloat16] * len(curs), arriving, lives)
+        arriving.copy_(torch.cat(payloads))
+        assert received.commit() == [], seed
+        assert all(torch.equal(_bits(live), _bits(cur)) for live, cur in zip(lives, curs)), seed
+        assert seed != 23 or len(kept.tables) == shapes == 2, (seed, shapes)
+        bases = curs
 
 
 if __name__ == "__main__":
