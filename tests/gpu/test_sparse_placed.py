@@ -13,7 +13,7 @@ import torch
 
 from rl_sync.engine import sparse_codec, sparse_fused
 from rl_sync.engine.endpoint import Endpoint
-from rl_sync.engine.sparse_round import SparseCounters, SparseIO, run_sparse_bucket
+from rl_sync.engine.sparse_round import BucketViews, SparseCounters, SparseIO, run_sparse_bucket
 from rl_sync.planning.schedule import Message, RankBucket, Segment
 from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, choose, payload_layout
 
@@ -181,9 +181,11 @@ class _Loopback:
 
 
 def test_a_sparse_round_sends_the_payloads_its_gpu_placed():
-    """`run_sparse_bucket` over a loopback: two messages of three boxes, placed on the device and
-    written into the live tensors bit for bit; a round that outgrows the buffer is encoded by the
-    host, and the next one fits again."""
+    """`run_sparse_bucket` over a loopback, with the bucket's views kept from round to round as a
+    session keeps them: two messages of three boxes, placed on the device and written into the
+    live tensors bit for bit; a round that outgrows the buffer is encoded by the host, and the
+    next one fits again; a fourth round of the first one's densities finds the receiver tables
+    that round made (`sparse_codec.KeptTables`)."""
     rows, cols = 512, 1024
     names = ["a", "b", "c"]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -201,12 +203,15 @@ def test_a_sparse_round_sends_the_payloads_its_gpu_placed():
     bucket = RankBucket(0, messages, messages, ())
     endpoint = lambda ts: {i: Endpoint(t, (0, 0)) for i, t in enumerate(ts)}  # noqa: E731
     io = SparseIO(endpoint(curs), endpoint(baselines), endpoint(lives), [torch.bfloat16] * 3, allow_dense=True)
-    for round_, (densities, placed) in enumerate((((0.01, 0.1, 0.05), 1), ((1, 1, 1), 0), ((1, 0.5, 1), 1))):
+    views = BucketViews.of(bucket, io)
+    rounds = (((0.01, 0.1, 0.05), 1), ((1, 1, 1), 0), ((1, 0.5, 1), 1), ((0.01, 0.1, 0.05), 1))
+    for round_, (densities, placed) in enumerate(rounds):
         for cur, density in zip(curs, densities):  # (about `density` of each source changed)
             change = torch.rand(rows, cols, generator=gen, device="cuda") < density
             cur.copy_(torch.where(change, (cur.float() * 1.25 + 1).to(torch.bfloat16), cur))
-        counters = SparseCounters()
-        run_sparse_bucket(bucket, io, _Loopback(), time.monotonic() + 60, counters, names)
+        counters, shapes = SparseCounters(), len(views.tables.tables)
+        run_sparse_bucket(bucket, io, _Loopback(), time.monotonic() + 60, counters, names, views)
         torch.cuda.synchronize()
         assert counters.placed == placed, round_
         assert all(torch.equal(_bits(t), _bits(c)) for ts in (lives, baselines) for t, c in zip(ts, curs))
+        assert round_ < 3 or len(views.tables.tables) == shapes  # (the first round's shape)
