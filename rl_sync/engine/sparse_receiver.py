@@ -15,7 +15,9 @@ critical path, before its first launch, the host then spends about a microsecond
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,20 +60,34 @@ def destinations(views: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], d
     """Each view of a message, box i of `dtypes[i]`, whose payload is on the device numbered
     `device`: the fused kernels write it when it is of that dtype (at most 8 bytes), on that
     device, not empty, with dims that merge into two (a view not aligned to its elements raises)."""
-    out = []
-    for view, dtype in zip(views, dtypes):
-        n, width = view.numel(), dtype.itemsize
-        dest = None
-        if view.dtype == dtype and width <= 8 and n and view.get_device() == device:
-            address = view.data_ptr()
-            dest = kernels.strided(address, view.shape, view.stride(), width, device)
-        if dest is None:
-            out.append(Destination(n, None, (width, False), None, width, 0))
-            continue
-        span = (address, address + n * width) if dest.fast else None
-        anchor = kernels.anchor_address(device, width)
-        out.append(Destination(n, (*dest.columns, n), (width, dest.fast), span, width, anchor))
-    return out
+    return [
+        _destination(view.data_ptr(), view.shape, view.stride(), view.dtype, dtype, view.get_device() == device, device)
+        for view, dtype in zip(views, dtypes)
+    ]
+
+
+@functools.lru_cache(maxsize=4096)
+def _destination(
+    address: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    held: torch.dtype,
+    dtype: torch.dtype,
+    here: bool,
+    device: int,
+) -> Destination:
+    """`destinations`' answer for a view at `address` of `shape` and `strides`, holding `held`, for
+    a box of `dtype`, on the payload's device (`here`) numbered `device`: a pure function of its
+    arguments, kept for the views a round finds again every step."""
+    n, width = math.prod(shape), dtype.itemsize
+    dest = None
+    if held == dtype and width <= 8 and n and here:
+        dest = kernels.strided(address, shape, strides, width, device)
+    if dest is None:
+        return Destination(n, None, (width, False), None, width, 0)
+    span = (address, address + n * width) if dest.fast else None
+    anchor = kernels.anchor_address(device, width)
+    return Destination(n, (*dest.columns, n), (width, dest.fast), span, width, anchor)
 
 
 _FUSED_CODES = (BITMAP, BLOCKED)
@@ -134,22 +150,26 @@ def tables(messages: Sequence[Message], usable: bool) -> Tables:
     program a bitmap tile) and a write, `(key, density class)` (`expand`) for a bitmap row,
     `(key, None)` (`blocked_apply`) and `BLOCKED_CHECKS` for a blocked one."""
     rows: list[int] = []
-    checks, writes, counts, spans, entries = [], [], [], [], 0
+    writes: list[Launch] = []
+    checks, counts, spans, entries = [], [], [], 0
     for first, dests, shape in messages:
-        for i, place in enumerate(shape):
+        for slot, dest, place in zip(itertools.count(first), dests, shape):
             if place == _TORCH:
                 continue
-            dest = dests[i]
-            assert dest.columns is not None  # (a fused box's)
-            bitmap = place != _BLOCKED_ROW
-            m = -(-dest.n // (TILE if bitmap else BLOCK))
-            rows += (0, 0, 0, *dest.columns, 0, first + i, entries, m, 0, TILE if bitmap else BLOCK)
-            checks.append((-(-m // STARTS_WARPS) if usable else m) if bitmap else int(usable))
-            writes.append((dest.key, place if bitmap else None))
+            if place == _BLOCKED_ROW:
+                m = -(-dest.n // BLOCK)
+                rows += (0, 0, 0, *dest.columns, 0, slot, entries, m, 0, BLOCK)
+                checks.append(int(usable))
+                writes.append((dest.key, None))
+            else:
+                m = -(-dest.n // TILE)
+                rows += (0, 0, 0, *dest.columns, 0, slot, entries, m, 0, TILE)
+                checks.append(-(-m // STARTS_WARPS) if usable else m)
+                writes.append((dest.key, place))
+                if dest.span is not None:
+                    spans.append(dest.span)
             counts.append(m)
             entries += m
-            if bitmap and dest.span is not None:
-                spans.append(dest.span)
     programs = _programs(checks, writes, counts)
     cuda = usable and disjoint(spans)
     writers = [_writer(key, density_, cuda, usable) for key, density_ in filter(_is_write, programs)]
