@@ -44,12 +44,12 @@ def disjoint(spans: list[tuple[int, int]]) -> bool:
 class Destination(NamedTuple):
     """A box's destination view as a receiver writes it: its elements `n`; where the fused kernels
     can write it, its row's columns from `RECV_DEST` through `RECV_N` (`Strided2D.columns`, then
-    `n`), otherwise None; its launch key; the bytes it spans where it is on the vectorized path
+    `n`), otherwise none; its launch key; the bytes it spans where it is on the vectorized path
     (else None); and its element width and the address of that width's anchor, from which a
     row's values are counted."""
 
     n: int
-    columns: tuple[int, ...] | None
+    columns: tuple[int, ...]
     key: Key
     span: tuple[int, int] | None
     width: int
@@ -84,7 +84,7 @@ def _destination(
     if held == dtype and width <= 8 and n and here:
         dest = kernels.strided(address, shape, strides, width, device)
     if dest is None:
-        return Destination(n, None, (width, False), None, width, 0)
+        return Destination(n, (), (width, False), None, width, 0)
     span = (address, address + n * width) if dest.fast else None
     anchor = kernels.anchor_address(device, width)
     return Destination(n, (*dest.columns, n), (width, dest.fast), span, width, anchor)
@@ -267,7 +267,7 @@ class FusedReceiver:
             dest = dests[i]
             if dest.n != n:
                 check_elements(first, boxes, views)
-            if dest.columns is None or code not in _FUSED_CODES:
+            if not dest.columns or code not in _FUSED_CODES:
                 shape.append(_TORCH)
                 others.append(i)
                 continue
