@@ -181,10 +181,11 @@ def _sides(codec, bucket: _Bucket):
     boxes = [(i, (0,), (n,)) for i in range(tensors)]
 
     placing = {"allow_dense": True} if "allow_dense" in inspect.signature(codec.BucketChanges).parameters else {}
+    kept = {"kept": codec.KeptTables()} if hasattr(codec, "KeptTables") else {}  # (kept by a round's bucket views)
     header = bucket.header()  # (as a round reads it before it adds the message)
 
     def encode_all(mark=_no_mark):  # the changes, the encodings, the baselines
-        found = codec.BucketChanges(list(zip(bucket.cur, bucket.baseline)), boxes, **placing)
+        found = codec.BucketChanges(list(zip(bucket.cur, bucket.baseline)), boxes, **placing, **kept)
         mark("find (waits: counts)")
         bucket.placed = getattr(found, "placed", None)  # (encoded on the device already; older trees lack it)
         if bucket.placed is None:
@@ -194,7 +195,6 @@ def _sides(codec, bucket: _Bucket):
         found.finish()
         mark("finish")
 
-    kept = {"kept": codec.KeptTables()} if hasattr(codec, "KeptTables") else {}  # (kept by a round's bucket views)
 
     def apply_all(mark=_no_mark):  # validate and write every box (one host sync, after the writes)
         received = codec.BucketReceiver(device, tensors, **kept)

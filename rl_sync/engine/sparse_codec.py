@@ -37,6 +37,7 @@ from ..sparse.encodings import (
 )
 
 if TYPE_CHECKING:
+    from .sparse_fused import _Geometry
     from .sparse_receiver import Destination, FusedReceiver, Tables
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -365,15 +366,17 @@ class BucketChanges:
         boxes: Sequence[Box],
         payloads: torch.device | None = None,
         allow_dense: bool | None = None,
+        kept: KeptTables | None = None,
     ):
         """`payloads`: the device the payload buffers will be on, when known (the fused path writes
         them from the GPU, so CUDA boxes whose payloads go to the host take the torch path);
         `allow_dense`: whether dense may be picked, for a bucket encoded on the device (None: the
-        caller picks each encoding)."""
+        caller picks each encoding); `kept`: the bucket's `KeptTables`, where the caller keeps one
+        (its geometry is then found by the pairs' tensor objects)."""
         self.pairs = list(pairs)
         fusable = payloads is None or payloads.type == "cuda"  # (the fused kernels write payloads on the GPU)
         candidates = [i for i, (cur, _) in enumerate(self.pairs) if _on_kernel_device(cur)] if fusable else []
-        geometry = _fused().geometry(self.pairs, candidates, overlapping(boxes)) if candidates else None
+        geometry = _fused().geometry(self.pairs, candidates, overlapping(boxes), kept) if candidates else None
         fused = _fused().FusedSender(self.pairs, geometry, allow_dense) if geometry and geometry.boxes else None
         self._fused = fused
         self._changes = [None if fused and i in fused.geometry.boxes else Changes(*p) for i, p in enumerate(self.pairs)]
@@ -432,15 +435,18 @@ def check_elements(first: int, boxes: Sequence[tuple], views: Sequence[torch.Ten
 
 
 class KeptTables:
-    """What the receivers of one bucket keep from round to round (`BucketReceiver(..., kept=)`; a
-    sparse round keeps one with the bucket's views, `sparse_round.BucketViews`): each message's
-    destinations as the fused kernels address them, by first slot, while the same view objects
-    come there; and the tables of the last few header shapes (each box's encoding and density
-    class) of the bucket (`sparse_receiver.FusedReceiver`). The views are found again by identity:
-    a view whose own shape or storage is changed in place (`set_`, `resize_`) must not come back
-    under the same `KeptTables`. One round at a time."""
+    """What the sender and receivers of one bucket keep from round to round (`BucketChanges(...,
+    kept=)`, `BucketReceiver(..., kept=)`; a sparse round keeps one with the bucket's views,
+    `sparse_round.BucketViews`): the sender's fused geometry (`sparse_fused.geometry`) with the
+    tensor objects it was found for; each received message's destinations as the fused kernels
+    address them, by first slot, while the same view objects come there; and the tables of the
+    last few header shapes (each box's encoding and density class) of the bucket
+    (`sparse_receiver.FusedReceiver`). Tensors are found again by identity: one whose own shape
+    or storage is changed in place (`set_`, `resize_`) must not come back under the same
+    `KeptTables`. One round at a time."""
 
     def __init__(self) -> None:
+        self.geometry: tuple[tuple[torch.Tensor, ...], list[int], tuple[bool, ...], _Geometry] | None = None
         self.destinations: dict[int, tuple[tuple, tuple, int, list[Destination]]] = {}
         self.tables: OrderedDict[tuple, Tables] = OrderedDict()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ import torch
 from ..sparse.encodings import ALIGN, BITMAP, BLOCK, BLOCKED, DENSE, encoded_nbytes, payload_layout
 from . import sparse_cuda
 from . import sparse_triton as kernels
+from .sparse_codec import KeptTables
 from .sparse_triton import Strided2D
 
 Key = tuple[int, bool]
@@ -410,11 +412,31 @@ def _signature(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[
 
 
 def geometry(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[int], shared: Sequence[bool]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    candidates: list[int],
+    shared: Sequence[bool],
+    kept: KeptTables | None = None,
 ) -> _Geometry:
     """The geometry of the boxes among `candidates` (indices of `pairs` on CUDA) that take the
     fused path: those on the first candidate's device whose source and baseline match (the
-    others take the torch path); built on first use, then found by where the boxes are."""
+    others take the torch path); built on first use, then found by where the boxes are, or, with
+    the bucket's `kept`, by the tensor objects of its last round (`KeptTables.geometry`)."""
+    objects = tuple(itertools.chain.from_iterable(pairs))
+    if kept is not None and kept.geometry is not None:
+        last, last_candidates, last_shared, found = kept.geometry
+        same = len(last) == len(objects) and all(map(operator.is_, last, objects))
+        if same and last_candidates == candidates and last_shared == shared:
+            return found
+    found = _geometry(pairs, candidates, shared)
+    if kept is not None:
+        kept.geometry = (objects, list(candidates), tuple(shared), found)
+    return found
+
+
+def _geometry(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[int], shared: Sequence[bool]
+) -> _Geometry:
+    """`geometry`, found by where the boxes are (`_signature`) or built."""
     first = pairs[candidates[0]][0]
     cuda = sparse_cuda.usable(first.get_device())  # (part of the signature: the two `diff`s cut tiles differently)
     signature = (cuda, _signature(pairs, candidates, shared))

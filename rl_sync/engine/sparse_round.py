@@ -88,7 +88,7 @@ class BucketViews:
     receives: list[tuple[list[torch.dtype], list[int], list[int], list[torch.Tensor]]]
     local: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     tables: sparse_codec.KeptTables = field(default_factory=sparse_codec.KeptTables)
-    """What the bucket's receivers keep from round to round (its destinations and tables)."""
+    """What the bucket's sender and receivers keep from round to round (`sparse_codec.KeptTables`)."""
 
     @classmethod
     def of(cls, bucket: RankBucket, io: SparseIO) -> BucketViews:
@@ -124,7 +124,8 @@ class BucketViews:
 def _find_changes(views: BucketViews, io: SparseIO, device: torch.device) -> sparse_codec.BucketChanges:
     """The changes of every segment this rank sends from its sources in the bucket, in message
     order, for payloads on `device` (the transport's)."""
-    return sparse_codec.BucketChanges(views.pairs(), views.boxes, payloads=device, allow_dense=io.allow_dense)
+    pairs, kept = views.pairs(), views.tables
+    return sparse_codec.BucketChanges(pairs, views.boxes, payloads=device, allow_dense=io.allow_dense, kept=kept)
 
 
 def _encode_message(

@@ -41,6 +41,26 @@ def test_a_bucket_geometry_is_built_once_and_rebuilt_when_a_box_moves():
     assert sparse_fused.geometry(pairs, [0, 1, 2], [True, True, False]) is not first
 
 
+def test_a_kept_bucket_finds_its_geometry_by_its_tensor_objects(monkeypatch):
+    """With the bucket's `KeptTables`, a round of the same source and baseline objects (in new
+    lists), candidates and overlaps finds the last round's geometry without working out where the
+    boxes are; another object, other candidates or other overlaps take the signature again."""
+    signatures = []
+    signature = sparse_fused._signature
+    monkeypatch.setattr(sparse_fused, "_signature", lambda *a: signatures.append(1) or signature(*a))
+    pairs, kept = _pairs(), sparse_codec.KeptTables()
+    first = sparse_fused.geometry(pairs, [0, 1, 2], (False,) * 3, kept)
+    assert sparse_fused.geometry([tuple(p) for p in pairs], [0, 1, 2], (False,) * 3, kept) is first
+    assert len(signatures) == 1
+    views = [(c.view(-1), b.view(-1)) for c, b in pairs]  # (other objects, the same places)
+    assert sparse_fused.geometry(views, [0, 1, 2], (False,) * 3, kept) is first and len(signatures) == 2
+    assert sparse_fused.geometry(views, [0, 1], (False,) * 3, kept) is not first and len(signatures) == 3
+    assert sparse_fused.geometry(views, [0, 1, 2], (True, True, False), kept) is not first
+    moved = [views[0], (pairs[1][0].clone(), views[1][1]), views[2]]
+    assert sparse_fused.geometry(moved, [0, 1, 2], (False,) * 3, kept) is not first and len(signatures) == 5
+    assert kept.geometry is not None and kept.geometry[0][2] is moved[1][0]
+
+
 def test_a_placed_buffer_is_a_quarter_more_than_the_last_payloads_and_a_sixteenth_of_dense_at_least():
     """`_Geometry.capacity`: a quarter of the dense bytes before any round; then a quarter more than
     the last round's payloads and 16 bytes a box, never under a sixteenth of the dense bytes; and
