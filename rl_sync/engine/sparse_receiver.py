@@ -19,8 +19,9 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -119,17 +120,25 @@ Message = tuple[int, Sequence[Destination], tuple[int, ...]]
 box's density class, `_BLOCKED_ROW`, or `_TORCH`)."""
 
 
+Write = tuple[ModuleType, Key, "int | None", Launch]
+"""A write launch of a receiver's tables: (the module whose kernel it takes, key, density class
+(None: `blocked_apply`), the launch)."""
+
+
 @dataclass(frozen=True)
 class Tables:
     """What the checks and writes of a bucket's rows need but the round's payloads and counts: the
-    rows with their other columns (`template`, one after another), each launch's program starts
-    (its programs the last), whether every launch carries the rows inline, whether the bitmap
-    destinations allow the CUDA `expand` (`cuda`), and the tile and block counts of the rows."""
+    rows with their other columns (`template`, one after another) and where the others go
+    (`per_round_at`, `_PER_ROUND` of each row), each launch's program starts and programs, the
+    writes with programs in the order they are queued (each key's `expand`s, then its
+    `blocked_apply`), whether every launch carries the rows inline, and the tile and block counts
+    of the rows."""
 
     template: np.ndarray
-    firsts: dict[Launch, list[int]]
+    per_round_at: np.ndarray
+    firsts: dict[Launch, tuple[list[int], int]]
+    writes: list[Write]
     inline: bool
-    cuda: bool
     entries: int
 
     @property
@@ -139,7 +148,7 @@ class Tables:
     def table(self, per_round: list[int]) -> np.ndarray:
         """The rows, with each row's `_PER_ROUND` columns from `per_round` (five values a row)."""
         table = self.template.copy()
-        table.reshape(-1, kernels.RECV_COLUMNS)[:, _PER_ROUND] = np.array(per_round, dtype=np.int64).reshape(-1, 5)
+        table[self.per_round_at] = per_round
         return table
 
 
@@ -171,12 +180,17 @@ def tables(messages: Sequence[Message], usable: bool) -> Tables:
             counts.append(m)
             entries += m
     programs = _programs(checks, writes, counts)
+    firsts = {
+        launch: (at, at[-1]) for launch, at in ((launch, kernels.starts(each)) for launch, each in programs.items())
+    }
     cuda = usable and disjoint(spans)
-    writers = [_writer(key, density_, cuda, usable) for key, density_ in filter(_is_write, programs)]
+    launches = sorted(filter(_is_write, firsts), key=_launch_order)
+    queued = [(_writer(key, density_, cuda, usable), key, density_, (key, density_)) for key, density_ in launches]
     inline = usable and sparse_cuda.fits_inline(len(counts), kernels.RECV_COLUMNS)
-    inline = inline and all(writer is sparse_cuda for writer in writers)
-    firsts = {launch: kernels.starts(each) for launch, each in programs.items()}
-    return Tables(np.array(rows, dtype=np.int64), firsts, inline, cuda, entries)
+    inline = inline and all(module is sparse_cuda for module, *_ in queued)
+    per_round_at = (np.arange(len(counts))[:, None] * kernels.RECV_COLUMNS + _PER_ROUND).ravel()
+    queued = [write for write in queued if firsts[write[3]][1]]
+    return Tables(np.array(rows, dtype=np.int64), per_round_at, firsts, queued, inline, entries)
 
 
 def _is_write(launch: Launch) -> bool:
@@ -348,12 +362,9 @@ class FusedReceiver:
             check = (sparse_cuda if self._cuda else kernels).blocked_check
             queued.append((check, (table, blocked_at, boxes, blocked, starts, *flags)))
         self._checks = queued
-        for key, density_ in sorted((launch for launch in firsts if _is_write(launch)), key=_launch_order):
-            at, total = firsts[key, density_]
-            if not total:
-                continue
+        for writer, key, density_, launch in made.writes:
+            at, total = firsts[launch]
             head = (table, at, boxes, total, key, starts)
-            writer = _writer(key, density_, made.cuda, self._cuda)
             if density_ is None:
                 self._writes.append((writer.blocked_apply, (*head, flags[1])))
             else:
@@ -377,19 +388,19 @@ class FusedReceiver:
             (Address(flags, number), Address(flags + 4 * bucket, number)),
         )
 
-    def _placed(self, made: Tables) -> tuple[sparse_cuda.Rows, dict[Launch, tuple[sparse_cuda.Rows | None, int]]]:
+    def _placed(self, made: Tables) -> tuple[sparse_cuda.Rows, Mapping[Launch, tuple[sparse_cuda.Rows | None, int]]]:
         """(the table; each launch's program starts (None when it has no programs: not uploaded)
         and programs), this round's payloads and counts filled in: host values carried inline (the
         table an array, for every launch to copy), or one upload sliced."""
         table = made.table(self._per_round)
         if made.inline:
-            return table, {launch: (at, at[-1]) for launch, at in made.firsts.items()}
+            return table, made.firsts
         up = kernels.Upload()
         table_at = up.add(table.tolist())
-        uploaded = {launch: up.add(at) for launch, at in made.firsts.items() if at[-1]}
+        uploaded = {launch: up.add(at) for launch, (at, total) in made.firsts.items() if total}
         dev = up.send(self.device)
         placed: dict[Launch, tuple[sparse_cuda.Rows | None, int]] = {
-            launch: (dev[uploaded[launch]] if at[-1] else None, at[-1]) for launch, at in made.firsts.items()
+            launch: (dev[uploaded[launch]] if total else None, total) for launch, (_, total) in made.firsts.items()
         }
         return dev[table_at], placed
 
