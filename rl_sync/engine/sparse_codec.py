@@ -16,6 +16,7 @@ launches; the rest through the per-box torch functions below (`Changes`,
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -434,11 +435,25 @@ def check_elements(first: int, boxes: Sequence[tuple], views: Sequence[torch.Ten
             raise ValueError(f"box slot {first + i}: its destination view holds {held} elements; the box has {n}")
 
 
+Refs = tuple["weakref.ref[torch.Tensor]", ...]
+"""Weak references to tensors a `KeptTables` finds again by identity: it keeps no tensor alive (a
+source cast to the wire's dtype is a new tensor each round, and is never found again)."""
+
+
+def refer(tensors: Sequence[torch.Tensor]) -> Refs:
+    return tuple(map(weakref.ref, tensors))
+
+
+def refers_to(refs: Refs, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether `refs` (`refer`) are references to exactly `tensors`, in order, every one alive."""
+    return len(refs) == len(tensors) and all(ref() is tensor for ref, tensor in zip(refs, tensors))
+
+
 class KeptTables:
     """What the sender and receivers of one bucket keep from round to round (`BucketChanges(...,
     kept=)`, `BucketReceiver(..., kept=)`; a sparse round keeps one with the bucket's views,
-    `sparse_round.BucketViews`): the sender's fused geometry (`sparse_fused.geometry`) with the
-    tensor objects it was found for; each received message's destinations as the fused kernels
+    `sparse_round.BucketViews`): the sender's fused geometry (`sparse_fused.geometry`) with (weak
+    references to) the tensor objects it was found for; each received message's destinations as the fused kernels
     address them, by first slot, while the same view objects come there; and the tables of the
     last few header shapes (each box's encoding and density class) of the bucket
     (`sparse_receiver.FusedReceiver`). Tensors are found again by identity: one whose own shape
@@ -446,8 +461,8 @@ class KeptTables:
     `KeptTables`. One round at a time."""
 
     def __init__(self) -> None:
-        self.geometry: tuple[tuple[torch.Tensor, ...], list[int], tuple[bool, ...], _Geometry] | None = None
-        self.destinations: dict[int, tuple[tuple, tuple, int, list[Destination]]] = {}
+        self.geometry: tuple[Refs, list[int], tuple[bool, ...], _Geometry] | None = None
+        self.destinations: dict[int, tuple[Refs, tuple, int, list[Destination]]] = {}
         self.tables: OrderedDict[tuple, Tables] = OrderedDict()
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -28,7 +27,7 @@ import torch
 from ..sparse.encodings import ALIGN, BITMAP, BLOCK, BLOCKED, DENSE, encoded_nbytes, payload_layout
 from . import sparse_cuda
 from . import sparse_triton as kernels
-from .sparse_codec import KeptTables
+from .sparse_codec import KeptTables, refer, refers_to
 from .sparse_triton import Strided2D
 
 Key = tuple[int, bool]
@@ -424,12 +423,11 @@ def geometry(
     objects = tuple(itertools.chain.from_iterable(pairs))
     if kept is not None and kept.geometry is not None:
         last, last_candidates, last_shared, found = kept.geometry
-        same = len(last) == len(objects) and all(map(operator.is_, last, objects))
-        if same and last_candidates == candidates and last_shared == shared:
+        if last_candidates == candidates and last_shared == shared and refers_to(last, objects):
             return found
     found = _geometry(pairs, candidates, shared)
     if kept is not None:
-        kept.geometry = (objects, list(candidates), tuple(shared), found)
+        kept.geometry = (refer(objects), list(candidates), tuple(shared), found)
     return found
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -30,7 +29,7 @@ import torch
 from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, PayloadLayout
 from . import sparse_cuda
 from . import sparse_triton as kernels
-from .sparse_codec import KeptTables, check_elements, flags_layout
+from .sparse_codec import KeptTables, check_elements, flags_layout, refer, refers_to
 from .sparse_cuda import STARTS_WARPS
 from .sparse_fused import BUSIER, BUSY, Key, _kernels, _launch_order
 from .sparse_triton import TILE
@@ -314,11 +313,10 @@ class FusedReceiver:
         found = memo.destinations.get(first)
         if found is not None:
             kept_views, kept_dtypes, kept_device, dests = found
-            same = len(kept_views) == len(views) and all(map(operator.is_, kept_views, views))
-            if same and kept_device == device and kept_dtypes == tuple(dtypes):
+            if kept_device == device and kept_dtypes == tuple(dtypes) and refers_to(kept_views, views):
                 return dests
         dests = destinations(views, dtypes, device)
-        memo.destinations[first] = (tuple(views), tuple(dtypes), device, dests)
+        memo.destinations[first] = (refer(views), tuple(dtypes), device, dests)
         memo.tables.clear()  # (made for the destinations these replace)
         return dests
 
