@@ -153,10 +153,33 @@ class Tables:
 
 def tables(messages: Sequence[Message], usable: bool) -> Tables:
     """The tables of a bucket's fused rows, message by message (`usable`: `sparse_cuda.usable` for
-    the bucket's device). A row joins the checks (the CUDA `starts`: a program every
-    `STARTS_WARPS` tiles of a bitmap row, one for a blocked row; Triton's `bitmap_counts`: a
-    program a bitmap tile) and a write, `(key, density class)` (`expand`) for a bitmap row,
-    `(key, None)` (`blocked_apply`) and `BLOCKED_CHECKS` for a blocked one."""
+    the bucket's device)."""
+    rows, checks, writes, counts, spans = _rows(messages, usable)
+    firsts = {}
+    for launch, each in _programs(checks, writes, counts).items():
+        at = kernels.starts(each)
+        firsts[launch] = (at, at[-1])
+    cuda = usable and disjoint(spans)
+    queued = [
+        (_writer(key, density_, cuda, usable), key, density_, (key, density_))
+        for key, density_ in sorted(filter(_is_write, firsts), key=_launch_order)
+    ]
+    inline = usable and sparse_cuda.fits_inline(len(counts), kernels.RECV_COLUMNS)
+    inline = inline and all(module is sparse_cuda for module, *_ in queued)
+    per_round_at = (np.arange(len(counts))[:, None] * kernels.RECV_COLUMNS + _PER_ROUND).ravel()
+    with_programs = [write for write in queued if firsts[write[3]][1]]
+    return Tables(np.array(rows, dtype=np.int64), per_round_at, firsts, with_programs, inline, sum(counts))
+
+
+def _rows(
+    messages: Sequence[Message], usable: bool
+) -> tuple[list[int], list[int], list[Launch], list[int], list[tuple[int, int]]]:
+    """(each fused row's columns but `_PER_ROUND`, one row after another; its programs in the
+    checks; its write; its tile or block counts; the bytes of the bitmap destinations on the
+    vectorized path). A row joins the checks (the CUDA `starts`: a program every `STARTS_WARPS`
+    tiles of a bitmap row, one for a blocked row; Triton's `bitmap_counts`: a program a bitmap
+    tile) and a write, `(key, density class)` (`expand`) for a bitmap row, `(key, None)`
+    (`blocked_apply`) and `BLOCKED_CHECKS` for a blocked one."""
     rows: list[int] = []
     writes: list[Launch] = []
     checks, counts, spans, entries = [], [], [], 0
@@ -178,18 +201,7 @@ def tables(messages: Sequence[Message], usable: bool) -> Tables:
                     spans.append(dest.span)
             counts.append(m)
             entries += m
-    programs = _programs(checks, writes, counts)
-    firsts = {
-        launch: (at, at[-1]) for launch, at in ((launch, kernels.starts(each)) for launch, each in programs.items())
-    }
-    cuda = usable and disjoint(spans)
-    launches = sorted(filter(_is_write, firsts), key=_launch_order)
-    queued = [(_writer(key, density_, cuda, usable), key, density_, (key, density_)) for key, density_ in launches]
-    inline = usable and sparse_cuda.fits_inline(len(counts), kernels.RECV_COLUMNS)
-    inline = inline and all(module is sparse_cuda for module, *_ in queued)
-    per_round_at = (np.arange(len(counts))[:, None] * kernels.RECV_COLUMNS + _PER_ROUND).ravel()
-    queued = [write for write in queued if firsts[write[3]][1]]
-    return Tables(np.array(rows, dtype=np.int64), per_round_at, firsts, queued, inline, entries)
+    return rows, checks, writes, counts, spans
 
 
 def _is_write(launch: Launch) -> bool:
