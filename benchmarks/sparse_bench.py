@@ -195,7 +195,6 @@ def _sides(codec, bucket: _Bucket):
         found.finish()
         mark("finish")
 
-
     def apply_all(mark=_no_mark):  # validate and write every box (one host sync, after the writes)
         received = codec.BucketReceiver(device, tensors, **kept)
         if hasattr(received, "add_message"):  # (the whole message at once; older trees add box by box)

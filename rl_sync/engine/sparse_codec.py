@@ -456,9 +456,10 @@ class KeptTables:
     references to) the tensor objects it was found for; each received message's destinations as the fused kernels
     address them, by first slot, while the same view objects come there; and the tables of the
     last few header shapes (each box's encoding and density class) of the bucket
-    (`sparse_receiver.FusedReceiver`). Tensors are found again by identity: one whose own shape
-    or storage is changed in place (`set_`, `resize_`) must not come back under the same
-    `KeptTables`. One round at a time."""
+    (`sparse_receiver.FusedReceiver`). Tensors are found again by identity: one whose shape is
+    changed in place (`set_`, `resize_`, `as_strided_`), or whose storage moves (its own or its
+    base's storage resized), must not come back under the same `KeptTables` (a rank's session
+    builds new views, with a new one, when a weight moves). One round at a time."""
 
     def __init__(self) -> None:
         self.geometry: tuple[Refs, list[int], tuple[bool, ...], _Geometry] | None = None

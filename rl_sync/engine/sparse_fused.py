@@ -419,11 +419,13 @@ def geometry(
     """The geometry of the boxes among `candidates` (indices of `pairs` on CUDA) that take the
     fused path: those on the first candidate's device whose source and baseline match (the
     others take the torch path); built on first use, then found by where the boxes are, or, with
-    the bucket's `kept`, by the tensor objects of its last round (`KeptTables.geometry`)."""
+    the bucket's `kept`, by the tensor objects of its last round (`KeptTables.geometry`), while
+    `sparse_cuda.usable` gives the same answer."""
     objects = tuple(itertools.chain.from_iterable(pairs))
     if kept is not None and kept.geometry is not None:
         last, last_candidates, last_shared, found = kept.geometry
-        if last_candidates == candidates and last_shared == shared and refers_to(last, objects):
+        same = last_candidates == candidates and last_shared == tuple(shared) and refers_to(last, objects)
+        if same and found.cuda == sparse_cuda.usable(pairs[candidates[0]][0].get_device()):
             return found
     found = _geometry(pairs, candidates, shared)
     if kept is not None:

@@ -54,12 +54,16 @@ class Destination(NamedTuple):
     span: tuple[int, int] | None
     width: int
     anchor: int
+    refused: str = ""
+    """Why a bitmap or blocked box cannot be written into it (a view not aligned to its elements);
+    a box of another encoding takes the torch path."""
 
 
 def destinations(views: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], device: int) -> list[Destination]:
     """Each view of a message, box i of `dtypes[i]`, whose payload is on the device numbered
     `device`: the fused kernels write it when it is of that dtype (at most 8 bytes), on that
-    device, not empty, with dims that merge into two (a view not aligned to its elements raises)."""
+    device, not empty, with dims that merge into two, aligned to its elements (`Destination.refused`
+    says why not, for a box that must be)."""
     return [
         _destination(view.data_ptr(), view.shape, view.stride(), view.dtype, dtype, view.get_device() == device, device)
         for view, dtype in zip(views, dtypes)
@@ -82,7 +86,10 @@ def _destination(
     n, width = math.prod(shape), dtype.itemsize
     dest = None
     if held == dtype and width <= 8 and n and here:
-        dest = kernels.strided(address, shape, strides, width, device)
+        try:
+            dest = kernels.strided(address, shape, strides, width, device)
+        except ValueError as error:  # (not aligned to its elements)
+            return Destination(n, (), (width, False), None, width, 0, str(error))
     if dest is None:
         return Destination(n, (), (width, False), None, width, 0)
     span = (address, address + n * width) if dest.fast else None
@@ -293,6 +300,8 @@ class FusedReceiver:
             if dest.n != n:
                 check_elements(first, boxes, views)
             if not dest.columns or code not in _FUSED_CODES:
+                if dest.refused and code in _FUSED_CODES:
+                    raise ValueError(dest.refused)
                 shape.append(_TORCH)
                 others.append(i)
                 continue

@@ -44,8 +44,9 @@ def test_a_bucket_geometry_is_built_once_and_rebuilt_when_a_box_moves():
 def test_a_kept_bucket_finds_its_geometry_by_its_tensor_objects(monkeypatch):
     """With the bucket's `KeptTables`, a round of the same source and baseline objects (in new
     lists), candidates and overlaps finds the last round's geometry without working out where the
-    boxes are; another object, other candidates or other overlaps take the signature again. The
-    objects are held by weak references: a source cast anew each round is not kept alive."""
+    boxes are; another object, other candidates, other overlaps or another answer of
+    `sparse_cuda.usable` take the signature again. The objects are held by weak references: a
+    source cast anew each round is not kept alive."""
     signatures = []
     signature = sparse_fused._signature
     monkeypatch.setattr(sparse_fused, "_signature", lambda *a: signatures.append(1) or signature(*a))
@@ -60,7 +61,14 @@ def test_a_kept_bucket_finds_its_geometry_by_its_tensor_objects(monkeypatch):
     moved = [views[0], (pairs[1][0].clone(), views[1][1]), views[2]]
     assert sparse_fused.geometry(moved, [0, 1, 2], (False,) * 3, kept) is not first and len(signatures) == 5
     assert kept.geometry is not None and kept.geometry[0][2]() is moved[1][0]
-    del moved  # (its clone is held by nothing else: the kept geometry does not keep it alive)
+    again = [views[0], moved[1], views[2]]  # (the same objects, overlaps given as a list)
+    found = sparse_fused.geometry(again, [0, 1, 2], [False] * 3, kept)
+    assert found is kept.geometry[3] and len(signatures) == 5
+    from rl_sync.engine import sparse_cuda
+
+    monkeypatch.setattr(sparse_cuda, "usable", lambda device: not found.cuda)  # (RL_SYNC_SPARSE_KERNELS changed)
+    assert sparse_fused.geometry(again, [0, 1, 2], (False,) * 3, kept).cuda is not found.cuda
+    del moved, again  # (its clone is held by nothing else: the kept geometry does not keep it alive)
     assert kept.geometry[0][2]() is None
 
 

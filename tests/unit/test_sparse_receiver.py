@@ -162,3 +162,22 @@ def test_a_destination_view_of_other_elements_than_its_box_is_refused(monkeypatc
         received.add_message(1, layout, [torch.bfloat16] * 2, _aligned(layout.nbytes), views)
     assert list(received._added) == [0, 0, 0] and not received._decodes
     assert received._fused is None or received._fused.boxes == 0
+
+
+def test_a_view_not_aligned_to_its_elements_is_refused_for_a_fused_box_and_left_to_the_torch_path_otherwise(
+    launched, monkeypatch
+):
+    """A bf16 view at an odd address cannot be written by the fused kernels: a bitmap box bound for
+    it is refused, naming the address, and a dense one takes the torch path (as before the
+    destinations were kept)."""
+    monkeypatch.setattr(sparse_cuda, "usable", lambda device: True)
+    n = 64
+    odd = torch.frombuffer(bytearray(2 * n + 2), dtype=torch.bfloat16, offset=1, count=n)
+    dense = message_layout([DENSE, n], [n], [2], "m")
+    received = sparse_codec.BucketReceiver(torch.device("cpu"), 2, sparse_codec.KeptTables())
+    received.add_message(0, dense, [torch.bfloat16], _aligned(dense.nbytes), [odd])
+    assert list(received._added) == [1, 0] and len(received._decodes) == 1
+    bitmap = message_layout([BITMAP, 3], [n], [2], "m")
+    with pytest.raises(ValueError, match="is not aligned to its 2-byte elements"):
+        received.add_message(1, bitmap, [torch.bfloat16], _aligned(bitmap.nbytes), [odd])
+    assert list(received._added) == [1, 0]
