@@ -430,8 +430,8 @@ def check_elements(first: int, boxes: Sequence[tuple], views: Sequence[torch.Ten
     """Refuses a message whose view i (slot `first + i`) holds other elements than its box
     (`encodings.MessageLayout.boxes[i]`): the fused kernels would write past a smaller one."""
     for i, (view, (_, _, n, _, _)) in enumerate(zip(views, boxes)):
-        if view.numel() != n:
-            held = view.numel()
+        held = view.numel()
+        if held != n:
             raise ValueError(f"box slot {first + i}: its destination view holds {held} elements; the box has {n}")
 
 
@@ -453,10 +453,10 @@ class KeptTables:
     """What the sender and receivers of one bucket keep from round to round (`BucketChanges(...,
     kept=)`, `BucketReceiver(..., kept=)`; a sparse round keeps one with the bucket's views,
     `sparse_round.BucketViews`): the sender's fused geometry (`sparse_fused.geometry`) with (weak
-    references to) the tensor objects it was found for; each received message's destinations as the fused kernels
-    address them, by first slot, while the same view objects come there; and the tables of the
-    last few header shapes (each box's encoding and density class) of the bucket
-    (`sparse_receiver.FusedReceiver`). Tensors are found again by identity: one whose shape is
+    references to) the tensor objects it was found for; each received message's destinations as
+    the fused kernels address them, by first slot, while the same view objects come there; and
+    the tables of the last few header shapes (each box's encoding and density class) of the
+    bucket (`sparse_receiver.FusedReceiver`). Tensors are found again by identity: one whose shape is
     changed in place (`set_`, `resize_`, `as_strided_`), or whose storage moves (its own or its
     base's storage resized), must not come back under the same `KeptTables` (a rank's session
     builds new views, with a new one, when a weight moves). One round at a time."""

@@ -421,15 +421,16 @@ def geometry(
     others take the torch path); built on first use, then found by where the boxes are, or, with
     the bucket's `kept`, by the tensor objects of its last round (`KeptTables.geometry`), while
     `sparse_cuda.usable` gives the same answer."""
+    if kept is None:
+        return _geometry(pairs, candidates, shared)
     objects = tuple(itertools.chain.from_iterable(pairs))
-    if kept is not None and kept.geometry is not None:
+    if kept.geometry is not None:
         last, last_candidates, last_shared, found = kept.geometry
         same = last_candidates == candidates and last_shared == tuple(shared) and refers_to(last, objects)
         if same and found.cuda == sparse_cuda.usable(pairs[candidates[0]][0].get_device()):
             return found
     found = _geometry(pairs, candidates, shared)
-    if kept is not None:
-        kept.geometry = (refer(objects), list(candidates), tuple(shared), found)
+    kept.geometry = (refer(objects), list(candidates), tuple(shared), found)
     return found
 
 
