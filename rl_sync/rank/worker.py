@@ -3,8 +3,17 @@
 Define `rl_sync_destinations(checkpoint)`: given the trainers' checkpoint
 (`{name: (torch dtype, shape)}`), return `{name: Destination}` (the
 `rl_sync.bind.Binder` builds these from rules). Destinations are resolved
-whenever a group forms or is repaired and must stay the live storage while it
-lasts. Names bound as fallbacks are received whole
+whenever a group forms or is repaired; rl-sync keeps the mapping returned, and
+before every round a `rl_sync.rank.watch.Watch` notices what changed under it
+(a `Destination` replaced in that mapping, a new parameter where its `Slot`
+says the engine keeps it, a weight given new storage or laid out anew in
+place) at a cost that follows what changed, and binds those names again
+without re-planning. A rebound tensor holds what the engine put there, so the
+worker reports no version until a round fills it: a dense round of every
+tensor, a double-buffered round (the commit copies every shadow), or a
+colocated round (the worker exports anew and the coordinator runs every tensor
+dense); a sparse round, a round of other tensors or patches fail instead,
+naming tensor and rank, before anything is written. Names bound as fallbacks are received whole
 and handed to `rl_sync_load_fallbacks(pairs)`, which the class must then
 define. An engine that derives state from its weights (repacked kernels,
 caches) may define `rl_sync_weights_updated(names)`: it runs once the live
@@ -24,43 +33,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import NamedTuple
 
 import torch
 
 from ..engine import sparse_codec
-from ..engine.endpoint import Endpoint
-from ..engine.sources import Entries, worker_entries
+from ..engine.sources import Entries
+from ..planning.quant import is_scale_name, scale_name, scaled_name
 from ..sparse.encodings import INDICES
-from ..storage import geometry, owner
 from ..transport.cuda_ipc import WorkerExport
 from ..wire.codec import encode
 from ..wire.messages import RankStats, RoundInfo, WriteMode
+from .kept import KeptDestinations
 from .participant import Participant
 from .side import DescribeOptions
 
-
-class BoundOwner(NamedTuple):
-    """A tensor the engine owns behind a bound destination, as it was when the group bound it."""
-
-    name: str
-    tensor: torch.Tensor
-    """The owning tensor (a parameter, for a slice of one): what an engine moves."""
-    geometry: tuple
-    """Its `rl_sync.storage.geometry` at binding time."""
+DENSE_MODES = ("m2n", "broadcast")
+"""Round modes that write every element of the tensors they carry."""
 
 
 class WorkerRank(Participant):
     """Inherit and define `rl_sync_destinations(checkpoint)`."""
 
-    _rl_sync_cached: Entries | None = None
-    _rl_sync_fallbacks: tuple[str, ...] = ()
-    _rl_sync_shadow: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    _rl_sync_kept: KeptDestinations | None = None
     _rl_sync_version: int | None = None
     _rl_sync_ipc: WorkerExport | None = None
     _rl_sync_ipc_timeout: float = 120.0
     _rl_sync_round_names: tuple[str, ...] | None = None
-    _rl_sync_owners: tuple[BoundOwner, ...] = ()
     rl_sync_load_fallbacks: Callable[[list[tuple[str, torch.Tensor]]], None]
     """The subclass's hook taking `(name, tensor)` of each fallback a round delivered (see the
     module docstring): required when any name is bound as a fallback."""
@@ -70,7 +68,7 @@ class WorkerRank(Participant):
     ) -> bytes:
         if side == "worker":
             self._rl_sync_forget_moved()
-            self._rl_sync_cached = None  # every group, and every repair, binds anew: storage may have moved
+            self._rl_sync_kept = None  # every group, and every repair, binds anew: storage may have moved
         return super()._rl_sync_describe(side, side_rank, side_size, options)
 
     def _rl_sync_new_numbering(self) -> None:
@@ -78,95 +76,81 @@ class WorkerRank(Participant):
 
     def _rl_sync_forget_moved(self) -> None:
         """A weight the engine moved holds what the engine put there: no version until a round."""
-        if self._rl_sync_storage_moved():
+        if self._rl_sync_kept is not None and self._rl_sync_kept.moved():
             self._rl_sync_version = None
 
     def _rl_sync_leave(self, abort: bool) -> None:
         self._rl_sync_forget_moved()
         super()._rl_sync_leave(abort)
         self._rl_sync_drop_export()
-        self._rl_sync_cached, self._rl_sync_shadow = None, None
-        self._rl_sync_fallbacks, self._rl_sync_round_names, self._rl_sync_owners = (), None, ()
+        self._rl_sync_kept, self._rl_sync_round_names = None, None
 
     def _rl_sync_worker_entries(self, rank: int, size: int, options: DescribeOptions) -> Entries:
-        if self._rl_sync_cached is None:
+        if self._rl_sync_kept is None:
             destinations = getattr(self, "rl_sync_destinations", None)
             if destinations is None:
                 raise TypeError(
                     f"{type(self).__name__} must define rl_sync_destinations(checkpoint) -> {{name: Destination}}"
                 )
             checkpoint = {n: (getattr(torch, d), tuple(s)) for n, (d, s) in options.checkpoint.items()}
-            bound = destinations(checkpoint)
-            self._rl_sync_fallbacks = tuple(n for n, d in bound.items() if d.fallback)
-            if self._rl_sync_fallbacks and not hasattr(self, "rl_sync_load_fallbacks"):
+            kept = KeptDestinations(destinations(checkpoint), rank, options.double_buffer)
+            if kept.fallbacks and not hasattr(self, "rl_sync_load_fallbacks"):
                 raise ValueError(
-                    f"worker rank {rank}: {len(self._rl_sync_fallbacks)} tensors fall back "
-                    f"({list(self._rl_sync_fallbacks)[:8]}) but {type(self).__name__} defines no "
+                    f"worker rank {rank}: {len(kept.fallbacks)} tensors fall back "
+                    f"({list(kept.fallbacks)[:8]}) but {type(self).__name__} defines no "
                     "rl_sync_load_fallbacks(pairs) hook"
                 )
-            reports, endpoints = worker_entries(bound, rank)
-            self._rl_sync_owners = tuple(
-                BoundOwner(name, owner(d.local), geometry(owner(d.local)))
-                for name, d in bound.items()
-                if d.local is not None and not d.fallback
-            )
-            if options.double_buffer:
-                endpoints = self._rl_sync_shadowed(endpoints)
-            self._rl_sync_cached = Entries(reports, endpoints)
-        return self._rl_sync_cached
-
-    def _rl_sync_shadowed(self, endpoints: dict[str, Endpoint]) -> dict[str, Endpoint]:
-        """Receive into contiguous shadows of the bound views; `_rl_sync_commit` copies them in."""
-        shadows, pairs = {}, []
-        for name, endpoint in endpoints.items():
-            if name in self._rl_sync_fallbacks:
-                shadows[name] = endpoint
-                continue
-            shadow = endpoint.tensor.detach().clone(memory_format=torch.contiguous_format)
-            shadows[name] = Endpoint(shadow, endpoint.origin)
-            pairs.append((endpoint.tensor, shadow))
-        self._rl_sync_shadow = pairs
-        return shadows
+            self._rl_sync_kept = kept
+        return self._rl_sync_kept.entries
 
     def _rl_sync_modes(self) -> dict[str, WriteMode]:
         """`fallback` for names bound whole; else what the engine's `rl_sync_write_modes()` says
         (`direct` or `reload`), `direct` without one."""
         engine = getattr(self, "rl_sync_write_modes", None)
         modes = engine() if engine is not None else {}
-        names = self._rl_sync_cached.endpoints if self._rl_sync_cached else {}
-        return {n: "fallback" if n in self._rl_sync_fallbacks else modes.get(n, "direct") for n in names}
+        kept = self._rl_sync_kept
+        names = kept.entries.endpoints if kept else {}
+        fallbacks = kept.fallbacks if kept else ()
+        return {n: "fallback" if n in fallbacks else modes.get(n, "direct") for n in names}
 
-    def _rl_sync_check_storage(self) -> None:
-        """Refuse to write when the engine moved a bound tensor since the group bound it (new
-        storage, shape or strides: `p.data = ...`, a reload that reallocates); nothing is
-        written, the round fails, and the repair that follows binds the new storage."""
-        moved = self._rl_sync_storage_moved()
-        if moved:
-            name, tensor = moved[0]
-            assert self._rl_sync_sides is not None  # storage is bound only in a group
-            rank = self._rl_sync_sides["worker"].rank
+    def _rl_sync_follow(self, unfilled: Callable[[dict[str, str]], str | None]) -> bool:
+        """Bind anew what the engine replaced or moved since the last round (`KeptDestinations`);
+        a rebound weight holds what the engine put there, so the version is forgotten. When
+        `unfilled(rebound)` says why what comes next cannot fill a rebound weight, refuse with a
+        `ValueError` naming rank and tensor before anything is written. True if any was rebound."""
+        if self._rl_sync_kept is None:
+            return False
+        rebound = self._rl_sync_kept.follow()
+        if not rebound:
+            return False
+        self._rl_sync_version = None
+        why = unfilled(rebound)
+        if why is not None:
+            name, changed = next(iter(rebound.items()))
             raise ValueError(
-                f"worker rank {rank}: the storage bound for {name!r} moved since the group bound it "
-                f"(now shape {tuple(tensor.shape)}, strides {tensor.stride()}, {tensor.dtype}; the "
-                "engine reallocated or resized its weights); nothing was written, and the next push "
-                "binds the new storage (with auto_repair) or call repair()"
+                f"{self._rl_sync_kept.what}: {name!r} changed since the last round ({changed}) and was bound "
+                f"anew, so it holds what the engine put there; {why}, so nothing was written; the next push "
+                "runs every tensor dense (with auto_repair) or call repair()"
             )
+        return True
 
     def _rl_sync_before_round(self, round_info: RoundInfo) -> None:
         super()._rl_sync_before_round(round_info)
-        self._rl_sync_check_storage()
-        if self._rl_sync_shadow is None:
+        buffered = self._rl_sync_kept is not None and self._rl_sync_kept.shadow is not None
+        self._rl_sync_follow(lambda rebound: None if buffered else _unfilled(round_info, rebound))
+        if not buffered:
             self._rl_sync_version = None  # live weights are being written
 
     def _rl_sync_after_round(self, round_info: RoundInfo, stats: RankStats) -> RankStats:
         stats = super()._rl_sync_after_round(round_info, stats)
-        names = [n for n in self._rl_sync_fallbacks if round_info.names is None or n in round_info.names]
+        kept = self._rl_sync_kept
+        assert kept is not None  # a round runs on bound destinations
+        names = [n for n in kept.fallbacks if round_info.names is None or n in round_info.names]
         if names:
-            assert self._rl_sync_cached is not None  # bound with the fallbacks
-            views = self._rl_sync_cached.endpoints
+            views = kept.entries.endpoints
             self.rl_sync_load_fallbacks([(n, views[n].tensor) for n in names])
         self._rl_sync_round_names = round_info.names
-        if self._rl_sync_shadow is None:
+        if kept.shadow is None:
             self._rl_sync_updated(round_info.names)
             self._rl_sync_version = round_info.version
         return replace(stats, fallbacks=len(names))
@@ -178,20 +162,20 @@ class WorkerRank(Participant):
             hook(names)
 
     def _rl_sync_commit(self, version: int) -> None:
-        """Double buffering: the round completed everywhere; copy it into the live weights."""
-        if self._rl_sync_shadow:
-            torch._foreach_copy_(
-                [live for live, _ in self._rl_sync_shadow], [shadow for _, shadow in self._rl_sync_shadow]
-            )
+        """Double buffering: the round completed everywhere; copy it into the live weights (bound
+        anew first where the engine moved them: the shadows hold every tensor whole)."""
+        self._rl_sync_follow(lambda rebound: None)
+        if self._rl_sync_kept is not None:
+            self._rl_sync_kept.commit()
         self._rl_sync_updated(self._rl_sync_round_names)
         self._rl_sync_version = version
 
     def _rl_sync_apply_patches(self, version: int, patches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Write flat-index patches (local to this worker's boxes, checked by the coordinator)
         into live storage; re-validated here before the first write. Returns elements written."""
-        self._rl_sync_check_storage()
-        assert self._rl_sync_cached is not None  # the coordinator patches bound workers only
-        views = self._rl_sync_cached.endpoints
+        self._rl_sync_follow(lambda rebound: "patches write only the elements they name")
+        assert self._rl_sync_kept is not None  # the coordinator patches bound workers only
+        views = self._rl_sync_kept.entries.endpoints
         unknown = [n for n in patches if n not in views]
         if unknown:
             raise ValueError(f"patches name tensors {unknown[:4]} this worker does not keep")
@@ -210,15 +194,11 @@ class WorkerRank(Participant):
 
     def _rl_sync_version_of(self) -> int | None:
         """The version the live weights fully hold, or None (never synced, torn, in flight, or
-        the engine moved a bound tensor since: its new storage holds what the engine put there)."""
-        if self._rl_sync_storage_moved() or (self._rl_sync_ipc is not None and self._rl_sync_ipc.moved()):
+        the engine replaced or moved a bound tensor since: it holds what the engine put there)."""
+        kept, ipc = self._rl_sync_kept, self._rl_sync_ipc
+        if (kept is not None and kept.moved()) or (ipc is not None and ipc.moved()):
             return None
         return self._rl_sync_version
-
-    def _rl_sync_storage_moved(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) of each bound tensor with other storage, shape, strides or dtype than
-        when it was bound."""
-        return [(o.name, o.tensor) for o in self._rl_sync_owners if geometry(o.tensor) != o.geometry]
 
     def _rl_sync_ipc_export(self, device: str, timeout_s: float = 120.0) -> bytes:
         """Export the memory behind this worker's destinations to its colocated trainer
@@ -236,14 +216,15 @@ class WorkerRank(Participant):
 
     def _rl_sync_ipc_begin(self) -> bytes | None:
         """Open a colocated round: the trainer may write once this returns. Returns a new export
-        when the memory behind the bound weights was released and re-allocated since the last
-        one (an engine's sleep and wake): the trainer must map it before writing, and the round
-        must be full (what the new memory holds is the engine's)."""
-        self._rl_sync_check_storage()
+        when the memory behind the bound weights moved since the last one (a weight the engine
+        replaced or moved, bound anew; memory released and re-allocated by an engine's sleep and
+        wake): the trainer must map it before writing, and the round must be full (what the new
+        memory holds is the engine's)."""
+        rebound = self._rl_sync_follow(lambda rebound: None)
         self._rl_sync_version = None
         assert self._rl_sync_ipc is not None  # colocated rounds run on an export
         fresh = None
-        if self._rl_sync_ipc.moved():
+        if rebound or self._rl_sync_ipc.moved():
             fresh = self._rl_sync_ipc_export(str(self._rl_sync_ipc.device), self._rl_sync_ipc_timeout)
         self._rl_sync_ipc.begin()
         return fresh
@@ -253,3 +234,16 @@ class WorkerRank(Participant):
         self._rl_sync_ipc.end()
         self._rl_sync_updated(names)
         self._rl_sync_version = version
+
+
+def _unfilled(round_info: RoundInfo, rebound: dict[str, str]) -> str | None:
+    """Why a round that writes straight into the live weights leaves a rebound weight unfilled,
+    or None when it writes every element of each (a dense round carrying it)."""
+    if round_info.mode not in DENSE_MODES:
+        return f"a {round_info.mode} round writes only what changed"
+    if round_info.names is None:
+        return None
+    named = set(round_info.names)
+    carried = named | {scale_name(n) for n in named} | {scaled_name(n) for n in named if is_scale_name(n)}
+    missing = [n for n in rebound if n not in carried]
+    return f"this round carries other tensors, not {missing[:4]}" if missing else None
