@@ -6,7 +6,7 @@ binder (which builds destinations from rules).
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -29,7 +29,7 @@ class Slot(NamedTuple):
     """Where an engine keeps the tensor a destination's view was cut from: `holder[key]` (a
     module's `_parameters` and the parameter's name, a dict of weights and its key)."""
 
-    holder: MutableMapping
+    holder: Mapping
     key: str
 
 

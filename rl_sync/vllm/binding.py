@@ -9,7 +9,9 @@ entry gets a `Destination`:
 
 * **direct**: a strided view of the live parameter (q/k/v slots of
   `qkv_proj`, gate/up of `gate_up_proj`, experts of `w13_weight`, the real rows
-  of a padded vocabulary shard, ...);
+  of a padded vocabulary shard, ...), with the `Slot` of its module's
+  `_parameters`: a parameter the engine replaces there is followed each round
+  without binding again (`rl_sync.rank.watch`);
 * **reload**: the same view of a buffer in the loader's form, processed by
   vLLM after each round (`rl_sync.vllm.reload`);
 * **fallback**: the whole tensor, handed to vLLM's loader: when the loader's
@@ -34,7 +36,7 @@ import torch
 
 from ..bind.infer import Merged
 from ..planning.layout import Layout, Mesh, Replicate
-from ..storage import Destination
+from ..storage import Destination, Slot
 from .entries import Entry, local_report, plan_entries
 from .modes import Mode, param_mode
 from .probe import ParamForm, Probe, contiguous_strides, probe_loads
@@ -205,6 +207,12 @@ class _Resolver:
                 }
         return bad
 
+    def _slot(self, param: str) -> Slot:
+        """Where the engine keeps live parameter `param`: its module's `_parameters` (a direct
+        destination is cut again from a parameter the engine puts there in its place)."""
+        module, _, attr = param.rpartition(".")
+        return Slot(self.model.get_submodule(module)._parameters, attr)
+
     def finish(
         self, checkpoint: Checkpoint, fallback: set[str], model_config, where: EngineRank, engines: int
     ) -> VllmBinding:
@@ -214,7 +222,7 @@ class _Resolver:
         buffers, by_live = _loader_buffers(self.reload_modules(), self.probe, self.live)
         destinations, reports, modules_of = {}, [], {}
         for entry in self.entries:
-            view, reason, param_dtype = None, "kept by other ranks of the engine", dtype
+            view, reason, param_dtype, slot = None, "kept by other ranks of the engine", dtype, None
             mode: Mode = "direct"
             if entry.merged is not None:
                 param = entry.merged.param
@@ -226,8 +234,10 @@ class _Resolver:
                 param_dtype = target.dtype  # (reload: the loader form's, which may be narrower than the live one)
                 if mode == "reload":
                     modules_of[entry.name] = self._modules_of_param(param)
+                else:
+                    slot = self._slot(param)
             destinations[entry.name] = Destination(
-                view, lift(entry.layout, engines, where.size), entry.shape, param_dtype
+                view, lift(entry.layout, engines, where.size), entry.shape, param_dtype, slot=slot
             )
             reports.append(
                 ParamReport(

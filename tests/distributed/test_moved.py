@@ -14,11 +14,12 @@ import ray
 import torch
 
 from actors import SyncError
-from rl_sync.engine.sources import Destination, Sharded
+from rl_sync.engine.sources import Sharded
 from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
 
 from .harness import Group
 from .recipes import Recipe
+from .test_failures import _replace_destination
 
 FSDP2 = Layout(Mesh((2,)), (Shard(0),))
 REPLICAS = Layout(Mesh((2, 1)), (Replicate(), Shard(0)))
@@ -26,12 +27,6 @@ RECIPES = [
     Recipe("w", torch.bfloat16, (16, 12), FSDP2, REPLICAS),
     Recipe("b", torch.float32, (12,), FSDP2, Layout.replicated(REPLICAS.mesh)),
 ]
-
-
-def _replace_destination(actor) -> None:
-    """The worker's mapping gets a new Destination for 'w' over a new tensor (NaN until written)."""
-    old = actor.held["w"]
-    actor.held["w"] = Destination(torch.full_like(old.local, float("nan")), old.layout, old.shape, old.dtype)
 
 
 def _reallocate(actor) -> None:
@@ -71,9 +66,10 @@ def test_a_replaced_or_moved_tensor_is_written_at_the_next_round(ray_session, re
         with pytest.raises(SyncError) as info:
             sync.push(mode="sparse")
         assert (
-            "worker 1 (rank 3): ValueError: worker rank 1: 'w' was rebound since the last round (its "
-            "Destination replaced); a sparse round writes only changes, so it cannot fill the new tensor, "
-            "and nothing was written; the next push runs every tensor dense (with auto_repair) or call repair()"
+            "worker 1 (rank 3): ValueError: worker rank 1: 'w' changed since the last round (replaced under its "
+            "name) and was bound anew, so it holds what the engine put there; a sparse round writes only what "
+            "changed, so nothing was written; the next push runs every tensor dense (with auto_repair) or call "
+            "repair()"
         ) in str(info.value)
         assert sync.versions()[1] is None
         assert sync.push(version=4).version == 4
