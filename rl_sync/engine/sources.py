@@ -33,13 +33,19 @@ class Entries(NamedTuple):
     endpoints: dict[str, Endpoint]
     """By checkpoint name; a tensor of which the rank holds nothing has none."""
 
-    def updated(self, again: Mapping[str, tuple[TensorReport, Endpoint | None]], what: str) -> Entries:
-        """These entries with the names of `again` resolved anew; `ValueError` naming the first
-        whose report differs from the one the group planned with (`what`: "worker rank 1")."""
-        reports, endpoints = list(self.reports), dict(self.endpoints)
-        where = {r.name: i for i, r in enumerate(reports)}
+    def where(self) -> dict[str, int]:
+        """The index of each name's report."""
+        return {r.name: i for i, r in enumerate(self.reports)}
+
+    def updated(
+        self, again: Mapping[str, tuple[TensorReport, Endpoint | None]], what: str, where: Mapping[str, int]
+    ) -> Entries:
+        """These entries with the names of `again` resolved anew (`where`: `self.where()`);
+        `ValueError` naming the first whose report differs from the one the group planned with
+        (`what`: "worker rank 1")."""
+        endpoints = dict(self.endpoints)
         for name, (report, endpoint) in again.items():
-            planned = reports[where[name]]
+            planned = self.reports[where[name]]
             if report != planned:
                 raise ValueError(
                     f"{what}: tensor {name!r} is now {_described(report)}; the group planned it as "
@@ -48,7 +54,7 @@ class Entries(NamedTuple):
             endpoints.pop(name, None)
             if endpoint is not None:
                 endpoints[name] = endpoint
-        return Entries(reports, endpoints)
+        return Entries(self.reports, endpoints)
 
 
 def _described(report: TensorReport) -> str:

@@ -32,6 +32,7 @@ class KeptDestinations:
     def __init__(self, mapping: Mapping, rank: int, double_buffer: bool):
         self.mapping, self.rank, self.what = mapping, rank, f"worker rank {rank}"
         self.live = worker_entries(mapping, rank)
+        self.where = self.live.where()
         self.fallbacks = tuple(n for n, d in mapping.items() if d.fallback)
         self.watch = Watch(mapping, self._bound, self.what)
         self.shadow: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -81,8 +82,9 @@ class KeptDestinations:
                     "repair() binds it anew (the next push does, with auto_repair)"
                 )
             resolved[name] = worker_entry(name, dest, b.local, self.rank)
-        live = self.live.updated(resolved, self.what)
-        check_disjoint({name: e.tensor for name, e in live.endpoints.items()}, self.rank)
+        live = self.live.updated(resolved, self.what, self.where)
+        near = self.watch.sharing(again)  # (what shares memory with a rebound name shares a tensor)
+        check_disjoint({name: live.endpoints[name].tensor for name in near if name in live.endpoints}, self.rank)
         self.watch.record(again)
         self.live = live
         self._take(list(again))

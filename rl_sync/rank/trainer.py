@@ -31,6 +31,8 @@ class SourcesSeen(NamedTuple):
     """(trainer rank, number of trainers)."""
     watch: Watch
     entries: Entries
+    where: dict[str, int]
+    """`entries.where()`."""
 
 
 def source_bound(name: str, value: object) -> Bound:
@@ -76,12 +78,12 @@ class TrainerRank(Participant):
         if changed is None:
             entries = trainer_entries(tensors, rank, size)
             watch = Watch(tensors, source_bound, f"trainer rank {rank}")
-            self._rl_sync_seen = SourcesSeen((rank, size), watch, entries)
+            self._rl_sync_seen = SourcesSeen((rank, size), watch, entries, entries.where())
             return entries
         assert seen is not None  # as above
         again = seen.watch.resolve(tensors, changed)
         resolved = {name: trainer_entry(name, b.value, _shard(b.local), rank, size) for name, (b, _) in again.items()}
-        entries = seen.entries.updated(resolved, f"trainer rank {rank}")
+        entries = seen.entries.updated(resolved, f"trainer rank {rank}", seen.where)
         seen.watch.record(again)
         self._rl_sync_seen = seen._replace(entries=entries)
         return entries

@@ -13,10 +13,10 @@ changed, for the cost of
 
 * identity passes over the mapping's keys, values and links (C loops, tens of
   nanoseconds a name);
-* one pass reading each distinct tensor's data pointer, and one reading the
-  version counter of each tensor that others are cut from (`Tensor._version`,
-  moved by every in-place op, those that change shape or strides included);
-* the geometry (address, shape, strides, dtype, device) of only the tensors
+* one pass reading each distinct tensor's data pointer, and one reading its
+  version counter (`Tensor._version`, moved by every in-place op, those that
+  change shape or strides included) (`rl_sync.rank.tensors`);
+* the geometry (address, shape, strides, dtype) of only the tensors
   whose pointer or version moved, and of inference tensors (no version).
 
 rl-sync reads and writes through aliases with version counters of their own
@@ -50,10 +50,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..storage import Slot
-
-_BASE = torch._C.TensorBase
-_POINTER, _SIZE, _STRIDE = _BASE.data_ptr, _BASE.size, _BASE.stride
-_DTYPE, _DEVICE, _VERSION = operator.attrgetter("dtype"), operator.attrgetter("device"), operator.attrgetter("_version")
+from .tensors import TensorTable, geometries
 
 
 class Link(NamedTuple):
@@ -76,18 +73,19 @@ class Bound(NamedTuple):
     owner: torch.Tensor | None
     """What `local` was cut from (the slot's tensor, its `_base`), or `local` itself."""
 
+    def tensors(self) -> list[torch.Tensor]:
+        """`local` and `owner`, once each."""
+        out = [] if self.local is None else [self.local]
+        if self.owner is not None and self.owner is not self.local:
+            out.append(self.owner)
+        return out
+
 
 class Rebound(NamedTuple):
     """A changed name resolved again, and why it changed."""
 
     bound: Bound
     why: str
-
-
-def geometries(tensors: Sequence[torch.Tensor]) -> list[tuple]:
-    """(data pointer, shape, strides, dtype, device) of each tensor, read in C loops."""
-    columns = (_POINTER, _SIZE, _STRIDE, _DTYPE, _DEVICE)
-    return list(zip(*(map(read, tensors) for read in columns)))
 
 
 def bound(value: object, local: torch.Tensor | None, links: tuple[Link, ...] = (), slot: Slot | None = None) -> Bound:
@@ -108,43 +106,22 @@ class Watch:
     def __init__(self, mapping: Mapping, resolve: Callable[[str, object], Bound], what: str):
         self.resolve_value, self.what = resolve, what
         self.bound = {name: resolve(name, value) for name, value in mapping.items()}
-        self.geometry: dict[int, tuple] = {}
-        self._index(list(self.bound.values()))
-
-    def _index(self, fresh: list[Bound]) -> None:
-        """The flat lists the per-round passes read, rebuilt from `self.bound`; the geometry of
-        the tensors of `fresh` is read anew, every other tensor's kept."""
-        news = [t for b in fresh for t in (b.local, b.owner) if t is not None]
-        self.geometry.update(zip(map(id, news), geometries(news)))
         self.keys = list(self.bound)
+        self.index = {name: i for i, name in enumerate(self.keys)}
         self.values = [b.value for b in self.bound.values()]
+        self.table = TensorTable()
+        slots = [self.table.hold(t, i) for i, b in enumerate(self.bound.values()) for t in b.tensors()]
+        self.table.reread(slots)
+        self._link_columns()
+
+    def _link_columns(self) -> None:
         links = [(i, link) for i, b in enumerate(self.bound.values()) for link in b.links]
         self.links = [_Links.of([(i, k) for i, k in links if k.item == item], item) for item in (True, False)]
-        place: dict[int, int] = {}
-        self.tensors: list[torch.Tensor] = []
-        self.names_of: list[list[int]] = []
-        cut_from: dict[int, set[int]] = {}
-        for i, b in enumerate(self.bound.values()):
-            mine = {self._place(t, place) for t in (b.local, b.owner) if t is not None}
-            for k in mine:
-                self.names_of[k].append(i)
-            if b.owner is not None:
-                cut_from.setdefault(place[id(b.owner)], set()).update(mine)
-        self.geometry = {id(t): self.geometry[id(t)] for t in self.tensors}
-        self.pointers = [self.geometry[id(t)][0] for t in self.tensors]
-        counted = [k for k in cut_from if not self.tensors[k].is_inference()]
-        self.counted = [self.tensors[k] for k in counted]
-        self.versions = list(map(_VERSION, self.counted))
-        self.sharing = [sorted(cut_from[k]) for k in counted]
-        self.uncounted = sorted({m for k in cut_from if self.tensors[k].is_inference() for m in cut_from[k]})
-
-    def _place(self, tensor: torch.Tensor, place: dict[int, int]) -> int:
-        """`tensor`'s index in `self.tensors`, appended on first sight."""
-        if id(tensor) not in place:
-            place[id(tensor)] = len(self.tensors)
-            self.tensors.append(tensor)
-            self.names_of.append([])
-        return place[id(tensor)]
+        self.link_at: dict[int, list[int]] = {}
+        """Positions of each name's links in their columns, in its `links` order."""
+        for column in self.links:
+            for position, i in enumerate(column.names):
+                self.link_at.setdefault(i, []).append(position)
 
     def changed(self, mapping: Mapping) -> list[int] | None:
         """Indices (in the order resolved) of the names that changed since they were resolved;
@@ -153,30 +130,11 @@ class Watch:
             return None
         values = list(mapping.values())
         changed = set() if all(map(operator.is_, values, self.values)) else set(_differ(values, self.values))
-        changed.update(self._links_moved())
-        for k in self._tensors_moved():
-            changed.update(self.names_of[k])
+        for links in self.links:
+            changed.update(links.moved())
+        for slot in self.table.moved():
+            changed.update(self.table.names[slot])
         return sorted(changed)
-
-    def _links_moved(self) -> list[int]:
-        return [i for links in self.links for i in links.moved()]
-
-    def _tensors_moved(self) -> list[int]:
-        """Tensors whose geometry moved; a version moved with no geometry moved is taken as seen."""
-        pointers = list(map(_POINTER, self.tensors))
-        suspects = set() if pointers == self.pointers else set(_unequal(pointers, self.pointers))
-        versions = list(map(_VERSION, self.counted))
-        counters = [] if versions == self.versions else _unequal(versions, self.versions)
-        for m in counters:
-            suspects.update(self.sharing[m])
-        suspects.update(self.uncounted)
-        order = sorted(suspects)
-        now = geometries([self.tensors[k] for k in order])
-        moved = {k for k, g in zip(order, now) if g != self.geometry[id(self.tensors[k])]}
-        for m in counters:
-            if moved.isdisjoint(self.sharing[m]):
-                self.versions[m] = versions[m]  # written in place, laid out as before
-        return sorted(moved)
 
     def resolve(self, mapping: Mapping, changed: Sequence[int]) -> dict[str, Rebound]:
         """The changed names resolved again (see the module docstring), not yet recorded."""
@@ -192,13 +150,16 @@ class Watch:
                 out[name] = Rebound(self._moved(name, b), "moved: new storage, or laid out anew in place")
         return out
 
+    def _recorded(self, tensor: torch.Tensor) -> tuple:
+        return self.table.geometry[self.table.slot_of(tensor)]
+
     def _moved(self, name: str, b: Bound) -> Bound:
         """`b` as it is now that a tensor under it moved or its slot holds another one."""
         slot = next((link for link in b.links if link.item), None)
         owner = b.owner if slot is None else _held(slot)
         if b.local is None or b.owner is None or (slot is None and b.owner is b.local):
             return b
-        if owner is b.owner and geometries([b.owner])[0] == self.geometry[id(b.owner)]:
+        if owner is b.owner and geometries([b.owner])[0] == self._recorded(b.owner):
             return b  # the view itself was moved: taken as it is now
         local = self._cut_again(name, b, owner)
         assert isinstance(owner, torch.Tensor)  # it was cut from
@@ -208,41 +169,67 @@ class Watch:
     def _cut_again(self, name: str, b: Bound, owner: object) -> torch.Tensor:
         """`b.local` cut at the same place of `owner`, which must be laid out as `b.owner` was."""
         assert b.local is not None and b.owner is not None  # only views are cut again
-        was = self.geometry[id(b.owner)]
-        now = geometries([owner])[0] if isinstance(owner, torch.Tensor) else None
-        if now is None or now[1:] != was[1:]:
-            seen = "no tensor" if now is None else _layout(now)
+        was = self._recorded(b.owner)
+        tensor = owner if isinstance(owner, torch.Tensor) else None
+        now = None if tensor is None else geometries([tensor])[0]
+        if tensor is None or now is None or now[1:] != was[1:] or tensor.device != b.local.device:
+            seen = "no tensor" if tensor is None else _layout(geometries([tensor])[0], tensor.device)
             raise ValueError(
                 f"{self.what}: tensor {name!r} is cut from a tensor that was replaced or moved since the "
-                f"group bound it (now {seen}; bound as {_layout(was)}); nothing was read or written; "
-                "repair() binds it anew (the next push does, with auto_repair)"
+                f"group bound it (now {seen}; bound as {_layout(was, b.local.device)}); nothing was read or "
+                "written; repair() binds it anew (the next push does, with auto_repair)"
             )
-        assert isinstance(owner, torch.Tensor)  # `now` was read off it
-        pointer, shape, strides, dtype, _ = self.geometry[id(b.local)]
-        start = owner.storage_offset() * owner.element_size() + pointer - was[0]
+        pointer, shape, strides, dtype = self._recorded(b.local)
+        storage = tensor.untyped_storage()
+        start = tensor.storage_offset() * tensor.element_size() + pointer - was[0]
         span = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * dtype.itemsize if b.local.numel() else 0
-        if start < 0 or start % dtype.itemsize or start + span > owner.untyped_storage().nbytes():
+        if start < 0 or start % dtype.itemsize or start + span > storage.nbytes():
             raise ValueError(
                 f"{self.what}: tensor {name!r} cannot be cut again from the tensor its slot holds now: "
-                f"bytes [{start}, {start + span}) of a storage of {owner.untyped_storage().nbytes()}, as "
-                f"{dtype}; repair() binds it anew (the next push does, with auto_repair)"
+                f"bytes [{start}, {start + span}) of a storage of {storage.nbytes()}, as {dtype}; repair() "
+                "binds it anew (the next push does, with auto_repair)"
             )
-        local = torch.empty(0, dtype=dtype, device=owner.device)
-        return local.set_(owner.untyped_storage(), start // dtype.itemsize, shape, strides)
+        local = torch.empty(0, dtype=dtype, device=tensor.device)
+        return local.set_(storage, start // dtype.itemsize, shape, strides)
 
     def record(self, again: Mapping[str, Rebound]) -> None:
-        """Take `again` (from `resolve`, accepted by the side) as the names' resolution."""
-        fresh = [r.bound for r in again.values()]
-        self.bound.update(zip(again, fresh))
-        self._index(fresh)
+        """Take `again` (from `resolve`, accepted by the side) as the names' resolution; costs what
+        those names hold, not what the others do (unless their links take another form)."""
+        held: list[int] = []
+        relink = False
+        for name, (new, _) in again.items():
+            i, old = self.index[name], self.bound[name]
+            for tensor in old.tensors():
+                self.table.release(tensor, i)
+            held.extend(self.table.hold(tensor, i) for tensor in new.tensors())
+            self.bound[name], self.values[i] = new, new.value
+            relink = relink or not self._relinked(i, old, new)
+        self.table.reread(held)
+        if relink:
+            self._link_columns()
+
+    def _relinked(self, i: int, old: Bound, new: Bound) -> bool:
+        """Put `new`'s links where `old`'s were; False when they take another form."""
+        if [link.item for link in old.links] != [link.item for link in new.links]:
+            return False
+        for link, position in zip(sorted(new.links, key=lambda k: not k.item), self.link_at.get(i, [])):
+            self.links[0 if link.item else 1].set(position, link)
+        return True
+
+    def sharing(self, again: Mapping[str, Rebound]) -> set[str]:
+        """The names of `again` and every name that reads or writes through a tensor one of them
+        did or does now (what may share memory with them), before `record`."""
+        out = set(again)
+        for name, (new, _) in again.items():
+            for tensor in self.bound[name].tensors() + new.tensors():
+                slot = self.table.place.get(id(tensor))
+                if slot is not None:
+                    out.update(self.keys[i] for i in self.table.names[slot])
+        return out
 
 
 def _differ(a: list, b: list) -> list[int]:
     return list(compress(range(len(a)), map(operator.is_not, a, b)))
-
-
-def _unequal(a: list, b: list) -> list[int]:
-    return list(compress(range(len(a)), map(operator.ne, a, b)))
 
 
 class _Links(NamedTuple):
@@ -265,6 +252,9 @@ class _Links(NamedTuple):
             get,
         )
 
+    def set(self, position: int, link: Link) -> None:
+        self.holders[position], self.keys[position], self.held[position] = link.holder, link.key, link.held
+
     def moved(self) -> list[int]:
         """The names whose link holds another object now (or none: a missing key or attribute)."""
         try:
@@ -285,5 +275,5 @@ def _get_or_none(get: Callable[[Any, str], Any], holder: object, key: str) -> ob
         return None
 
 
-def _layout(g: tuple) -> str:
-    return f"shape {tuple(g[1])}, strides {g[2]}, {g[3]} on {g[4]}"
+def _layout(geometry: tuple, device: torch.device) -> str:
+    return f"shape {tuple(geometry[1])}, strides {geometry[2]}, {geometry[3]} on {device}"

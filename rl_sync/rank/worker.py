@@ -120,7 +120,11 @@ class WorkerRank(Participant):
         `ValueError` naming rank and tensor before anything is written. True if any was rebound."""
         if self._rl_sync_kept is None:
             return False
-        rebound = self._rl_sync_kept.follow()
+        try:
+            rebound = self._rl_sync_kept.follow()
+        except ValueError:
+            self._rl_sync_version = None  # something changed that cannot be bound anew
+            raise
         if not rebound:
             return False
         self._rl_sync_version = None

@@ -105,6 +105,15 @@ def test_a_replacement_the_plan_cannot_take_names_what_changed():
         worker._rl_sync_before_round(_round(2))
 
 
+def test_a_replacement_sharing_memory_with_another_weight_is_refused_and_forgets_the_version():
+    worker = _worker(double_buffer=False)
+    worker._rl_sync_version = 1
+    worker.held["w"] = Destination(worker.held["v"].local, WHOLE, (4, 3), torch.float32)
+    with pytest.raises(ValueError, match=r"^worker rank 0: destinations '[wv]' and '[wv]' share memory"):
+        worker._rl_sync_before_round(_round(2))
+    assert worker._rl_sync_version_of() is None
+
+
 def test_patches_refuse_a_rebound_weight():
     worker = _worker(double_buffer=False)
     worker.held["v"].local.set_(torch.ones(4, 3))  # the engine reallocated it: same object, new storage

@@ -124,9 +124,9 @@ def test_values_written_in_place_are_read_once_then_cost_nothing():
     engine = Engine()
     watch = Watch(engine.mapping, _resolve, "worker rank 0")
     engine.params["fused"].mul_(3)
-    before = list(watch.versions)
+    before = list(watch.table.versions)
     assert watch.changed(engine.mapping) == []
-    assert watch.versions != before, "the new version is taken as seen once its geometry was checked"
+    assert watch.table.versions != before, "the new version is taken as seen once its geometry was checked"
 
 
 @pytest.mark.parametrize(
