@@ -9,8 +9,12 @@ a fresh model loading the same checkpoint from disk through vLLM's loader
 holds. Covers Llama, Qwen2 and Qwen3, tied embeddings, KV heads replicated past TP, transformers-5
 fused MoE experts cut into parts, Mixtral, DeepSeek-V3 (MLA, shared experts,
 per-expert checkpoint names), and Qwen3-MoE and DeepSeek-V3 under expert
-parallelism. Each rank also checks that the binder's rules (`rl_sync.bind`,
-the layouts synthetic models get) give every checkpoint name the boxes vLLM's
+parallelism. For Qwen3-MoE, the engine then replaces every parameter a
+destination is cut from (`module.weight = Parameter(...)`) before the round:
+the rank's watch must find each one through its `Slot` and cut the
+destination again from the new parameter, without binding anew. Each rank also
+checks that the binder's rules (`rl_sync.bind`, the layouts synthetic models
+get) give every checkpoint name the boxes vLLM's
 loader keeps; a vocabulary of 1030 (padded to 64 x 17) tells vLLM's padding
 rule apart from one padding to 64 x TP."""
 
@@ -105,6 +109,8 @@ MODELS: dict[str, tuple[str, str, dict[str, object], str]] = {
 EXPERT_PARALLEL = {"qwen3-moe-ep": "qwen3-moe", "deepseek-v3-ep": "deepseek-v3"}
 """The same checkpoints into an engine with `enable_expert_parallel`: whole experts per rank."""
 RUNS = [*MODELS, *EXPERT_PARALLEL]
+REPLACED = "qwen3-moe"
+"""The model whose live parameters the engine replaces after binding."""
 
 
 def _checkpoint(directory: str, name: str) -> dict[str, torch.Tensor]:
@@ -222,8 +228,27 @@ def _binder_disagrees(directory: str, checkpoint: dict, destinations: dict, ep: 
     return differ
 
 
+def _replace_live_parameters(destinations: dict, rank: int) -> dict[str, torch.Tensor]:
+    """The engine puts a new parameter (same shape, strides, dtype and attributes, zeros) in place
+    of every one a destination is cut from; the worker's kept destinations follow each. Returns
+    what a round now writes for each rebound name."""
+    from rl_sync.rank.kept import KeptDestinations
+
+    kept = KeptDestinations(destinations, rank, double_buffer=False)
+    slots = {(id(d.slot.holder), d.slot.key): d.slot for d in destinations.values() if d.slot is not None}
+    for holder, key in slots.values():
+        old = holder[key]
+        new = torch.nn.Parameter(torch.empty_strided(old.shape, old.stride(), dtype=old.dtype), requires_grad=False)
+        new.data.zero_()
+        new.__dict__.update(old.__dict__)
+        holder[key] = new
+    rebound = kept.follow()
+    assert slots and set(rebound) == {n for n, d in destinations.items() if d.slot is not None}, "every one is found"
+    return {name: kept.entries.endpoints[name].tensor for name in rebound}
+
+
 def _bind_and_write(
-    directory: str, state: dict[str, torch.Tensor], rank: int, ep: bool
+    directory: str, state: dict[str, torch.Tensor], rank: int, ep: bool, replace_live: bool
 ) -> tuple[dict, list[str], list[str]]:
     from vllm.config import set_current_vllm_config
 
@@ -236,6 +261,7 @@ def _bind_and_write(
     with set_current_vllm_config(config):
         binding = VllmBinding.build(model, config.model_config, checkpoint, engine_rank(), sharded={})
         disagree = _binder_disagrees(directory, checkpoint, binding.destinations, ep)
+        moved = _replace_live_parameters(binding.destinations, rank) if replace_live else {}
         for name, dest in binding.destinations.items():
             if dest.fallback or dest.local is None:
                 continue
@@ -243,7 +269,7 @@ def _bind_and_write(
             whole = state[name] if part is None else state[part[0]].narrow(part[1], part[2], part[3] - part[2])
             box = dest.layout.local_box(dest.shape, rank)
             assert box is not None, f"{name}: rank {rank} holds a tensor but no box"
-            dest.local.copy_(whole[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])
+            moved.get(name, dest.local).copy_(whole[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])
         if binding.fallbacks:
             binding.processor.load_fallbacks([(n, state[n].to(torch.bfloat16)) for n in binding.fallbacks])
         binding.processor.after_update(None)
@@ -273,7 +299,7 @@ def _rank(rank: int, port: int, root: str, queue) -> None:
             initialize_model_parallel(2, 1)
         for name, state in states.items():
             ep = name in EXPERT_PARALLEL
-            got, fallbacks, disagree = _bind_and_write(os.path.join(root, name), state, rank, ep)
+            got, fallbacks, disagree = _bind_and_write(os.path.join(root, name), state, rank, ep, name == REPLACED)
             _, fresh = _build(os.path.join(root, name), "auto", ep)
             want = _snapshot(fresh)
             differ = sorted(k for k in want if k not in got or not torch.equal(got[k], want[k]))
