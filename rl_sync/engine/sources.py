@@ -71,7 +71,7 @@ def _entry(
     rank: int,
     side: str,
     block: tuple[int, ...] = (),
-):
+) -> tuple[TensorReport, Endpoint | None]:
     report = TensorReport(name, dtype_name(dtype), tuple(shape), LayoutInfo.of(layout), tuple(block))
     box = layout.local_box(shape, rank)
     if box is None:
@@ -122,7 +122,9 @@ def _layout(value: object, num_trainers: int) -> Layout:
     return Layout.from_dtensor(value) if _is_dtensor(value) else Layout.replicated(Mesh((num_trainers,)))
 
 
-def trainer_entry(name: str, value: object, local: torch.Tensor, rank: int, num_trainers: int):
+def trainer_entry(
+    name: str, value: object, local: torch.Tensor, rank: int, num_trainers: int
+) -> tuple[TensorReport, Endpoint | None]:
     """(report, endpoint or None) of trainer tensor `name` (`value`, resolved to `local`)."""
     layout = _layout(value, num_trainers)
     shape = tuple(cast("Sharded | _DTensorLike | torch.Tensor", value).shape)  # local_tensor took it
@@ -141,12 +143,15 @@ def trainer_entries(tensors: Mapping[str, object], rank: int, num_trainers: int)
 
 
 def checked_destination(name: str, dest: object, rank: int) -> Destination:
+    """`dest`, or a `TypeError` naming rank and tensor when it is no `Destination`."""
     if not isinstance(dest, Destination):
         raise TypeError(f"worker rank {rank}: destination {name!r} is a {type(dest).__name__}; expected a Destination")
     return dest
 
 
-def worker_entry(name: str, dest: Destination, local: torch.Tensor | None, rank: int):
+def worker_entry(
+    name: str, dest: Destination, local: torch.Tensor | None, rank: int
+) -> tuple[TensorReport, Endpoint | None]:
     """(report, endpoint or None) of destination `name` (`dest`, resolved to `local`)."""
     view = None if local is None else alias(local)
     return _entry(name, view, dest.dtype, dest.layout, tuple(dest.shape), rank, "worker", dest.block)
