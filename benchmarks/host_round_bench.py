@@ -18,7 +18,7 @@ parameters share their owner's pointer and version reads). Cases:
 "geometry of every tensor" is the check this replaced (a Python walk over every
 tensor's address, shape, strides and dtype), timed on the same tensors.
 
-    python benchmarks/host_round_bench.py [--sizes 10000,30000,140000] [--repeat 9]
+    python benchmarks/host_round_bench.py [--sizes 10000,30000,140000] [--repeat 9] [--device cuda]
 """
 
 from __future__ import annotations
@@ -43,16 +43,18 @@ SHAPE = (4, 8)
 
 
 class Trainer(TrainerRank):
-    def __init__(self, n: int):
-        self.held = {f"t.{i}": torch.zeros(SHAPE) for i in range(n)}
+    def __init__(self, n: int, device: str):
+        self.held = {f"t.{i}": torch.zeros(SHAPE, device=device) for i in range(n)}
 
     def rl_sync_sources(self):
         return self.held
 
 
 class Worker(WorkerRank):
-    def __init__(self, n: int):
-        self.held = {f"t.{i}": Destination(torch.zeros(SHAPE), WHOLE, SHAPE, torch.float32) for i in range(n)}
+    def __init__(self, n: int, device: str):
+        self.held = {
+            f"t.{i}": Destination(torch.zeros(SHAPE, device=device), WHOLE, SHAPE, torch.float32) for i in range(n)
+        }
 
     def rl_sync_destinations(self, checkpoint):
         return self.held
@@ -91,8 +93,8 @@ def _nothing() -> None:
     """No change between rounds."""
 
 
-def trainer_rows(n: int, repeat: int) -> list[tuple[str, float]]:
-    rank = Trainer(n)
+def trainer_rows(n: int, repeat: int, device: str) -> list[tuple[str, float]]:
+    rank = Trainer(n, device)
     rank._rl_sync_describe("trainer", 0, 1)
     shards = list(rank.held.values())
 
@@ -107,8 +109,8 @@ def trainer_rows(n: int, repeat: int) -> list[tuple[str, float]]:
     ]
 
 
-def worker_rows(n: int, repeat: int) -> list[tuple[str, float]]:
-    rank = Worker(n)
+def worker_rows(n: int, repeat: int, device: str) -> list[tuple[str, float]]:
+    rank = Worker(n, device)
     checkpoint = dict.fromkeys(rank.held, ("float32", SHAPE))
     rank._rl_sync_describe("worker", 0, 1, DescribeOptions(checkpoint=checkpoint))
     info = RoundInfo(1, "m2n", None, 60.0, False)
@@ -129,15 +131,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="10000,30000,140000")
     parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--device", default="cpu", help="where the tensors live (the checks run on the host)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     columns: dict[str, dict[int, float]] = {}
     for n in sizes:
-        for label, seconds in trainer_rows(n, args.repeat) + worker_rows(n, args.repeat):
+        for label, seconds in trainer_rows(n, args.repeat, args.device) + worker_rows(n, args.repeat, args.device):
             columns.setdefault(label, {})[n] = seconds
-    table = Table(
-        title=f"A rank's per-round host time, ms (median of {args.repeat}; {torch.get_num_threads()} threads)"
-    )
+    table = Table(title=f"A rank's per-round host time, ms ({args.device} tensors, median of {args.repeat})")
     table.add_column("case")
     for n in sizes:
         table.add_column(f"{n:,} tensors", justify="right")
