@@ -96,7 +96,13 @@ class ServiceMember:
             raise ValueError(f"{self.label}: a vLLM engine service can only be a worker, not a {side}")
         self.double_buffer = options.double_buffer
         request = DescribeRequest(
-            first, side_size, dict(options.checkpoint), dict(options.sharded), self.double_buffer, self._reply(reply)
+            first,
+            side_size,
+            dict(options.checkpoint),
+            dict(options.sharded),
+            self.double_buffer,
+            self._reply(reply),
+            node="",  # (the host knows it: `actors.service`)
         )
         return self.handle._rl_sync_service_describe.remote(encode(request), options.group)
 

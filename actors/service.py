@@ -27,6 +27,7 @@ Typical use::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -68,7 +69,8 @@ class _ServiceHost:
             self._rl_sync_claim.take(group, coordinator_alive)
         driver = self._rl_sync_driver()
         self._rl_sync_versions = [None] * driver.ranks
-        return driver.describe(decode(DescribeRequest, request))
+        node = ray.get_runtime_context().get_node_id()
+        return driver.describe(replace(decode(DescribeRequest, request), node=node))
 
     def _rl_sync_service_connect(
         self, inits: tuple[bytes, ...], plan: bytes, bind_host: str | None, reply: bytes
@@ -132,6 +134,10 @@ class VllmServiceActor(VllmServiceMixin):
         from .vllm import completions
 
         return completions(self.llm, prompts, sampling)
+
+    def call(self, fn, *args, **kwargs):
+        """Run `fn(self, *args, **kwargs)` in this actor."""
+        return fn(self, *args, **kwargs)
 
 
 class HttpServiceHost(_ServiceHost):

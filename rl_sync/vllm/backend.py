@@ -30,6 +30,7 @@ from ..rank import WorkerRank
 from ..rank.side import DescribeOptions
 from ..wire.codec import decode, encode
 from ..wire.failure import RankFailure
+from . import compat
 from .rank import VllmDestinations, engine_rank
 from .service import (
     ERROR,
@@ -63,11 +64,15 @@ class RlSyncUpdateInfo(WeightTransferUpdateInfo):
 class ServiceRank(WorkerRank):
     """A worker rank living in a vLLM worker process: destinations from its live model."""
 
-    def __init__(self, destinations: VllmDestinations, side_rank: int, side_size: int, sharded: dict, bind_host: str):
-        self.vllm, self.side, self.sharded, self.bind_host = destinations, (side_rank, side_size), sharded, bind_host
+    def __init__(self, destinations: VllmDestinations, side: tuple[int, int], sharded: dict, node: str):
+        self.vllm, self.side, self.sharded, self.node = destinations, side, sharded, node
+        self.bind_host = ""
 
     def _rl_sync_node(self) -> tuple[str, str]:
-        return "", self.bind_host
+        """The node of the engine's host (where an `LLM` it owns runs its workers: a GPU's UUID
+        names one physical GPU, so a wrong node can only hide a colocated trainer, never invent
+        one) and the address rounds bind, set at connect."""
+        return self.node, self.bind_host
 
     def rl_sync_destinations(self, checkpoint) -> dict[str, Destination]:
         return self.vllm.bind(checkpoint, *self.side, self.sharded)
@@ -124,13 +129,8 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
         if self.rank is not None:
             self.rank._rl_sync_close(abort=True)
         destinations = VllmDestinations(self.model, self.vllm_config)
-        self.rank = ServiceRank(
-            destinations,
-            request.first + where.rank,
-            request.side_size,
-            {k: list(v) for k, v in request.sharded.items()},
-            "",
-        )
+        side = (request.first + where.rank, request.side_size)
+        self.rank = ServiceRank(destinations, side, {k: list(v) for k, v in request.sharded.items()}, request.node)
         options = DescribeOptions(
             checkpoint={n: (d, tuple(s)) for n, (d, s) in request.checkpoint.items()},
             sharded={n: tuple(d) for n, d in request.sharded.items()},
@@ -181,6 +181,11 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
             self._answer(request.reply, op, request.version, lambda: self._commit(rank, request.version))
         else:
             raise ValueError(f"rl_sync weight transfer: update_weights takes run or commit, got {op!r}")
+
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        """Refused: vLLM 0.26 declares this abstract; rl-sync's trainers send through their group."""
+        raise TypeError(compat.TRAINER_SEND_REFUSED)
 
     def shutdown(self) -> None:
         if self.rank is not None:

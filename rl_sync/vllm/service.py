@@ -56,6 +56,9 @@ class DescribeRequest:
     sharded: dict[str, tuple[int, ...]]
     double_buffer: bool
     reply: Rendezvous
+    node: str
+    """The identity of the node the engine runs on, as its trainers know theirs (Ray's node id,
+    filled in by the host actor): a rank on a GPU a trainer shares is colocated with it."""
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ class Ranks:
 
 
 def _describe(reply: Rendezvous, answers: list[bytes]) -> list[bytes]:
-    request = DescribeRequest(0, len(answers), {}, {}, False, reply)
+    request = DescribeRequest(0, len(answers), {}, {}, False, reply, node="")
     return ServiceDriver(Ranks(reply, answers), len(answers)).describe(request)
 
 
