@@ -167,7 +167,7 @@ def _unwrap_online_loaders(layer: torch.nn.Module) -> list[tuple[torch.Tensor, o
         out.append((tensor, loader))
         while getattr(loader, "__name__", None) == _ONLINE_LOADER:
             loader = loader.__wrapped__  # type: ignore[union-attr]  # functools.wraps sets it
-        tensor.__dict__["weight_loader"] = loader  # (vLLM keeps it among the tensor's attributes)
+        tensor.weight_loader = loader  # type: ignore[attr-defined]  # (vLLM's, a property of its parameter classes)
     return out
 
 
@@ -187,7 +187,7 @@ def model_form(model: torch.nn.Module) -> Iterator[dict[str, ParamForm]]:
         yield {name: ParamForm(tuple(p.shape), tuple(p.stride()), p.dtype) for name, p in model.named_parameters()}
     finally:
         for tensor, loader in wrapped:
-            tensor.__dict__["weight_loader"] = loader
+            tensor.weight_loader = loader  # type: ignore[attr-defined]
         for layer, params, buffers, non_persistent in saved:
             for name in list(layer._parameters) + list(layer._buffers):
                 delattr(layer, name)
