@@ -34,7 +34,7 @@ import ray
 
 from rl_sync.rank.claim import Claim, GroupTag
 from rl_sync.vllm.driver import HttpControl, LlmControl, ServiceDriver
-from rl_sync.vllm.service import CloseRequest, ConnectRequest, Rendezvous, RoundRequest
+from rl_sync.vllm.service import CloseRequest, ConnectRequest, IpcRequest, Rendezvous, RoundRequest
 from rl_sync.wire.codec import decode
 
 from .participant import coordinator_alive
@@ -92,6 +92,22 @@ class _ServiceHost:
         driver = self._rl_sync_driver()
         driver.commit(round_request)
         self._rl_sync_versions = [round_request.version] * driver.ranks
+
+    def _rl_sync_service_ipc_export(self, request: bytes) -> list[bytes]:
+        """Every rank's export of its destinations' memory to its colocated trainer."""
+        return self._rl_sync_driver().ipc_export(decode(IpcRequest, request))
+
+    def _rl_sync_service_ipc_begin(self, request: bytes) -> list[bytes | None]:
+        """Open a colocated round (the trainers write the live weights from now on)."""
+        driver = self._rl_sync_driver()
+        self._rl_sync_versions = [None] * driver.ranks
+        return driver.ipc_begin(decode(IpcRequest, request))
+
+    def _rl_sync_service_ipc_end(self, request: bytes) -> None:
+        step = decode(IpcRequest, request)
+        driver = self._rl_sync_driver()
+        driver.ipc_end(step)
+        self._rl_sync_versions = [step.version] * driver.ranks
 
     def _rl_sync_service_versions(self) -> list:
         return list(self._rl_sync_versions or [None] * self._rl_sync_driver().ranks)

@@ -18,9 +18,10 @@ names. Each method moves the same tensors into the same engine:
 Engines: bf16; online FP8 (`quantization="fp8"`: rl-sync and vLLM's backends send bf16 and the
 engine quantizes); block FP8 (a `weight_block_size` [128, 128] config: rl-sync's trainer
 quantizes and sends FP8 values plus scales; vLLM's backends send what the engine keeps, so they
-take no part). Columns: median seconds of `--repeat` rounds (gather: one), GB/s of the bytes the
-engine receives, those bytes, and the peak GPU memory each side allocates beyond what it held
-before the method started (bind-time buffers included).
+take no part). Columns: median seconds of `--repeat` rounds (gather: one; rl-sync's with its Ray
+calls, and the handover alone: the slowest rank's time in the round), GB/s of the bytes the engine
+receives, those bytes, and the peak GPU memory each side allocates beyond what it held before the
+method started (bind-time buffers included).
 
     python benchmarks/vllm_gpu_bench.py [--repeat 5] [--engines bf16,fp8,block_fp8]
 """
@@ -123,7 +124,11 @@ def rl_sync_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
         sync.push()
         rounds = [sync.push() for _ in range(repeat)]
         sync.close()
-        return {"s": statistics.median(r.seconds for r in rounds), "bytes": sum(sync.summary.kept_bytes)}
+        return {
+            "s": statistics.median(r.seconds for r in rounds),
+            "handover_s": statistics.median(max(rank.seconds for rank in r.ranks) for r in rounds),
+            "bytes": sum(sync.summary.kept_bytes),
+        }
 
     return measured(trainer, engine.ranks[0], run)
 
@@ -223,6 +228,7 @@ def main() -> None:
         [
             label.replace("floor", "device-to-device copy (floor)"),
             f"{r['s']:.3f}",
+            f"{r['handover_s']:.3f}" if "handover_s" in r else "-",
             f"{r['bytes'] / r['s'] / 1e9:.0f}",
             f"{r['bytes'] / 1e9:.2f}",
             f"{r['s'] / floor:.2f}",
@@ -233,7 +239,7 @@ def main() -> None:
     ]
     show(
         f"Llama-3-8B shapes into vLLM on one {torch.cuda.get_device_name()} (median of {args.repeat})",
-        ["method", "s", "GB/s", "GB into the engine", "x copy floor", "trainer +GiB", "engine +GiB"],
+        ["method", "s", "handover s", "GB/s", "GB into the engine", "x copy floor", "trainer +GiB", "engine +GiB"],
         rows,
         "vllm_gpu_bench",
         results,

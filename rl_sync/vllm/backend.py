@@ -37,6 +37,7 @@ from .service import (
     CloseRequest,
     ConnectRequest,
     DescribeRequest,
+    IpcRequest,
     Rendezvous,
     RoundRequest,
     reply_key,
@@ -119,9 +120,14 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
         elif op == "close":
             close = decode(CloseRequest, payload)
             self._answer(close.reply, op, close.tag, lambda: self._close(close.abort))
+        elif op == "ipc_export":
+            export = decode(IpcRequest, payload)
+            rank = self._described()
+            self._answer(export.reply, op, 0, lambda: rank._rl_sync_ipc_export(str(self.device), export.timeout_s))
         else:
             raise ValueError(
-                f"rl_sync weight transfer: init_weight_transfer_engine takes describe, connect or close, got {op!r}"
+                "rl_sync weight transfer: init_weight_transfer_engine takes describe, connect, close or "
+                f"ipc_export, got {op!r}"
             )
 
     def _describe(self, request: DescribeRequest) -> bytes:
@@ -173,14 +179,21 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
 
     def receive_weights(self, update_info: RlSyncUpdateInfo) -> None:
         op, payload = unpack({"op": update_info.op, "payload": update_info.payload})
-        request = decode(RoundRequest, payload)
         rank = self._described()
+        if op in ("ipc_begin", "ipc_end"):
+            step = decode(IpcRequest, payload)
+            work = (lambda: rank._rl_sync_ipc_begin() or b"") if op == "ipc_begin" else lambda: _end(rank, step)
+            self._answer(step.reply, op, step.version, work)
+            return
+        request = decode(RoundRequest, payload)
         if op == "run":
             self._answer(request.reply, op, request.version, lambda: rank._rl_sync_run(request.round))
         elif op == "commit":
             self._answer(request.reply, op, request.version, lambda: self._commit(rank, request.version))
         else:
-            raise ValueError(f"rl_sync weight transfer: update_weights takes run or commit, got {op!r}")
+            raise ValueError(
+                f"rl_sync weight transfer: update_weights takes run, commit, ipc_begin or ipc_end, got {op!r}"
+            )
 
     @staticmethod
     def trainer_send_weights(iterator, trainer_args) -> None:
@@ -191,6 +204,13 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
         if self.rank is not None:
             self.rank._rl_sync_close(abort=False)
             self.rank = None
+
+
+def _end(rank: ServiceRank, step: IpcRequest) -> bytes:
+    """End a colocated round: the engine's later work waits for the trainer's writes, then vLLM's
+    processing for what it wrote."""
+    rank._rl_sync_ipc_end(step.version, step.names)
+    return b""
 
 
 def _put(reply: Rendezvous, key: str, value: bytes) -> None:
