@@ -11,7 +11,9 @@ entry gets a `Destination`:
   `qkv_proj`, gate/up of `gate_up_proj`, experts of `w13_weight`, the real rows
   of a padded vocabulary shard, ...);
 * **reload**: the same view of a buffer in the loader's form, processed by
-  vLLM after each round (`rl_sync.vllm.reload`);
+  vLLM after each round (`rl_sync.vllm.reload`); a block-FP8 layer's weight
+  is an FP8 destination with the layer's block, and its blocks of
+  `weight_scale_inv` a second one (`rl_sync.vllm.fp8`);
 * **fallback**: the whole tensor, handed to vLLM's loader: when the loader's
   copies are no box, no layout gives the boxes, or a module's parameters
   cannot be rebuilt from what the trainers send; every name feeding a module
