@@ -40,7 +40,7 @@ def _url() -> str:
 
 def _bound(actor) -> dict:
     out = {}
-    for name, endpoint in actor._rl_sync_cached[1].items():
+    for name, endpoint in actor._rl_sync_endpoints("worker").items():
         out[name] = (endpoint.origin, tuple(endpoint.tensor.shape), endpoint.tensor.detach().clone())
     return out
 
@@ -130,7 +130,7 @@ def test_tensors_no_rule_binds_go_through_the_load_hook(ray_session):
         full = ray.get([t.full_state.remote() for t in trainers])[0]
         got = ray.get(
             workers[1].call.remote(
-                lambda self: self._rl_sync_cached[1]["model.layers.1.mlp.experts.gate_up_proj"].tensor
+                lambda self: self._rl_sync_endpoints("worker")["model.layers.1.mlp.experts.gate_up_proj"].tensor
             )
         )
         assert torch.equal(got, full["model.layers.1.mlp.experts.gate_up_proj"])
