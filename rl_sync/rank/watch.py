@@ -93,6 +93,10 @@ def bound(value: object, local: torch.Tensor | None, links: tuple[Link, ...] = (
     `local`'s `_base`, else by `local` itself."""
     if slot is not None:
         held = slot.holder.get(slot.key)
+        if not isinstance(held, torch.Tensor):
+            raise TypeError(
+                f"a destination's slot {slot.key!r} holds {type(held).__name__}, not the tensor it is cut from"
+            )
         return Bound(value, (*links, Link(slot.holder, slot.key, held, True)), local, held)
     owner = None if local is None else local if local._base is None else local._base
     return Bound(value, links, local, owner)
@@ -173,7 +177,7 @@ class Watch:
         tensor = owner if isinstance(owner, torch.Tensor) else None
         now = None if tensor is None else geometries([tensor])[0]
         if tensor is None or now is None or now[1:] != was[1:] or tensor.device != b.local.device:
-            seen = "no tensor" if tensor is None else _layout(geometries([tensor])[0], tensor.device)
+            seen = "no tensor" if tensor is None or now is None else _layout(now, tensor.device)
             raise ValueError(
                 f"{self.what}: tensor {name!r} is cut from a tensor that was replaced or moved since the "
                 f"group bound it (now {seen}; bound as {_layout(was, b.local.device)}); nothing was read or "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .pairs import CONFIG, check, pairs, release, set_versions, sparse_rounds
+from .pairs import CONFIG, check, pairs, pushed, release, set_versions, sparse_rounds
 
 
 @pytest.mark.parametrize("count", [1, 2])
@@ -95,17 +95,11 @@ def test_a_colocated_worker_that_rebuilt_or_moved_weights_exports_anew_and_gets_
     pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True)
     try:
         sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
-        set_versions(ray, trainers, 1)
-        sync.push(mode="sparse")
-        check(ray, workers, 1, 1)
+        assert pushed(ray, sync, trainers, workers, 1) == "m2n"
         ray.get(workers[0].call.remote(_rebuild_and_move))
         assert sync.versions() == [None]
-        set_versions(ray, trainers, 2)
-        assert sync.push(mode="sparse").mode == "m2n", "the worker exported anew: every tensor, dense"
-        check(ray, workers, 1, 2)
-        set_versions(ray, trainers, 3)
-        assert sync.push(mode="sparse").mode == "sparse"
-        check(ray, workers, 1, 3)
+        assert pushed(ray, sync, trainers, workers, 2) == "m2n", "the worker exported anew: every tensor, dense"
+        assert pushed(ray, sync, trainers, workers, 3) == "sparse"
         sync.close()
     finally:
         release(ray, pg, trainers + workers)
