@@ -208,7 +208,8 @@ class Coordinator:
             )
         if mates is not None:
             self.ipc, self.worker_ranks, self.ranks = True, tuple(mates), list(self.trainers)
-            self._close_store()
+            if not any(isinstance(m, ServiceMember) for m in self.workers):
+                self._close_store()  # (a service's ranks still answer through it)
 
     def _connect(self, info: InitInfo, devices: list[str], worker_devices: list[str]) -> None:
         cfg = self.config
@@ -234,7 +235,7 @@ class Coordinator:
         try:
             return gather(
                 self.workers,
-                lambda m: m.ipc_export(self._slice(worker_devices, m), timeout),
+                lambda m: m.ipc_export(self._slice(worker_devices, m), timeout, self.reply),
                 self.budget.left(timeout),
                 "init (CUDA IPC export)",
             )
@@ -469,7 +470,7 @@ class Coordinator:
         version, mode = self._check_push(version, planned, asked_mode)
         mode, reason = self.refresh.round_mode(mode)
         start = time.perf_counter()
-        if self.ipc and self._ipc_begin(f"round {version} (CUDA IPC)"):
+        if self.ipc and self._ipc_begin(version, f"round {version} (CUDA IPC)"):
             self.refresh.memory_moved()
         full = self.refresh.full_round(mode)
         if full is not None:
@@ -520,7 +521,7 @@ class Coordinator:
             for r in gather(self.ranks, lambda m: m.run(blob, version, self.reply), self.budget.left(step), what)
         ]
         if self.ipc:
-            gather(self.workers, lambda m: m.ipc_end(version, names), self.budget.left(step), what)
+            gather(self.workers, lambda m: m.ipc_end(version, names, self.reply), self.budget.left(step), what)
             results += [
                 replace(
                     results[r],
@@ -535,12 +536,12 @@ class Coordinator:
             gather(self.workers, lambda m: m.commit(version, self.reply), self.budget.left(step), f"{what} commit")
         return results
 
-    def _ipc_begin(self, what: str) -> bool:
+    def _ipc_begin(self, version: int, what: str) -> bool:
         """Open the round on every colocated worker; a worker whose memory moved since its export
         answers a new one, which its trainer maps before any write. True if any moved."""
         step = self.config.round_timeout_s + 5
         try:
-            fresh = gather(self.workers, lambda m: m.ipc_begin(), self.budget.left(step), what)
+            fresh = gather(self.workers, lambda m: m.ipc_begin(version, self.reply), self.budget.left(step), what)
             moved = {rank: export for rank, export in zip(self.worker_ranks, fresh) if export is not None}
             if moved:
                 firsts = self._rank_firsts()

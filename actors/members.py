@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import ray
 
 from rl_sync.rank.side import DescribeOptions
-from rl_sync.vllm.service import CloseRequest, DescribeRequest, Rendezvous, RoundRequest
+from rl_sync.vllm.service import CloseRequest, DescribeRequest, IpcRequest, Rendezvous, RoundRequest
 from rl_sync.wire.codec import encode
 from rl_sync.wire.failure import RemoteTraceback, kept_type
 
@@ -67,16 +67,16 @@ class ActorMember:
     def apply_patches(self, version: int, patches: Sequence[dict]):
         return self.handle._rl_sync_apply_patches.remote(version, patches[0])
 
-    def ipc_export(self, devices: Sequence[str], timeout_s: float):
+    def ipc_export(self, devices: Sequence[str], timeout_s: float, reply: Rendezvous | None):
         return self.handle._rl_sync_ipc_export.remote(devices[0], timeout_s)
 
-    def ipc_begin(self):
+    def ipc_begin(self, version: int, reply: Rendezvous | None):
         return self.handle._rl_sync_ipc_begin.remote()
 
     def ipc_remap(self, ipc: bytes):
         return self.handle._rl_sync_ipc_remap.remote(ipc)
 
-    def ipc_end(self, version: int, names: tuple[str, ...] | None):
+    def ipc_end(self, version: int, names: tuple[str, ...] | None, reply: Rendezvous | None):
         return self.handle._rl_sync_ipc_end.remote(version, names)
 
 
@@ -99,7 +99,13 @@ class ServiceMember:
             raise ValueError(f"{self.label}: a vLLM engine service can only be a worker, not a {side}")
         self.double_buffer = options.double_buffer
         request = DescribeRequest(
-            first, side_size, dict(options.checkpoint), dict(options.sharded), self.double_buffer, self._reply(reply)
+            first,
+            side_size,
+            dict(options.checkpoint),
+            dict(options.sharded),
+            self.double_buffer,
+            self._reply(reply),
+            node="",  # (the host knows it: `actors.service`)
         )
         return self.handle._rl_sync_service_describe.remote(encode(request), options.group)
 
@@ -139,10 +145,20 @@ class ServiceMember:
     def apply_patches(self, version: int, patches: Sequence[dict]):
         self._unsupported("push_patches")
 
-    def ipc_export(self, *args):
-        self._unsupported("colocated CUDA IPC")
+    def ipc_export(self, devices: Sequence[str], timeout_s: float, reply: Rendezvous | None):
+        request = IpcRequest(0, None, timeout_s, self._reply(reply))
+        return self.handle._rl_sync_service_ipc_export.remote(encode(request))
 
-    ipc_begin = ipc_end = ipc_remap = ipc_export
+    def ipc_begin(self, version: int, reply: Rendezvous | None):
+        request = IpcRequest(version, None, 1.0, self._reply(reply))
+        return self.handle._rl_sync_service_ipc_begin.remote(encode(request))
+
+    def ipc_end(self, version: int, names: tuple[str, ...] | None, reply: Rendezvous | None):
+        request = IpcRequest(version, names, 1.0, self._reply(reply))
+        return self.handle._rl_sync_service_ipc_end.remote(encode(request))
+
+    def ipc_remap(self, ipc: bytes):
+        self._unsupported("mapping a worker's memory (a trainer's step)")
 
 
 Member = ActorMember | ServiceMember

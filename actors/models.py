@@ -43,7 +43,8 @@ def hf_config(config: Mapping[str, Any]):
 
 class HFTrainer(SyncTrainerMixin):
     """A trainer rank: a `transformers` causal LM from a config (random init, no download),
-    every decoder layer and the root `fully_shard`-ed over the trainers' Gloo group."""
+    every decoder layer and the root `fully_shard`-ed over the trainers' group (Gloo on the CPU;
+    `device="cuda"`: NCCL, one trainer per GPU, the GPU Ray gives the actor)."""
 
     def __init__(
         self,
@@ -54,22 +55,25 @@ class HFTrainer(SyncTrainerMixin):
         seed: int = 0,
         norm_noise: float = 0.1,
         dtype: str = "float32",
+        device: str = "cpu",
     ):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
 
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.device = rank, size, torch.device(device)
+        backend = "gloo" if self.device.type == "cpu" else f"{self.device.type}:nccl,cpu:gloo"
         dist.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=120)
+            backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=120)
         )
         torch.manual_seed(seed)
-        self.model = AutoModelForCausalLM.from_config(hf_config(config)).to(getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_config(hf_config(config)).to(getattr(torch, dtype))
+        self.model = model.to(self.device)
         with torch.no_grad():
             for name, param in self.model.named_parameters():
                 if "norm" in name:
                     param.normal_(1.0, norm_noise)  # ones would hide a norm bound to the wrong slot
-        mesh = init_device_mesh("cpu", (size,))
+        mesh = init_device_mesh(self.device.type, (size,))
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
@@ -80,13 +84,13 @@ class HFTrainer(SyncTrainerMixin):
 
     @ray.method  # typed: handles get `full_state.remote`
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole (collective: every trainer calls it)."""
-        return {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
+        """Every parameter whole, on the CPU (collective: every trainer calls it)."""
+        return {n: p.full_tensor().detach().cpu().clone() for n, p in self.model.named_parameters()}
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The trainer model's logits (collective: every trainer calls it, same tokens)."""
         with torch.no_grad():
-            logits = self.model(tokens).logits
+            logits = self.model(tokens.to(self.device)).logits.cpu()
         self.model.reshard()  # FSDP2 keeps the root unsharded after a forward without backward
         return logits
 
@@ -94,6 +98,7 @@ class HFTrainer(SyncTrainerMixin):
         """One next-token step with AdamW (collective)."""
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        tokens = tokens.to(self.device)
         logits = self.model(tokens[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         self.optimizer.zero_grad()

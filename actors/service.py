@@ -27,13 +27,14 @@ Typical use::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import ray
 
 from rl_sync.rank.claim import Claim, GroupTag
 from rl_sync.vllm.driver import HttpControl, LlmControl, ServiceDriver
-from rl_sync.vllm.service import CloseRequest, ConnectRequest, Rendezvous, RoundRequest
+from rl_sync.vllm.service import CloseRequest, ConnectRequest, IpcRequest, Rendezvous, RoundRequest
 from rl_sync.wire.codec import decode
 
 from .participant import coordinator_alive
@@ -69,7 +70,8 @@ class _ServiceHost:
             self._rl_sync_claim.take(group, coordinator_alive)
         driver = self._rl_sync_driver()
         self._rl_sync_written(None, driver.ranks)
-        return driver.describe(decode(DescribeRequest, request))
+        node = ray.get_runtime_context().get_node_id()
+        return driver.describe(replace(decode(DescribeRequest, request), node=node))
 
     def _rl_sync_service_connect(
         self, inits: tuple[bytes, ...], plan: bytes, bind_host: str | None, reply: bytes
@@ -104,6 +106,22 @@ class _ServiceHost:
             return False
         self._rl_sync_versions, self._rl_sync_unrecorded = [version] * self._rl_sync_driver().ranks, None
         return True
+
+    def _rl_sync_service_ipc_export(self, request: bytes) -> list[bytes]:
+        """Every rank's export of its destinations' memory to its colocated trainer."""
+        return self._rl_sync_driver().ipc_export(decode(IpcRequest, request))
+
+    def _rl_sync_service_ipc_begin(self, request: bytes) -> list[bytes | None]:
+        """Open a colocated round (the trainers write the live weights from now on)."""
+        driver = self._rl_sync_driver()
+        self._rl_sync_written(None, driver.ranks)
+        return driver.ipc_begin(decode(IpcRequest, request))
+
+    def _rl_sync_service_ipc_end(self, request: bytes) -> None:
+        step = decode(IpcRequest, request)
+        driver = self._rl_sync_driver()
+        driver.ipc_end(step)
+        self._rl_sync_written(step.version, driver.ranks)
 
     def _rl_sync_service_versions(self) -> list:
         return list(self._rl_sync_versions or [None] * self._rl_sync_driver().ranks)
@@ -146,6 +164,10 @@ class VllmServiceActor(VllmServiceMixin):
         from .vllm import completions
 
         return completions(self.llm, prompts, sampling)
+
+    def call(self, fn, *args, **kwargs):
+        """Run `fn(self, *args, **kwargs)` in this actor."""
+        return fn(self, *args, **kwargs)
 
 
 class HttpServiceHost(_ServiceHost):

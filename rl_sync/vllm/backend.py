@@ -30,12 +30,14 @@ from ..rank import WorkerRank
 from ..rank.side import DescribeOptions
 from ..wire.codec import decode, encode
 from ..wire.failure import RankFailure
+from . import compat
 from .rank import VllmDestinations, engine_rank
 from .service import (
     ERROR,
     CloseRequest,
     ConnectRequest,
     DescribeRequest,
+    IpcRequest,
     Rendezvous,
     RoundRequest,
     reply_key,
@@ -63,11 +65,15 @@ class RlSyncUpdateInfo(WeightTransferUpdateInfo):
 class ServiceRank(WorkerRank):
     """A worker rank living in a vLLM worker process: destinations from its live model."""
 
-    def __init__(self, destinations: VllmDestinations, side_rank: int, side_size: int, sharded: dict, bind_host: str):
-        self.vllm, self.side, self.sharded, self.bind_host = destinations, (side_rank, side_size), sharded, bind_host
+    def __init__(self, destinations: VllmDestinations, side: tuple[int, int], sharded: dict, node: str):
+        self.vllm, self.side, self.sharded, self.node = destinations, side, sharded, node
+        self.bind_host = ""
 
     def _rl_sync_node(self) -> tuple[str, str]:
-        return "", self.bind_host
+        """The node of the engine's host (where an `LLM` it owns runs its workers: a GPU's UUID
+        names one physical GPU, so a wrong node can only hide a colocated trainer, never invent
+        one) and the address rounds bind, set at connect."""
+        return self.node, self.bind_host
 
     def rl_sync_destinations(self, checkpoint) -> dict[str, Destination]:
         return self.vllm.bind(checkpoint, *self.side, self.sharded)
@@ -114,9 +120,14 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
         elif op == "close":
             close = decode(CloseRequest, payload)
             self._answer(close.reply, op, close.tag, lambda: self._close(close.abort))
+        elif op == "ipc_export":
+            export = decode(IpcRequest, payload)
+            rank = self._described()
+            self._answer(export.reply, op, 0, lambda: rank._rl_sync_ipc_export(str(self.device), export.timeout_s))
         else:
             raise ValueError(
-                f"rl_sync weight transfer: init_weight_transfer_engine takes describe, connect or close, got {op!r}"
+                "rl_sync weight transfer: init_weight_transfer_engine takes describe, connect, close or "
+                f"ipc_export, got {op!r}"
             )
 
     def _describe(self, request: DescribeRequest) -> bytes:
@@ -124,13 +135,8 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
         if self.rank is not None:
             self.rank._rl_sync_close(abort=True)
         destinations = VllmDestinations(self.model, self.vllm_config)
-        self.rank = ServiceRank(
-            destinations,
-            request.first + where.rank,
-            request.side_size,
-            {k: list(v) for k, v in request.sharded.items()},
-            "",
-        )
+        side = (request.first + where.rank, request.side_size)
+        self.rank = ServiceRank(destinations, side, {k: list(v) for k, v in request.sharded.items()}, request.node)
         options = DescribeOptions(
             checkpoint={n: (d, tuple(s)) for n, (d, s) in request.checkpoint.items()},
             sharded={n: tuple(d) for n, d in request.sharded.items()},
@@ -173,19 +179,38 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
 
     def receive_weights(self, update_info: RlSyncUpdateInfo) -> None:
         op, payload = unpack({"op": update_info.op, "payload": update_info.payload})
-        request = decode(RoundRequest, payload)
         rank = self._described()
+        if op in ("ipc_begin", "ipc_end"):
+            step = decode(IpcRequest, payload)
+            work = (lambda: rank._rl_sync_ipc_begin() or b"") if op == "ipc_begin" else lambda: _end(rank, step)
+            self._answer(step.reply, op, step.version, work)
+            return
+        request = decode(RoundRequest, payload)
         if op == "run":
             self._answer(request.reply, op, request.version, lambda: rank._rl_sync_run(request.round))
         elif op == "commit":
             self._answer(request.reply, op, request.version, lambda: self._commit(rank, request.version))
         else:
-            raise ValueError(f"rl_sync weight transfer: update_weights takes run or commit, got {op!r}")
+            raise ValueError(
+                f"rl_sync weight transfer: update_weights takes run, commit, ipc_begin or ipc_end, got {op!r}"
+            )
+
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        """Refused: vLLM 0.26 declares this abstract; rl-sync's trainers send through their group."""
+        raise TypeError(compat.TRAINER_SEND_REFUSED)
 
     def shutdown(self) -> None:
         if self.rank is not None:
             self.rank._rl_sync_close(abort=False)
             self.rank = None
+
+
+def _end(rank: ServiceRank, step: IpcRequest) -> bytes:
+    """End a colocated round: the engine's later work waits for the trainer's writes, then vLLM's
+    processing for what it wrote."""
+    rank._rl_sync_ipc_end(step.version, step.names)
+    return b""
 
 
 def _put(reply: Rendezvous, key: str, value: bytes) -> None:

@@ -11,7 +11,9 @@ entry gets a `Destination`:
   `qkv_proj`, gate/up of `gate_up_proj`, experts of `w13_weight`, the real rows
   of a padded vocabulary shard, ...);
 * **reload**: the same view of a buffer in the loader's form, processed by
-  vLLM after each round (`rl_sync.vllm.reload`);
+  vLLM after each round (`rl_sync.vllm.reload`); a block-FP8 layer's weight
+  is an FP8 destination with the layer's block, and its blocks of
+  `weight_scale_inv` a second one (`rl_sync.vllm.fp8`);
 * **fallback**: the whole tensor, handed to vLLM's loader: when the loader's
   copies are no box, no layout gives the boxes, or a module's parameters
   cannot be rebuilt from what the trainers send; every name feeding a module
@@ -32,12 +34,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..bind.infer import Merged
+from ..bind.infer import Geometry, Merged
 from ..planning.layout import Layout, Mesh, Replicate
+from ..planning.quant import dest_scale_layout, grid_shape, scale_name
 from ..storage import Destination
+from . import compat, fp8
 from .entries import Entry, local_report, plan_entries
 from .modes import Mode, param_mode
-from .probe import ParamForm, Probe, contiguous_strides, probe_loads
+from .probe import ParamForm, Probe, attr_of, contiguous_strides, probe_loads
 from .reload import Processor
 
 Checkpoint = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -165,22 +169,40 @@ class _Resolver:
             owners = self._modules_of_param(param)
             modes[param] = param_mode(owners, self.live[param], self.probe.forms[param])
             if modes[param][0] == "reload" and not any(
-                _attr_of(m, self.live[param]) in _module_forms(m) for m in owners
+                attr_of(m, self.live[param]) in _module_forms(m) for m in owners
             ):
                 modes[param] = ("direct", "used as stored (vLLM's processing leaves it alone)")
         return modes
 
     def _covered(self) -> dict[int, int]:
-        """Elements of each live parameter this rank's entries and the loader's fills cover."""
+        """Elements of each live parameter this rank's entries (block-FP8 scales included) and
+        the loader's fills cover."""
         covered: dict[int, int] = {}
         for _, merged in self._mine():
             key = id(self.live[merged.param])
             covered[key] = covered.get(key, 0) + merged.box.numel
+            block = self._block(merged.param)
+            if block is not None:
+                key = id(fp8.scale_param(self._modules_of_param(merged.param)))
+                covered[key] = covered.get(key, 0) + fp8.scale_elements(merged.box, block)
         for param, fills in self.probe.fills.items():
             if param in self.live:
                 key = id(self.live[param])
                 covered[key] = covered.get(key, 0) + sum(math.prod(g.sizes) for g, _ in fills)
         return covered
+
+    def _param_of(self, entry: Entry) -> str:
+        """The parameter an entry lands in (named by any rank that keeps a part of it)."""
+        if entry.merged is not None:
+            return entry.merged.param
+        return next(p for g in self.gathered for p in g[entry.base][1])
+
+    def _block(self, param: str) -> tuple[int, int] | None:
+        """The block `param` is kept FP8-quantized in (`rl_sync.vllm.fp8`), or None."""
+        try:
+            return fp8.block_of(self._modules_of_param(param), self.live[param], self.probe.forms[param])
+        except ValueError as exc:
+            raise ValueError(f"vLLM parameter {param!r}: {exc}") from None
 
     def reload_modules(self) -> list[torch.nn.Module]:
         modules: dict[int, torch.nn.Module] = {}
@@ -209,54 +231,96 @@ class _Resolver:
         self, checkpoint: Checkpoint, fallback: set[str], model_config, where: EngineRank, engines: int
     ) -> VllmBinding:
         """Destinations, per-name reports and the post-round processor."""
-        dtype = model_config.dtype
         modes = self._modes()
         buffers, by_live = _loader_buffers(self.reload_modules(), self.probe, self.live)
-        destinations, reports, modules_of = {}, [], {}
+        built = _Built(model_config.dtype, where, engines)
         for entry in self.entries:
-            view, reason, param_dtype = None, "kept by other ranks of the engine", dtype
-            mode: Mode = "direct"
-            if entry.merged is not None:
-                param = entry.merged.param
-                mode, reason = modes[param]
-                live = self.live[param]
-                target = live.detach() if mode == "direct" else by_live[id(live)]
-                dst = entry.merged.dst
-                view = torch.as_strided(target, dst.sizes, dst.strides, target.storage_offset() + dst.offset)
-                param_dtype = target.dtype  # (reload: the loader form's, which may be narrower than the live one)
-                if mode == "reload":
-                    modules_of[entry.name] = self._modules_of_param(param)
-            destinations[entry.name] = Destination(
-                view, lift(entry.layout, engines, where.size), entry.shape, param_dtype
-            )
-            reports.append(
-                ParamReport(
-                    entry.name,
-                    None if entry.merged is None else entry.merged.param,
-                    mode,
-                    reason,
-                    0 if view is None else view.numel() * view.element_size(),
-                )
-            )
-        whole = lift(Layout(Mesh.from_ranks(list(range(where.size))), (Replicate(),)), engines, where.size)
+            self._add(built, entry, modes, by_live)
+        device = next(iter(self.live.values())).device if self.live else torch.device("cpu")
         for name in sorted(fallback):
-            shape = tuple(checkpoint[name][1])
-            destinations[name] = Destination(torch.empty(shape, dtype=dtype), whole, shape, dtype, fallback=True)
-            reports.append(
-                ParamReport(
-                    name, None, "fallback", "vLLM's loader takes it (whole tensor)", math.prod(shape) * dtype.itemsize
-                )
-            )
+            built.fallback(name, tuple(checkpoint[name][1]), device)
         processor = Processor(
             self.model,
-            dtype,
+            model_config.dtype,
             model_config,
             buffers,
-            modules_of,
+            built.modules_of,
             _fallback_modules(self, fallback),
             _attention_layers(self.model),
         )
-        return VllmBinding(destinations, reports, processor)
+        return VllmBinding(built.destinations, built.reports, processor)
+
+    def _add(self, built: _Built, entry: Entry, modes: Mapping, by_live: Mapping[int, torch.Tensor]) -> None:
+        """One entry's destination (and its block scales' for a block-FP8 weight)."""
+        param = self._param_of(entry)
+        block = self._block(param)
+        layout = lift(entry.layout, built.engines, built.where.size)
+        view, target, reason = None, None, "kept by other ranks of the engine"
+        mode: Mode = "direct"
+        if entry.merged is not None:
+            mode, reason = modes[param]
+            live = self.live[param]
+            target = live.detach() if mode == "direct" else by_live[id(live)]
+            view = _view(target, entry.merged.dst)
+            if mode == "reload":
+                built.modules_of[entry.name] = self._modules_of_param(param)
+        # (reload: the loader form's dtype, which may be narrower than the live one)
+        dtype = fp8.FP8 if block else built.dtype if target is None else target.dtype
+        built.add(entry.name, Destination(view, layout, entry.shape, dtype, block=block or ()), param, mode, reason)
+        if block is not None:
+            scales = self._scales(entry, param, layout, block, mode, by_live, built.where)
+            built.add(scale_name(entry.name), scales, param + "::" + fp8.SCALE_ATTR, mode, reason)
+
+    def _scales(
+        self,
+        entry: Entry,
+        param: str,
+        layout: Layout,
+        block: tuple[int, int],
+        mode: Mode,
+        by_live: Mapping[int, torch.Tensor],
+        where: EngineRank,
+    ) -> Destination:
+        """The destination of a block-FP8 weight's scales: its blocks of `weight_scale_inv`."""
+        what = f"vLLM rank {where.rank}: {entry.name!r}"
+        grid, scale_layout = grid_shape(entry.shape, block, what), dest_scale_layout(layout, entry.shape, block, what)
+        view = None
+        if entry.merged is not None:
+            live = fp8.scale_param(self._modules_of_param(param))
+            buffer = live.detach() if mode == "direct" else by_live[id(live)]
+            box = scale_layout.local_box(grid, where.rank)  # (the engines' layouts agree: engine 0's rank)
+            assert box is not None, "a rank keeping a box of the weight keeps its blocks' scales"
+            view = fp8.scale_view(entry.merged.dst, self.probe.forms[param], buffer, box, block, what)
+        return Destination(view, scale_layout, grid, torch.float32)
+
+
+class _Built:
+    """What `_Resolver.finish` builds: destinations, per-name reports, reload modules by name."""
+
+    def __init__(self, dtype: torch.dtype, where: EngineRank, engines: int):
+        self.dtype, self.where, self.engines = dtype, where, engines
+        self.destinations: dict[str, Destination] = {}
+        self.reports: list[ParamReport] = []
+        self.modules_of: dict[str, list[torch.nn.Module]] = {}
+
+    def add(self, name: str, destination: Destination, param: str, mode: Mode, reason: str) -> None:
+        view = destination.local
+        self.destinations[name] = destination
+        nbytes = 0 if view is None else view.numel() * view.element_size()
+        self.reports.append(ParamReport(name, None if view is None else param, mode, reason, nbytes))
+
+    def fallback(self, name: str, shape: tuple[int, ...], device: torch.device) -> None:
+        """A whole tensor for vLLM's loader, on the engine's device."""
+        size = self.where.size
+        whole = lift(Layout(Mesh.from_ranks(list(range(size))), (Replicate(),)), self.engines, size)
+        buffer = torch.empty(shape, dtype=self.dtype, device=device)
+        self.destinations[name] = Destination(buffer, whole, shape, self.dtype, fallback=True)
+        reason = "vLLM's loader takes it (whole tensor)"
+        self.reports.append(ParamReport(name, None, "fallback", reason, buffer.numel() * self.dtype.itemsize))
+
+
+def _view(target: torch.Tensor, dst: Geometry) -> torch.Tensor:
+    return torch.as_strided(target, dst.sizes, dst.strides, target.storage_offset() + dst.offset)
 
 
 def _module_forms(module: torch.nn.Module) -> dict[str, ParamForm]:
@@ -266,20 +330,15 @@ def _module_forms(module: torch.nn.Module) -> dict[str, ParamForm]:
     fp32 after loading, so its loader form is its shape in the dtype the module made it
     (`params_dtype`), and a round passes its values through that dtype as vLLM's loader does."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_TENSORS
 
     params, _ = get_layerwise_info(module).restore_metadata
     forms = {attr: ParamForm(tuple(p.shape), tuple(p.stride()), p.dtype) for attr, p in params.items()}
     made = getattr(module, "params_dtype", None)
-    for attr in SKIP_TENSORS - SKIP_LOAD_TENSORS:  # (loaded, yet never put back on meta)
+    for attr in compat.loaded_never_on_meta():
         live = module._parameters.get(attr)
         if live is not None and isinstance(made, torch.dtype) and live.is_floating_point() and live.dtype != made:
             forms[attr] = ParamForm(tuple(live.shape), contiguous_strides(tuple(live.shape)), made)
     return forms
-
-
-def _attr_of(module: torch.nn.Module, param: torch.Tensor) -> str | None:
-    return next((attr for attr, p in module._parameters.items() if p is param), None)
 
 
 def _same_form(live: torch.Tensor, form: ParamForm) -> bool:
@@ -326,6 +385,4 @@ def _fallback_modules(resolver: _Resolver, fallback: set[str]) -> list[torch.nn.
 
 
 def _attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
-    return [m for m in model.modules() if is_deferred_attention_layer(m)]
+    return [m for m in model.modules() if compat.deferred_attention(m)]

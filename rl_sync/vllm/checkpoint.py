@@ -19,16 +19,16 @@ import torch
 
 
 def write_checkpoint(
-    directory: str, config: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16
+    directory: str, config: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = torch.bfloat16
 ) -> str:
     """`config.json` and every tensor of `state` cast to `dtype` (round to nearest even, as
-    rl-sync casts on the wire) in one safetensors file; returns `directory`."""
+    rl-sync casts on the wire; None keeps each tensor's own, e.g. FP8 weights beside their
+    scales) in one safetensors file; returns `directory`."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(dict(config), f)
-    save_file(
-        {k: v.detach().to(dtype).contiguous() for k, v in state.items()}, os.path.join(directory, "model.safetensors")
-    )
+    tensors = {k: (v if dtype is None else v.to(dtype)).detach().contiguous() for k, v in state.items()}
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
     return directory

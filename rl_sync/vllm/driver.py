@@ -33,6 +33,8 @@ from .service import (
     CloseRequest,
     ConnectRequest,
     DescribeRequest,
+    IpcRequest,
+    Op,
     Rendezvous,
     RoundRequest,
     pack,
@@ -178,6 +180,22 @@ class ServiceDriver:
     def commit(self, request: RoundRequest) -> None:
         self._call(self.control.update, pack("commit", encode(request)), request.reply, "commit", request.version)
         self.control.reset_prefix_cache()
+
+    def ipc_export(self, request: IpcRequest) -> list[bytes]:
+        """Every rank's export of the memory behind its destinations."""
+        return self._call(self.control.init, pack("ipc_export", encode(request)), request.reply, "ipc_export", 0)
+
+    def ipc_begin(self, request: IpcRequest) -> list[bytes | None]:
+        """Open a colocated round on every rank: a new export from each whose memory moved."""
+        return [a or None for a in self._round_step("ipc_begin", request)]
+
+    def ipc_end(self, request: IpcRequest) -> None:
+        """End a colocated round on every rank (vLLM's processing), then a fresh prefix cache."""
+        self._round_step("ipc_end", request)
+        self.control.reset_prefix_cache()
+
+    def _round_step(self, op: Op, request: IpcRequest) -> list[bytes]:
+        return self._call(self.control.update, pack(op, encode(request)), request.reply, op, request.version)
 
     def close(self, request: CloseRequest) -> None:
         self._call(self.control.init, pack("close", encode(request)), request.reply, "close", request.tag)

@@ -31,7 +31,8 @@ vLLM's `process_weights_after_loading` repacks them (vllm/model_executor/layers/
 vocab_parallel_embedding.py)."""
 
 
-def _platform() -> str:
+def platform_kind() -> str:
+    """`cpu`, `xpu` or `gpu`: where this vLLM process runs its model."""
     from vllm.platforms import current_platform
 
     return "cpu" if current_platform.is_cpu() else "xpu" if current_platform.is_xpu() else "gpu"
@@ -44,7 +45,7 @@ def processing_of(module: torch.nn.Module) -> str | None:
     if method is None or not callable(getattr(method, "process_weights_after_loading", None)):
         return None
     name = type(method).__name__
-    if name in _AS_STORED_OFF_CPU and _platform() == "gpu":
+    if name in _AS_STORED_OFF_CPU and platform_kind() == "gpu":
         return None
     return name
 
@@ -53,7 +54,7 @@ def param_mode(owners: Sequence[torch.nn.Module], live: torch.Tensor, form: Para
     """`direct` or `reload` for one live parameter, with the reason in words."""
     processing = sorted({p for p in map(processing_of, owners) if p is not None})
     if processing:
-        return "reload", f"vLLM processes it after loading ({', '.join(processing)} on {_platform()})"
+        return "reload", f"vLLM processes it after loading ({', '.join(processing)} on {platform_kind()})"
     if (tuple(live.shape), tuple(live.stride()), live.dtype) != (form.shape, form.stride, form.dtype):
         return "reload", (
             f"live parameter is {tuple(live.shape)} {live.dtype}, the loader fills {form.shape} {form.dtype}"

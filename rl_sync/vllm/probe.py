@@ -60,6 +60,11 @@ class Probe:
     """Names whose copies are not a box of the checkpoint tensor, with the reason."""
 
 
+def attr_of(module: torch.nn.Module, param: torch.Tensor) -> str | None:
+    """The name `module` registers `param` under (None when it holds no such parameter)."""
+    return next((attr for attr, p in module._parameters.items() if p is param), None)
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of `shape`."""
     return tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
@@ -144,6 +149,28 @@ class _Recorder(TorchDispatchMode):
         self.probe.pieces.setdefault(name, []).append(Piece(param, found[0], geometry))
 
 
+_ONLINE_LOADER = "online_process_loader"
+"""vLLM's wrapper of a weight loader under online processing (online quantization, layerwise
+reload): it buffers loads until the layer is whole, then processes it, and ignores loads once
+the layer was processed."""
+
+
+def _unwrap_online_loaders(layer: torch.nn.Module) -> list[tuple[torch.Tensor, object]]:
+    """Point the layer's tensors at the loaders their online-processing wrappers wrap (an online
+    FP8 layer keeps them after loading), so the probe sees the loaders' copies; returns each
+    tensor with the loader to put back."""
+    out = []
+    for tensor in list(layer._parameters.values()) + list(layer._buffers.values()):
+        loader = getattr(tensor, "weight_loader", None)
+        if tensor is None or getattr(loader, "__name__", None) != _ONLINE_LOADER:
+            continue
+        out.append((tensor, loader))
+        while getattr(loader, "__name__", None) == _ONLINE_LOADER:
+            loader = loader.__wrapped__  # type: ignore[union-attr]  # functools.wraps sets it
+        tensor.weight_loader = loader  # type: ignore[attr-defined]  # (vLLM's, a property of its parameter classes)
+    return out
+
+
 @contextmanager
 def model_form(model: torch.nn.Module) -> Iterator[dict[str, ParamForm]]:
     """Every layer in the form its loaders fill (vLLM's recorded metadata, on meta), live
@@ -151,13 +178,16 @@ def model_form(model: torch.nn.Module) -> Iterator[dict[str, ParamForm]]:
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
 
-    saved = []
+    saved, wrapped = [], []
     try:
         for _, layer in model.named_modules():
             saved.append((layer, dict(layer._parameters), dict(layer._buffers), set(layer._non_persistent_buffers_set)))
             restore_layer_on_meta(layer, get_layerwise_info(layer))
+            wrapped.extend(_unwrap_online_loaders(layer))
         yield {name: ParamForm(tuple(p.shape), tuple(p.stride()), p.dtype) for name, p in model.named_parameters()}
     finally:
+        for tensor, loader in wrapped:
+            tensor.weight_loader = loader  # type: ignore[attr-defined]
         for layer, params, buffers, non_persistent in saved:
             for name in list(layer._parameters) + list(layer._buffers):
                 delattr(layer, name)

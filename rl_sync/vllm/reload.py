@@ -27,14 +27,20 @@ from dataclasses import dataclass
 
 import torch
 
+from .modes import platform_kind
+
 
 def _fresh_moe_kernel(layer: torch.nn.Module) -> None:
     """vLLM 0.32 skips the CPU expert prepack when a MoE layer is processed a second time
     (`UnquantizedFusedMoEMethod._setup_kernel` treats it as an in-place update once
     `moe_kernel` is set, and never calls the experts' own `process_weights_after_loading`),
     leaving unpacked weights in packed storage. Processing it as on first load, then copying
-    into the live tensors, gives what a fresh load gives."""
+    into the live tensors, gives what a fresh load gives. On GPUs the kernel is kept: its
+    in-place update copies the processed experts into storage CUDA graphs may have captured,
+    and the kernel (with what it references) stays the one those graphs replay."""
     method = getattr(layer, "quant_method", None)
+    if platform_kind() != "cpu":
+        return
     if method is not None and getattr(method, "moe_kernel", None) is not None:
         method.moe_kernel = None
 

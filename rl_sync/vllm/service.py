@@ -12,7 +12,10 @@ waits for every rank's answer, bounded in time.
 
 Operations: `describe` (bind and report, answer: a `RankReport`), `connect`
 (join the group; answer: empty), `run` (one round; answer: `RankStats`),
-`commit` (double buffering), `close`.
+`commit` (double buffering), `close`; and for ranks that share their GPU with
+a trainer (colocated rounds through CUDA IPC, `IpcRequest`): `ipc_export`
+(answer: an `IpcExport`), `ipc_begin` (answer: a new export when the memory
+moved, else empty) and `ipc_end` (answer: empty).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from ..config.sync import check_port, check_seconds
 from ..rendezvous import MemberStore
 from ..rendezvous.auth import check_secret
 
-Op = Literal["describe", "connect", "run", "commit", "close"]
+Op = Literal["describe", "connect", "run", "commit", "close", "ipc_export", "ipc_begin", "ipc_end"]
 ERROR = b"\x00rl-sync-error\x00"
 
 
@@ -56,6 +59,9 @@ class DescribeRequest:
     sharded: dict[str, tuple[int, ...]]
     double_buffer: bool
     reply: Rendezvous
+    node: str
+    """The identity of the node the engine runs on, as its trainers know theirs (Ray's node id,
+    filled in by the host actor): a rank on a GPU a trainer shares is colocated with it."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,19 @@ class RoundRequest:
 
     round: bytes
     version: int
+    reply: Rendezvous
+
+
+@dataclass(frozen=True)
+class IpcRequest:
+    """A step of a colocated round (`rl_sync.transport.cuda_ipc`): export the memory behind the
+    rank's destinations (its descriptors wait `timeout_s` seconds to be taken), open round
+    `version`, or end it (`names`: the tensors it wrote, None for all); `version` keys the answer
+    (0 for an export)."""
+
+    version: int
+    names: tuple[str, ...] | None
+    timeout_s: float
     reply: Rendezvous
 
 

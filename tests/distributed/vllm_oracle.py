@@ -59,12 +59,13 @@ FAMILIES = {
 }
 
 
-def hf_config(family: str) -> dict:
-    """A transformers config (as a dict) of a tiny model of `family`."""
+def hf_config(family: str, **shapes) -> dict:
+    """A transformers config (as a dict) of a tiny model of `family` (`shapes` override the
+    sizes, e.g. a GPU attention kernel's head size)."""
     from transformers import AutoConfig
 
     architecture, extra = FAMILIES[family]
-    config = AutoConfig.for_model(family, **SHAPES, **extra).to_dict()
+    config = AutoConfig.for_model(family, **{**SHAPES, **extra, **shapes}).to_dict()
     return {**config, "architectures": [architecture], "torch_dtype": "bfloat16"}
 
 

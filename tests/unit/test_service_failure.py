@@ -1,4 +1,5 @@
-"""A vLLM engine service's ranks report failures to the driver: type, message and traceback."""
+"""A vLLM engine service's ranks report failures to the driver (type, message and traceback), and
+answer the steps of colocated rounds."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 
 from rl_sync.rendezvous import StoreServer, new_secret
 from rl_sync.vllm.driver import ServiceDriver
-from rl_sync.vllm.service import ERROR, DescribeRequest, Rendezvous, reply_key, store_client
-from rl_sync.wire.codec import encode
+from rl_sync.vllm.service import ERROR, DescribeRequest, IpcRequest, Rendezvous, reply_key, store_client, unpack
+from rl_sync.wire.codec import decode, encode
 from rl_sync.wire.failure import RankFailure, RemoteTraceback
 
 
@@ -55,7 +56,7 @@ class Ranks:
 
 
 def _describe(reply: Rendezvous, answers: list[bytes]) -> list[bytes]:
-    request = DescribeRequest(0, len(answers), {}, {}, False, reply)
+    request = DescribeRequest(0, len(answers), {}, {}, False, reply, node="")
     return ServiceDriver(Ranks(reply, answers), len(answers)).describe(request)
 
 
@@ -89,3 +90,37 @@ def test_an_unreadable_failure_report_is_named_as_such(reply):
 
 def test_answers_pass_through_when_every_rank_succeeds(reply):
     assert _describe(reply, [b"a", b"b"]) == [b"a", b"b"]
+
+
+class Colocated:
+    """An engine whose ranks share GPUs with trainers: each call's op answered per rank from
+    `answers[op]`, the prefix-cache resets counted."""
+
+    def __init__(self, reply: Rendezvous, answers: dict[str, list[bytes]]):
+        self.reply, self.answers, self.resets, self.calls = reply, answers, 0, []
+
+    def _answer(self, info: dict) -> None:
+        op, payload = unpack(info)
+        tag = decode(IpcRequest, payload).version
+        self.calls.append(op)
+        store = store_client(self.reply)
+        for rank, answer in enumerate(self.answers[op]):
+            store.set(reply_key(self.reply.prefix, op, tag, rank), answer)
+        store.close()
+
+    init = update = _answer
+
+    def reset_prefix_cache(self) -> None:
+        self.resets += 1
+
+
+def test_colocated_rounds_reach_a_services_ranks_through_vllms_calls(reply):
+    """The CUDA IPC steps of a colocated round: exports, a new export only from a rank whose memory
+    moved, and a fresh prefix cache once the round ended."""
+    engine = Colocated(reply, {"ipc_export": [b"e0", b"e1"], "ipc_begin": [b"", b"moved1"], "ipc_end": [b"", b""]})
+    driver = ServiceDriver(engine, 2)
+    assert driver.ipc_export(IpcRequest(0, None, 30.0, reply)) == [b"e0", b"e1"]
+    assert driver.ipc_begin(IpcRequest(3, None, 1.0, reply)) == [None, b"moved1"]
+    assert engine.resets == 0
+    driver.ipc_end(IpcRequest(3, ("w",), 1.0, reply))
+    assert engine.resets == 1 and engine.calls == ["ipc_export", "ipc_begin", "ipc_end"]

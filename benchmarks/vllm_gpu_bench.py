@@ -1,0 +1,250 @@
+"""rl-sync into vLLM's CUDA engine against vLLM's own ways in, one table, one run, one GPU.
+
+A trainer actor and a vLLM engine rank (vLLM's external launcher) share one GPU. The model has
+Llama-3-8B's shapes (291 tensors, 16.06 GB in bf16) with random weights: the engine starts on a
+config alone (`load_format="dummy"`), the trainer holds random bf16 tensors of the checkpoint's
+names. Each method moves the same tensors into the same engine:
+
+* **rl-sync**: `WeightSync.push()`: CUDA IPC, the trainer writes straight into the engine's live
+  weights (or, for layers vLLM processes after loading, its loader-form buffers, then vLLM's
+  processing);
+* **vLLM ipc**: vLLM's `ipc` weight-transfer backend as its trainer side ships it
+  (`IPCWeightTransferEngine.trainer_send_weights`: a CUDA IPC handle per tensor, or `packed`
+  into bounded buffers; the engine loads them through its loader and layerwise reload);
+* **gather + load_weights**: the full state through host memory and Ray's object store into the
+  engine's `model.load_weights` (layerwise reload), as frameworks without a device path do;
+* **device-copy floor**: one device-to-device copy of the same bytes.
+
+Engines: bf16; online FP8 (`quantization="fp8"`: rl-sync and vLLM's backends send bf16 and the
+engine quantizes); block FP8 (a `weight_block_size` [128, 128] config: rl-sync's trainer
+quantizes and sends FP8 values plus scales; vLLM's backends send what the engine keeps, so they
+take no part). Columns: median seconds of `--repeat` rounds (gather: one; rl-sync's with its Ray
+calls, and the handover alone: the slowest rank's time in the round), GB/s of the bytes the engine
+receives, those bytes, and the peak GPU memory each side allocates beyond what it held before the
+method started (bind-time buffers included).
+
+    python benchmarks/vllm_gpu_bench.py [--repeat 5] [--engines bf16,fp8,block_fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import asdict
+
+import ray
+import torch
+from gpu_bench import copy_floor
+from gpu_common import ROOT, show, specs_8b, start_ray
+
+from actors import WeightSync
+from actors.ready import TrainerActor
+from actors.synthetic_actors import trainer_build
+from actors.vllm import VllmEngine
+from rl_sync.config.sync import SyncConfig
+
+ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+LLAMA3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
+ENGINES = {
+    "bf16": {},
+    "fp8": {"quantization": "fp8"},
+    "block_fp8": {},
+}
+BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+SYNC = SyncConfig(rendezvous_host="127.0.0.1", bind_host="127.0.0.1", bucket_bytes=1 << 30, round_timeout_s=600)
+
+
+def write_config(directory: str, block_fp8: bool) -> str:
+    """A Llama-3-8B `config.json` (no weights: the engine loads dummy ones)."""
+    import json
+    import os
+
+    from transformers import AutoConfig
+
+    config = {**AutoConfig.for_model("llama", **LLAMA3_8B).to_dict(), "architectures": ["LlamaForCausalLM"]}
+    config["torch_dtype"] = "bfloat16"
+    if block_fp8:
+        config["quantization_config"] = BLOCK_FP8
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    return directory
+
+
+def start_engine(path: str, extra: dict) -> VllmEngine:
+    kwargs = dict(
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=1 << 30,
+        max_model_len=1024,
+        weight_transfer_config={"backend": "ipc"},
+        **extra,
+    )
+    return VllmEngine.launch(path, tp=1, llm_kwargs=kwargs, env=ENV, actor_options=[{"num_gpus": 0.5, "num_cpus": 1}])
+
+
+def _memory_mark(actor) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _memory_peak(actor) -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def measured(trainer, rank, run) -> dict:
+    """`run()`'s result with the peak GPU memory each side allocated beyond its start."""
+    marks = ray.get([trainer.call.remote(_memory_mark), rank.call.remote(_memory_mark)])
+    result = run()
+    peaks = ray.get([trainer.call.remote(_memory_peak), rank.call.remote(_memory_peak)])
+    return {**result, "trainer_extra": peaks[0] - marks[0], "engine_extra": peaks[1] - marks[1]}
+
+
+def rl_sync_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
+    def run() -> dict:
+        sync = WeightSync.create([trainer], engine.ranks, SYNC)
+        assert sync.summary.cuda_ipc and not sync.summary.fallbacks, "colocated, every tensor bound"
+        sync.push()
+        rounds = [sync.push() for _ in range(repeat)]
+        sync.close()
+        return {
+            "s": statistics.median(r.seconds for r in rounds),
+            "handover_s": statistics.median(max(rank.seconds for rank in r.ranks) for r in rounds),
+            "bytes": sum(sync.summary.kept_bytes),
+        }
+
+    return measured(trainer, engine.ranks[0], run)
+
+
+def _update(rank_self, info: dict) -> None:
+    rank_self.llm.update_weights({"update_info": info})
+
+
+def _send_ipc(trainer_self, rank, packed: bool) -> int:
+    """vLLM's trainer side of its `ipc` backend, every tensor this trainer holds (runs in the
+    trainer; returns the bytes sent)."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+    def send(info) -> None:
+        ray.get(rank.call.remote(_update, asdict(info)))
+
+    pairs = [(name, s.local) for name, s in trainer_self.held.items()]
+    # vLLM 0.26, the CUDA build this runs on (0.29+ moved the trainer side to its trainer engines)
+    IPCWeightTransferEngine.trainer_send_weights(iter(pairs), {"send_mode": send, "packed": packed})  # type: ignore[attr-defined]
+    return sum(t.numel() * t.element_size() for _, t in pairs)
+
+
+def ipc_rows(trainer, engine: VllmEngine, repeat: int, packed: bool) -> dict:
+    rank = engine.ranks[0]
+
+    def once() -> tuple[float, int]:
+        start = time.perf_counter()
+        ray.get(rank.call.remote(lambda s: s.llm.start_weight_update()))
+        nbytes = ray.get(trainer.call.remote(_send_ipc, rank, packed))
+        ray.get(rank.call.remote(lambda s: s.llm.finish_weight_update()))
+        return time.perf_counter() - start, nbytes
+
+    def run() -> dict:
+        once()
+        rounds = [once() for _ in range(repeat)]
+        return {"s": statistics.median(s for s, _ in rounds), "bytes": rounds[0][1]}
+
+    return measured(trainer, rank, run)
+
+
+def _host_state(trainer_self) -> dict[str, torch.Tensor]:
+    return {name: s.local.cpu() for name, s in trainer_self.held.items()}
+
+
+def _load(rank_self, state: dict[str, torch.Tensor]) -> None:
+    """vLLM's own reload from checkpoint-format tensors (its loader, then layerwise processing)."""
+    rank_self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+    torch.cuda.synchronize()
+
+
+def _held_bytes(trainer_self) -> int:
+    return sum(s.local.numel() * s.local.element_size() for s in trainer_self.held.values())
+
+
+def gather_rows(trainer, engine: VllmEngine) -> dict:
+    rank = engine.ranks[0]
+
+    def run() -> dict:
+        start = time.perf_counter()
+        ray.get(rank.call.remote(_load, trainer.call.remote(_host_state)))
+        return {"s": time.perf_counter() - start, "bytes": ray.get(trainer.call.remote(_held_bytes))}
+
+    return measured(trainer, rank, run)
+
+
+def bench_engine(kind: str, trainer, repeat: int, workdir: str) -> dict[str, dict]:
+    engine = start_engine(write_config(f"{workdir}/{kind}", kind == "block_fp8"), ENGINES[kind])
+    try:
+        rows = {"rl-sync": rl_sync_rows(trainer, engine, repeat)}
+        if kind != "block_fp8":
+            rows["vLLM ipc"] = ipc_rows(trainer, engine, repeat, packed=False)
+            rows["vLLM ipc, packed"] = ipc_rows(trainer, engine, repeat, packed=True)
+            rows["gather + load_weights"] = gather_rows(trainer, engine)
+        return rows
+    finally:
+        engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--engines", default="bf16,fp8,block_fp8", help=f"comma-separated: {', '.join(ENGINES)}")
+    args = parser.parse_args()
+    start_ray()
+    specs = specs_8b()
+    total = sum(s.nbytes for s in specs)
+    floor = copy_floor(total, args.repeat)
+    Trainer = ray.remote(TrainerActor).options(num_gpus=0.5, num_cpus=1)
+    trainer = Trainer.remote(0, 1, trainer_build(specs, "cuda"))
+    ray.get(trainer.call.remote(lambda s: torch.cuda.synchronize()))
+    results = {"floor": {"s": floor, "bytes": total, "trainer_extra": 0, "engine_extra": 0}}
+    with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
+        for kind in args.engines.split(","):
+            for method, row in bench_engine(kind, trainer, args.repeat, workdir).items():
+                results[f"{kind}: {method}"] = row
+    rows = [
+        [
+            label.replace("floor", "device-to-device copy (floor)"),
+            f"{r['s']:.3f}",
+            f"{r['handover_s']:.3f}" if "handover_s" in r else "-",
+            f"{r['bytes'] / r['s'] / 1e9:.0f}",
+            f"{r['bytes'] / 1e9:.2f}",
+            f"{r['s'] / floor:.2f}",
+            f"{r['trainer_extra'] / 2**30:.2f}",
+            f"{r['engine_extra'] / 2**30:.2f}",
+        ]
+        for label, r in results.items()
+    ]
+    show(
+        f"Llama-3-8B shapes into vLLM on one {torch.cuda.get_device_name()} (median of {args.repeat})",
+        ["method", "s", "handover s", "GB/s", "GB into the engine", "x copy floor", "trainer +GiB", "engine +GiB"],
+        rows,
+        "vllm_gpu_bench",
+        results,
+    )
+
+
+if __name__ == "__main__":
+    main()
