@@ -97,7 +97,8 @@ class Colocated:
     `answers[op]`, the prefix-cache resets counted."""
 
     def __init__(self, reply: Rendezvous, answers: dict[str, list[bytes]]):
-        self.reply, self.answers, self.resets, self.calls = reply, answers, 0, []
+        self.reply, self.answers, self.resets = reply, answers, 0
+        self.calls: list[str] = []
 
     def _answer(self, info: dict) -> None:
         op, payload = unpack(info)
