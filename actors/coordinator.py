@@ -10,11 +10,13 @@ and writes its mate's destinations itself (`rl_sync.transport.cuda_ipc`); the
 workers, outside the group, open and close each round around the trainers'.
 
 Round: start the ranks together, wait for all within the round timeout, and
-record the version only when every rank finished. Each driver call gives the
-coordinator a time budget (`actors.calls.Budget`) that bounds all its waits
-together, so the driver's answer is final. Any failure becomes a
-`SyncError` naming the ranks, the round and (from the ranks' own errors) the
-bucket and tensors.
+record the version only when every rank finished (double buffering: and
+switched its live weights) and the driver still waits for the answer: the
+coordinator claims the call's fence (`actors.fence`) and only then tells the
+workers to record it, so no version is recorded anywhere else or later. Each
+driver call gives the coordinator a time budget (`actors.calls.Budget`) that
+bounds all its waits together. Any failure becomes a `SyncError` naming the
+ranks, the round and (from the ranks' own errors) the bucket and tensors.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ from rl_sync.wire.stats import RoundStats, SyncSummary
 
 from .agreement import check_agreement, colocated_mates, merge_sources, split_sources
 from .calls import Budget, SyncError
+from .fence import Fence
 from .group import Membership
-from .members import ServiceMember, collect, failed, gather
+from .members import ServiceMember, collect, failed, gather, leave
 from .metrics import RoundMetrics
 
 
@@ -91,7 +94,7 @@ class Coordinator:
     """Runs as a Ray actor (`ray.remote(Coordinator)`); driven by `WeightSync`. `workers` are
     actor handles and `VllmService`s (see `actors.group` for how ranks are assigned)."""
 
-    def __init__(self, trainers: list, workers: list, config: SyncConfig):
+    def __init__(self, trainers: list, workers: list, config: SyncConfig, token: str | None = None):
         self.trainer_handles, self.worker_entries, self.config = list(trainers), list(workers), config
         self._assign_ranks()
         self.metrics = RoundMetrics(config.name)
@@ -107,8 +110,9 @@ class Coordinator:
         self.reply: Rendezvous | None = None
         self.budget = Budget()
         """Bounds every wait of the driver call in progress (`SyncConfig.push_budget_s`)."""
-        self.tag = GroupTag(uuid.uuid4().hex[:12], config.name, ray.get_runtime_context().current_actor)
-        """Names this group to its ranks: an actor belongs to one live group at a time."""
+        self.tag = GroupTag(token or uuid.uuid4().hex[:12], config.name, ray.get_runtime_context().current_actor)
+        """Names this group to its ranks (`token`: the driver's, so it can release them should this
+        actor die): an actor belongs to one live group at a time."""
 
     def _assign_ranks(self) -> None:
         group = Membership.of(self.trainer_handles, self.worker_entries)
@@ -411,15 +415,52 @@ class Coordinator:
         self.broken = self.broken or f"worker {index} replaced"
 
     def push(
-        self, version: int | None, names: list[str] | None, mode: str | None, budget_s: float | None = None
+        self,
+        version: int | None,
+        names: list[str] | None,
+        mode: str | None,
+        budget_s: float | None = None,
+        fence: str | None = None,
     ) -> RoundStats:
         """Run one round on every rank (repairing first if an earlier one failed), all of it within
-        `budget_s` seconds: the driver waits that long, so a round it was told failed is never
-        recorded later. See the module docstring."""
+        `budget_s` seconds, and record its version unless the driver gave up on the call (its
+        `fence`, `actors.fence`). See the module docstring."""
         with self.budget.within(budget_s, "push"):
-            return self._push(version, names, mode)
+            return self._push(version, names, mode, self._fence(fence, "push"))
 
-    def _push(self, version: int | None, asked_names: list[str] | None, asked_mode: str | None) -> RoundStats:
+    def _fence(self, token: str | None, what: str) -> Fence | None:
+        """The call's fence; `SyncError`, doing nothing, when its driver gave up on it before it
+        started (it waited behind another call, or this process was stopped)."""
+        if token is None:
+            return None
+        fence = Fence(token)
+        if fence.abandoned():
+            fence.settle()
+            raise SyncError(
+                f"{what}: the driver gave up on this call before it started (its timeout_s ran out while the "
+                "coordinator was busy or stopped); nothing was done"
+            )
+        return fence
+
+    def _record(self, version: int, fence: Fence | None, what: str) -> None:
+        """The one place a version is decided, once every rank finished `what`: claim the call's
+        fence (refused when the driver gave up on it: nothing is recorded and the version stays
+        free), then every worker records it. The workers already hold it, so one that does not
+        record it only reports no version, and the next push repairs the group."""
+        if fence is not None and not fence.commit():
+            fence.settle()
+            raise SyncError(f"{what} finished after the driver gave up on it; version {version} is not recorded")
+        self.version = version
+        step = self.config.round_timeout_s + 5
+        answers, failures = collect(self.workers, lambda m: m.record(version), self.budget.left(step, at_least=1.0))
+        refused = [m for m, first in zip(self.workers, self.firsts) if answers[first] is False]
+        if failures or refused:
+            labels = [m.label for m, _ in failures] + [m.label for m in refused]
+            self.broken = f"version {version} not recorded by {', '.join(labels)}"
+
+    def _push(
+        self, version: int | None, asked_names: list[str] | None, asked_mode: str | None, fence: Fence | None
+    ) -> RoundStats:
         self._check_push(version, self._plan_names(asked_names), asked_mode)  # a refused push repairs nothing
         if self.broken is not None:
             if not self.config.auto_repair:
@@ -446,7 +487,7 @@ class Coordinator:
         except SyncError:
             self.broken = f"round {version}"
             raise
-        self.version = version
+        self._record(version, fence, f"round {version} ({mode})")
         first = self.refresh.finished(mode, every_tensor=names is None)
         stats = RoundStats(version, mode, time.perf_counter() - start, tuple(results), reason)
         if not first:  # the first round after init or a repair pays one-time costs (compiling, mapping)
@@ -516,7 +557,9 @@ class Coordinator:
             raise
         return bool(moved)
 
-    def push_patches(self, patches: list, version: int | None, budget_s: float | None = None) -> int:
+    def push_patches(
+        self, patches: list, version: int | None, budget_s: float | None = None, fence: str | None = None
+    ) -> int:
         """Apply flat-index patches (`rl_sync.sparse.patches`) on every worker that keeps part of them,
         within `budget_s` seconds.
 
@@ -524,11 +567,11 @@ class Coordinator:
         anything is sent; each worker gets only its part, in its own box's coordinates. The
         trainers' baselines no longer describe the workers, so the next sparse round is dense;
         patches that fail part-way mark the group broken (the next push repairs it with a full
-        round). Returns the version applied."""
+        round). Returns the version applied; recorded like a round's (`push`)."""
         with self.budget.within(budget_s, "push_patches"):
-            return self._push_patches(patches, version)
+            return self._push_patches(patches, version, self._fence(fence, "push_patches"))
 
-    def _push_patches(self, patches: list, version: int | None) -> int:
+    def _push_patches(self, patches: list, version: int | None, fence: Fence | None) -> int:
         self._check_patches(patches)
         if self.refresh.needs_full_round or self.broken is not None:
             raise ValueError(
@@ -559,7 +602,7 @@ class Coordinator:
         except SyncError:
             self.broken = f"patches {version}"
             raise
-        self.version = version
+        self._record(version, fence, f"patches {version}")
         return version
 
     def _check_patches(self, patches: list) -> None:
@@ -606,11 +649,8 @@ class Coordinator:
         self._close_ranks(abort=self.broken is not None)
 
     def _close_ranks(self, abort: bool) -> None:
-        """Every member leaves the group (aborting wakes peers stuck in a failed round; a member
-        another group holds by now is left alone); the rendezvous store goes with it. Bounded by
-        `init_timeout_s`; dead members are skipped."""
-        ranks = {m.handle for m in self.ranks}
-        members = self.ranks + [m for m in self.workers if m.handle not in ranks]
-        refs = [m.close(abort, self.reply, self.tag.token) for m in members]
-        ray.wait(refs, num_returns=len(refs), timeout=self.budget.left(self.config.init_timeout_s, at_least=1.0))
+        """Every member leaves the group (`actors.members.leave`), bounded by `init_timeout_s`; the
+        rendezvous store goes with it."""
+        timeout = self.budget.left(self.config.init_timeout_s, at_least=1.0)
+        leave(self.ranks + self.workers, abort, self.reply, self.tag.token, timeout)
         self._close_store()

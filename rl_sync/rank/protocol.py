@@ -14,9 +14,11 @@ plays, `_rl_sync_nccl_ids` (trainer 0, NCCL only), `_rl_sync_ipc_export`
 rendezvous message), `_rl_sync_connect`; then per round
 `_rl_sync_ipc_begin` (IPC only; a worker whose memory moved answers a new
 export, which its trainer maps with `_rl_sync_ipc_remap` before the round),
-`_rl_sync_run`, `_rl_sync_ipc_end` (IPC only) and
-`_rl_sync_commit` (double buffering only); `_rl_sync_version_of`,
-`_rl_sync_apply_patches` and `_rl_sync_close` between rounds.
+`_rl_sync_run`, `_rl_sync_ipc_end` (IPC only),
+`_rl_sync_commit` (double buffering only) and, on workers, once the
+coordinator decided the round counts, `_rl_sync_record`;
+`_rl_sync_version_of`, `_rl_sync_apply_patches` (then `_rl_sync_record`) and
+`_rl_sync_close` between rounds.
 
 Membership (`rl_sync.rank.claim`): describe's options
 (`rl_sync.rank.side.DescribeOptions`) carry the group's `GroupTag`; a rank
@@ -46,6 +48,8 @@ class SyncRank(Protocol):
     def _rl_sync_run(self, round_blob: bytes) -> bytes: ...
 
     def _rl_sync_commit(self, version: int) -> None: ...
+
+    def _rl_sync_record(self, version: int) -> bool: ...
 
     def _rl_sync_version_of(self) -> int | None: ...
 

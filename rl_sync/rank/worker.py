@@ -23,7 +23,10 @@ the worker reports the new version; and `rl_sync_write_modes()` (`{name:
 
 Versions: a worker knows the version its live weights hold, and reports
 `None` while a round is writing into them or after one failed part-way, until
-a full round repairs it. With double buffering (`SyncConfig.double_buffer`)
+a full round repairs it. A round's version is recorded only when the
+coordinator says so (`_rl_sync_record`), once every rank finished it and the
+driver still waited for it (`actors.fence`); until then the worker reports
+`None`. With double buffering (`SyncConfig.double_buffer`)
 rounds land in a shadow copy of every bound tensor (one extra copy of the
 worker's bound bytes) and are committed into the live weights only once the
 whole round succeeded, so the worker serves the previous version throughout.
@@ -56,6 +59,8 @@ class WorkerRank(Participant):
 
     _rl_sync_kept: KeptDestinations | None = None
     _rl_sync_version: int | None = None
+    _rl_sync_written: int | None = None
+    """The version of the last round written into the live weights, until it is recorded."""
     _rl_sync_ipc: WorkerExport | None = None
     _rl_sync_ipc_timeout: float = 120.0
     _rl_sync_round_names: tuple[str, ...] | None = None
@@ -143,7 +148,7 @@ class WorkerRank(Participant):
         buffered = self._rl_sync_kept is not None and self._rl_sync_kept.shadow is not None
         self._rl_sync_follow(lambda rebound: None if buffered else _unfilled(round_info, rebound))
         if not buffered:
-            self._rl_sync_version = None  # live weights are being written
+            self._rl_sync_version = self._rl_sync_written = None  # live weights are being written
 
     def _rl_sync_after_round(self, round_info: RoundInfo, stats: RankStats) -> RankStats:
         stats = super()._rl_sync_after_round(round_info, stats)
@@ -156,7 +161,7 @@ class WorkerRank(Participant):
         self._rl_sync_round_names = round_info.names
         if kept.shadow is None:
             self._rl_sync_updated(round_info.names)
-            self._rl_sync_version = round_info.version
+            self._rl_sync_written = round_info.version
         return replace(stats, fallbacks=len(names))
 
     def _rl_sync_updated(self, names: tuple[str, ...] | None) -> None:
@@ -168,11 +173,20 @@ class WorkerRank(Participant):
     def _rl_sync_commit(self, version: int) -> None:
         """Double buffering: the round completed everywhere; copy it into the live weights (bound
         anew first where the engine moved them: the shadows hold every tensor whole)."""
+        self._rl_sync_version = self._rl_sync_written = None
         self._rl_sync_follow(lambda rebound: None)
         if self._rl_sync_kept is not None:
             self._rl_sync_kept.commit()
         self._rl_sync_updated(self._rl_sync_round_names)
-        self._rl_sync_version = version
+        self._rl_sync_written = version
+
+    def _rl_sync_record(self, version: int) -> bool:
+        """The coordinator recorded `version`: report it from now on, if it is what the live
+        weights hold (the last round written, nothing written since). Returns whether it is."""
+        if self._rl_sync_written != version:
+            return False
+        self._rl_sync_version, self._rl_sync_written = version, None
+        return True
 
     def _rl_sync_apply_patches(self, version: int, patches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Write flat-index patches (local to this worker's boxes, checked by the coordinator)
@@ -187,13 +201,13 @@ class WorkerRank(Participant):
             view = views[name].tensor
             if index.numel() and (int(index.min()) < 0 or int(index.max()) >= view.numel()):
                 raise ValueError(f"patch for {name!r} indexes outside this worker's {tuple(view.shape)} box")
-        self._rl_sync_version = None
+        self._rl_sync_version = self._rl_sync_written = None
         written = 0
         for name, (index, values) in patches.items():
             view = views[name].tensor
             sparse_codec.apply(INDICES, view, index.to(view.device), values.to(view.device, view.dtype))
             written += index.numel()
-        self._rl_sync_version = version
+        self._rl_sync_written = version
         return written
 
     def _rl_sync_version_of(self) -> int | None:
@@ -225,7 +239,7 @@ class WorkerRank(Participant):
         wake): the trainer must map it before writing, and the round must be full (what the new
         memory holds is the engine's)."""
         rebound = self._rl_sync_follow(lambda rebound: None)
-        self._rl_sync_version = None
+        self._rl_sync_version = self._rl_sync_written = None
         assert self._rl_sync_ipc is not None  # colocated rounds run on an export
         fresh = None
         if rebound or self._rl_sync_ipc.moved():
@@ -237,7 +251,7 @@ class WorkerRank(Participant):
         assert self._rl_sync_ipc is not None  # colocated rounds run on an export
         self._rl_sync_ipc.end()
         self._rl_sync_updated(names)
-        self._rl_sync_version = version
+        self._rl_sync_written = version
 
 
 def _unfilled(round_info: RoundInfo, rebound: dict[str, str]) -> str | None:

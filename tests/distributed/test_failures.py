@@ -285,6 +285,7 @@ def test_a_push_reported_failed_is_never_recorded_later_and_its_retry_is_taken(r
         elapsed = time.monotonic() - start
         assert elapsed < 5.0, f"the push should end within its 3 s budget, took {elapsed:.1f} s"
         ray.get(g.workers[1].call.remote(lambda self: delattr(self, "rl_sync_weights_updated")), timeout=30)
+        assert sync.versions() == [None, None], "worker 1's commit finished late, and worker 0's: neither records it"
         assert sync.push(version=2).version == 2, "the failed push recorded nothing, so its version is still free"
         g.check(2)
         assert sync.versions() == [2, 2]
