@@ -14,7 +14,7 @@ ranks) through posts in the store (`board`), which each such rank follows
 
 Typical use (trainer rank 0)::
 
-    leader = Leader.start(rank, trainers=2, workers=driver, config=config, secret=secret)
-    summary = leader.form()          # plan and connect every rank
+    leader = Leader(rank, config, secret)
+    summary = leader.form(trainers=2, workers=driver)     # plan and connect every rank
     stats = leader.push()            # one round
 """

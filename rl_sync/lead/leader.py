@@ -15,8 +15,8 @@ framework's call on that rank (`rl_sync.lead.follower`), in the same order.
 
 Typical use::
 
-    leader = Leader(rank, trainers=2, config=config, secret=new_secret())
-    summary = leader.form(workers=ServiceDriver(control, ranks=2))
+    leader = Leader(rank, config, secret=new_secret())
+    summary = leader.form(trainers=2, workers=ServiceDriver(control, ranks=2))
     stats = leader.push()
     leader.close()
 """
@@ -27,7 +27,7 @@ import contextlib
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -83,7 +83,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def together(mine: Callable[[], T], others: list[Callable[[], object]]) -> tuple[T, list]:
+def together(mine: Callable[[], T], others: Sequence[Callable[[], object]]) -> tuple[T, list]:
     """`mine()` here while every call of `others` runs on a thread of its own: its result and
     theirs, in order, once all are done; the first failure (this rank's first) is raised."""
     with ThreadPoolExecutor(max(1, len(others)), thread_name_prefix="rl-sync-lead") as pool:
@@ -99,16 +99,16 @@ def together(mine: Callable[[], T], others: list[Callable[[], object]]) -> tuple
 
 
 class Leader:
-    """Trainer rank 0 of a group of `trainers` trainer ranks (see the module docstring)."""
+    """Trainer rank 0 of a led group (see the module docstring)."""
 
-    def __init__(self, rank: TrainerRank, trainers: int, config: SyncConfig, secret: bytes):
-        self.rank, self.trainers, self.config, self.secret = rank, trainers, config, secret
+    def __init__(self, rank: TrainerRank, config: SyncConfig, secret: bytes):
+        self.rank, self.config, self.secret, self.trainers = rank, config, secret, 1
         host = store_host(config)
         self.store = StoreServer(_listen(host, config.rendezvous_port), secret)
         self.reply = Rendezvous(
             host, self.store.port, f"rl-sync-{uuid.uuid4().hex[:12]}", config.init_timeout_s, secret
         )
-        self.followers = self.board("trainers", trainers - 1, "trainer rank {}".format, first=1)
+        self.followers: ServiceDriver | None = None
         self.workers: ServiceDriver | None = None
         self.refresh, self.auto = RefreshPolicy(config.dense_refresh_every), AutoPolicy()
         self.version, self.broken, self.closes = 0, "", 0
@@ -130,10 +130,17 @@ class Leader:
     def _drivers(self) -> list[ServiceDriver]:
         return [d for d in (self.followers, self.workers) if d is not None and d.ranks]
 
-    def form(self, workers: ServiceDriver) -> SyncSummary:
-        """Describe, plan and connect every rank, within the config's init timeouts; on failure
-        the other ranks are told to leave and the error is raised here."""
-        self.workers = workers
+    def _reply(self, driver: ServiceDriver, timeout_s: float | None = None) -> Rendezvous:
+        """Where `driver`'s ranks answer: a prefix of its own (each numbers its ranks from 0)."""
+        side = "trainers" if driver is self.followers else "workers"
+        return replace(self.reply, prefix=f"{self.reply.prefix}/{side}", timeout_s=timeout_s or self.reply.timeout_s)
+
+    def form(self, trainers: int, workers: ServiceDriver) -> SyncSummary:
+        """Describe, plan and connect `trainers` trainer ranks (this one and the others, which
+        follow posts under `trainers`) and `workers`' ranks, within the config's init timeouts;
+        on failure the other ranks are told to leave and the error is raised here."""
+        self.trainers, self.workers = trainers, workers
+        self.followers = self.board("trainers", trainers - 1, "trainer rank {}".format, first=1)
         try:
             self.summary = self._form()
         except BaseException as exc:
@@ -143,13 +150,17 @@ class Leader:
 
     def _form(self) -> SyncSummary:
         start, cfg, T = time.perf_counter(), self.config, self.trainers
-        assert self.workers is not None  # set by form
+        assert self.workers is not None and self.followers is not None  # set by form
         mine = self.rank._rl_sync_describe("trainer", 0, T, DescribeOptions())
-        theirs = self.followers.describe(DescribeRequest(1, T, {}, {}, False, self.reply)) if T > 1 else []
+        theirs = (
+            self.followers.describe(DescribeRequest(1, T, {}, {}, False, self._reply(self.followers))) if T > 1 else []
+        )
         trainers = [decode(RankReport, b) for b in [mine, *theirs]]
         sources = merge_sources(trainers)
         checkpoint, sharded = checkpoint_of(sources)
-        asked = DescribeRequest(0, self.workers.ranks, checkpoint, sharded, cfg.double_buffer, self.reply)
+        asked = DescribeRequest(
+            0, self.workers.ranks, checkpoint, sharded, cfg.double_buffer, self._reply(self.workers)
+        )
         workers = [decode(RankReport, b) for b in self.workers.describe(asked)]
         world = T + len(workers)
         schedule = plan_group(sources, workers, range(T, world), T, cfg)
@@ -159,8 +170,8 @@ class Leader:
         inits = [encode(replace(info, rank=i)) for i in range(world)]
         plan = encode(PlanInfo.from_schedule(schedule), compress=True)
         connects = [
-            (self.followers, ConnectRequest(tuple(inits[1:T]), plan, cfg.bind_host, self.reply)),
-            (self.workers, ConnectRequest(tuple(inits[T:]), plan, cfg.bind_host, self.reply)),
+            (self.followers, ConnectRequest(tuple(inits[1:T]), plan, cfg.bind_host, self._reply(self.followers))),
+            (self.workers, ConnectRequest(tuple(inits[T:]), plan, cfg.bind_host, self._reply(self.workers))),
         ]
         together(
             lambda: self.rank._rl_sync_connect(inits[0], plan, cfg.bind_host, trainers[0].device),
@@ -211,13 +222,15 @@ class Leader:
 
     def _round(self, info: RoundInfo) -> list[RankStats]:
         blob = encode(info)
-        request = RoundRequest(blob, info.version, replace(self.reply, timeout_s=info.timeout_s + REPORT_S))
+        requests = {
+            id(d): RoundRequest(blob, info.version, self._reply(d, info.timeout_s + REPORT_S)) for d in self._drivers()
+        }
         mine, answers = together(
-            lambda: self.rank._rl_sync_run(blob), [partial(d.run, request) for d in self._drivers()]
+            lambda: self.rank._rl_sync_run(blob), [partial(d.run, requests[id(d)]) for d in self._drivers()]
         )
         if self.config.double_buffer:
             assert self.workers is not None  # set by form
-            self.workers.commit(request)
+            self.workers.commit(requests[id(self.workers)])
         return [decode(RankStats, b) for b in [mine, *(b for a in answers for b in a)]]
 
     def _learn(self, stats: RoundStats, dense_bytes: int) -> None:
@@ -247,7 +260,7 @@ class Leader:
     def _close(self, abort: bool) -> None:
         """Every rank leaves; after a failure (`abort`) the others get `ABORT_S` to answer."""
         self.closes += 1
-        reply = replace(self.reply, timeout_s=min(ABORT_S, self.reply.timeout_s)) if abort else self.reply
-        request = CloseRequest(abort, self.closes, reply)
+        timeout = min(ABORT_S, self.reply.timeout_s) if abort else None
         self.rank._rl_sync_close(abort=abort)
-        together(lambda: None, [partial(d.close, request) for d in self._drivers()])
+        closes = [partial(d.close, CloseRequest(abort, self.closes, self._reply(d, timeout))) for d in self._drivers()]
+        together(lambda: None, closes)
