@@ -48,40 +48,10 @@ from rl_sync.lead.board import Posts
 from rl_sync.lead.follower import Follower
 from rl_sync.lead.handler import RankHandler
 from rl_sync.lead.leader import Leader
-from rl_sync.planning.layout import Layout, Mesh
-from rl_sync.rank import TrainerRank, WorkerRank
+from rl_sync.lead.ranks import HeldSources, WholeCopies
 from rl_sync.rendezvous import MemberStore, new_secret
-from rl_sync.storage import Destination
 
 BACKEND = "rl_sync"
-
-
-class Sources(TrainerRank):
-    """An actor rank: this update's tensors from verl's weight generator."""
-
-    def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-
-    def rl_sync_sources(self) -> dict[str, torch.Tensor]:
-        return self.tensors
-
-
-class Copies(WorkerRank):
-    """A rollout rank: one whole copy of every checkpoint tensor, on this rank's device, kept
-    from update to update."""
-
-    def __init__(self, workers: int):
-        self.workers = workers
-        self.copies: dict[str, torch.Tensor] = {}
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-
-    def rl_sync_destinations(self, checkpoint) -> dict[str, Destination]:
-        layout = Layout.replicated(Mesh((self.workers,)))
-        for name, (dtype, shape) in checkpoint.items():
-            kept = self.copies.get(name)
-            if kept is None or kept.dtype != dtype or tuple(kept.shape) != shape:
-                self.copies[name] = torch.empty(shape, dtype=dtype, device=self.device)
-        return {n: Destination(self.copies[n], layout, tuple(s), d) for n, (d, s) in checkpoint.items()}
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -94,7 +64,7 @@ class RlSyncCheckpointEngine(CheckpointEngine):
         self.is_master = is_master
         self.leader: Leader | None = None
         self.follower: Follower | None = None
-        self.rank: Sources | Copies | None = None
+        self.rank: HeldSources | WholeCopies | None = None
         self.topology: tuple | None = None
         self.formed = False
 
@@ -103,7 +73,7 @@ class RlSyncCheckpointEngine(CheckpointEngine):
         if not self.is_master:
             return {}
         if self.leader is None:
-            self.rank = Sources()
+            self.rank = HeldSources()
             self.leader = Leader(self.rank, self.config, new_secret())
         host, port = self.leader.address
         return {"host": host, "port": port, "prefix": self.leader.reply.prefix, "secret": self.leader.secret}
@@ -144,7 +114,7 @@ class RlSyncCheckpointEngine(CheckpointEngine):
         self.topology = topology
         if side == "trainer" and rank == 0:
             return
-        self.rank = Sources() if side == "trainer" else Copies(workers)
+        self.rank = HeldSources() if side == "trainer" else WholeCopies(workers)
         board, index = ("trainers", rank - 1) if side == "trainer" else ("workers", rank)
         store = MemberStore(master["host"], master["port"], master["secret"], timeout_s=self.config.init_timeout_s)
         posts = Posts(store, f"{master['prefix']}/{board}", master["secret"])
@@ -157,7 +127,7 @@ class RlSyncCheckpointEngine(CheckpointEngine):
         return await asyncio.to_thread(self._send, weights)
 
     def _send(self, weights) -> dict[str, float]:
-        assert isinstance(self.rank, Sources), "rl_sync checkpoint engine: send_weights on a rollout rank"
+        assert isinstance(self.rank, HeldSources), "rl_sync checkpoint engine: send_weights on a rollout rank"
         self.rank.tensors = dict(weights)  # every actor rank walks verl's generator (it may gather)
         if self.leader is None:
             self._follow("run")
@@ -180,7 +150,7 @@ class RlSyncCheckpointEngine(CheckpointEngine):
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """One round into this rollout rank's copies, then every tensor, by name."""
-        assert isinstance(self.rank, Copies), "rl_sync checkpoint engine: receive_weights on an actor rank"
+        assert isinstance(self.rank, WholeCopies), "rl_sync checkpoint engine: receive_weights on an actor rank"
         await asyncio.to_thread(self._follow, "commit" if self.config.double_buffer else "run")
         for name, tensor in self.rank.copies.items():
             yield name, tensor

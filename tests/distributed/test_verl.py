@@ -20,8 +20,8 @@ import torch
 
 pytest.importorskip("verl.checkpoint_engine", reason="verl is not installed")
 
-from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry  # noqa: E402
-from verl.utils.import_utils import import_external_libs  # noqa: E402
+from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
+from verl.utils.import_utils import import_external_libs
 
 ACTORS, ROLLOUT = 2, 2
 SHAPES = {"embed.weight": (64, 32), "layers.0.proj.weight": (48, 32), "norm.weight": (32,)}
