@@ -28,7 +28,7 @@ import ray
 import torch
 
 from rl_sync.config.push_args import check_mode, repeated_names
-from rl_sync.config.sync import SPARSE_MODES, Mode, SyncConfig
+from rl_sync.config.sync import Mode, SyncConfig
 from rl_sync.planning.agreement import checkpoint_of, colocated_mates, group_init, merge_sources, plan_group, summarize
 from rl_sync.planning.parts import parse_part
 from rl_sync.planning.quant import scale_name, scaled_name
@@ -36,7 +36,7 @@ from rl_sync.rank.address import interface_address
 from rl_sync.rank.claim import GroupTag
 from rl_sync.rank.side import DescribeOptions
 from rl_sync.rendezvous import StoreServer, new_secret
-from rl_sync.sparse.auto import AutoPolicy, RoundCost
+from rl_sync.sparse.auto import AutoPolicy
 from rl_sync.sparse.patches import check_patch, route_patch
 from rl_sync.sparse.refresh import RefreshPolicy
 from rl_sync.transport.cuda_ipc import IpcExport, IpcRendezvous
@@ -398,7 +398,7 @@ class Coordinator:
         first = self.refresh.finished(mode, every_tensor=names is None)
         stats = RoundStats(version, mode, time.perf_counter() - start, tuple(results), reason)
         if not first:  # the first round after init or a repair pays one-time costs (compiling, mapping)
-            self._learn(stats, dense_bytes)
+            self.auto.learn(stats, dense_bytes)
         self.metrics.record(stats)
         return stats
 
@@ -410,14 +410,6 @@ class Coordinator:
             return plan.stats.total_bytes
         subset = sum(plan.specs[plan.index[n]].nbytes for n in names)
         return plan.stats.total_bytes * subset // max(1, plan.stats.broadcast_recv_bytes)
-
-    def _learn(self, stats: RoundStats, dense_bytes: int) -> None:
-        """Teach `auto` what this round cost (dense M2N and sparse-engine rounds of `dense_bytes`)."""
-        if stats.mode == "m2n":
-            self.auto.record(RoundCost("dense", stats.seconds, dense_bytes))
-        elif stats.mode in SPARSE_MODES:
-            sent = sum(r.sent_bytes for r in stats.ranks if r.role != "worker")
-            self.auto.record(RoundCost("sparse", stats.seconds, dense_bytes, sent / max(1, stats.dense_bytes)))
 
     def _run_round(self, blob: bytes, version: int, names: tuple[str, ...] | None, what: str) -> list[RankStats]:
         """The round's steps, each bounded by the round timeout (plus 5 s for the ranks to report)

@@ -118,7 +118,7 @@ class RlSyncCheckpointEngine(CheckpointEngine):
         board, index = ("trainers", rank - 1) if side == "trainer" else ("workers", rank)
         store = MemberStore(master["host"], master["port"], master["secret"], timeout_s=self.config.init_timeout_s)
         posts = Posts(store, f"{master['prefix']}/{board}", master["secret"])
-        self.follower = Follower(RankHandler(self.rank, side, index), posts, self.config.init_timeout_s)
+        self.follower = Follower(RankHandler(self.rank, side, index), posts, self.config.init_budget_s)
 
     async def send_weights(
         self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int | None = None

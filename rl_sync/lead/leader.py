@@ -34,13 +34,13 @@ from functools import partial
 from typing import TypeVar
 
 from ..config.push_args import check_mode
-from ..config.sync import SPARSE_MODES, Mode, SyncConfig
+from ..config.sync import Mode, SyncConfig
 from ..planning.agreement import checkpoint_of, group_init, merge_sources, plan_group, summarize
 from ..rank.address import interface_address
 from ..rank.side import DescribeOptions
 from ..rank.trainer import TrainerRank
 from ..rendezvous import MemberStore, StoreServer
-from ..sparse.auto import AutoPolicy, RoundCost
+from ..sparse.auto import AutoPolicy
 from ..sparse.refresh import RefreshPolicy
 from ..transport.gloo import GlooRendezvous
 from ..transport.nccl import NcclRendezvous
@@ -217,7 +217,7 @@ class Leader:
         self.version = version
         stats = RoundStats(version, ran, time.perf_counter() - start, tuple(ranks), reason)
         if not self.refresh.finished(ran, every_tensor=True):
-            self._learn(stats, dense)
+            self.auto.learn(stats, dense)
         return stats
 
     def _round(self, info: RoundInfo) -> list[RankStats]:
@@ -232,14 +232,6 @@ class Leader:
             assert self.workers is not None  # set by form
             self.workers.commit(requests[id(self.workers)])
         return [decode(RankStats, b) for b in [mine, *(b for a in answers for b in a)]]
-
-    def _learn(self, stats: RoundStats, dense_bytes: int) -> None:
-        """Teach `auto` what this round cost."""
-        if stats.mode == "m2n":
-            self.auto.record(RoundCost("dense", stats.seconds, dense_bytes))
-        elif stats.mode in SPARSE_MODES:
-            sent = sum(r.sent_bytes for r in stats.ranks if r.role != "worker")
-            self.auto.record(RoundCost("sparse", stats.seconds, dense_bytes, sent / max(1, stats.dense_bytes)))
 
     def _give_up(self, why: str) -> None:
         """Mark the group broken and have every other rank leave it (aborting what it waits in);

@@ -219,9 +219,9 @@ class RlSyncTrainerEngine(TrainerWeightTransferEngine[RlSyncTrainerInitInfo]):
         return engine
 
     def _follow(self, info: RlSyncTrainerInitInfo, host: str, port: int, prefix: str, secret: bytes) -> None:
-        timeout = info.sync.init_timeout_s
-        posts = Posts(MemberStore(host, port, secret, timeout_s=timeout), f"{prefix}/trainers", secret)
-        follower = Follower(RankHandler(self.rank, "trainer", info.rank - 1), posts, timeout)
+        store = MemberStore(host, port, secret, timeout_s=info.sync.init_timeout_s)
+        posts = Posts(store, f"{prefix}/trainers", secret)
+        follower = Follower(RankHandler(self.rank, "trainer", info.rank - 1), posts, info.sync.init_budget_s)
         follower.until("connect")
         self.follower, follower.timeout_s = follower, info.sync.round_timeout_s
 

@@ -90,6 +90,7 @@ def framework(ray_session, tmp_path_factory):
         .options(num_cpus=0.1, runtime_env={"env_vars": SERVICE_ENV})
         .remote(init, 2, LLM_KWARGS, SERVICE_ENV)
     )
+    ray.get(engine._rl_sync_service_ping.remote(), timeout=600)  # the engine is up
     references = References()
     yield config, trainers, engine, references
     references.shutdown()
