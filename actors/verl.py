@@ -98,10 +98,12 @@ class RlSyncCheckpointEngine(CheckpointEngine):
             actors[key], rollout[key] = [value] * actor_wg_world_size, [value] * rollout_world_size
         return actors, rollout
 
-    def init_process_group(
-        self, side: Literal["trainer", "worker"], rank: int, trainers: int, workers: int, master: dict
-    ) -> None:
-        """Join the topology of the first update; a later one must be the same."""
+    def init_process_group(self, **topology: Any) -> None:
+        """Join the topology of the first update (`build_topology`'s keyword arguments for this
+        rank); a later one must be the same."""
+        self._join(**topology)
+
+    def _join(self, side: Literal["trainer", "worker"], rank: int, trainers: int, workers: int, master: dict) -> None:
         topology = (side, rank, trainers, workers, master["host"], master["port"], master["prefix"])
         if self.topology is not None:
             if topology != self.topology:
@@ -148,8 +150,12 @@ class RlSyncCheckpointEngine(CheckpointEngine):
             self.formed, self.follower.timeout_s = True, self.config.round_timeout_s
         self.follower.until(last)  # type: ignore[arg-type]  # "run" or "commit"
 
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
-        """One round into this rollout rank's copies, then every tensor, by name."""
+    def receive_weights(self, global_steps: int | None = None) -> Any:
+        """An async generator (what verl's server adapters iterate): one round into this rollout
+        rank's copies, then every tensor, by name."""
+        return self._receive()
+
+    async def _receive(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         assert isinstance(self.rank, WholeCopies), "rl_sync checkpoint engine: receive_weights on an actor rank"
         await asyncio.to_thread(self._follow, "commit" if self.config.double_buffer else "run")
         for name, tensor in self.rank.copies.items():
