@@ -201,6 +201,8 @@ class Leader:
                 f"rl-sync: the group is broken by an earlier failure ({self.broken}); shut the weight "
                 "transfer down and initialize it again"
             )
+        if self.summary is None:
+            raise RuntimeError("rl-sync: push before the group was formed; form() it first")
         version, dense = self.version + 1, self.schedule.plan.stats.total_bytes
         asked: Mode = check_mode(mode) or self.config.mode
         ran, reason = self.refresh.round_mode(asked)

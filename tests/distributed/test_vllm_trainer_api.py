@@ -116,7 +116,8 @@ def test_trainer_api_rounds_match_a_fresh_engine_after_every_step(framework, tmp
             assert [r.rank for r in workers] == [2, 3]
             if ran == "m2n":
                 assert [r.received_bytes for r in workers] == list(summary.kept_bytes)
-            path = write_checkpoint(str(tmp_path / f"step{step}"), config, ray.get(trainers[0].full_state.remote()))
+            state = ray.get([t.full_state.remote() for t in trainers])[0]  # collective: every trainer
+            path = write_checkpoint(str(tmp_path / f"step{step}"), config, state)
             want = references.outputs(path, 2)
             assert ray.get(engine.generate.remote(PROMPTS, SAMPLING)) == want, f"step {step} differs"
     finally:
