@@ -120,6 +120,7 @@ def manager(ray_session):
         ray.kill(handle)
 
 
+@pytest.mark.slow  # 2 to 3 min here, nearly all of it verl's first worker-group calls (rl-sync's part: ~1 s)
 def test_verls_manager_updates_every_rollout_worker_bit_exactly(manager):
     checkpoint_engines, rollout = manager
     for step in (1, 2):
