@@ -10,6 +10,7 @@ the engines built from the checkpoint-engine config through verl's registry and 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import ray
@@ -55,11 +56,12 @@ class ActorWorker(Worker):
             **CONFIG.engine_kwargs[CONFIG.backend],
         )
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    @register(dispatch_mode=Dispatch["ONE_TO_ALL"], blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto"):
+        assert global_steps is not None, "the test's manager passes the step"
         return await self.checkpoint_engine.send_weights(iter(_weights(global_steps).items()), global_steps)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+    @register(dispatch_mode=Dispatch["DP_COMPUTE"], blocking=False)
     def execute_checkpoint_engine(self, method: str, *args, **kwargs):
         return getattr(self.checkpoint_engine, method)(*args, **kwargs)
 
@@ -76,8 +78,16 @@ class KeepingAdapter:
 
 
 class RolloutWorker(CheckpointEngineWorker):
+    """verl's rollout-side worker, its server adapter a `KeepingAdapter`."""
+
+    def __init__(self, rollout_config, adapter: KeepingAdapter):
+        no_model: Any = None  # verl reads the model config only to build a served engine
+        server: Any = adapter  # verl types it as its BaseRollout; it only calls update_weights
+        super().__init__(rollout_config, no_model, server)
+        self.adapter = adapter
+
     def loaded(self) -> dict[str, torch.Tensor]:
-        return self.server_adapter.loaded
+        return self.adapter.loaded
 
 
 class Replica:
@@ -109,7 +119,7 @@ def manager(ray_session):
     rollout = [
         ray.remote(RolloutWorker)
         .options(num_cpus=0.1, **_env(0, 1, free_init_url("127.0.0.1")))
-        .remote(SimpleNamespace(checkpoint_engine=CONFIG, name="vllm"), None, KeepingAdapter())
+        .remote(SimpleNamespace(checkpoint_engine=CONFIG, name="vllm"), KeepingAdapter())
         for _ in range(ROLLOUT)
     ]
     actor_wg = RayWorkerGroup(
