@@ -25,22 +25,20 @@ import socket
 import time
 import uuid
 from dataclasses import replace
-from typing import cast
 
 import ray
 import torch
 
 from rl_sync.config.push_args import check_mode, repeated_names
-from rl_sync.config.sync import SPARSE_MODES, Integrity, Mode, SyncConfig
-from rl_sync.planning.parts import parse_part, sharded_dims
-from rl_sync.planning.plan import SideSpec, join_specs, plan_model
+from rl_sync.config.sync import Mode, SyncConfig
+from rl_sync.planning.agreement import checkpoint_of, colocated_mates, group_init, merge_sources, plan_group, summarize
+from rl_sync.planning.parts import parse_part
 from rl_sync.planning.quant import scale_name, scaled_name
-from rl_sync.planning.schedule import build_schedule
 from rl_sync.rank.address import interface_address
 from rl_sync.rank.claim import GroupTag
 from rl_sync.rank.side import DescribeOptions
 from rl_sync.rendezvous import StoreServer, new_secret
-from rl_sync.sparse.auto import AutoPolicy, RoundCost
+from rl_sync.sparse.auto import AutoPolicy
 from rl_sync.sparse.patches import check_patch, route_patch
 from rl_sync.sparse.refresh import RefreshPolicy
 from rl_sync.transport.cuda_ipc import IpcExport, IpcRendezvous
@@ -49,11 +47,10 @@ from rl_sync.transport.local import LocalRendezvous
 from rl_sync.transport.nccl import NcclRendezvous
 from rl_sync.vllm.service import Rendezvous
 from rl_sync.wire.codec import decode, encode
-from rl_sync.wire.messages import InitInfo, RankReport, RankStats, RoundInfo, WriteMode
+from rl_sync.wire.messages import InitInfo, RankReport, RankStats, RoundInfo
 from rl_sync.wire.plan_info import PlanInfo
 from rl_sync.wire.stats import RoundStats, SyncSummary
 
-from .agreement import check_agreement, colocated_mates, merge_sources, split_sources
 from .calls import Budget, SyncError
 from .fence import Fence
 from .group import Membership
@@ -77,17 +74,6 @@ def _colocated(info: InitInfo, export: bytes) -> InitInfo:
         transport="cuda_ipc",
         rendezvous=encode(IpcRendezvous(decode(IpcExport, export), info.transport, info.rendezvous)),
     )
-
-
-def _write_modes(workers: list[RankReport]) -> dict[str, WriteMode]:
-    """Each name's write mode across the workers: `reload` (or `fallback`) where any worker says
-    so, `direct` where all do."""
-    modes: dict[str, WriteMode] = {}
-    for report in workers:
-        for name, mode in report.modes.items():
-            if modes.get(name) in (None, "direct"):
-                modes[name] = mode
-    return modes
 
 
 class Coordinator:
@@ -140,11 +126,9 @@ class Coordinator:
         )
         trainer_reports = [decode(RankReport, b) for b in blobs]
         sources = merge_sources(trainer_reports)
+        checkpoint, sharded = checkpoint_of(sources)
         options = DescribeOptions(
-            group=self.tag,
-            checkpoint={s.name: (s.dtype, tuple(s.shape)) for s in sources},
-            sharded={s.name: tuple(sorted(sharded_dims(s.layout))) for s in sources},
-            double_buffer=cfg.double_buffer,
+            group=self.tag, checkpoint=checkpoint, sharded=sharded, double_buffer=cfg.double_buffer
         )
         blobs = gather(
             self.workers,
@@ -154,15 +138,9 @@ class Coordinator:
         )
         reports = trainer_reports + [decode(RankReport, b) for b in blobs]
         self._choose_colocation(reports[:T], reports[T:])
-        check_agreement(reports[T:], ranks=self.worker_ranks)
-        sources = split_sources(sources, [t.name for t in reports[T].tensors])
-        destinations = [
-            SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout().remapped(self.worker_ranks), t.block)
-            for t in reports[T].tensors
-        ]
         colocated = any(r < T for r in self.worker_ranks)
-        plan = plan_model(join_specs(sources, destinations), colocated=colocated)
-        self.schedule = build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes, cfg.relay)
+        self.schedule = plan_group(sources, reports[T:], self.worker_ranks, T, cfg)
+        plan = self.schedule.plan
         self.names = set(plan.index)
         self.parts: dict[str, list[str]] = {}
         for name in plan.index:
@@ -179,24 +157,8 @@ class Coordinator:
         return self._summary(info, colocated, reports[T:], time.perf_counter() - start)
 
     def _summary(self, info: InitInfo, colocated: bool, workers: list[RankReport], seconds: float) -> SyncSummary:
-        plan, modes = self.schedule.plan, _write_modes(workers)
-        fallbacks = tuple(sorted(n for n, m in modes.items() if m == "fallback"))
-        return SyncSummary(
-            tensors=len(plan),
-            buckets=self.schedule.num_buckets,
-            transport=info.transport,
-            cuda_ipc=self.ipc,
-            world_size=sum(m.size for m in self.ranks),
-            colocated=colocated,
-            relay=self.schedule.relay_choice,
-            plan_bytes=plan.stats.total_bytes,
-            local_copy_bytes=plan.stats.local_copy_bytes,
-            broadcast_bytes=plan.stats.broadcast_bytes,
-            fallbacks=fallbacks,
-            modes=modes,
-            kept_bytes=tuple(r.kept_bytes for r in workers),
-            seconds=seconds,
-        )
+        world = sum(m.size for m in self.ranks)
+        return summarize(self.schedule, workers, info.transport, self.ipc, world, colocated, seconds)
 
     def _choose_colocation(self, trainers: list[RankReport], workers: list[RankReport]) -> None:
         mode = self.config.colocate
@@ -296,20 +258,7 @@ class Coordinator:
         cfg, T = self.config, len(self.trainers)
         world = sum(m.size for m in self.ranks)
         transport, rendezvous = self._rendezvous(world, all(d.startswith("cuda") for d in devices))
-        return InitInfo(
-            rank=0,
-            world_size=world,
-            num_trainers=T,
-            worker_ranks=self.worker_ranks,
-            transport=transport,
-            rendezvous=encode(rendezvous),
-            prefix=f"rl-sync-{uuid.uuid4().hex[:12]}",
-            timeout_s=cfg.round_timeout_s,
-            sparse_baseline=cfg.sparse_baseline,
-            integrity=cast(Integrity, cfg.integrity),  # one of them: SyncConfig.__post_init__ checked
-            interface=cfg.interface or "",
-            secret=self._secret,
-        )
+        return group_init(cfg, world, T, self.worker_ranks, transport, encode(rendezvous), self._secret)
 
     def _rendezvous(self, world: int, on_cuda: bool) -> tuple[str, LocalRendezvous | NcclRendezvous | GlooRendezvous]:
         """The group's transport and its rendezvous message: `local` for one rank; NCCL when asked
@@ -491,7 +440,7 @@ class Coordinator:
         first = self.refresh.finished(mode, every_tensor=names is None)
         stats = RoundStats(version, mode, time.perf_counter() - start, tuple(results), reason)
         if not first:  # the first round after init or a repair pays one-time costs (compiling, mapping)
-            self._learn(stats, dense_bytes)
+            self.auto.learn(stats, dense_bytes)
         self.metrics.record(stats)
         return stats
 
@@ -503,14 +452,6 @@ class Coordinator:
             return plan.stats.total_bytes
         subset = sum(plan.specs[plan.index[n]].nbytes for n in names)
         return plan.stats.total_bytes * subset // max(1, plan.stats.broadcast_recv_bytes)
-
-    def _learn(self, stats: RoundStats, dense_bytes: int) -> None:
-        """Teach `auto` what this round cost (dense M2N and sparse-engine rounds of `dense_bytes`)."""
-        if stats.mode == "m2n":
-            self.auto.record(RoundCost("dense", stats.seconds, dense_bytes))
-        elif stats.mode in SPARSE_MODES:
-            sent = sum(r.sent_bytes for r in stats.ranks if r.role != "worker")
-            self.auto.record(RoundCost("sparse", stats.seconds, dense_bytes, sent / max(1, stats.dense_bytes)))
 
     def _run_round(self, blob: bytes, version: int, names: tuple[str, ...] | None, what: str) -> list[RankStats]:
         """The round's steps, each bounded by the round timeout (plus 5 s for the ranks to report)

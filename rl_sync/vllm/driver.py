@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
@@ -117,45 +118,56 @@ def _reported(blob: bytes) -> RankFailure:
         return RankFailure("RuntimeError", f"an unreadable failure report ({exc})", "")
 
 
-def _service_error(op: str, failed: dict[int, RankFailure]) -> Exception:
-    """The error for call `op` that `failed` ranks answered with: one line per rank, the ranks'
-    own type when they share a caller's-mistake type (`rl_sync.wire.failure.kept_type`), and
-    their tracebacks as the `__cause__`."""
-    reason = "; ".join(f"vLLM rank {rank}: {f}" for rank, f in failed.items())
-    error = kept_type([f.kept for f in failed.values()], RuntimeError)(f"vLLM engine service, {op}: {reason}")
-    tracebacks = [f"vLLM rank {rank}:\n{f.traceback}" for rank, f in failed.items() if f.traceback]
+def _service_error(label: str, op: str, failed: dict[str, RankFailure]) -> Exception:
+    """The error for call `op` that `failed` ranks (by name) answered with: one line per rank,
+    the ranks' own type when they share a caller's-mistake type
+    (`rl_sync.wire.failure.kept_type`), and their tracebacks as the `__cause__`."""
+    reason = "; ".join(f"{rank}: {f}" for rank, f in failed.items())
+    error = kept_type([f.kept for f in failed.values()], RuntimeError)(f"{label}, {op}: {reason}")
+    tracebacks = [f"{rank}:\n{f.traceback}" for rank, f in failed.items() if f.traceback]
     error.__cause__ = RemoteTraceback("\n".join(tracebacks)) if tracebacks else None
     return error
 
 
 class ServiceDriver:
-    """One engine's ranks as workers of a sync group (see the module docstring)."""
+    """One engine's ranks as workers of a sync group (see the module docstring). `label` and
+    `rank_name(i)` name the engine and its rank `i` in errors (other ranks reached through
+    the same calls, `rl_sync.lead`, name theirs)."""
 
-    def __init__(self, control: EngineControl, ranks: int):
-        self.control, self.ranks = control, ranks
+    def __init__(
+        self,
+        control: EngineControl,
+        ranks: int,
+        label: str = "vLLM engine service",
+        rank_name: Callable[[int], str] = "vLLM rank {}".format,
+    ):
+        self.control, self.ranks, self.label, self.rank_name = control, ranks, label, rank_name
 
     def _answers(self, reply: Rendezvous, op: str, tag: int, failure: BaseException | None = None) -> list[bytes]:
         """Every rank's answer to call `op`; raises naming each rank that failed."""
         store = store_client(reply)
-        out, failed = [], {}
+        out: list[bytes] = []
+        failed: dict[str, RankFailure] = {}
         try:
             for rank in range(self.ranks):
                 key = reply_key(reply.prefix, op, tag, rank)
                 try:
                     value = store.get(key)
                 except Exception as exc:  # the store's timeout: this rank never answered
-                    failed[rank] = RankFailure("RuntimeError", f"no answer to {op} ({type(exc).__name__})", "")
+                    failed[self.rank_name(rank)] = RankFailure(
+                        "RuntimeError", f"no answer to {op} ({type(exc).__name__})", ""
+                    )
                     continue
                 store.delete_key(key)
                 if value.startswith(ERROR):
-                    failed[rank] = _reported(value[len(ERROR) :])
+                    failed[self.rank_name(rank)] = _reported(value[len(ERROR) :])
                 out.append(value)
         finally:
             store.close()
         if failed:
-            raise _service_error(op, failed)
+            raise _service_error(self.label, op, failed)
         if failure is not None:
-            raise RuntimeError(f"vLLM engine service, {op}: {type(failure).__name__}: {failure}") from failure
+            raise RuntimeError(f"{self.label}, {op}: {type(failure).__name__}: {failure}") from failure
         return out
 
     def _call(self, issue, info: dict, reply: Rendezvous, op: str, tag: int) -> list[bytes]:
