@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rl_sync.planning.parts import check_parts, parse_part, part_name, part_shape
+from rl_sync.planning.parts import check_parts, parse_part, part_layout, part_name, part_shape
 from rl_sync.planning.plan import SideSpec
 from rl_sync.wire.messages import RankReport, TensorReport
 
@@ -72,8 +72,8 @@ def colocated_mates(trainers: Sequence[RankReport], workers: Sequence[RankReport
 
 def split_sources(sources: Sequence[SideSpec], worker_names: Sequence[str]) -> list[SideSpec]:
     """Sources with every tensor the workers bind in parts (`rl_sync.planning.parts`) replaced by those
-    parts, each with the trainers' layout of the whole; refused when the parts do not tile
-    the tensor or cut a dim the trainers shard."""
+    parts, each with the trainers' layout of the whole cut to it (`part_layout`); refused when the
+    parts do not tile the tensor or cut a dim the trainers' layout cannot be cut along."""
     parts: dict[str, list[tuple[int, int, int]]] = {}
     for name in worker_names:
         found = parse_part(name)
@@ -91,7 +91,7 @@ def split_sources(sources: Sequence[SideSpec], worker_names: Sequence[str]) -> l
                     part_name(spec.name, dim, start, stop),
                     spec.dtype,
                     part_shape(spec.shape, dim, start, stop),
-                    spec.layout,
+                    part_layout(spec.layout, spec.shape, dim, start, stop),
                 )
             )
     return out

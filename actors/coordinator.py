@@ -30,7 +30,7 @@ import torch
 
 from rl_sync.config.push_args import check_mode, repeated_names
 from rl_sync.config.sync import SPARSE_MODES, Integrity, Mode, SyncConfig
-from rl_sync.planning.parts import parse_part, sharded_dims
+from rl_sync.planning.parts import parse_part, uncuttable_dims
 from rl_sync.planning.plan import SideSpec, join_specs, plan_model
 from rl_sync.planning.quant import scale_name, scaled_name
 from rl_sync.planning.schedule import build_schedule
@@ -87,6 +87,15 @@ def _write_modes(workers: list[RankReport]) -> dict[str, WriteMode]:
     return modes
 
 
+def _by_reason(fallbacks: tuple[str, ...], workers: list[RankReport]) -> dict[str, tuple[str, ...]]:
+    """`fallbacks` (sorted) grouped by why they fall back: the first worker's reason that is given."""
+    grouped: dict[str, tuple[str, ...]] = {}
+    for name in fallbacks:
+        reason = next((r.reasons[name] for r in workers if r.reasons.get(name)), "no reason given")
+        grouped[reason] = (*grouped.get(reason, ()), name)
+    return grouped
+
+
 class Coordinator:
     """Runs as a Ray actor (`ray.remote(Coordinator)`); driven by `WeightSync`. `workers` are
     actor handles and `VllmService`s (see `actors.group` for how ranks are assigned)."""
@@ -139,7 +148,7 @@ class Coordinator:
         options = DescribeOptions(
             group=self.tag,
             checkpoint={s.name: (s.dtype, tuple(s.shape)) for s in sources},
-            sharded={s.name: tuple(sorted(sharded_dims(s.layout))) for s in sources},
+            sharded={s.name: tuple(sorted(uncuttable_dims(s.layout))) for s in sources},
             double_buffer=cfg.double_buffer,
         )
         blobs = gather(
@@ -189,6 +198,7 @@ class Coordinator:
             local_copy_bytes=plan.stats.local_copy_bytes,
             broadcast_bytes=plan.stats.broadcast_bytes,
             fallbacks=fallbacks,
+            fallback_reasons=_by_reason(fallbacks, workers),
             modes=modes,
             kept_bytes=tuple(r.kept_bytes for r in workers),
             seconds=seconds,

@@ -55,6 +55,7 @@ class WorkerRank(Participant):
 
     _rl_sync_cached: Entries | None = None
     _rl_sync_fallbacks: tuple[str, ...] = ()
+    _rl_sync_fallback_reasons: tuple[tuple[str, str], ...] = ()
     _rl_sync_shadow: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     _rl_sync_version: int | None = None
     _rl_sync_ipc: WorkerExport | None = None
@@ -87,6 +88,7 @@ class WorkerRank(Participant):
         self._rl_sync_drop_export()
         self._rl_sync_cached, self._rl_sync_shadow = None, None
         self._rl_sync_fallbacks, self._rl_sync_round_names, self._rl_sync_owners = (), None, ()
+        self._rl_sync_fallback_reasons = ()
 
     def _rl_sync_worker_entries(self, rank: int, size: int, options: DescribeOptions) -> Entries:
         if self._rl_sync_cached is None:
@@ -98,6 +100,7 @@ class WorkerRank(Participant):
             checkpoint = {n: (getattr(torch, d), tuple(s)) for n, (d, s) in options.checkpoint.items()}
             bound = destinations(checkpoint)
             self._rl_sync_fallbacks = tuple(n for n, d in bound.items() if d.fallback)
+            self._rl_sync_fallback_reasons = tuple((n, bound[n].reason) for n in self._rl_sync_fallbacks)
             if self._rl_sync_fallbacks and not hasattr(self, "rl_sync_load_fallbacks"):
                 raise ValueError(
                     f"worker rank {rank}: {len(self._rl_sync_fallbacks)} tensors fall back "
@@ -127,6 +130,9 @@ class WorkerRank(Participant):
             pairs.append((endpoint.tensor, shadow))
         self._rl_sync_shadow = pairs
         return shadows
+
+    def _rl_sync_reasons(self) -> dict[str, str]:
+        return dict(self._rl_sync_fallback_reasons)
 
     def _rl_sync_modes(self) -> dict[str, WriteMode]:
         """`fallback` for names bound whole; else what the engine's `rl_sync_write_modes()` says

@@ -5,8 +5,10 @@ the form vLLM's weight loaders fill (the shapes recorded when the model was
 built, before any post-load repacking, as meta tensors), feeds
 `model.load_weights` one meta tensor per checkpoint name, and records every
 `copy_` and `fill_` the loaders issue: which box of the checkpoint tensor
-lands where in which parameter (`rl_sync.bind.infer.Piece`), and which
-elements are filled with a constant (vocabulary padding). Nothing is
+lands where in which parameter (`rl_sync.bind.infer.Piece`; a copy from a
+transposed view of the checkpoint tensor lands in a transposed view of the
+parameter, in the checkpoint's dims), and which elements are filled with a
+constant (vocabulary padding). Nothing is
 allocated and no live weight is touched; the live tensors are put back before
 it returns. Names the loader refuses are reported with vLLM's own error.
 
@@ -22,6 +24,7 @@ import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -57,7 +60,14 @@ class Probe:
     errors: dict[str, str] = field(default_factory=dict)
     """Names the loader raised on, with its message."""
     unresolved: dict[str, str] = field(default_factory=dict)
-    """Names whose copies are not a box of the checkpoint tensor, with the reason."""
+    """Names whose copies are not a box of the checkpoint tensor, with the reason (one of `REASONS`)."""
+
+    NOT_A_PARAMETER: ClassVar[str] = "vLLM's loader copies it into a tensor that is not a parameter of the model"
+    DERIVED: ClassVar[str] = (
+        "vLLM's loader copies it from a tensor derived from the checkpoint's (cast, reshaped or copied)"
+    )
+    NOT_A_BOX: ClassVar[str] = "vLLM's loader copies a part of it that is no box of it into a parameter"
+    REASONS: ClassVar[tuple[str, ...]] = (NOT_A_PARAMETER, DERIVED, NOT_A_BOX)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -66,22 +76,22 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _box_of(view: torch.Tensor, shape: tuple[int, ...]) -> tuple[Box, list[int]] | None:
-    """The box of a contiguous tensor of `shape` that `view` (a view of it) covers, and which
+    """The box of a contiguous tensor of `shape` that `view` (a view of it, its dims maybe
+    permuted: GPT-2's Conv1D weights are copied from their transpose) covers, and which
     checkpoint dim each non-unit view dim is; `None` when the view is not such a box."""
     strides = contiguous_strides(shape)
     offset, coords = view.storage_offset(), []
     for s in strides:
         coords.append(offset // s if s else 0)
         offset = offset % s if s else offset
-    dims, last = [], -1
+    dims: list[int] = []
     for size, stride in zip(view.shape, view.stride()):
         if size == 1:
             continue
-        matches = [d for d in range(len(shape)) if strides[d] == stride and d > last and shape[d] > 1]
+        matches = [d for d in range(len(shape)) if strides[d] == stride and d not in dims and shape[d] > 1]
         if not matches:
             return None
-        last = matches[0]
-        dims.append(last)
+        dims.append(matches[0])
     sizes = [1] * len(shape)
     for d, size in zip(dims, (s for s in view.shape if s != 1)):
         sizes[d] = size
@@ -129,17 +139,15 @@ class _Recorder(TorchDispatchMode):
         source = self.sources.get(storage_key(src))
         name = source[0] if source is not None else self.current
         if param is None:
-            self.probe.unresolved[name] = "copies into a tensor that is not a parameter of the model"
+            self.probe.unresolved[name] = Probe.NOT_A_PARAMETER
             return
         if source is None:
-            self.probe.unresolved[name] = (
-                f"copies into {param} from a tensor derived from the checkpoint's (cast, transposed or reshaped)"
-            )
+            self.probe.unresolved[name] = Probe.DERIVED
             return
         found = _box_of(src, source[1])
         geometry = None if found is None else _dst_geometry(dst, *found)
         if found is None or geometry is None:
-            self.probe.unresolved[name] = f"copies a non-rectangular part of it into {param}"
+            self.probe.unresolved[name] = Probe.NOT_A_BOX
             return
         self.probe.pieces.setdefault(name, []).append(Piece(param, found[0], geometry))
 

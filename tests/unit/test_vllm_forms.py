@@ -1,5 +1,6 @@
-"""The loader form the vLLM binding receives a parameter in, and the post-round reprocessing of a
-weight that a later step released (what vLLM does on a CPU with AMX, shown on stand-in modules)."""
+"""The loader form the vLLM binding receives a parameter in, the post-round reprocessing of a
+weight that a later step released (what vLLM does on a CPU with AMX, shown on stand-in modules),
+and what the probe records of a loader's copies."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import torch
 
 pytest.importorskip("vllm")
 
+from rl_sync.bind.infer import Geometry
+from rl_sync.planning.layout import Box
 from rl_sync.vllm.binding import _module_forms
-from rl_sync.vllm.probe import ParamForm
+from rl_sync.vllm.probe import ParamForm, Probe, _Recorder, storage_key
 from rl_sync.vllm.reload import Processor
 
 
@@ -74,3 +77,38 @@ def test_a_weight_the_attention_freed_is_processed_again_for_it_every_round():
         assert processor.after_update(names) == 1
         assert torch.equal(attention.derived, buffers[kv_b_proj]["weight"].t())
         assert kv_b_proj.weight.numel() == 0
+
+
+def _recorded(load, checkpoint: torch.Tensor, param: torch.Tensor) -> Probe:
+    """What the probe records of `load(param, checkpoint)` (the loader's copies, not run)."""
+    probe = Probe()
+    sources = {storage_key(checkpoint): ("w", tuple(checkpoint.shape))}
+    with _Recorder(sources, {storage_key(param): "p"}, probe):
+        load(param, checkpoint)
+    return probe
+
+
+def test_a_copy_from_a_transposed_checkpoint_tensor_is_a_box_in_a_transposed_view():
+    """GPT-2's loader copies a Conv1D weight `(in, out)` from its transpose, each TP rank a block of
+    output rows: the probe records the checkpoint's box and the parameter's view in the
+    checkpoint's dims, so writing the box into that view is what the loader's copy writes."""
+    checkpoint = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)  # (in, out) as transformers keeps it
+    param = torch.zeros(4, 6)  # rank 1's output rows [4, 8) as vLLM keeps them
+
+    def load(p: torch.Tensor, w: torch.Tensor) -> None:
+        p.copy_(w.t().narrow(0, 4, 4))
+
+    probe = _recorded(load, checkpoint, param)
+    assert probe.unresolved == {}
+    (piece,) = probe.pieces["w"]
+    assert piece.src == Box((0, 4), (6, 4)) and piece.dst == Geometry(0, (6, 4), (1, 6))
+    torch.as_strided(param, piece.dst.sizes, piece.dst.strides, piece.dst.offset).copy_(checkpoint[:, 4:8])
+    expected = torch.zeros(4, 6)
+    load(expected, checkpoint)
+    assert torch.equal(param, expected)
+
+
+def test_a_copy_from_a_tensor_derived_from_the_checkpoint_is_unresolved_with_its_reason():
+    checkpoint, param = torch.ones(4, 6), torch.zeros(6, 4)
+    probe = _recorded(lambda p, w: p.copy_(w.t().contiguous()), checkpoint, param)
+    assert probe.pieces == {} and probe.unresolved == {"": Probe.DERIVED}
