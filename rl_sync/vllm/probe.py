@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..bind.infer import Geometry, Piece
 from ..planning.layout import Box
+from .indices import affine_blocks, index_tensor
 
 _COPY = torch.ops.aten.copy_.default
 _FILLS = (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)
@@ -119,6 +120,8 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.sources, self.params, self.probe = sources, params, probe
         self.current = ""
+        self.shape: tuple[int, ...] = ()
+        """The current checkpoint tensor's shape, for copies from a tensor derived from it."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """Copies and fills into a parameter are recorded and not run: some parameters vLLM
@@ -142,7 +145,7 @@ class _Recorder(TorchDispatchMode):
             self.probe.unresolved[name] = Probe.NOT_A_PARAMETER
             return
         if source is None:
-            self.probe.unresolved[name] = Probe.DERIVED
+            self._derived(name, param, dst, src)
             return
         found = _box_of(src, source[1])
         geometry = None if found is None else _dst_geometry(dst, *found)
@@ -150,6 +153,24 @@ class _Recorder(TorchDispatchMode):
             self.probe.unresolved[name] = Probe.NOT_A_BOX
             return
         self.probe.pieces.setdefault(name, []).append(Piece(param, found[0], geometry))
+
+    def _derived(self, name: str, param: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A copy from a tensor derived from the checkpoint's: pieces where `src` holds element
+        indices (`rl_sync.vllm.indices`) that form boxes, else `DERIVED`."""
+        blocks = None if src.is_meta else affine_blocks(src)
+        pieces = []
+        for block in blocks or ():
+            whole = torch.empty(math.prod(self.shape), device="meta")
+            view = whole.as_strided(src[block.slices].shape, block.strides, block.offset)
+            found = None if min(block.strides, default=0) < 0 else _box_of(view, self.shape)
+            geometry = None if found is None else _dst_geometry(dst[block.slices], *found)
+            if found is None or geometry is None:
+                break
+            pieces.append(Piece(param, found[0], geometry))
+        if blocks is None or len(pieces) < len(blocks):
+            self.probe.unresolved[name] = Probe.DERIVED
+        else:
+            self.probe.pieces.setdefault(name, []).extend(pieces)
 
 
 @contextmanager
@@ -179,7 +200,9 @@ def probe_loads(
     model: torch.nn.Module, checkpoint: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], dtype: torch.dtype
 ) -> Probe:
     """Run the model's loader on meta tensors of the checkpoint's shapes (in the engine's
-    `dtype`, as the engine would load a checkpoint) and record where everything lands."""
+    `dtype`, as the engine would load a checkpoint) and record where everything lands; a name
+    the loader copies from a derived tensor is loaded again from its element indices (one real
+    int64 tensor of its shape at a time) to find where those copies take their elements from."""
     probe = Probe()
     with model_form(model) as forms:
         probe.forms = forms
@@ -187,13 +210,25 @@ def probe_loads(
         tensors = {
             name: torch.empty(tuple(shape), dtype=dtype, device="meta") for name, (_, shape) in checkpoint.items()
         }
-        recorder = _Recorder({storage_key(t): (n, tuple(t.shape)) for n, t in tensors.items()}, params, probe)
-        with recorder:
-            for name, tensor in tensors.items():
-                recorder.current = name
-                try:
-                    # vLLM's model method: torch types nn.Module.__getattr__ as Tensor | Module
-                    model.load_weights([(name, tensor)])  # type: ignore[operator]
-                except Exception as exc:  # vLLM's loaders raise anything from KeyError to AssertionError
-                    probe.errors[name] = f"{type(exc).__name__}: {exc}"
+        _load(model, tensors, params, probe)
+        derived = [name for name, why in probe.unresolved.items() if why == Probe.DERIVED]
+        for name in derived:
+            again = Probe()
+            _load(model, {name: index_tensor(checkpoint[name][1])}, params, again)
+            if name not in again.unresolved and name not in again.errors:
+                probe.pieces[name] = again.pieces[name]
+                del probe.unresolved[name]
     return probe
+
+
+def _load(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], params: dict[int, str], probe: Probe) -> None:
+    """Feed `tensors` to the model's loader one at a time, recording into `probe`."""
+    recorder = _Recorder({storage_key(t): (n, tuple(t.shape)) for n, t in tensors.items()}, params, probe)
+    with recorder:
+        for name, tensor in tensors.items():
+            recorder.current, recorder.shape = name, tuple(tensor.shape)
+            try:
+                # vLLM's model method: torch types nn.Module.__getattr__ as Tensor | Module
+                model.load_weights([(name, tensor)])  # type: ignore[operator]
+            except Exception as exc:  # vLLM's loaders raise anything from KeyError to AssertionError
+                probe.errors[name] = f"{type(exc).__name__}: {exc}"

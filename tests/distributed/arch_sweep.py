@@ -126,7 +126,8 @@ class Outcome:
     """`supported`, `fallbacks` (bound, some names whole), `differs` (a parameter differs from
     vLLM's own load) or `excluded` (no tiny model of it builds or loads here: see `error`)."""
     stage: str = "config"
-    """Where an excluded architecture stopped: config, model, engine config, engine model, bind."""
+    """Where an excluded architecture stopped: config, model (transformers), engine model (vLLM
+    building or binding it), fresh load (vLLM loading the checkpoint from disk)."""
     error: str = ""
     names: str = "parameters"
     """`parameters` (FSDP2's `named_parameters()`) or `checkpoint` (`save_pretrained`'s names)."""
@@ -140,9 +141,10 @@ class Outcome:
     seconds: float = 0.0
 
 
-def _write_checkpoint(architecture: str, model_type: str, directory: str, outcome: Outcome) -> dict:
-    """config.json and model.safetensors (bf16) of a random tiny model in `directory`; returns the
-    trainers' tensors (fp32) by the names an FSDP2 trainer sends."""
+def _write_checkpoint(architecture: str, model_type: str, directory: str, outcome: Outcome) -> None:
+    """config.json and model.safetensors (bf16, the names an FSDP2 trainer's `named_parameters()`
+    gives) of a random tiny model in `directory`, and what `save_pretrained` writes in its `saved`
+    folder. Runs before the process joins its group (transformers saves on rank 0 only)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -159,25 +161,29 @@ def _write_checkpoint(architecture: str, model_type: str, directory: str, outcom
             p.add_(0.05 * torch.randn_like(p))
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(os.path.join(directory, "saved"))
-    state = {k: v.detach().clone() for k, v in model.named_parameters()}
-    _save(directory, config, architecture, state, save_file)
-    return state
-
-
-def _save(directory: str, config, architecture: str, state: dict, save_file) -> None:
-    save_file(
-        {k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, os.path.join(directory, "model.safetensors")
-    )
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.named_parameters()}
+    save_file(state, os.path.join(directory, "model.safetensors"))
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump({**config.to_dict(), "architectures": [architecture]}, f)
 
 
-def _checkpoint_names(architecture: str, model_type: str, directory: str) -> dict:
-    """Switch `directory`'s checkpoint to the names `save_pretrained` wrote; returns its tensors."""
-    from safetensors.torch import load_file, save_file
+def _state(directory: str) -> dict[str, torch.Tensor]:
+    """The tensors of every safetensors file in `directory`."""
+    from safetensors.torch import load_file
 
-    state = {k: v.float() for k, v in load_file(os.path.join(directory, "saved", "model.safetensors")).items()}
-    _save(directory, tiny_config(architecture, model_type), architecture, state, save_file)
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out |= load_file(os.path.join(directory, name))
+    return out
+
+
+def _checkpoint_names(directory: str) -> dict[str, torch.Tensor]:
+    """Switch `directory`'s checkpoint to the names `save_pretrained` wrote; returns its tensors."""
+    from safetensors.torch import save_file
+
+    state = _state(os.path.join(directory, "saved"))
+    save_file(state, os.path.join(directory, "model.safetensors"))
     return state
 
 
@@ -212,37 +218,60 @@ def _describe(outcome: Outcome, binding) -> None:
             outcome.fallbacks.setdefault(report.reason, []).append(report.name)
 
 
-def sweep_one(architecture: str, model_type: str, root: str, rank: int) -> Outcome:
-    """Bind one architecture on this rank of a TP2 group (see the module docstring)."""
-    outcome, start = Outcome(architecture, model_type), time.perf_counter()
-    directory = os.path.join(root, architecture)
+def prepare(architectures: dict[str, str], root: str) -> dict[str, Outcome]:
+    """Write a checkpoint of every architecture under `root`; outcomes so far (an architecture
+    whose tiny model does not build is excluded here)."""
+    outcomes = {}
+    for architecture, model_type in architectures.items():
+        outcome = outcomes[architecture] = Outcome(architecture, model_type)
+        try:
+            _write_checkpoint(architecture, model_type, os.path.join(root, architecture), outcome)
+            outcome.stage = "engine model"
+        except Exception as exc:  # an architecture that does not build here is recorded, not fatal
+            outcome.error = _message(exc)
+    return outcomes
+
+
+def _message(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
+def sweep_one(outcome: Outcome, root: str, rank: int) -> Outcome:
+    """Bind one architecture whose checkpoint `prepare` wrote, on this rank of a TP2 group (see
+    the module docstring)."""
+    start, directory = time.perf_counter(), os.path.join(root, outcome.architecture)
     try:
-        state = _write_checkpoint(architecture, model_type, directory, outcome)
-        outcome.stage = "engine model"
+        state = _state(directory)
         try:
             binding, got = _bind(directory, state, rank)
         except ValueError as exc:
             if "refused by vLLM's loader" not in str(exc):
                 raise
-            outcome.names, state = "checkpoint", _checkpoint_names(architecture, model_type, directory)
+            outcome.names, state = "checkpoint", _checkpoint_names(directory)
             binding, got = _bind(directory, state, rank)
-        outcome.stage, outcome.tensors = "bind", len(state)
+        outcome.stage, outcome.tensors = "fresh load", len(state)
         _describe(outcome, binding)
         outcome.differ = differing(got, snapshot(build(directory, "auto")[1]))
         outcome.status = "differs" if outcome.differ else "fallbacks" if outcome.fallbacks else "supported"
-    except Exception as exc:  # an architecture that does not build here is recorded, not fatal
-        outcome.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    except Exception as exc:  # an architecture that does not load here is recorded, not fatal
+        outcome.error = _message(exc)
     outcome.seconds = round(time.perf_counter() - start, 1)
     return outcome
 
 
 def _rank(rank: int, port: int, queue, root: str, architectures: dict[str, str]) -> None:
+    from rl_sync.vllm.rank import engine_rank
+
     root = os.path.join(root, f"rank{rank}")  # each rank writes its own copy of the checkpoints
-    moe = os.path.join(root, MOE)
-    _write_checkpoint(MOE, "qwen3_moe", moe, Outcome(MOE, "qwen3_moe"))
-    join(rank, port, moe)
-    for architecture, model_type in architectures.items():
-        queue.put((rank, architecture, asdict(sweep_one(architecture, model_type, root, rank))))
+    outcomes = prepare({**architectures, MOE: "qwen3_moe"}, root)
+    join(rank, port, os.path.join(root, MOE))
+    for architecture in architectures:
+        seen = engine_rank().exchange(architecture)
+        assert seen == [architecture] * 2, f"the ranks bind different architectures: {seen}"
+        outcome = outcomes[architecture]
+        if not outcome.error:
+            sweep_one(outcome, root, rank)
+        queue.put((rank, architecture, asdict(outcome)))
 
 
 def sweep(architectures: dict[str, str], root: str, timeout_s: float = 600) -> dict[str, dict]:

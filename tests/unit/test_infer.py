@@ -12,6 +12,8 @@ from rl_sync.engine.endpoint import Endpoint
 from rl_sync.engine.session import part_endpoint
 from rl_sync.planning.layout import Box, Layout, Mesh, Replicate, Shard
 from rl_sync.planning.parts import check_parts, parse_part, part_layout, part_name, part_shape, uncuttable_dims
+from rl_sync.vllm.entries import NO_LAYOUT, NO_PARTS, plan_entries
+from rl_sync.vllm.probe import Probe
 
 from .strategies import layouts, shapes
 
@@ -124,6 +126,15 @@ def test_fused_gate_up_is_cut_between_its_halves():
     assert find_cuts((4, 16, 3), straddling) is None, "rank 1's box spans the only gap of rank 0"
 
 
+def test_boxes_that_touch_are_cut_apart_only_where_no_dim_has_gaps():
+    """Bloom at TP2: each rank keeps whole heads of a (heads x [q, k, v] x 2, 3) tensor, as one
+    piece per head and slot (adjacent in the checkpoint, apart in the parameter): cut at every
+    piece boundary inside a rank. Experts keep their gap cut along dim 1, not one cut per expert."""
+    heads = [[Box((r * 12 + i * 2, 0), (2, 3)) for i in range(6)] for r in range(2)]
+    assert find_cuts((24, 3), heads) == (0, [2, 4, 6, 8, 10, 14, 16, 18, 20, 22])
+    assert find_cuts((4, 16, 3), _gate_up_boxes(4, 8, 3, 2)) == (1, [8])
+
+
 def test_parts_must_tile_a_dim_the_trainers_layout_can_be_cut_along():
     fsdp = Layout(Mesh((2,)), (Shard(0),))
     check_parts("w", (4, 16), fsdp, [(1, 0, 8), (1, 8, 16)])
@@ -193,3 +204,21 @@ def test_a_part_is_sent_from_a_view_of_the_whole_shard():
     assert k is not None and k.origin == (2, 0) and torch.equal(k.tensor, rows[0:2])
     v = part_endpoint(fused, part_name("qkv", 0, 8, 12))
     assert v is not None and v.origin == (0, 0) and torch.equal(v.tensor, rows[2:6])
+
+
+def test_each_fallback_says_why():
+    """`plan_entries` names the reason of every name it falls back: the probe's, no layout for the
+    boxes the ranks keep, pieces no cut makes one box per rank and part."""
+    checkpoint = dict.fromkeys(("derived", "scattered", "interleaved", "kept"), ("bfloat16", (8, 4)))
+    whole = Box((0, 0), (8, 4))
+    rank0 = {
+        "derived": ("unresolved", ["p"], Probe.DERIVED),
+        "scattered": ("ok", ["p"], [((0, 0), (3, 4))]),
+        "interleaved": ("pieces", ["p"], [((0, 0), (4, 2)), ((4, 2), (4, 2))]),
+        "kept": ("ok", ["p"], [(whole.offsets, whole.sizes)]),
+    }
+    rank1 = dict(rank0, scattered=("ok", ["p"], [((2, 0), (6, 4))]), kept=rank0["kept"])
+    pieces = {"kept": [Piece("p", whole, Geometry(0, (8, 4), (4, 1)))]}
+    entries, fallback, unmerged = plan_entries(checkpoint, [rank0, rank1], pieces, {}, rank=0)
+    assert fallback == {"derived": Probe.DERIVED, "scattered": NO_LAYOUT, "interleaved": NO_PARTS}
+    assert [e.name for e in entries] == ["kept"] and unmerged == set()

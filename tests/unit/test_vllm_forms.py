@@ -12,6 +12,7 @@ pytest.importorskip("vllm")
 from rl_sync.bind.infer import Geometry
 from rl_sync.planning.layout import Box
 from rl_sync.vllm.binding import _module_forms
+from rl_sync.vllm.indices import index_tensor
 from rl_sync.vllm.probe import ParamForm, Probe, _Recorder, storage_key
 from rl_sync.vllm.reload import Processor
 
@@ -112,3 +113,40 @@ def test_a_copy_from_a_tensor_derived_from_the_checkpoint_is_unresolved_with_its
     checkpoint, param = torch.ones(4, 6), torch.zeros(6, 4)
     probe = _recorded(lambda p, w: p.copy_(w.t().contiguous()), checkpoint, param)
     assert probe.pieces == {} and probe.unresolved == {"": Probe.DERIVED}
+
+
+def test_copies_from_regrouped_heads_are_read_off_element_indices():
+    """Bloom's loader regroups its fused `(heads x [q, k, v] x head_dim, hidden)` rows as
+    `([q, k, v] x heads x head_dim, hidden)` with a `reshape` that copies: fed element indices,
+    each TP rank's q, k and v rows are one box per head, landing where the loader's copy puts
+    them; values the loader computes from the checkpoint's are no box."""
+    heads, dim, hidden = 4, 2, 3
+    checkpoint = index_tensor((heads * 3 * dim, hidden))
+    param = torch.zeros(3 * heads * dim // 2, hidden, dtype=torch.int64)  # TP rank 1's q|k|v rows
+
+    def load(p: torch.Tensor, w: torch.Tensor) -> None:
+        regrouped = w.view(heads, 3, dim, hidden).transpose(0, 1).reshape(w.shape)
+        for slot in range(3):
+            rows = regrouped.narrow(0, slot * heads * dim + heads * dim // 2, heads * dim // 2)
+            p.narrow(0, slot * heads * dim // 2, heads * dim // 2).copy_(rows)
+
+    probe = Probe()
+    recorder = _Recorder({storage_key(checkpoint): ("w", tuple(checkpoint.shape))}, {storage_key(param): "p"}, probe)
+    with recorder:
+        recorder.current, recorder.shape = "w", tuple(checkpoint.shape)
+        load(param, checkpoint)
+    assert probe.unresolved == {}
+    pieces = probe.pieces["w"]
+    assert sorted(p.src.offsets[0] for p in pieces) == [(h * 3 + s) * dim for h in (2, 3) for s in range(3)]
+    assert all(p.src.sizes == (dim, hidden) for p in pieces)
+    for p in pieces:
+        torch.as_strided(param, p.dst.sizes, p.dst.strides, p.dst.offset).copy_(checkpoint[_rows(p.src)])
+    expected = torch.zeros_like(param)
+    load(expected, checkpoint)
+    assert torch.equal(param, expected)
+    computed = _recorded(lambda p, w: p.copy_(-torch.exp(w.float())), torch.ones(4, 6), torch.zeros(4, 6))
+    assert computed.unresolved == {"": Probe.DERIVED}
+
+
+def _rows(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
