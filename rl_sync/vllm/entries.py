@@ -67,22 +67,24 @@ def _box(raw) -> Box:
 
 
 def local_report(probe: Probe, checkpoint: Mapping) -> dict[str, tuple]:
-    """Per name: `(status, parameters it touches, boxes or the probe's reason)`, plain data for
-    the exchange."""
+    """Per name: `(status, parameters it touches, the merged box or the probe's reason, every
+    piece's box)`, plain data for the exchange. Parts are cut from the pieces' boxes: a rank whose
+    pieces happen to merge (Falcon's k and v rows after its half of the q rows) still says where
+    they lie apart."""
     out: dict[str, tuple] = {}
     for name in checkpoint:
         pieces = probe.pieces.get(name, [])
         params = sorted({p.param for p in pieces})
         boxes = [(p.src.offsets, p.src.sizes) for p in pieces]
+        merged = merge_pieces(pieces) if pieces else None
         if name in probe.unresolved:
-            out[name] = ("unresolved", params, probe.unresolved[name])
+            out[name] = ("unresolved", params, probe.unresolved[name], [])
         elif not pieces:
-            out[name] = ("none", params, [])
+            out[name] = ("none", params, [], [])
+        elif merged is not None:
+            out[name] = ("ok", params, [(merged.box.offsets, merged.box.sizes)], boxes)
         else:
-            merged = merge_pieces(pieces)
-            out[name] = (
-                ("ok", params, [(merged.box.offsets, merged.box.sizes)]) if merged else ("pieces", params, boxes)
-            )
+            out[name] = ("pieces", params, [], boxes)
     return out
 
 
@@ -101,7 +103,7 @@ def _parts(
 ) -> list[Entry] | None:
     """The entries of `name` cut into parts, or None; an entry whose local merge fails has
     `merged=None` while the rank holds pieces of it (`plan_entries` reports it)."""
-    boxes = [[_box(raw) for raw in r[2]] for r in reports]
+    boxes = [[_box(raw) for raw in r[3]] for r in reports]
     found = find_cuts(shape, boxes, forbidden)
     if found is None:
         return None
@@ -109,7 +111,7 @@ def _parts(
     bounds = [0, *cuts, shape[dim]]
     entries = []
     for start, stop in itertools.pairwise(bounds):
-        rank_boxes = [[_box(raw) for raw in r[2] if _inside(_box(raw), dim, start, stop)] for r in reports]
+        rank_boxes = [[_box(raw) for raw in r[3] if _inside(_box(raw), dim, start, stop)] for r in reports]
         sub_shape = part_shape(shape, dim, start, stop)
         per_rank = [None if not bs else _bound_in_part(bs, dim, start) for bs in rank_boxes]
         layout = infer_layout(sub_shape, per_rank)

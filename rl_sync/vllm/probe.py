@@ -113,8 +113,19 @@ def _dst_geometry(dst: torch.Tensor, box: Box, dims: list[int]) -> Geometry | No
     return Geometry(int(dst.storage_offset()), box.sizes, tuple(strides))
 
 
+def _fill_value(func, args) -> float:
+    return float(args[1]) if func is not _FILLS[1] else 0.0
+
+
+def _writes_first(func) -> bool:
+    """Whether `func` writes into its first argument (an in-place op)."""
+    arguments = func._schema.arguments
+    return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
+
+
 class _Recorder(TorchDispatchMode):
-    """Records the loaders' copies and fills; nothing else is intercepted."""
+    """Records the loaders' copies and fills, and what they do in place to a checkpoint tensor;
+    nothing else is intercepted."""
 
     def __init__(self, sources: dict[int, tuple[str, tuple[int, ...]]], params: dict[int, str], probe: Probe):
         super().__init__()
@@ -122,20 +133,30 @@ class _Recorder(TorchDispatchMode):
         self.current = ""
         self.shape: tuple[int, ...] = ()
         """The current checkpoint tensor's shape, for copies from a tensor derived from it."""
+        self.altered: dict[int, float | None] = {}
+        """Checkpoint tensors (by storage) a loader changed in place: to a constant (gpt-oss zeroes
+        `w2_bias` on TP ranks past the first), or otherwise (None)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """Copies and fills into a parameter are recorded and not run: some parameters vLLM
-        never moves to meta stay live (e.g. `e_score_correction_bias`) and must not change."""
+        never moves to meta stay live (e.g. `e_score_correction_bias`) and must not change.
+        Nor is a change in place to a checkpoint tensor, which its later copies then carry."""
         if func is _COPY and (storage_key(args[0]) in self.params or storage_key(args[1]) in self.sources):
             self._copy(args[0], args[1])
             return args[0]
-        if func in _FILLS and storage_key(args[0]) in self.params:
-            value = float(args[1]) if func is not _FILLS[1] else 0.0
-            dst = args[0]
-            geometry = Geometry(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
-            self.probe.fills.setdefault(self.params[storage_key(dst)], []).append((geometry, value))
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func in _FILLS and target is not None and storage_key(target) in self.params:
+            self._fill(self.params[storage_key(target)], target, _fill_value(func, args))
+            return args[0]
+        if target is not None and storage_key(target) in self.sources and _writes_first(func):
+            whole = func in _FILLS and target.numel() == math.prod(self.sources[storage_key(target)][1])
+            self.altered[storage_key(target)] = _fill_value(func, args) if whole else None
             return args[0]
         return func(*args, **(kwargs or {}))
+
+    def _fill(self, param: str, dst: torch.Tensor, value: float) -> None:
+        geometry = Geometry(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
+        self.probe.fills.setdefault(param, []).append((geometry, value))
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         param = self.params.get(storage_key(dst))
@@ -146,6 +167,13 @@ class _Recorder(TorchDispatchMode):
             return
         if source is None:
             self._derived(name, param, dst, src)
+            return
+        if storage_key(src) in self.altered:
+            value = self.altered[storage_key(src)]
+            if value is None:
+                self.probe.unresolved[name] = Probe.DERIVED
+            else:
+                self._fill(param, dst, value)
             return
         found = _box_of(src, source[1])
         geometry = None if found is None else _dst_geometry(dst, *found)

@@ -35,22 +35,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .arch_table import write_table
-from .vllm_group import build, differing, join, run_ranks, snapshot, write_round
+from .vllm_group import SMALL, build, differing, join, random_model, run_ranks, snapshot, write_round
 
-TINY = dict(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    torch_dtype="bfloat16",
-)
-"""Every architecture's config gets these."""
+TINY = dict(SMALL, intermediate_size=128, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+"""Every architecture's config gets these (token ids inside the vocabulary)."""
 IF_TAKEN = dict(
     head_dim=16,
     num_experts=4,
@@ -69,21 +57,27 @@ OVERRIDES: dict[str, dict[str, object]] = {
 }
 MAX_PARAMETERS = 30_000_000
 """A tiny config past this (a default no override reaches) is not built: the machine is shared."""
+REFUSED = ("refused by vLLM's loader", "There is no module or parameter named")
+"""vLLM's loader refusing a name (rl-sync's probe, or vLLM loading the engine's first checkpoint)."""
+START = "start"
+"""The folder of a checkpoint of other values the engine starts from, as a running engine would."""
 MOE = "Qwen3MoeForCausalLM"
 """The group is formed under this architecture's config, so vLLM also forms its expert group."""
 SUBSET = (
     "LlamaForCausalLM",
     "Phi3ForCausalLM",
     "GPT2LMHeadModel",
+    "BloomForCausalLM",
     "Gemma2ForCausalLM",
     "Olmo2ForCausalLM",
+    "VaultGemmaForCausalLM",
     "Qwen2MoeForCausalLM",
     "DeepseekV2ForCausalLM",
-    "StableLmForCausalLM",
 )
-"""The default run's architectures: fused in the checkpoint (Phi-3), transposed (GPT-2), tied
-(Gemma-2), vLLM's transformers backend (OLMo-2), shared experts (Qwen2-MoE), MLA with
-per-expert checkpoint names (DeepSeek-V2), partial rotary with biases (StableLM)."""
+"""The default run's architectures: fused in the checkpoint along FSDP's dim (Phi-3), transposed
+(GPT-2), heads regrouped through a copy (Bloom), tied (Gemma-2), vLLM's transformers backend
+(OLMo-2; VaultGemma, whose embedding keeps a buffer no checkpoint tensor feeds), shared experts
+(Qwen2-MoE), MLA with per-expert checkpoint names (DeepSeek-V2)."""
 
 
 def candidates() -> dict[str, str]:
@@ -145,7 +139,6 @@ def _write_checkpoint(architecture: str, model_type: str, directory: str, outcom
     """config.json and model.safetensors (bf16, the names an FSDP2 trainer's `named_parameters()`
     gives) of a random tiny model in `directory`, and what `save_pretrained` writes in its `saved`
     folder. Runs before the process joins its group (transformers saves on rank 0 only)."""
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(architecture, model_type)
@@ -154,17 +147,26 @@ def _write_checkpoint(architecture: str, model_type: str, directory: str, outcom
         count = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     if count > MAX_PARAMETERS:
         raise ValueError(f"its tiny config still holds {count} parameters (a default no override reaches)")
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    model = random_model(config)
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(os.path.join(directory, "saved"))
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.named_parameters()}
+    for where in (directory, os.path.join(directory, START)):
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, "config.json"), "w") as f:
+            json.dump({**config.to_dict(), "architectures": [architecture]}, f)
+    _write_states(directory, state)
+
+
+def _write_states(directory: str, state: dict[str, torch.Tensor]) -> None:
+    """`state` as `directory`'s checkpoint, and other values of the same shapes as the one the
+    engine starts from (in its `START` folder)."""
+    from safetensors.torch import save_file
+
     save_file(state, os.path.join(directory, "model.safetensors"))
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump({**config.to_dict(), "architectures": [architecture]}, f)
+    generator = torch.Generator().manual_seed(7)
+    start = {k: torch.randn(v.shape, generator=generator).to(v.dtype) for k, v in state.items()}
+    save_file(start, os.path.join(directory, START, "model.safetensors"))
 
 
 def _state(directory: str) -> dict[str, torch.Tensor]:
@@ -179,11 +181,9 @@ def _state(directory: str) -> dict[str, torch.Tensor]:
 
 
 def _checkpoint_names(directory: str) -> dict[str, torch.Tensor]:
-    """Switch `directory`'s checkpoint to the names `save_pretrained` wrote; returns its tensors."""
-    from safetensors.torch import save_file
-
+    """Switch `directory`'s checkpoints to the names `save_pretrained` wrote; returns its tensors."""
     state = _state(os.path.join(directory, "saved"))
-    save_file(state, os.path.join(directory, "model.safetensors"))
+    _write_states(directory, state)
     return state
 
 
@@ -193,7 +193,7 @@ def _bind(directory: str, state: dict, rank: int):
     from rl_sync.vllm.binding import VllmBinding
     from rl_sync.vllm.rank import engine_rank
 
-    config, model = build(directory, "dummy")
+    config, model = build(os.path.join(directory, START), "auto")
     checkpoint = {n: (t.dtype, tuple(t.shape)) for n, t in state.items()}
     with set_current_vllm_config(config):
         binding = VllmBinding.build(model, config.model_config, checkpoint, engine_rank())
@@ -244,8 +244,8 @@ def sweep_one(outcome: Outcome, root: str, rank: int) -> Outcome:
         state = _state(directory)
         try:
             binding, got = _bind(directory, state, rank)
-        except ValueError as exc:
-            if "refused by vLLM's loader" not in str(exc):
+        except (KeyError, ValueError) as exc:
+            if not isinstance(exc, KeyError) and not any(m in str(exc) for m in REFUSED):
                 raise
             outcome.names, state = "checkpoint", _checkpoint_names(directory)
             binding, got = _bind(directory, state, rank)

@@ -21,17 +21,8 @@ import os
 
 import torch
 
-from .vllm_group import build, differing, join, run_ranks, snapshot, write_round
+from .vllm_group import SMALL, build, differing, join, random_model, run_ranks, snapshot, write_round
 
-SMALL = dict(
-    vocab_size=1000,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    torch_dtype="bfloat16",
-)
 MODELS: dict[str, tuple[str, str, dict[str, object], str]] = {
     "qwen3-tied": (
         "Qwen3ForCausalLM",
@@ -110,15 +101,11 @@ def _checkpoint(directory: str, name: str) -> dict[str, torch.Tensor]:
     """A random model of `name`'s family: config.json and model.safetensors in `directory`
     (bf16), and the tensors the trainers would send (their names and fp32 values)."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     architecture, family, extra, names = MODELS[EXPERT_PARALLEL.get(name, name)]
     config = AutoConfig.for_model(family, **{**SMALL, **extra})
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    model = random_model(config)
     os.makedirs(directory, exist_ok=True)
     if names == "saved":  # the names a checkpoint file holds (per-expert for DeepSeek)
         model.save_pretrained(directory)

@@ -23,10 +23,33 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
+SMALL = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    torch_dtype="bfloat16",
+)
+"""What every tiny model here shares: a vocabulary vLLM pads (to 1024), two layers of width 64."""
 KV_CACHE_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 """Attention buffers no checkpoint tensor feeds and only an fp8 KV cache reads: vLLM's dummy
 loader randomizes them and its MLA processing resets them to 1.0, except on a CPU with AMX,
 where it returns before that; left out of the comparison."""
+
+
+def random_model(config):
+    """A transformers causal LM of `config` in fp32, seeded, every parameter moved off the value it
+    was initialized to (so a norm bound to the wrong slot would show)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
 
 
 def free_port() -> int:

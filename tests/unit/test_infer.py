@@ -212,12 +212,12 @@ def test_each_fallback_says_why():
     checkpoint = dict.fromkeys(("derived", "scattered", "interleaved", "kept"), ("bfloat16", (8, 4)))
     whole = Box((0, 0), (8, 4))
     rank0 = {
-        "derived": ("unresolved", ["p"], Probe.DERIVED),
-        "scattered": ("ok", ["p"], [((0, 0), (3, 4))]),
-        "interleaved": ("pieces", ["p"], [((0, 0), (4, 2)), ((4, 2), (4, 2))]),
-        "kept": ("ok", ["p"], [(whole.offsets, whole.sizes)]),
+        "derived": ("unresolved", ["p"], Probe.DERIVED, []),
+        "scattered": ("ok", ["p"], [((0, 0), (3, 4))], [((0, 0), (3, 4))]),
+        "interleaved": ("pieces", ["p"], [], [((0, 0), (4, 2)), ((4, 2), (4, 2))]),
+        "kept": ("ok", ["p"], [(whole.offsets, whole.sizes)], [(whole.offsets, whole.sizes)]),
     }
-    rank1 = dict(rank0, scattered=("ok", ["p"], [((2, 0), (6, 4))]), kept=rank0["kept"])
+    rank1 = dict(rank0, scattered=("ok", ["p"], [((2, 0), (6, 4))], [((2, 0), (6, 4))]))
     pieces = {"kept": [Piece("p", whole, Geometry(0, (8, 4), (4, 1)))]}
     entries, fallback, unmerged = plan_entries(checkpoint, [rank0, rank1], pieces, {}, rank=0)
     assert fallback == {"derived": Probe.DERIVED, "scattered": NO_LAYOUT, "interleaved": NO_PARTS}

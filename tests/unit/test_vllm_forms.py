@@ -150,3 +150,16 @@ def test_copies_from_regrouped_heads_are_read_off_element_indices():
 
 def _rows(box: Box) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+
+
+def test_a_checkpoint_tensor_changed_in_place_is_copied_as_what_it_became():
+    """gpt-oss's loader zeroes `w2_bias` in place on every TP rank past the first, then copies
+    it: the probe records a fill of zeros (nothing of the checkpoint is kept there); any other
+    change in place leaves the copy unresolved."""
+    checkpoint, param = torch.ones(4, 6), torch.zeros(4, 6)
+    zeroed = _recorded(lambda p, w: p.copy_(w.zero_()), checkpoint, param)
+    assert zeroed.pieces == {} and zeroed.unresolved == {}
+    assert zeroed.fills == {"p": [(Geometry(0, (4, 6), (6, 1)), 0.0)]}
+    scaled = _recorded(lambda p, w: p.copy_(w.mul_(2)), checkpoint, param)
+    assert scaled.pieces == {} and scaled.unresolved == {"w": Probe.DERIVED}
+    assert torch.equal(checkpoint, torch.ones(4, 6)), "the probe changed the checkpoint tensor"
