@@ -47,6 +47,8 @@ class Destination:
     dtype: torch.dtype
     fallback: bool = False
     """Delivered whole and handed to the worker's load hook instead of written in place."""
+    reason: str = ""
+    """Why it falls back (`fallback` only): the sync summary groups fallbacks by it."""
     block: tuple[int, ...] = ()
     """Kept block-quantized (`rl_sync.planning.quant`): `local` holds float8_e4m3fn values, and the
     destination named `scale_name(name)` the fp32 scale of each block of this size."""

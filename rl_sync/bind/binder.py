@@ -38,6 +38,9 @@ from ..planning.quant import LIVE_SCALE_SUFFIX, dest_scale_layout, grid_shape, s
 from ..storage import Destination, Slot
 from .rules import BUILTIN, FUSED, MLA_PLAIN_Q_RULES, QUANTIZED, Rule
 
+NO_RULE = "no rule binds it"
+"""Why a name the binder resolves falls back (`Destination.reason`)."""
+
 
 @dataclass(frozen=True)
 class Binding:
@@ -188,7 +191,9 @@ class Binder:
         for name in fallbacks:
             dtype, shape = checkpoint[name]
             whole = Layout.replicated(Mesh((self.par.size,)))
-            destinations[name] = Destination(torch.empty(shape, dtype=dtype), whole, tuple(shape), dtype, fallback=True)
+            destinations[name] = Destination(
+                torch.empty(shape, dtype=dtype), whole, tuple(shape), dtype, fallback=True, reason=NO_RULE
+            )
         return Binding(destinations, tuple(fallbacks))
 
     def _target(self, rule: Rule, groups: dict[str, str], rank: int) -> str:

@@ -153,14 +153,16 @@ class Leader:
         assert self.workers is not None and self.followers is not None  # set by form
         mine = self.rank._rl_sync_describe("trainer", 0, T, DescribeOptions())
         theirs = (
-            self.followers.describe(DescribeRequest(1, T, {}, {}, False, self._reply(self.followers))) if T > 1 else []
+            self.followers.describe(DescribeRequest(1, T, {}, {}, False, self._reply(self.followers), node=""))
+            if T > 1
+            else []
         )
         trainers = [decode(RankReport, b) for b in [mine, *theirs]]
         sources = merge_sources(trainers)
         checkpoint, sharded = checkpoint_of(sources)
         asked = DescribeRequest(
-            0, self.workers.ranks, checkpoint, sharded, cfg.double_buffer, self._reply(self.workers)
-        )
+            0, self.workers.ranks, checkpoint, sharded, cfg.double_buffer, self._reply(self.workers), node=""
+        )  # (node unknown here: no colocated CUDA IPC through a framework's client)
         workers = [decode(RankReport, b) for b in self.workers.describe(asked)]
         world = T + len(workers)
         schedule = plan_group(sources, workers, range(T, world), T, cfg)

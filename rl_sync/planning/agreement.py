@@ -17,7 +17,7 @@ from typing import cast
 from ..config.sync import Integrity, SyncConfig
 from ..wire.messages import InitInfo, RankReport, TensorReport, WriteMode
 from ..wire.stats import SyncSummary
-from .parts import check_parts, parse_part, part_name, part_shape, sharded_dims
+from .parts import check_parts, parse_part, part_layout, part_name, part_shape, uncuttable_dims
 from .plan import SideSpec, join_specs, plan_model
 from .schedule import Schedule, build_schedule
 
@@ -85,8 +85,8 @@ def colocated_mates(trainers: Sequence[RankReport], workers: Sequence[RankReport
 
 def split_sources(sources: Sequence[SideSpec], worker_names: Sequence[str]) -> list[SideSpec]:
     """Sources with every tensor the workers bind in parts (`rl_sync.planning.parts`) replaced by those
-    parts, each with the trainers' layout of the whole; refused when the parts do not tile
-    the tensor or cut a dim the trainers shard."""
+    parts, each with the trainers' layout of the whole cut to it (`part_layout`); refused when the
+    parts do not tile the tensor or cut a dim the trainers' layout cannot be cut along."""
     parts: dict[str, list[tuple[int, int, int]]] = {}
     for name in worker_names:
         found = parse_part(name)
@@ -104,7 +104,7 @@ def split_sources(sources: Sequence[SideSpec], worker_names: Sequence[str]) -> l
                     part_name(spec.name, dim, start, stop),
                     spec.dtype,
                     part_shape(spec.shape, dim, start, stop),
-                    spec.layout,
+                    part_layout(spec.layout, spec.shape, dim, start, stop),
                 )
             )
     return out
@@ -113,10 +113,11 @@ def split_sources(sources: Sequence[SideSpec], worker_names: Sequence[str]) -> l
 def checkpoint_of(
     sources: Sequence[SideSpec],
 ) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, tuple[int, ...]]]:
-    """What workers bind against: `{name: (dtype name, shape)}` and the dims the trainers shard
-    each tensor along (`DescribeOptions.checkpoint` and `.sharded`)."""
+    """What workers bind against: `{name: (dtype name, shape)}` and the dims no part of each
+    tensor may be cut along, given the trainers' layout (`DescribeOptions.checkpoint` and
+    `.sharded`; `rl_sync.planning.parts.uncuttable_dims`)."""
     checkpoint = {s.name: (s.dtype, tuple(s.shape)) for s in sources}
-    return checkpoint, {s.name: tuple(sorted(sharded_dims(s.layout))) for s in sources}
+    return checkpoint, {s.name: tuple(sorted(uncuttable_dims(s.layout))) for s in sources}
 
 
 def plan_group(
@@ -150,6 +151,15 @@ def _write_modes(workers: Sequence[RankReport]) -> dict[str, WriteMode]:
     return modes
 
 
+def _by_reason(fallbacks: tuple[str, ...], workers: Sequence[RankReport]) -> dict[str, tuple[str, ...]]:
+    """`fallbacks` (sorted) grouped by why they fall back: the first worker's reason that is given."""
+    grouped: dict[str, tuple[str, ...]] = {}
+    for name in fallbacks:
+        reason = next((r.reasons[name] for r in workers if r.reasons.get(name)), "no reason given")
+        grouped[reason] = (*grouped.get(reason, ()), name)
+    return grouped
+
+
 def summarize(
     schedule: Schedule,
     workers: Sequence[RankReport],
@@ -161,6 +171,7 @@ def summarize(
 ) -> SyncSummary:
     """What forming a group decided, from its schedule and its workers' reports."""
     plan, modes = schedule.plan, _write_modes(workers)
+    fallbacks = tuple(sorted(n for n, m in modes.items() if m == "fallback"))
     return SyncSummary(
         tensors=len(plan),
         buckets=schedule.num_buckets,
@@ -172,7 +183,8 @@ def summarize(
         plan_bytes=plan.stats.total_bytes,
         local_copy_bytes=plan.stats.local_copy_bytes,
         broadcast_bytes=plan.stats.broadcast_bytes,
-        fallbacks=tuple(sorted(n for n, m in modes.items() if m == "fallback")),
+        fallbacks=fallbacks,
+        fallback_reasons=_by_reason(fallbacks, workers),
         modes=modes,
         kept_bytes=tuple(r.kept_bytes for r in workers),
         seconds=seconds,

@@ -108,6 +108,10 @@ class WorkerRank(Participant):
             self._rl_sync_kept = kept
         return self._rl_sync_kept.entries
 
+    def _rl_sync_reasons(self) -> dict[str, str]:
+        kept = self._rl_sync_kept
+        return {} if kept is None else {n: kept.mapping[n].reason for n in kept.fallbacks}
+
     def _rl_sync_modes(self) -> dict[str, WriteMode]:
         """`fallback` for names bound whole; else what the engine's `rl_sync_write_modes()` says
         (`direct` or `reload`), `direct` without one."""

@@ -41,7 +41,7 @@ from ..planning.layout import Layout, Mesh, Replicate
 from ..planning.quant import dest_scale_layout, grid_shape, scale_name
 from ..storage import Destination, Slot
 from . import compat, fp8
-from .entries import Entry, local_report, plan_entries
+from .entries import MODULE, UNCOVERED, UNMERGED, Entry, local_report, plan_entries
 from .modes import Mode, param_mode
 from .probe import ParamForm, Probe, attr_of, contiguous_strides, probe_loads
 from .reload import Processor
@@ -113,7 +113,7 @@ class VllmBinding:
         sharded: Mapping[str, Sequence[int]] | None = None,
     ) -> VllmBinding:
         """Resolve every checkpoint name on this rank (collective over the engine's ranks).
-        `sharded[name]`: dims the trainers shard (never cut into parts)."""
+        `sharded[name]`: dims no part may be cut along (`rl_sync.planning.parts.uncuttable_dims`)."""
         probe = probe_loads(model, checkpoint, model_config.dtype)
         if probe.errors:
             name, error = next(iter(probe.errors.items()))
@@ -124,8 +124,10 @@ class VllmBinding:
         gathered = where.exchange(local_report(probe, checkpoint))
         entries, fallback, unmerged = plan_entries(checkpoint, gathered, probe.pieces, sharded or {}, where.rank)
         resolver = _Resolver(model, probe, gathered, [e for e in entries if e.base not in fallback])
-        local = unmerged | resolver.uncovered()
-        fallback = resolver.close_modules(fallback | set().union(*where.exchange(sorted(local))))
+        local = dict.fromkeys(resolver.uncovered(), UNCOVERED) | dict.fromkeys(unmerged, UNMERGED)
+        for found in where.exchange(sorted(local.items())):
+            fallback = dict(found) | fallback
+        fallback = resolver.close_modules(fallback)
         resolver.entries = [e for e in entries if e.base not in fallback]
         return resolver.finish(checkpoint, fallback, model_config, where, engines)
 
@@ -142,10 +144,10 @@ class _Resolver:
         live = self.live.get(param)
         return [] if live is None else self.owners.get(id(live), [])
 
-    def close_modules(self, fallback: set[str]) -> set[str]:
-        """Every name feeding a module that a fallback name feeds falls back too."""
+    def close_modules(self, fallback: dict[str, str]) -> dict[str, str]:
+        """Every name feeding a module that a fallback name feeds falls back too (`MODULE`)."""
         params_of = {name: set().union(*(g[name][1] for g in self.gathered)) for name in self.gathered[0]}
-        fallback = set(fallback)
+        fallback = dict(fallback)
         while True:
             modules = {id(m) for name in fallback for p in params_of[name] for m in self._modules_of_param(p)}
             grown = {
@@ -153,9 +155,9 @@ class _Resolver:
                 for n, params in params_of.items()
                 if any(id(m) in modules for p in params for m in self._modules_of_param(p))
             }
-            if grown <= fallback:
+            if grown <= fallback.keys():
                 return fallback
-            fallback |= grown
+            fallback = dict.fromkeys(grown, MODULE) | fallback
 
     def _mine(self) -> list[tuple[Entry, Merged]]:
         """The entries this rank keeps a part of, each with its view."""
@@ -236,7 +238,7 @@ class _Resolver:
         return Slot(self.model.get_submodule(module)._parameters, attr)
 
     def finish(
-        self, checkpoint: Checkpoint, fallback: set[str], model_config, where: EngineRank, engines: int
+        self, checkpoint: Checkpoint, fallback: Mapping[str, str], model_config, where: EngineRank, engines: int
     ) -> VllmBinding:
         """Destinations, per-name reports and the post-round processor."""
         modes = self._modes()
@@ -246,7 +248,7 @@ class _Resolver:
             self._add(built, entry, modes, by_live)
         device = next(iter(self.live.values())).device if self.live else torch.device("cpu")
         for name in sorted(fallback):
-            built.fallback(name, tuple(checkpoint[name][1]), device)
+            built.fallback(name, tuple(checkpoint[name][1]), device, fallback[name])
         processor = Processor(
             self.model,
             model_config.dtype,
@@ -322,13 +324,12 @@ class _Built:
         nbytes = 0 if view is None else view.numel() * view.element_size()
         self.reports.append(ParamReport(name, None if view is None else param, mode, reason, nbytes))
 
-    def fallback(self, name: str, shape: tuple[int, ...], device: torch.device) -> None:
-        """A whole tensor for vLLM's loader, on the engine's device."""
+    def fallback(self, name: str, shape: tuple[int, ...], device: torch.device, reason: str) -> None:
+        """A whole tensor for vLLM's loader, on the engine's device; `reason`: why it falls back."""
         size = self.where.size
         whole = lift(Layout(Mesh.from_ranks(list(range(size))), (Replicate(),)), self.engines, size)
         buffer = torch.empty(shape, dtype=self.dtype, device=device)
-        self.destinations[name] = Destination(buffer, whole, shape, self.dtype, fallback=True)
-        reason = "vLLM's loader takes it (whole tensor)"
+        self.destinations[name] = Destination(buffer, whole, shape, self.dtype, fallback=True, reason=reason)
         self.reports.append(ParamReport(name, None, "fallback", reason, buffer.numel() * self.dtype.itemsize))
 
 
@@ -388,7 +389,7 @@ def _loader_buffers(modules: Sequence[torch.nn.Module], probe: Probe, live: Mapp
     return out, by_live
 
 
-def _fallback_modules(resolver: _Resolver, fallback: set[str]) -> list[torch.nn.Module]:
+def _fallback_modules(resolver: _Resolver, fallback: Mapping[str, str]) -> list[torch.nn.Module]:
     modules: dict[int, torch.nn.Module] = {}
     for name in fallback:
         for g in resolver.gathered:

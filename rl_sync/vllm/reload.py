@@ -58,6 +58,7 @@ def reprocess(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> No
     try:
         restore_layer_on_meta(layer, info)
         materialize_layer(layer, info)
+        _keep_buffers(layer, live_buffers)
         for name, buffer in buffers.items():
             getattr(layer, name).data.copy_(buffer)
         if hasattr(layer, "_already_called_process_weights_after_loading"):
@@ -82,6 +83,15 @@ def reprocess(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> No
             layer.register_parameter(name, param)
         for name, live in live_buffers.items():
             layer.register_buffer(name, live, persistent=name not in non_persistent)
+
+
+def _keep_buffers(layer: torch.nn.Module, live: Mapping[str, torch.Tensor | None]) -> None:
+    """Give the buffers `materialize_layer` left uninitialized the live values: no checkpoint
+    tensor feeds them (the embedding scale vLLM's transformers backend keeps for VaultGemma)."""
+    for name, tensor in live.items():
+        fresh = layer._buffers.get(name)
+        if tensor is not None and fresh is not None and fresh is not tensor and fresh.shape == tensor.shape:
+            fresh.copy_(tensor)
 
 
 def _released(live: torch.Tensor, processed: torch.Tensor) -> bool:
