@@ -81,6 +81,7 @@ def test_double_buffering_commits_into_the_rebound_weight_whatever_the_round_car
     worker._rl_sync_before_round(_round(2, "sparse", ("v",)))
     assert worker._rl_sync_entries("worker") is entries, "the shadows did not move: the compiled round replays"
     worker._rl_sync_commit(2)
+    assert worker._rl_sync_record(2), "the coordinator records the version the commit wrote"
     assert torch.equal(new, torch.full((4, 3), 5.0)) and worker._rl_sync_version_of() == 2
     worker.held["w"].local.data = torch.zeros(4, 3)  # moved again, between the round and its commit
     worker._rl_sync_commit(3)
