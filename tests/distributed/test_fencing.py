@@ -24,6 +24,9 @@ from .test_failures import W
 
 BUDGET_S = 2.0
 """The pushes' `timeout_s`: the driver waits twice that before it gives up."""
+LATE_BUDGET_S = 3.0
+"""The budget of a push whose coordinator resumes half-way through the driver's extra wait: it
+starts 1.5 s before the driver gives up, and has 1.5 s of its own budget left then."""
 
 
 def _pid(actor) -> int:
@@ -65,7 +68,7 @@ def _until_the_driver_gives_up(actor, before: set[bytes]) -> None:
 
 
 NOT_APPLIED = (
-    r"^the coordinator did not answer within 4 s \(the call's budget of 2 s plus 2 s\); version {v} was not "
+    r"^the coordinator did not answer within {w} s \(the call's budget of {b} s plus {b} s\); version {v} was not "
     r"applied and never will be \(a round finishing later is not recorded, and workers it wrote into report no "
     r"version\): push it again$"
 )
@@ -81,7 +84,7 @@ def test_a_push_the_driver_gave_up_on_is_refused_when_the_coordinator_resumes(ra
         g.step(2)
         before = _abandoned()
         with _stopped(sync.coordinator):
-            with pytest.raises(SyncError, match=NOT_APPLIED.format(v=2)):
+            with pytest.raises(SyncError, match=NOT_APPLIED.format(w=4, b=2, v=2)):
                 sync.push(version=2, timeout_s=BUDGET_S)
             assert len(_abandoned() - before) == 1, "the driver's claim, made while the coordinator is stopped"
         assert sync.versions() == [1, 1], "the abandoned push was applied after all"
@@ -105,10 +108,9 @@ def test_a_round_finishing_after_the_driver_gave_up_records_nothing(ray_session,
         for worker in g.workers:
             ray.get(worker.call.remote(_until_the_driver_gives_up, before), timeout=30)
         g.step(2)
-        # stopped 3 s: the push starts with 1 s of the driver's 4 s wait left and its own 2 s budget
-        stopped = _stopped(sync.coordinator, resume_after_s=BUDGET_S + 1.0)
-        with stopped, pytest.raises(SyncError, match=NOT_APPLIED.format(v=2)):
-            sync.push(version=2, timeout_s=BUDGET_S)
+        stopped = _stopped(sync.coordinator, resume_after_s=1.5 * LATE_BUDGET_S)
+        with stopped, pytest.raises(SyncError, match=NOT_APPLIED.format(w=6, b=3, v=2)):
+            sync.push(version=2, timeout_s=LATE_BUDGET_S)
         assert sync.versions() == [None, None], "a round finished after the driver gave up was recorded"
         g.check(2)
         for worker in g.workers:
