@@ -17,10 +17,12 @@ BACKEND = "rl_sync"
 def register() -> None:
     from vllm.distributed.weight_transfer import factory
 
+    from .compat import trainer_factory
+
     _register(factory.WeightTransferEngineFactory, "rl_sync.vllm.backend", "RlSyncTransferEngine")
-    trainer_factory = getattr(factory, "WeightTransferTrainerFactory", None)  # vLLM 0.29+
-    if trainer_factory is not None:
-        _register(trainer_factory, "rl_sync.vllm.trainer", "RlSyncTrainerEngine")
+    trainers = trainer_factory()
+    if trainers is not None:
+        _register(trainers, "rl_sync.vllm.trainer", "RlSyncTrainerEngine")
 
 
 def _register(registry, module: str, name: str) -> None:
