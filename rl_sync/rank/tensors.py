@@ -102,15 +102,19 @@ class TensorTable:
         geometry as recorded (values written in place) is taken as seen; one whose geometry
         moved keeps its old version, so it is seen again until it is recorded anew."""
         pointers = list(map(_POINTER, self.tensors))
-        suspects = set() if pointers == self.pointers else set(_unequal(pointers, self.pointers))
         versions = list(map(_VERSION, self.versioned))
+        repointed = [] if pointers == self.pointers else _unequal(pointers, self.pointers)
         written = [] if versions == self.versions else _unequal(versions, self.versions)
-        suspects.update(written, self.uncounted)
-        if not suspects:
+        if not (repointed or written or self.uncounted):
             return []
-        order = sorted(suspects)
-        now = geometries(list(map(self.tensors.__getitem__, order)))
-        moved = list(compress(order, map(operator.ne, now, map(self.geometry.__getitem__, order))))
+        if len(written) == len(self.tensors):  # (every tensor written: an optimizer step)
+            tensors, recorded, order = self.tensors, self.geometry, written
+        else:
+            order = sorted(set(repointed).union(written, self.uncounted))
+            tensors = list(map(self.tensors.__getitem__, order))
+            recorded, pointers = list(map(self.geometry.__getitem__, order)), list(map(pointers.__getitem__, order))
+        now = zip(pointers, *(map(read, tensors) for read in COLUMNS[1:]))
+        moved = list(compress(order, map(operator.ne, now, recorded)))
         if written:
             kept = [self.versions[k] for k in moved]
             self.versions = versions

@@ -130,10 +130,12 @@ class Watch:
     def changed(self, mapping: Mapping) -> list[int] | None:
         """Indices (in the order resolved) of the names that changed since they were resolved;
         None when `mapping` holds other names."""
-        if list(mapping) != self.keys:
+        if len(mapping) != len(self.keys):
             return None
-        values = list(mapping.values())
-        changed = set() if all(map(operator.is_, values, self.values)) else set(_differ(values, self.values))
+        if not all(map(operator.is_, mapping, self.keys)) and list(mapping) != self.keys:
+            return None  # (the same names as other string objects compare equal)
+        same = all(map(operator.is_, mapping.values(), self.values))
+        changed = set() if same else set(_differ(list(mapping.values()), self.values))
         for links in self.links:
             changed.update(links.moved())
         for slot in self.table.moved():

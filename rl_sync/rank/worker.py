@@ -13,9 +13,9 @@ worker reports no version until a round fills it: a dense round of every
 tensor, a double-buffered round (the commit copies every shadow), or a
 colocated round (the worker exports anew and the coordinator runs every tensor
 dense); a sparse round, a round of other tensors or patches fail instead,
-naming tensor and rank, before anything is written. Names bound as fallbacks are received whole
-and handed to `rl_sync_load_fallbacks(pairs)`, which the class must then
-define. An engine that derives state from its weights (repacked kernels,
+naming tensor and rank, before anything is written. Names bound as fallbacks
+are received whole and handed to `rl_sync_load_fallbacks(pairs)`, which the
+class must then define. An engine that derives state from its weights (repacked kernels,
 caches) may define `rl_sync_weights_updated(names)`: it runs once the live
 weights hold a round (`names`: the round's tensors, `None` for all), before
 the worker reports the new version; and `rl_sync_write_modes()` (`{name:
