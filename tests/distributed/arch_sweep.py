@@ -51,6 +51,16 @@ IF_TAKEN = dict(
     intermediate_size_mlp=128,
 )
 """And these where their config class takes them (the defaults are a full-size model's)."""
+GENERATING = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    max_position_embeddings=128,
+    head_dim=32,
+    moe_intermediate_size=64,
+)
+"""A model an engine of the CPU build generates with: head size 32 (its attention kernels take no
+smaller), positions up to the engines' `max_model_len`."""
 OVERRIDES: dict[str, dict[str, object]] = {
     "GPTJForCausalLM": dict(rotary_dim=8),  # its default (64) is past the tiny head size
     "Glm4MoeLiteForCausalLM": dict(first_k_dense_replace=1),  # vLLM reads it; transformers' config lacks it
@@ -100,14 +110,22 @@ def _named_after(model_type: str, architecture: str) -> bool:
     return architecture.lower().startswith(model_type.replace("_", "").replace("-", ""))
 
 
-def tiny_config(architecture: str, model_type: str):
-    """A transformers config of a tiny model of `architecture`."""
+def tiny_config(architecture: str, model_type: str, generating: bool = False):
+    """A transformers config of a tiny model of `architecture`; `generating`: wide enough for the
+    CPU build's attention kernels (`GENERATING`)."""
     from transformers import CONFIG_MAPPING, AutoConfig
 
     config_class = CONFIG_MAPPING[model_type]
     taken = set(inspect.signature(config_class.__init__).parameters) | set(getattr(config_class, "attribute_map", {}))
-    values = {**TINY, **{k: v for k, v in IF_TAKEN.items() if k in taken}, **OVERRIDES.get(architecture, {})}
-    return AutoConfig.for_model(model_type, **values)
+    wanted = {**TINY, **IF_TAKEN, **(GENERATING if generating else {})}
+    values = {k: v for k, v in wanted.items() if k in TINY or k in taken}
+    return AutoConfig.for_model(model_type, **values, **OVERRIDES.get(architecture, {}))
+
+
+def generating_config(architecture: str) -> dict:
+    """`tiny_config(..., generating=True)` of `architecture` as the dict trainers and checkpoints take."""
+    config = tiny_config(architecture, candidates()[architecture], generating=True).to_dict()
+    return {**config, "architectures": [architecture], "torch_dtype": "bfloat16"}
 
 
 @dataclass
