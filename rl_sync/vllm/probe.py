@@ -155,7 +155,7 @@ class _Recorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def _fill(self, param: str, dst: torch.Tensor, value: float) -> None:
-        geometry = Geometry(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
+        geometry = Geometry(int(dst.storage_offset()), tuple(dst.shape), tuple(dst.stride()))
         self.probe.fills.setdefault(param, []).append((geometry, value))
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
