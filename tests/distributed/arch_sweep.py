@@ -12,14 +12,17 @@ its destinations, and compares every parameter with a fresh model loading the
 checkpoint through vLLM's own loader (`sweep`). An architecture is *supported*
 when it binds with no fallback and every parameter matches on both ranks.
 
-Run it (about 10 s an architecture on a quiet 2-core machine) and regenerate
-the README's support table from what it recorded::
+Run it (92 candidates took 19 minutes on the shared 2-core machine, 3 to 12 s
+an architecture once its checkpoint is written) and regenerate the README's
+support table from what it recorded::
 
     python -m tests.distributed.arch_sweep --run docs/architectures.json
     python -m tests.distributed.arch_sweep --table docs/architectures.json README.md
 
 `tests/distributed/test_arch_sweep.py` runs a representative subset in the
-default run and every architecture recorded as supported under `slow`.
+default run and every architecture recorded as supported under `slow`;
+`test_vllm.py` pushes from FSDP2 trainers into a real TP2 engine of each
+(`generating_config`) and compares generations, under `slow`.
 """
 
 from __future__ import annotations
@@ -51,6 +54,16 @@ IF_TAKEN = dict(
     intermediate_size_mlp=128,
 )
 """And these where their config class takes them (the defaults are a full-size model's)."""
+GENERATING = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    max_position_embeddings=128,
+    head_dim=32,
+    moe_intermediate_size=64,
+)
+"""A model an engine of the CPU build generates with: head size 32 (its attention kernels take no
+smaller), positions up to the engines' `max_model_len`."""
 OVERRIDES: dict[str, dict[str, object]] = {
     "GPTJForCausalLM": dict(rotary_dim=8),  # its default (64) is past the tiny head size
     "Glm4MoeLiteForCausalLM": dict(first_k_dense_replace=1),  # vLLM reads it; transformers' config lacks it
@@ -100,14 +113,22 @@ def _named_after(model_type: str, architecture: str) -> bool:
     return architecture.lower().startswith(model_type.replace("_", "").replace("-", ""))
 
 
-def tiny_config(architecture: str, model_type: str):
-    """A transformers config of a tiny model of `architecture`."""
+def tiny_config(architecture: str, model_type: str, generating: bool = False):
+    """A transformers config of a tiny model of `architecture`; `generating`: wide enough for the
+    CPU build's attention kernels (`GENERATING`)."""
     from transformers import CONFIG_MAPPING, AutoConfig
 
     config_class = CONFIG_MAPPING[model_type]
     taken = set(inspect.signature(config_class.__init__).parameters) | set(getattr(config_class, "attribute_map", {}))
-    values = {**TINY, **{k: v for k, v in IF_TAKEN.items() if k in taken}, **OVERRIDES.get(architecture, {})}
-    return AutoConfig.for_model(model_type, **values)
+    wanted = {**TINY, **IF_TAKEN, **(GENERATING if generating else {})}
+    values = {k: v for k, v in wanted.items() if k in TINY or k in taken}
+    return AutoConfig.for_model(model_type, **values, **OVERRIDES.get(architecture, {}))
+
+
+def generating_config(architecture: str) -> dict:
+    """`tiny_config(..., generating=True)` of `architecture` as the dict trainers and checkpoints take."""
+    config = tiny_config(architecture, candidates()[architecture], generating=True).to_dict()
+    return {**config, "architectures": [architecture], "torch_dtype": "bfloat16"}
 
 
 @dataclass
