@@ -171,10 +171,29 @@ def test_synced_engines_generate_what_a_fresh_engine_on_the_checkpoint_does(
         POOL.give_back(Trainer, trainers)
 
 
-def _sent_as_named() -> list[str]:
+UNTRAINABLE = {
+    "DeepseekV3ForCausalLM": "RuntimeError: The size of tensor a (4) must match the size of tensor b (8) at "
+    "non-singleton dimension 1",
+    "MiniCPM3ForCausalLM": "RuntimeError: The size of tensor a (4) must match the size of tensor b (8) at "
+    "non-singleton dimension 1",
+    "Qwen3NextForCausalLM": "ValueError: `get_seq_length` can only be called on Attention layers, and the "
+    "current Cache seem to only contain LinearAttention layers.",
+}
+"""Architectures whose generating config's transformers model fails its own training step (the
+MLA ones with a head size of 32; Qwen3-Next with two layers, both linear attention): checked
+parameter by parameter by the sweep only."""
+
+
+def _sent_as_named() -> list:
     """The architectures the recorded sweep found supported from FSDP2's own names."""
     recorded = json.loads((Path(__file__).resolve().parents[2] / "docs" / "architectures.json").read_text())
-    return [a for a, o in recorded.items() if o["status"] == "supported" and o["names"] == "parameters"]
+    return [
+        pytest.param(a, marks=pytest.mark.skip(reason=f"transformers' training step: {UNTRAINABLE[a]}"))
+        if a in UNTRAINABLE
+        else a
+        for a, o in recorded.items()
+        if o["status"] == "supported" and o["names"] == "parameters"
+    ]
 
 
 @pytest.mark.slow  # about a minute an architecture: every one the sweep supports is CI's 25 minutes twice
