@@ -218,7 +218,7 @@ ANCHORS = {  # config: (tensors, GB into each worker)
 @pytest.mark.parametrize("name", list(ANCHORS))
 def test_anchor_configs_keep_their_bytes_per_worker(name):
     """What every worker of a published plan config receives (its boxes' bytes): a layout change
-    moves these figures and the predictions in README.md / docs/benchmarks.md."""
+    moves these figures and the predictions in docs/benchmarks.md."""
     cfg = load_config(CONFIGS / f"{name}.yaml", PlanReportConfig)
     specs = model_specs(cfg.model, cfg.trainer, cfg.inference)
     groups = Counter((s.dst, s.shape, s.dtype) for s in specs)
