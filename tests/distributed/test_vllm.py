@@ -314,6 +314,7 @@ def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_
         POOL.give_back(Trainer, trainers)
 
 
+@pytest.mark.slow  # 2 min; test_vllm_trainer_api.py drives the same backend through vLLM's calls
 def test_engine_service_driven_through_vllms_weight_transfer_calls(references, tmp_path):
     """rl-sync as vLLM's `rl_sync` weight-transfer backend: the engine's workers are vLLM's own
     processes, reached only through `init_weight_transfer_engine` / `update_weights` (double
