@@ -102,7 +102,8 @@ def main() -> None:
     parser.add_argument("--allocators", default="classic", help="comma-separated: classic, expandable")
     parser.add_argument("--profile", action="store_true", help="time the parts of a round inside the actors")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}; the ranks' watch: " + ("C scan" if native.scan() else "Python pass (see the log)"))
+    watch = "C scan" if native.scan() else "Python pass (the log says why)"
+    print(f"torch {torch.__version__}; the ranks' watch: {watch}")
     start_ray()
     ray.cloudpickle.register_pickle_by_value(round_profile)
     big = specs_8b()

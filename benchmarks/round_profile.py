@@ -23,27 +23,35 @@ import statistics
 import time
 from collections.abc import Callable
 
+_RANK, _WORKER, _SESSION, _RUNNER, _IPC = (
+    "rl_sync.rank.participant",
+    "rl_sync.rank.worker",
+    "rl_sync.engine.session",
+    "rl_sync.engine.runner",
+    "rl_sync.transport.cuda_ipc",
+)
 PARTS: list[tuple[str, str, str, str]] = [
-    ("trainer/worker: sources or destinations (watch, rebinding)", "rl_sync.rank.participant", "Participant", "_rl_sync_endpoints"),
+    ("trainer/worker: sources or destinations (watch, rebinding)", _RANK, "Participant", "_rl_sync_endpoints"),
     ("watch check", "rl_sync.rank.watch", "Watch", "changed"),
-    ("worker: follow what moved (watch, rebinding)", "rl_sync.rank.worker", "WorkerRank", "_rl_sync_follow"),
-    ("worker: before the round (in flight)", "rl_sync.rank.worker", "WorkerRank", "_rl_sync_before_round"),
-    ("worker: after the round (fallbacks, hook)", "rl_sync.rank.worker", "WorkerRank", "_rl_sync_after_round"),
-    ("handover (RankSession.run)", "rl_sync.engine.session", "RankSession", "run"),
-    ("round lookup or compile", "rl_sync.engine.session", "RankSession", "_program"),
-    ("transport begin_round (IPC: stream waits on the worker)", "rl_sync.transport.cuda_ipc", "IpcTransport", "begin_round"),
-    ("copies launched (pack, local)", "rl_sync.engine.runner", "Copies", "run"),
-    ("bucket waits (transfers)", "rl_sync.engine.runner", "complete_bucket", ""),
+    ("worker: follow what moved (watch, rebinding)", _WORKER, "WorkerRank", "_rl_sync_follow"),
+    ("worker: before the round (in flight)", _WORKER, "WorkerRank", "_rl_sync_before_round"),
+    ("worker: after the round (fallbacks, hook)", _WORKER, "WorkerRank", "_rl_sync_after_round"),
+    ("handover (RankSession.run)", _SESSION, "RankSession", "run"),
+    ("round lookup or compile", _SESSION, "RankSession", "_program"),
+    ("transport begin_round (IPC: stream waits on the worker)", _IPC, "IpcTransport", "begin_round"),
+    ("copies launched (pack, local)", _RUNNER, "Copies", "run"),
+    ("bucket waits (transfers)", _RUNNER, "complete_bucket", ""),
     ("sync (transport finish)", "rl_sync.transport.local", "LocalTransport", "finish"),
     ("sync (transport finish)", "rl_sync.transport.gloo", "GlooTransport", "finish"),
-    ("transport end_round (IPC: done event)", "rl_sync.transport.cuda_ipc", "IpcTransport", "end_round"),
-    ("worker IPC: export moved?", "rl_sync.transport.cuda_ipc", "WorkerExport", "moved"),
-    ("worker IPC: ready event", "rl_sync.transport.cuda_ipc", "WorkerExport", "begin"),
-    ("worker IPC: stream waits on done", "rl_sync.transport.cuda_ipc", "WorkerExport", "end"),
-    ("worker: weights-updated hook", "rl_sync.rank.worker", "WorkerRank", "_rl_sync_updated"),
+    ("transport end_round (IPC: done event)", _IPC, "IpcTransport", "end_round"),
+    ("worker IPC: export moved?", _IPC, "WorkerExport", "moved"),
+    ("worker IPC: ready event", _IPC, "WorkerExport", "begin"),
+    ("worker IPC: stream waits on done", _IPC, "WorkerExport", "end"),
+    ("worker: weights-updated hook", _WORKER, "WorkerRank", "_rl_sync_updated"),
 ]
 """(label, module, class or function, method): what is timed. A function (method "") is
 replaced in its module and in the modules that imported it by name."""
+
 
 class _Recorder:
     """(label, start, end, depth) of every timed call in this process since the last `take`; kept
@@ -81,7 +89,7 @@ def install(actor) -> None:
             setattr(cls, method, recorder.timed(label, getattr(cls, method)))
             continue
         timed = recorder.timed(label, getattr(module, owner))
-        for user in ("rl_sync.engine.runner", "rl_sync.engine.session"):
+        for user in (_RUNNER, _SESSION):
             used = importlib.import_module(user)
             if hasattr(used, owner):
                 setattr(used, owner, timed)
@@ -175,7 +183,7 @@ def main() -> None:
     import sys
     from pathlib import Path
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray's servers on loopback only (tests/conftest.py)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback only (tests/conftest.py)
     import ray
     import torch
 
@@ -199,7 +207,8 @@ def main() -> None:
     config = SyncConfig(rendezvous_host="127.0.0.1", bind_host="127.0.0.1", round_timeout_s=600, colocate="off")
     sync = WeightSync.create([trainer], [worker], config)
     sync.push()
-    report(profiled_rounds(sync, {"trainer": trainer, "worker": worker}, args.repeat), f"Gloo on CPU, {len(specs):,} tensors")
+    rounds = profiled_rounds(sync, {"trainer": trainer, "worker": worker}, args.repeat)
+    report(rounds, f"Gloo on CPU, {len(specs):,} tensors")
     print(f"torch {torch.__version__}")
     sync.close()
 

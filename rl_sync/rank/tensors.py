@@ -82,7 +82,7 @@ class TensorTable(ABC):
         self.geometry.append(())
         return len(self.tensors) - 1
 
-    def _took(self, slot: int, tensor: torch.Tensor) -> None:
+    def _took(self, slot: int, tensor: torch.Tensor) -> None:  # noqa: B027 (optional hook)
         """Hook: `slot` holds `tensor` now (`_EMPTY`: it was freed)."""
 
     def release(self, tensor: torch.Tensor, name: int) -> None:
@@ -103,8 +103,9 @@ class TensorTable(ABC):
             self.geometry[k] = geometry
         self._record(slots)
 
+    @abstractmethod
     def _record(self, slots: list[int]) -> None:
-        """Hook: record what `moved()` compares of `slots`."""
+        """Record what `moved()` compares of `slots`."""
 
     def slot_of(self, tensor: torch.Tensor) -> int:
         return self.place[id(tensor)]

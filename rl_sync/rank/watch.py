@@ -11,24 +11,26 @@ side is resolved, each name's value, the objects it was resolved through
 it reads or writes through; each round, `changed(mapping)` says which names
 changed, for the cost of
 
-* identity passes over the mapping's keys, values and links (C loops, tens of
-  nanoseconds a name);
-* one pass reading each distinct tensor's data pointer, and one reading its
-  version counter (`Tensor._version`, moved by every in-place op, those that
-  change shape or strides included) (`rl_sync.rank.tensors`);
-* the geometry (address, shape, strides, dtype) of only the tensors
-  whose pointer or version moved, and of inference tensors (no version).
+* identity passes over the mapping's keys, values and links;
+* one pass comparing each distinct tensor's data pointer, shape, strides, dtype
+  and device with what was recorded (`rl_sync.rank.tensors`).
 
-rl-sync reads and writes through aliases with version counters of their own
-(`Tensor.data`), so its own writes move no version; a trainer's optimizer
-moves every version each step, so a trainer checks its shards' geometry each
-round after one. `resolve(changed)` resolves the changed names again: a
+Both run in C loops of `rl_sync.rank.native` (a few nanoseconds a name for
+identities, tens for a tensor) where it is built; else in Python's C loops
+(`map`: tens of nanoseconds a name), and the tensor pass reads each data pointer
+and version counter (`Tensor._version`, moved by every in-place op, those that
+change shape or strides included), then the geometry of only the tensors whose
+pointer or version moved, and of inference tensors (no version). rl-sync reads
+and writes through aliases with version counters of their own (`Tensor.data`),
+so its own writes move no version; a trainer's optimizer moves every version
+each step, so the Python pass reads a trainer's shards' geometry each round
+after one. `resolve(changed)` resolves the changed names again: a
 replaced value afresh, a moved tensor as it is now, a view whose parent moved
 or was replaced cut again at the same place of the new one (which must have the
 parent's shape, strides, dtype and device), else a `ValueError` naming the side,
-rank and tensor. Not noticed: `.data =` giving a tensor another shape, strides
-or dtype over the same memory at the same address (no op runs, so no version
-moves); such a tensor is read or written where it was.
+rank and tensor. Not noticed by the Python pass: `.data =` giving a tensor
+another shape, strides or dtype over the same memory at the same address (no op
+runs, so no version moves); such a tensor is read or written where it was.
 
 Typical use (what `TrainerRank` and `WorkerRank` do)::
 

@@ -64,15 +64,16 @@ def test_identities_and_held_objects(scan):
 
 def test_bad_arguments_are_refused_saying_what_was_expected(scan):
     rows = torch.zeros(1, native.ROW, dtype=torch.int64)
-    with pytest.raises(TypeError, match="^tensors must be a list, got tuple$"):
+    with pytest.raises(TypeError, match=r"^tensors must be a list, got tuple$"):
         scan.moved((torch.zeros(1),), rows)
-    with pytest.raises(TypeError, match="^an item of tensors is a int, not a tensor$"):
+    with pytest.raises(TypeError, match=r"^an item of tensors is a int, not a tensor$"):
         scan.moved([3], rows)
-    with pytest.raises(ValueError, match="^rows must be a contiguous CPU int64 tensor of at least 2 rows of 10 words$"):
+    rows_expected = r"^rows must be a contiguous CPU int64 tensor of at least 2 rows of 10 words$"
+    with pytest.raises(ValueError, match=rows_expected):
         scan.moved([torch.zeros(1), torch.zeros(1)], rows)
-    with pytest.raises(IndexError, match="^slot 4 is outside the 1 tensors$"):
+    with pytest.raises(IndexError, match=r"^slot 4 is outside the 1 tensors$"):
         scan.record([torch.zeros(1)], rows, [4])
-    with pytest.raises(ValueError, match="^differ: lists of 1 and 2 items$"):
+    with pytest.raises(ValueError, match=r"^differ: lists of 1 and 2 items$"):
         scan.differ([1], [1, 2])
     with pytest.raises(TypeError, match="unhashable"):  # (only a missing key or attribute counts as moved)
         scan.held_moved([{}], [["unhashable"]], [None], True)

@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rl_sync.engine.sources import alias
-from rl_sync.rank import native
 from rl_sync.rank.trainer import source_bound
 from rl_sync.rank.watch import Watch, bound
 from rl_sync.storage import Slot
