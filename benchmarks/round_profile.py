@@ -160,7 +160,7 @@ def _timeline(round_: dict):
         table.add_column(column, justify="right" if column != "what" else "left")
     cursor, inside = t0, 0.0
     for start, end, actor, label in outer:
-        if start > cursor:
+        if start - cursor > 5e-6:  # (shown to the hundredth of a millisecond)
             table.add_row(f"{(cursor - t0) * 1e3:.2f}", f"{(start - cursor) * 1e3:.2f}", "-", "gap")
         table.add_row(f"{(start - t0) * 1e3:.2f}", f"{(end - start) * 1e3:.2f}", actor, label)
         inside += end - max(start, cursor) if end > cursor else 0.0

@@ -13,7 +13,7 @@ It is compiled with the host's C++ compiler (`c++`, against torch's headers and
 its c10 library) the first time a process asks for it, into
 `~/.cache/rl_sync/native/`, under a name that holds a digest of its source, the
 torch version and the Python it is for; later processes load what was built
-(about 10 s to build on a loaded 2-core host, milliseconds to load; several
+(10 to 20 s to build on a loaded 2-core host, a millisecond to load; several
 processes building at once each write their own file and rename it in place).
 Where it cannot be built, or does not read tensors as torch lays them out here
 (checked on sample tensors each time it loads), `scan()` answers None, says why
