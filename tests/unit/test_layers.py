@@ -11,6 +11,7 @@ has loaded torch and nothing of rl-sync, so torch is imported once.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -147,3 +148,24 @@ def test_the_face_and_all_it_holds_import_without_ray_or_actors(failures):
 def test_a_layer_that_reaches_down_is_refused_when_what_it_reaches_is_blocked(failures):
     """The finder bites: `models` imports `planning`, so refusing `planning` must fail it."""
     assert "ImportError: layer 'models' imports rl_sync.planning" in failures["models without planning"]
+
+
+SPARSE_CODEC = ("sparse_table", "sparse_triton", "sparse_cuda", "sparse_launch", "sparse_fused", "sparse_receiver")
+"""The GPU sparse codec's modules in `rl_sync/engine/`, bottom first: the table layout, the two kernel
+sets, the launches, the sender, the receiver; `sparse_codec` drives them from above."""
+
+
+def _engine_imports(module: str) -> set[str]:
+    """The `rl_sync/engine` modules `module` names in any import of it (lazy and type-only ones too)."""
+    tree = ast.parse((PACKAGE / "engine" / f"{module}.py").read_text())
+    named = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            named |= {node.module} if node.module else {alias.name for alias in node.names}
+    return named
+
+
+@pytest.mark.parametrize("position", range(len(SPARSE_CODEC)))
+def test_each_module_of_the_sparse_codec_imports_only_those_below_it(position):
+    module, below = SPARSE_CODEC[position], set(SPARSE_CODEC[:position])
+    assert _engine_imports(module) & set(SPARSE_CODEC) <= below, module
