@@ -321,7 +321,7 @@ def _codec_tables(
             for side, fn, setup in sides:
                 for name, seconds in sorted(_device_times(fn, setup, device).items(), key=lambda item: -item[1]):
                     by_kernel.add_row(f"{density:.1%}", side, name, f"{seconds * 1e6:.0f}")
-    return [table, *([steps] if phases else []), *([by_kernel] if kernels else [])]
+    return [table, *([steps] if phases else []), *([by_kernel] if kernels and device.type == "cuda" else [])]
 
 
 def _base_codec(tree: Path):
