@@ -26,11 +26,11 @@ import torch
 from rl_sync.bind.binder import Binder
 from rl_sync.config.load import load_config
 from rl_sync.models.config import Family, ModelConfig, Parallel
+from rl_sync.models.plan_report import PlanReportConfig
 from rl_sync.models.synthetic import TrainerParallel, checkpoint_tensors, model_specs
 from rl_sync.models.tp_model import TPModel
 from rl_sync.planning.layout import Box
 from rl_sync.planning.quant import scale_name
-from rl_sync.planning.report import PlanReportConfig
 from rl_sync.wire.dtypes import itemsize
 
 
