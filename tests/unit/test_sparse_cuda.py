@@ -64,6 +64,7 @@ def test_a_source_that_does_not_compile_warns_once_and_leaves_triton_in_place(mo
         sparse_cuda._source_compiles.cache_clear()
 
 
+@pytest.mark.slow  # 1 min of NVRTC on a 2-core machine; the GPU tests compile and run it on the H200
 def test_the_cuda_source_compiles_for_an_h200_without_a_warning_and_names_every_kernel():
     """NVRTC (the `nvrtc` extra) builds the file as `sparse_cuda` does, for sm_90, on this machine:
     a kernel that no longer compiles, or a template `sparse_cuda` names that the file lacks, fails
