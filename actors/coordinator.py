@@ -56,6 +56,7 @@ from .calls import Budget, SyncError
 from .group import Membership
 from .members import ServiceMember, collect, failed, gather
 from .metrics import RoundMetrics
+from .staging import OpenRound, Staged, commit, stage
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -107,6 +108,8 @@ class Coordinator:
         self.reply: Rendezvous | None = None
         self.budget = Budget()
         """Bounds every wait of the driver call in progress (`SyncConfig.push_budget_s`)."""
+        self.staged: Staged | None = None
+        """The round `stage` started and `commit` has not committed (`actors.staging`)."""
         self.tag = GroupTag(uuid.uuid4().hex[:12], config.name, ray.get_runtime_context().current_actor)
         """Names this group to its ranks: an actor belongs to one live group at a time."""
 
@@ -420,7 +423,21 @@ class Coordinator:
             return self._push(version, names, mode)
 
     def _push(self, version: int | None, asked_names: list[str] | None, asked_mode: str | None) -> RoundStats:
+        round_ = self._open_round(version, asked_names, asked_mode)
+        try:
+            results, commit_seconds = self._run_round(round_.blob, round_.version, round_.names, round_.what)
+        except SyncError:
+            self.broken = f"round {round_.version}"
+            raise
+        return self._close_round(round_, results, commit_seconds)
+
+    def _open_round(
+        self, version: int | None, asked_names: list[str] | None, asked_mode: str | None, what: str = "push"
+    ) -> OpenRound:
+        """Check the push (`what`: the driver's call), repair first if the group is broken, and
+        decide the round (version, mode, tensors, why); nothing is sent yet."""
         self._check_push(version, self._plan_names(asked_names), asked_mode)  # a refused push repairs nothing
+        self._check_unstaged(what)
         if self.broken is not None:
             if not self.config.auto_repair:
                 raise SyncError(f"the sync group is broken by an earlier failure ({self.broken}); call repair()")
@@ -441,18 +458,52 @@ class Coordinator:
             mode, reason = ("auto" if choice.engine == "sparse" else "m2n"), f"auto: {choice.reason}"
         try:
             timeout = self.budget.left(self.config.round_timeout_s)
-            blob = encode(RoundInfo(version, mode, names, timeout, self.refresh.baselines))
-            results = self._run_round(blob, version, names, f"round {version} ({mode})")
         except SyncError:
-            self.broken = f"round {version}"
+            self.broken = f"round {version}"  # (colocated workers may have opened it)
             raise
-        self.version = version
-        first = self.refresh.finished(mode, every_tensor=names is None)
-        stats = RoundStats(version, mode, time.perf_counter() - start, tuple(results), reason)
-        if not first:  # the first round after init or a repair pays one-time costs (compiling, mapping)
-            self._learn(stats, dense_bytes)
+        blob = encode(RoundInfo(version, mode, names, timeout, self.refresh.baselines))
+        return OpenRound(version, mode, names, reason, dense_bytes, start, blob)
+
+    def _close_round(
+        self, round_: OpenRound, results: list[RankStats], commit_seconds: float, seconds: float | None = None
+    ) -> RoundStats:
+        """Record a round every rank finished (and committed); `seconds`: its time where it is not
+        the wall time since it opened (a staged round's)."""
+        self.version = round_.version
+        first = self.refresh.finished(round_.mode, every_tensor=round_.names is None)
+        took = time.perf_counter() - round_.start if seconds is None else seconds
+        stats = RoundStats(round_.version, round_.mode, took, tuple(results), round_.reason, commit_seconds)
+        if not first and seconds is None:  # the first round pays one-time costs; a staged one shares the CPUs
+            self._learn(stats, round_.dense_bytes)
         self.metrics.record(stats)
         return stats
+
+    def stage(
+        self, version: int | None, names: list[str] | None, mode: str | None, budget_s: float | None = None
+    ) -> tuple[int, str, str]:
+        """Start a round into the workers' shadows while they serve (`actors.staging`), within
+        `budget_s` seconds; returns its version, mode and why that mode."""
+        with self.budget.within(budget_s, "stage"):
+            return stage(self, version, names, mode)
+
+    def commit(self, version: int, budget_s: float | None = None) -> RoundStats:
+        """Finish staged round `version` and make it live on every worker, within `budget_s` seconds."""
+        with self.budget.within(budget_s, "commit"):
+            return commit(self, version)
+
+    def _check_unstaged(self, what: str) -> None:
+        if self.staged is not None:
+            raise ValueError(
+                f"{what}: round {self.staged.round.version} is staged and not committed; commit it first "
+                "(StagedRound.commit())"
+            )
+
+    def _commit(self, version: int, what: str) -> float:
+        """Make a double-buffered round live on every worker; returns the seconds it took."""
+        start = time.perf_counter()
+        step = self.config.round_timeout_s + 5
+        gather(self.workers, lambda m: m.commit(version, self.reply), self.budget.left(step), f"{what} commit")
+        return time.perf_counter() - start
 
     def _dense_bytes(self, names: tuple[str, ...] | None) -> int:
         """What a dense round of `names` (None: all) sends, in proportion of the plan's bytes
@@ -471,9 +522,12 @@ class Coordinator:
             sent = sum(r.sent_bytes for r in stats.ranks if r.role != "worker")
             self.auto.record(RoundCost("sparse", stats.seconds, dense_bytes, sent / max(1, stats.dense_bytes)))
 
-    def _run_round(self, blob: bytes, version: int, names: tuple[str, ...] | None, what: str) -> list[RankStats]:
+    def _run_round(
+        self, blob: bytes, version: int, names: tuple[str, ...] | None, what: str
+    ) -> tuple[list[RankStats], float]:
         """The round's steps, each bounded by the round timeout (plus 5 s for the ranks to report)
-        and by what the push's budget has left."""
+        and by what the push's budget has left; returns the ranks' statistics and the seconds the
+        commit took (double buffering)."""
         step = self.config.round_timeout_s + 5
         results = [
             decode(RankStats, r)
@@ -491,9 +545,7 @@ class Coordinator:
                 )
                 for r in self.worker_ranks
             ]
-        if self.config.double_buffer:
-            gather(self.workers, lambda m: m.commit(version, self.reply), self.budget.left(step), f"{what} commit")
-        return results
+        return results, self._commit(version, what) if self.config.double_buffer else 0.0
 
     def _ipc_begin(self, version: int, what: str) -> bool:
         """Open the round on every colocated worker; a worker whose memory moved since its export
@@ -609,6 +661,7 @@ class Coordinator:
         """Every member leaves the group (aborting wakes peers stuck in a failed round; a member
         another group holds by now is left alone); the rendezvous store goes with it. Bounded by
         `init_timeout_s`; dead members are skipped."""
+        self.staged = None
         ranks = {m.handle for m in self.ranks}
         members = self.ranks + [m for m in self.workers if m.handle not in ranks]
         refs = [m.close(abort, self.reply, self.tag.token) for m in members]

@@ -16,6 +16,7 @@ ranks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import ray
 
@@ -54,6 +55,12 @@ class ActorMember:
 
     def commit(self, version: int, reply: Rendezvous | None):
         return self.handle._rl_sync_commit.remote(version)
+
+    def stage(self, blob: bytes, version: int, reply: Rendezvous | None):
+        return self.handle._rl_sync_stage.remote(blob)
+
+    def staged(self, version: int, timeout_s: float, reply: Rendezvous | None):
+        return self.handle._rl_sync_staged.remote(version, timeout_s)
 
     def versions(self):
         return self.handle._rl_sync_version_of.remote()
@@ -117,6 +124,13 @@ class ServiceMember:
 
     def commit(self, version: int, reply: Rendezvous | None):
         return self.handle._rl_sync_service_commit.remote(encode(RoundRequest(b"", version, self._reply(reply))))
+
+    def stage(self, blob: bytes, version: int, reply: Rendezvous | None):
+        return self.handle._rl_sync_service_stage.remote(encode(RoundRequest(blob, version, self._reply(reply))))
+
+    def staged(self, version: int, timeout_s: float, reply: Rendezvous | None):
+        request = RoundRequest(b"", version, replace(self._reply(reply), timeout_s=timeout_s))
+        return self.handle._rl_sync_service_staged.remote(encode(request))
 
     def versions(self):
         return self.handle._rl_sync_service_versions.remote()

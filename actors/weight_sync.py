@@ -7,6 +7,13 @@ Typical use, between training steps::
     stats = sync.push(names=["lm_head.weight"], mode="broadcast")
     sync.close()
 
+Asynchronous RL, with `SyncConfig(double_buffer=True)`: the next version travels while the
+engines generate with the last, and becomes live at a step boundary::
+
+    staged = sync.stage()               # returns once every worker receives in the background
+    rollouts = engine.generate(...)     # the engines serve the previous version meanwhile
+    stats = staged.commit()             # waits for the transfer, then swaps it in everywhere
+
 `trainers[i]` must be the actor whose layouts call it rank i (its default
 process-group rank for DTensors); workers follow in their own order.
 """
@@ -148,6 +155,30 @@ class WeightSync:
         log.info(stats.log_line())
         return stats
 
+    def stage(
+        self,
+        version: int | None = None,
+        names: list[str] | None = None,
+        mode: str | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> StagedRound:
+        """Start a round (arguments as for `push`) that lands in the workers' shadow copies while
+        their engines keep serving the version they hold; returns once every worker receives, on a
+        thread of its own. Needs `SyncConfig(double_buffer=True)`. `StagedRound.commit()` makes it
+        live; until then no other round may start. Bounded like `push`; a stage that raises
+        started nothing that will be committed (the next push repairs the group if it must)."""
+        version, names, mode = check_push_args(version, names, mode)
+        budget = _budget(timeout_s, self.config.push_budget_s, "stage")
+        staged = _unwrap(self._open().stage.remote(version, names, mode, budget), budget, _in_doubt(version))
+        return StagedRound(self, *staged)
+
+    def _commit(self, version: int, timeout_s: float | None) -> RoundStats:
+        budget = _budget(timeout_s, self.config.push_budget_s, "commit")
+        stats = _unwrap(self._open().commit.remote(version, budget), budget, _in_doubt(version))
+        log.info(stats.log_line())
+        return stats
+
     def push_patches(self, patches, version: int | None = None, *, timeout_s: float | None = None) -> int:
         """Drop-in for vLLM's sparse patches: `SparseWeightPatch(name, indices, values)` with flat
         indices into the whole tensor, for any destination layout, after at least one `push`.
@@ -190,6 +221,31 @@ class WeightSync:
             _unwrap(self.coordinator.close.remote(), self.config.init_timeout_s)
         finally:
             ray.kill(self.coordinator)
+
+
+class StagedRound:
+    """A round `WeightSync.stage` started: `version` travels into the workers' shadows while their
+    engines serve the previous one (`mode`, and `reason` when that is not simply what was asked)."""
+
+    def __init__(self, sync: WeightSync, version: int, mode: str, reason: str):
+        self.sync, self.version, self.mode, self.reason = sync, version, mode, reason
+        self.committed = False
+
+    def commit(self, *, timeout_s: float | None = None) -> RoundStats:
+        """Wait until every rank has the round, then make it live on every worker at once (a swap of
+        the memory behind each storage where the engine allows it, a copy otherwise); call it
+        between generation steps. Returns the round's statistics (`commit_seconds`: what the
+        engines waited for). Bounded by `timeout_s` (default `SyncConfig.push_budget_s`); a round
+        that failed anywhere is committed nowhere (the workers keep the previous version in full,
+        the next push repairs), and a round is committed once."""
+        if self.committed:
+            raise ValueError(f"commit: round {self.version} was committed already")
+        self.committed = True
+        return self.sync._commit(self.version, timeout_s)
+
+    def __repr__(self) -> str:
+        state = "committed" if self.committed else "staged"
+        return f"StagedRound(version={self.version}, mode={self.mode!r}, {state})"
 
 
 def _beside_driver() -> dict:

@@ -15,7 +15,10 @@ rendezvous message), `_rl_sync_connect`; then per round
 `_rl_sync_ipc_begin` (IPC only; a worker whose memory moved answers a new
 export, which its trainer maps with `_rl_sync_ipc_remap` before the round),
 `_rl_sync_run`, `_rl_sync_ipc_end` (IPC only) and
-`_rl_sync_commit` (double buffering only); `_rl_sync_version_of`,
+`_rl_sync_commit` (double buffering only); or, for a staged round (workers
+only, double buffering), `_rl_sync_stage` (returns once the round runs on a
+thread of its own), `_rl_sync_staged` (waits for it) and `_rl_sync_commit`;
+`_rl_sync_version_of`,
 `_rl_sync_apply_patches` and `_rl_sync_close` between rounds.
 
 Membership (`rl_sync.rank.claim`): describe's options
@@ -46,6 +49,10 @@ class SyncRank(Protocol):
     def _rl_sync_run(self, round_blob: bytes) -> bytes: ...
 
     def _rl_sync_commit(self, version: int) -> None: ...
+
+    def _rl_sync_stage(self, round_blob: bytes) -> None: ...
+
+    def _rl_sync_staged(self, version: int, timeout_s: float) -> bytes: ...
 
     def _rl_sync_version_of(self) -> int | None: ...
 

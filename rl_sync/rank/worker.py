@@ -17,7 +17,12 @@ Versions: a worker knows the version its live weights hold, and reports
 a full round repairs it. With double buffering (`SyncConfig.double_buffer`)
 rounds land in a shadow copy of every bound tensor (one extra copy of the
 worker's bound bytes) and are committed into the live weights only once the
-whole round succeeded, so the worker serves the previous version throughout.
+whole round succeeded, so the worker serves the previous version throughout;
+fallbacks are loaded at commit. The commit copies each shadow in, or swaps the
+memory behind a storage whose names the engine lists in
+`rl_sync_swappable()` (`rl_sync.rank.shadow`). A staged round
+(`WeightSync.stage`) runs on a thread of its own (`rl_sync.rank.background`)
+while the process serves other calls, and waits for its commit.
 """
 
 from __future__ import annotations
@@ -28,16 +33,22 @@ from typing import NamedTuple
 
 import torch
 
+from ..config.sync import DENSE_MODES
 from ..engine import sparse_codec
-from ..engine.endpoint import Endpoint
 from ..engine.sources import Entries, worker_entries
 from ..sparse.encodings import INDICES
 from ..storage import geometry, owner
 from ..transport.cuda_ipc import WorkerExport
-from ..wire.codec import encode
+from ..wire.codec import decode, encode
 from ..wire.messages import RankStats, RoundInfo, WriteMode
+from .background import BackgroundRound
 from .participant import Participant
+from .shadow import Shadows
 from .side import DescribeOptions
+
+STOP_WAIT_S = 30.0
+"""How long leaving the group waits for a staged round's thread once its transport is aborted,
+and a commit for the thread that already answered."""
 
 
 class BoundOwner(NamedTuple):
@@ -55,7 +66,10 @@ class WorkerRank(Participant):
 
     _rl_sync_cached: Entries | None = None
     _rl_sync_fallbacks: tuple[str, ...] = ()
-    _rl_sync_shadow: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    _rl_sync_shadow: Shadows | None = None
+    _rl_sync_background: BackgroundRound | None = None
+    _rl_sync_pending: tuple[str, ...] = ()
+    """Fallbacks a double-buffered round received, loaded at its commit."""
     _rl_sync_version: int | None = None
     _rl_sync_ipc: WorkerExport | None = None
     _rl_sync_ipc_timeout: float = 120.0
@@ -82,10 +96,11 @@ class WorkerRank(Participant):
             self._rl_sync_version = None
 
     def _rl_sync_leave(self, abort: bool) -> None:
+        self._rl_sync_stop_background()
         self._rl_sync_forget_moved()
         super()._rl_sync_leave(abort)
         self._rl_sync_drop_export()
-        self._rl_sync_cached, self._rl_sync_shadow = None, None
+        self._rl_sync_cached, self._rl_sync_shadow, self._rl_sync_pending = None, None, ()
         self._rl_sync_fallbacks, self._rl_sync_round_names, self._rl_sync_owners = (), None, ()
 
     def _rl_sync_worker_entries(self, rank: int, size: int, options: DescribeOptions) -> Entries:
@@ -111,22 +126,11 @@ class WorkerRank(Participant):
                 if d.local is not None and not d.fallback
             )
             if options.double_buffer:
-                endpoints = self._rl_sync_shadowed(endpoints)
+                swappable = getattr(self, "rl_sync_swappable", lambda: ())()
+                self._rl_sync_shadow = Shadows.of(endpoints, self._rl_sync_fallbacks, swappable)
+                endpoints = self._rl_sync_shadow.endpoints
             self._rl_sync_cached = Entries(reports, endpoints)
         return self._rl_sync_cached
-
-    def _rl_sync_shadowed(self, endpoints: dict[str, Endpoint]) -> dict[str, Endpoint]:
-        """Receive into contiguous shadows of the bound views; `_rl_sync_commit` copies them in."""
-        shadows, pairs = {}, []
-        for name, endpoint in endpoints.items():
-            if name in self._rl_sync_fallbacks:
-                shadows[name] = endpoint
-                continue
-            shadow = endpoint.tensor.detach().clone(memory_format=torch.contiguous_format)
-            shadows[name] = Endpoint(shadow, endpoint.origin)
-            pairs.append((endpoint.tensor, shadow))
-        self._rl_sync_shadow = pairs
-        return shadows
 
     def _rl_sync_modes(self) -> dict[str, WriteMode]:
         """`fallback` for names bound whole; else what the engine's `rl_sync_write_modes()` says
@@ -157,19 +161,27 @@ class WorkerRank(Participant):
         self._rl_sync_check_storage()
         if self._rl_sync_shadow is None:
             self._rl_sync_version = None  # live weights are being written
+        else:
+            self._rl_sync_shadow.prepare(round_info.mode in DENSE_MODES and round_info.names is None)
 
     def _rl_sync_after_round(self, round_info: RoundInfo, stats: RankStats) -> RankStats:
         stats = super()._rl_sync_after_round(round_info, stats)
-        names = [n for n in self._rl_sync_fallbacks if round_info.names is None or n in round_info.names]
+        names = tuple(n for n in self._rl_sync_fallbacks if round_info.names is None or n in round_info.names)
+        self._rl_sync_round_names = round_info.names
+        if self._rl_sync_shadow is None:
+            self._rl_sync_load_fallbacks(names)
+            self._rl_sync_updated(round_info.names)
+            self._rl_sync_version = round_info.version
+        else:
+            self._rl_sync_pending = names
+        return replace(stats, fallbacks=len(names))
+
+    def _rl_sync_load_fallbacks(self, names: tuple[str, ...]) -> None:
+        """Hand the fallbacks a round received to the engine's loader."""
         if names:
             assert self._rl_sync_cached is not None  # bound with the fallbacks
             views = self._rl_sync_cached.endpoints
             self.rl_sync_load_fallbacks([(n, views[n].tensor) for n in names])
-        self._rl_sync_round_names = round_info.names
-        if self._rl_sync_shadow is None:
-            self._rl_sync_updated(round_info.names)
-            self._rl_sync_version = round_info.version
-        return replace(stats, fallbacks=len(names))
 
     def _rl_sync_updated(self, names: tuple[str, ...] | None) -> None:
         """The live weights now hold a round's values: run the engine's hook, if it has one."""
@@ -178,13 +190,67 @@ class WorkerRank(Participant):
             hook(names)
 
     def _rl_sync_commit(self, version: int) -> None:
-        """Double buffering: the round completed everywhere; copy it into the live weights."""
-        if self._rl_sync_shadow:
-            torch._foreach_copy_(
-                [live for live, _ in self._rl_sync_shadow], [shadow for _, shadow in self._rl_sync_shadow]
-            )
+        """Double buffering: the round completed everywhere; make it live (by copy, or by swap where
+        the engine allows and no other process maps the memory: `rl_sync.rank.shadow`), load its
+        fallbacks, run the engine's hook. A staged round's thread must have ended."""
+        self._rl_sync_end_background()
+        self._rl_sync_check_storage()
+        shadow, cached = self._rl_sync_shadow, self._rl_sync_cached
+        assert shadow is not None and cached is not None  # commits follow double-buffered rounds
+        if shadow.commit(swap=self._rl_sync_ipc is None):
+            self._rl_sync_owners = tuple(o._replace(geometry=geometry(o.tensor)) for o in self._rl_sync_owners)
+            self._rl_sync_cached = cached._replace(endpoints=shadow.endpoints)
+        pending, self._rl_sync_pending = self._rl_sync_pending, ()
+        self._rl_sync_load_fallbacks(pending)
         self._rl_sync_updated(self._rl_sync_round_names)
         self._rl_sync_version = version
+
+    def _rl_sync_stage(self, round_blob: bytes, answer: Callable[[Callable[[], bytes]], bytes] | None = None) -> None:
+        """Start a round into the shadows on a thread of its own and return at once: the process
+        serves other calls meanwhile, the live weights stay as they are until `_rl_sync_commit`.
+        `answer(run)` runs the round and passes its result on (a vLLM service rank's store)."""
+        rank = self._rl_sync_worker_rank()
+        if self._rl_sync_shadow is None:
+            raise ValueError(
+                f"worker rank {rank}: a staged round lands in shadow copies, which only a double-buffered "
+                "group keeps; create the group with SyncConfig(double_buffer=True)"
+            )
+        if self._rl_sync_background is not None:
+            raise RuntimeError(
+                f"worker rank {rank}: staged round {self._rl_sync_background.version} is not committed yet"
+            )
+        version = decode(RoundInfo, round_blob).version
+
+        def run() -> bytes:
+            return self._rl_sync_run(round_blob)
+
+        self._rl_sync_background = BackgroundRound(version, run if answer is None else lambda: answer(run))
+
+    def _rl_sync_staged(self, version: int, timeout_s: float) -> bytes:
+        """The staged round's `RankStats` once it ended (waiting at most `timeout_s` seconds), or
+        what it raised."""
+        background = self._rl_sync_background
+        if background is None or background.version != version:
+            raise RuntimeError(f"worker rank {self._rl_sync_worker_rank()}: no staged round {version} here")
+        return background.result(timeout_s, self._rl_sync_worker_rank())
+
+    def _rl_sync_end_background(self) -> None:
+        """Before a commit: a staged round's thread ended well (its result was collected)."""
+        background, self._rl_sync_background = self._rl_sync_background, None
+        if background is not None:
+            background.result(STOP_WAIT_S, self._rl_sync_worker_rank())
+
+    def _rl_sync_stop_background(self) -> None:
+        """Leaving the group: end a staged round still running (its transport aborted, its thread
+        waited for within `STOP_WAIT_S`)."""
+        background, self._rl_sync_background = self._rl_sync_background, None
+        if background is not None and background.running:
+            if self._rl_sync_session is not None:
+                self._rl_sync_session.transport.abort()
+            background.join(STOP_WAIT_S)
+
+    def _rl_sync_worker_rank(self) -> int:
+        return self._rl_sync_sides["worker"].rank if self._rl_sync_sides and "worker" in self._rl_sync_sides else -1
 
     def _rl_sync_apply_patches(self, version: int, patches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Write flat-index patches (local to this worker's boxes, checked by the coordinator)

@@ -103,6 +103,15 @@ class VllmDestinations:
         """`{name: "direct" | "reload" | "fallback"}` on this rank."""
         return {r.name: r.mode for r in self.reports}
 
+    def swappable(self) -> list[str]:
+        """The names a double-buffered commit may swap with their shadows (`rl_sync.rank.shadow`):
+        those received into rl-sync's own loader-form buffers (`reload`: only rl-sync reads them),
+        and those written in place (`direct`) when the engine runs eagerly without sleep mode (no
+        CUDA graph holds their addresses, no allocator of vLLM's tracks their memory)."""
+        config = self.vllm_config.model_config
+        eager = config.enforce_eager and not config.enable_sleep_mode
+        return [r.name for r in self.reports if r.mode == "reload" or (r.mode == "direct" and eager)]
+
     def load_fallbacks(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
         assert self.binding is not None  # rounds follow `bind`
         with self._context():

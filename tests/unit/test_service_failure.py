@@ -51,6 +51,8 @@ class Ranks:
     def update(self, info: dict) -> None:
         raise AssertionError("not called")
 
+    stage = commit = update
+
     def reset_prefix_cache(self) -> None:
         raise AssertionError("not called")
 
@@ -97,7 +99,8 @@ class Colocated:
     `answers[op]`, the prefix-cache resets counted."""
 
     def __init__(self, reply: Rendezvous, answers: dict[str, list[bytes]]):
-        self.reply, self.answers, self.resets, self.calls = reply, answers, 0, []
+        self.reply, self.answers, self.resets = reply, answers, 0
+        self.calls: list[str] = []
 
     def _answer(self, info: dict) -> None:
         op, payload = unpack(info)
@@ -109,6 +112,11 @@ class Colocated:
         store.close()
 
     init = update = _answer
+
+    def stage(self, info: dict) -> None:
+        raise AssertionError("not called")
+
+    commit = stage
 
     def reset_prefix_cache(self) -> None:
         self.resets += 1

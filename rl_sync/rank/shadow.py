@@ -1,0 +1,120 @@
+"""Where a double-buffered worker receives, and how a received round becomes live.
+
+With `SyncConfig.double_buffer` a worker's rounds land in a spare copy of what
+it binds and become live only at commit, once the whole round succeeded on
+every rank. Each storage behind the bound views commits one of two ways:
+
+* **copy**: the spare is a contiguous copy of each bound view; commit copies it
+  into the live view (the bound bytes, once, while the engine waits);
+* **swap**: the spare is a copy of the whole storage; commit exchanges the
+  memory behind the live storage and its spare (`UntypedStorage._swap_data_ptr_`,
+  O(1) per storage), so every tensor and view of the live storage sees the new
+  round at once. The spare then holds the previous round, so the next round
+  that writes only part of it (sparse, `auto`, a subset of names) first catches
+  it up from the live one: a copy made while the engine keeps serving. Only for
+  storages whose every bound name the engine allows (`rl_sync_swappable`): those
+  it reads through its tensors at each use, with no address captured (CUDA
+  graphs) or memory tracked (sleep-mode pools) elsewhere.
+
+Typical use (inside `rl_sync.rank.worker`)::
+
+    shadows = Shadows.of(endpoints, keep=fallback_names, swappable=names)
+    shadows.prepare(writes_all=False)                      # a sparse round next
+    session.run(round_info, sources, shadows.endpoints)   # into the spares
+    shadows.commit(swap=True)                              # live now
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.endpoint import Endpoint
+
+SWAPS = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+"""Whether this PyTorch can exchange the memory behind two storages; without it every storage
+commits by copy."""
+
+
+def _spare_view(view: torch.Tensor, spare: torch.UntypedStorage) -> torch.Tensor:
+    """`view`'s elements in `spare`, a copy of its storage: same offset, shape and strides."""
+    out = torch.empty(0, dtype=view.dtype, device=view.device)
+    return out.set_(spare, view.storage_offset(), view.shape, view.stride())
+
+
+def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+
+
+@dataclass
+class Shadows:
+    """The spares of one worker's bound views (see the module docstring)."""
+
+    endpoints: dict[str, Endpoint]
+    """Where rounds write: the spare of each bound view, and the views kept as they are. A new
+    dict after each swap, so a session compiles its round again (its copies may hold addresses)."""
+    copied: list[tuple[torch.Tensor, torch.Tensor]]
+    """(live view, contiguous spare) of each view committed by copy."""
+    swapped: list[tuple[torch.Tensor, torch.Tensor]]
+    """(live view, spare view) of each view in a storage committed by swap."""
+    storages: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = field(default_factory=list)
+    """(live storage, spare) of each storage committed by swap."""
+    stale: bool = False
+    """The spares of swapped storages hold the round before the live one (after a swap)."""
+
+    @classmethod
+    def of(cls, endpoints: Mapping[str, Endpoint], keep: Collection[str], swappable: Collection[str]) -> Shadows:
+        """Spares for every endpoint but those named in `keep` (received as they are: fallbacks,
+        loaded whole at commit). A storage is swapped when every bound name in it is in
+        `swappable` and this PyTorch can swap."""
+        names_in: dict[int, list[str]] = {}
+        for name, endpoint in endpoints.items():
+            if name not in keep:
+                names_in.setdefault(endpoint.tensor.untyped_storage().data_ptr(), []).append(name)
+        out, copied, swapped, storages = dict(endpoints), [], [], []
+        for names in names_in.values():
+            live = endpoints[names[0]].tensor.untyped_storage()
+            if SWAPS and all(n in swappable for n in names):
+                spare = live.clone()
+                storages.append((live, spare))
+                for name in names:
+                    view = endpoints[name].tensor
+                    swapped.append((view, _spare_view(view, spare)))
+                    out[name] = Endpoint(swapped[-1][1], endpoints[name].origin)
+                continue
+            for name in names:
+                view = endpoints[name].tensor
+                copied.append((view, view.detach().clone(memory_format=torch.contiguous_format)))
+                out[name] = Endpoint(copied[-1][1], endpoints[name].origin)
+        return cls(out, copied, swapped, storages)
+
+    @property
+    def swaps(self) -> bool:
+        """Whether any storage commits by swap."""
+        return bool(self.storages)
+
+    def prepare(self, writes_all: bool) -> None:
+        """Before a round: stale spares catch up with the live round, unless the round writes every
+        element of them (`writes_all`: a dense round of every tensor)."""
+        if self.stale and not writes_all:
+            _copy([spare for _, spare in self.swapped], [live for live, _ in self.swapped])
+        self.stale = False
+
+    def commit(self, swap: bool) -> bool:
+        """Make the spares live: copied views by copy; swapped storages by swap when `swap` (else
+        by copy, as for memory another process maps: CUDA IPC). Returns whether any storage
+        swapped (its tensors' addresses changed)."""
+        by_copy = self.copied if swap else self.copied + self.swapped
+        _copy([live for live, _ in by_copy], [spare for _, spare in by_copy])
+        if not (swap and self.storages):
+            return False
+        for device in {live.device for live, _ in self.storages if live.device.type == "cuda"}:
+            torch.cuda.synchronize(device)  # no queued kernel may still read what becomes the spare
+        for live, spare in self.storages:
+            live._swap_data_ptr_(spare)  # type: ignore[attr-defined]  # PyTorch's, untyped (SWAPS)
+        self.stale = True
+        self.endpoints = dict(self.endpoints)
+        return True
