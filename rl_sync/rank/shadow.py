@@ -91,10 +91,13 @@ class Shadows:
                 out[name] = Endpoint(copied[-1][1], endpoints[name].origin)
         return cls(out, copied, swapped, storages)
 
-    @property
-    def swaps(self) -> bool:
-        """Whether any storage commits by swap."""
-        return bool(self.storages)
+    def spare_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """`tensor`'s elements as the next commit will make them: its view in the spare of its
+        storage, when that storage commits by swap (None otherwise)."""
+        for live, spare in self.storages:
+            if tensor.untyped_storage().data_ptr() == live.data_ptr():
+                return _spare_view(tensor, spare)
+        return None
 
     def prepare(self, writes_all: bool) -> None:
         """Before a round: stale spares catch up with the live round, unless the round writes every

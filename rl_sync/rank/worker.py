@@ -174,6 +174,9 @@ class WorkerRank(Participant):
             self._rl_sync_version = round_info.version
         else:
             self._rl_sync_pending = names
+            prepare = getattr(self, "rl_sync_prepare", None)
+            if prepare is not None:
+                prepare(round_info.names, self._rl_sync_shadow.spare_of)
         return replace(stats, fallbacks=len(names))
 
     def _rl_sync_load_fallbacks(self, names: tuple[str, ...]) -> None:

@@ -93,6 +93,9 @@ class ServiceRank(WorkerRank):
     def rl_sync_swappable(self) -> list[str]:
         return self.vllm.swappable()
 
+    def rl_sync_prepare(self, names, spare) -> None:
+        self.vllm.prepare(names, spare)
+
 
 class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo]):
     """One vLLM worker's end of an rl-sync group (see the module docstring)."""

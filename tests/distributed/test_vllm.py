@@ -260,26 +260,69 @@ def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_
         POOL.give_back(Trainer, trainers)
 
 
+def _norm_address(rank) -> int:
+    model = rank.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    return dict(model.named_parameters())["model.norm.weight"].data_ptr()
+
+
+@pytest.mark.parametrize("family, modes", [("qwen2", ["m2n", "sparse", "sparse"]), ("qwen3_moe", ["m2n", "m2n"])])
+def test_staged_rounds_arrive_while_the_engine_generates_then_match_a_fresh_engine(
+    references, tp2, tmp_path, family, modes
+):
+    """Each round lands in the ranks' shadows on threads of their own while the engine generates
+    with the version it holds, and vLLM's processing of what it changed runs there too, on twins
+    of the modules; the commit between generations swaps the loader-form buffers and (the engine
+    running eagerly) the live parameters, and installs the twins' packed kernels."""
+    config = hf_config(family)
+    trainers = _trainers(config)
+    engine = tp2.load(_unrelated_checkpoint(tmp_path / "init", config, trainers))
+    try:
+        sync = WeightSync.create(trainers, engine.ranks, loopback_config(bucket_bytes=1 << 18, double_buffer=True))
+        served = engine.generate(PROMPTS, **SAMPLING)
+        for step, mode in enumerate(modes, start=1):
+            ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+            address = ray.get(engine.ranks[0].call.remote(_norm_address))
+            staged = sync.stage(mode=mode)
+            assert engine.generate(PROMPTS, **SAMPLING) == served, f"step {step}: the engine served a torn version"
+            stats = staged.commit()
+            assert (stats.mode, stats.version) == (("m2n" if step < 3 else "sparse"), step)
+            assert sync.versions() == [step, step]
+            assert ray.get(engine.ranks[0].call.remote(_norm_address)) != address, "a swap, not a copy"
+            path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
+            served = engine.generate(PROMPTS, **SAMPLING)
+            assert served == references.outputs(path, 2), f"step {step}: synced engine differs from a fresh one"
+        sync.close()
+    finally:
+        POOL.give_back(Trainer, trainers)
+
+
 def test_engine_service_driven_through_vllms_weight_transfer_calls(references, tmp_path):
     """rl-sync as vLLM's `rl_sync` weight-transfer backend: the engine's workers are vLLM's own
     processes, reached only through `init_weight_transfer_engine` / `update_weights` (double
-    buffered: rounds land in shadows, committed by a second `update_weights`)."""
+    buffered: the first round lands in shadows, committed by a second `update_weights`; the
+    second is staged, received on threads of the workers while the engine generates)."""
     config = hf_config("qwen2")
     trainers = _trainers(config)
     service = launch_service(_unrelated_checkpoint(tmp_path / "init", config, trainers), 2)
     try:
         sync = WeightSync.create(trainers, [service], loopback_config(bucket_bytes=1 << 18, double_buffer=True))
         assert sync.summary.fallbacks == () and sync.summary.world_size == 4
-        for step in range(1, 3):  # each round lands in the shadows, then is committed
+        served = None
+        for step in range(1, 3):
             ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
-            stats = sync.push()
+            if step == 1:
+                stats = sync.push()
+            else:
+                staged = sync.stage()
+                assert service.generate(PROMPTS, **SAMPLING) == served, "the service served a torn version"
+                stats = staged.commit()
             received = [r.received_bytes for r in stats.ranks if r.role == "worker"]
             assert [r.rank for r in stats.ranks if r.role == "worker"] == [2, 3]
             assert received == list(sync.summary.kept_bytes), f"bytes into each rank {received}"
             assert sync.versions() == [step, step]
-            got = service.generate(PROMPTS, **SAMPLING)
+            served = service.generate(PROMPTS, **SAMPLING)
             path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
-            assert got == references.outputs(path, 2), f"step {step}: synced service differs from a fresh engine"
+            assert served == references.outputs(path, 2), f"step {step}: synced service differs from a fresh engine"
         sync.close()
     finally:
         service.shutdown()

@@ -70,7 +70,8 @@ def test_a_storage_with_a_name_the_engine_does_not_allow_commits_by_copy():
     _write(shadows, 3.0)
     assert shadows.commit(swap=True) is True, "the whole tensor n swaps"
     assert fused.data_ptr() == address, "the fused parameter was copied into, in place"
-    assert torch.equal(fused, torch.full((4, 6), 3.0, dtype=torch.bfloat16)) and torch.equal(norm, torch.full((5,), 3.0))
+    assert torch.equal(fused, torch.full((4, 6), 3.0, dtype=torch.bfloat16))
+    assert torch.equal(norm, torch.full((5,), 3.0))
     assert torch.equal(shadows.endpoints["q"].tensor, torch.full((4, 2), 3.0, dtype=torch.bfloat16))
 
 
@@ -81,7 +82,8 @@ def test_memory_another_process_maps_commits_by_copy_even_where_the_engine_allow
     _write(shadows, 5.0)
     assert shadows.commit(swap=False) is False
     assert (fused.data_ptr(), norm.data_ptr()) == addresses
-    assert torch.equal(fused, torch.full((4, 6), 5.0, dtype=torch.bfloat16)) and torch.equal(norm, torch.full((5,), 5.0))
+    assert torch.equal(fused, torch.full((4, 6), 5.0, dtype=torch.bfloat16))
+    assert torch.equal(norm, torch.full((5,), 5.0))
     endpoints_before = shadows.endpoints
     shadows.prepare(writes_all=False)
     assert shadows.endpoints is endpoints_before, "no swap: the session's compiled round stays valid"
