@@ -53,6 +53,7 @@ from rl_sync.wire.stats import RoundStats, SyncSummary
 
 from .agreement import check_agreement, colocated_mates, merge_sources, split_sources
 from .calls import Budget, SyncError
+from .elastic import Formed, add_engine, remove_engine
 from .group import Membership
 from .members import ServiceMember, collect, failed, gather
 from .metrics import RoundMetrics
@@ -104,6 +105,7 @@ class Coordinator:
         self.version = 0
         self.broken: str | None = None
         self._store: StoreServer | None = None
+        self._store_host = ""
         self._secret = new_secret()
         self.reply: Rendezvous | None = None
         self.budget = Budget()
@@ -175,6 +177,7 @@ class Coordinator:
         ]
         info = self._init_info(devices)
         self._connect(info, devices, [r.device for r in reports[T:]])
+        self.formed = Formed(sources, reports[T:], devices, options, info)
         return self._summary(info, colocated, reports[T:], time.perf_counter() - start)
 
     def _summary(self, info: InitInfo, colocated: bool, workers: list[RankReport], seconds: float) -> SyncSummary:
@@ -270,6 +273,10 @@ class Coordinator:
         return Rendezvous(host, port, f"rl-sync-{uuid.uuid4().hex[:12]}", self.config.init_timeout_s, self._secret)
 
     def _open_store(self) -> tuple[str, int]:
+        """The rendezvous store's address, opened unless it is (an engine joining or leaving
+        regroups on the store the group formed on)."""
+        if self._store is not None:
+            return self._store_host, self._store.port
         cfg = self.config
         host = cfg.rendezvous_host or (
             interface_address(cfg.interface) if cfg.interface else ray.util.get_node_ip_address()
@@ -283,7 +290,7 @@ class Coordinator:
                 f"SyncConfig.rendezvous_port): {exc.strerror or exc}; give an address of the "
                 "coordinator's node"
             ) from None
-        self._store = StoreServer(sock, self._secret)
+        self._store, self._store_host = StoreServer(sock, self._secret), host
         return host, self._store.port
 
     def _close_store(self) -> None:
@@ -490,6 +497,16 @@ class Coordinator:
         """Finish staged round `version` and make it live on every worker, within `budget_s` seconds."""
         with self.budget.within(budget_s, "commit"):
             return commit(self, version)
+
+    def add_engine(self, handles: list, budget_s: float | None = None) -> SyncSummary:
+        """Grow the live group by one engine's ranks (`actors.elastic`), within `budget_s` seconds."""
+        with self.budget.within(budget_s, "add_engine"):
+            return add_engine(self, handles)
+
+    def remove_engine(self, handles: list, budget_s: float | None = None) -> SyncSummary:
+        """Shrink the live group by one engine's ranks (`actors.elastic`), within `budget_s` seconds."""
+        with self.budget.within(budget_s, "remove_engine"):
+            return remove_engine(self, handles)
 
     def _check_unstaged(self, what: str) -> None:
         if self.staged is not None:

@@ -83,6 +83,15 @@ class ActorMember:
     def ipc_end(self, version: int, names: tuple[str, ...] | None, reply: Rendezvous | None):
         return self.handle._rl_sync_ipc_end.remote(version, names)
 
+    def regroup(self, init: bytes, plan, bind_host: str | None, device: str):
+        return self.handle._rl_sync_regroup.remote(init, plan, bind_host, device)
+
+    def switch(self, keep: bool):
+        return self.handle._rl_sync_switch.remote(keep)
+
+    def catch_up(self, plan: bytes, round_blob: bytes):
+        return self.handle._rl_sync_catch_up.remote(plan, round_blob)
+
 
 class ServiceMember:
     """A vLLM engine service: `size` ranks behind one host actor (`actors.service`)."""
@@ -167,6 +176,15 @@ class ServiceMember:
 
     def ipc_remap(self, ipc: bytes):
         self._unsupported("mapping a worker's memory (a trainer's step)")
+
+    def regroup(self, init: bytes, plan, bind_host: str | None, device: str):
+        self._unsupported("joining or leaving a live group")
+
+    def switch(self, keep: bool):
+        self._unsupported("joining or leaving a live group")
+
+    def catch_up(self, plan: bytes, round_blob: bytes):
+        self._unsupported("joining or leaving a live group")
 
 
 Member = ActorMember | ServiceMember

@@ -212,6 +212,39 @@ class WeightSync:
             check_hooks(handle, "worker", f"replace_worker: worker {index}")
         _unwrap(self._open().replace_worker.remote(index, handle), self.config.init_timeout_s)
 
+    def add_engine(self, workers: list, *, timeout_s: float | None = None) -> SyncSummary:
+        """Grow the live group by one engine: `workers`, its ranks in tensor-parallel order (Ray actors
+        with the worker mixin, e.g. a new `VllmEngine`'s `ranks`), which bind for the grown worker
+        count. The group's ranks keep their bindings and buffers (nothing restarts); a replica
+        already in the group sends the newcomer the version it holds (or, laid out otherwise, the
+        next push carries every tensor dense), and the next push includes it. Between rounds,
+        bounded by `timeout_s` (default `SyncConfig.init_budget_s`); a join that fails leaves the
+        group as it was, unless one of its own ranks failed (the next push repairs it then).
+        Returns the group's new summary (also `self.summary`)."""
+        return self._regroup("add_engine", workers, timeout_s)
+
+    def remove_engine(self, workers: list, *, timeout_s: float | None = None) -> SyncSummary:
+        """Shrink the live group by one engine: `workers`, all of its ranks. The others keep their
+        bindings and buffers and go on at the same version; the engine's ranks leave the group
+        (free to join another). Bounded like `add_engine`; returns the new summary."""
+        return self._regroup("remove_engine", workers, timeout_s)
+
+    def _regroup(self, what: str, workers: list, timeout_s: float | None) -> SyncSummary:
+        if not isinstance(workers, (list, tuple)) or not workers:
+            raise TypeError(
+                f"{what}: workers must be a non-empty list of one engine's rank actors, got {workers!r:.80}"
+            )
+        for i, handle in enumerate(workers):
+            if not isinstance(handle, ActorHandle):
+                raise TypeError(
+                    f"{what}: rank {i} of the engine must be a Ray actor handle, got {type(handle).__name__}"
+                )
+            check_hooks(handle, "worker", f"{what}: rank {i} of the engine")
+        budget = _budget(timeout_s, self.config.init_budget_s, what)
+        self.summary = _unwrap(getattr(self._open(), what).remote(list(workers), budget), budget)
+        log.info("rl-sync group %r after %s: %s", self.config.name, what, self.summary)
+        return self.summary
+
     def close(self) -> None:
         """Release the group and the coordinator; closing again does nothing."""
         if self.closed:

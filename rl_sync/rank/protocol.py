@@ -19,7 +19,10 @@ export, which its trainer maps with `_rl_sync_ipc_remap` before the round),
 only, double buffering), `_rl_sync_stage` (returns once the round runs on a
 thread of its own), `_rl_sync_staged` (waits for it) and `_rl_sync_commit`;
 `_rl_sync_version_of`,
-`_rl_sync_apply_patches` and `_rl_sync_close` between rounds.
+`_rl_sync_apply_patches` and `_rl_sync_close` between rounds. An engine joining
+or leaving (between rounds): `_rl_sync_describe` on the joining ranks, then
+`_rl_sync_regroup` on every rank that stays or joins, `_rl_sync_catch_up` on
+a peer replica's ranks and the joining ones, and `_rl_sync_switch`.
 
 Membership (`rl_sync.rank.claim`): describe's options
 (`rl_sync.rank.side.DescribeOptions`) carry the group's `GroupTag`; a rank
@@ -65,5 +68,11 @@ class SyncRank(Protocol):
     def _rl_sync_ipc_remap(self, ipc: bytes) -> None: ...
 
     def _rl_sync_ipc_end(self, version: int, names: tuple[str, ...] | None = None) -> None: ...
+
+    def _rl_sync_regroup(self, init: bytes, plan: bytes, bind_host: str | None, device: str) -> None: ...
+
+    def _rl_sync_switch(self, keep: bool) -> None: ...
+
+    def _rl_sync_catch_up(self, plan: bytes, round_blob: bytes) -> bytes: ...
 
     def _rl_sync_close(self, abort: bool = False, group: str | None = None) -> None: ...

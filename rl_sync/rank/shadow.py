@@ -60,6 +60,8 @@ class Shadows:
     """(live view, contiguous spare) of each view committed by copy."""
     swapped: list[tuple[torch.Tensor, torch.Tensor]]
     """(live view, spare view) of each view in a storage committed by swap."""
+    live: dict[str, Endpoint] = field(default_factory=dict)
+    """The endpoints the spares shadow: what the engine serves (a peer replica's catch-up source)."""
     storages: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = field(default_factory=list)
     """(live storage, spare) of each storage committed by swap."""
     stale: bool = False
@@ -89,7 +91,7 @@ class Shadows:
                 view = endpoints[name].tensor
                 copied.append((view, view.detach().clone(memory_format=torch.contiguous_format)))
                 out[name] = Endpoint(copied[-1][1], endpoints[name].origin)
-        return cls(out, copied, swapped, storages)
+        return cls(out, copied, swapped, dict(endpoints), storages)
 
     def spare_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """`tensor`'s elements as the next commit will make them: its view in the spare of its

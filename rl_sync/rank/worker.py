@@ -27,6 +27,7 @@ while the process serves other calls, and waits for its commit.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
@@ -35,12 +36,14 @@ import torch
 
 from ..config.sync import DENSE_MODES
 from ..engine import sparse_codec
+from ..engine.catch_up import run_catch_up
 from ..engine.sources import Entries, worker_entries
 from ..sparse.encodings import INDICES
 from ..storage import geometry, owner
 from ..transport.cuda_ipc import WorkerExport
 from ..wire.codec import decode, encode
 from ..wire.messages import RankStats, RoundInfo, WriteMode
+from ..wire.plan_info import PlanInfo
 from .background import BackgroundRound
 from .participant import Participant
 from .shadow import Shadows
@@ -251,6 +254,28 @@ class WorkerRank(Participant):
             if self._rl_sync_session is not None:
                 self._rl_sync_session.transport.abort()
             background.join(STOP_WAIT_S)
+
+    def _rl_sync_catch_up(self, plan: bytes, round_blob: bytes) -> bytes:
+        """Within a regroup (`_rl_sync_regroup`), the joining engine's catch-up by relay: a peer
+        replica's rank sends what its live weights hold (its engine serving meanwhile), a joining
+        rank receives it (into its shadows when double-buffered) and makes it live as
+        `round_blob`'s version (`rl_sync.engine.catch_up`). Returns this rank's `RankStats`."""
+        session, cached = self._rl_sync_regrouped, self._rl_sync_cached
+        if session is None or cached is None:
+            raise RuntimeError(f"worker rank {self._rl_sync_worker_rank()}: a catch-up runs in a regroup only")
+        round_info, start = decode(RoundInfo, round_blob), time.perf_counter()
+        live = cached.endpoints if self._rl_sync_shadow is None else self._rl_sync_shadow.live
+        try:
+            counters, joining = run_catch_up(session, decode(PlanInfo, plan), live, cached.endpoints, round_info)
+        except Exception:
+            session.transport.abort()
+            raise
+        stats = session.stats(round_info, counters, time.perf_counter() - start)
+        if joining:
+            stats = self._rl_sync_after_round(round_info, stats)
+            if self._rl_sync_shadow is not None:
+                self._rl_sync_commit(round_info.version)
+        return encode(stats)
 
     def _rl_sync_worker_rank(self) -> int:
         return self._rl_sync_sides["worker"].rank if self._rl_sync_sides and "worker" in self._rl_sync_sides else -1

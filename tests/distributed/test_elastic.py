@@ -1,0 +1,183 @@
+"""Engines join and leave a live group: nothing that stays restarts or binds anew, a joining engine
+catches up from a peer replica, and a join that fails leaves the group as it was."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+import torch
+
+from actors import SyncError, WeightSync
+from actors.ready import InferenceWorker, TrainerActor
+from rl_sync.planning.layout import Layout, Mesh, Replicate, Shard
+
+from .conftest import loopback_config
+from .recipes import Recipe, as_bytes, expected, read_all, set_version, trainer_build, worker_build
+
+
+def replicas(engines: int) -> list[Recipe]:
+    """Two FSDP trainers' tensors, into `engines` TP2 engines laid out along mesh axis 0."""
+    return [
+        Recipe(
+            "w",
+            torch.bfloat16,
+            (16, 40),
+            Layout(Mesh((2,)), (Shard(0),)),
+            Layout(Mesh((engines, 2)), (Replicate(), Shard(1))),
+        ),
+        Recipe("n", torch.float32, (40,), Layout.replicated(Mesh((2,))), Layout.replicated(Mesh((2 * engines,)))),
+    ]
+
+
+class EngineRank(InferenceWorker):
+    """One TP2 engine rank whose layouts follow the worker count it binds for, as a vLLM rank's do;
+    when told, it dies at a catch-up or binds a layout of its own."""
+
+    def rl_sync_destinations(self, checkpoint=None):
+        side = self._rl_sync_sides["worker"]
+        recipes = self.state.get("recipes") or replicas(side.size // 2)
+        self.held = worker_build(recipes)(side.rank, side.size)
+        return self.held
+
+    def _rl_sync_catch_up(self, plan, round_blob):
+        if self.state.get("die"):
+            os._exit(1)
+        return super()._rl_sync_catch_up(plan, round_blob)
+
+
+Trainer = ray.remote(num_cpus=0.1)(TrainerActor)
+Rank = ray.remote(num_cpus=0.1, max_restarts=1, max_task_retries=0)(EngineRank)
+
+
+def _engine(first: int) -> list:
+    return [Rank.remote(first + r, 2, worker_build(replicas(1))) for r in range(2)]
+
+
+def _step(trainers, version: int) -> None:
+    ray.get([t.call.remote(set_version, replicas(1), version) for t in trainers])
+
+
+def _check(workers, version: int, engines: int) -> None:
+    for j, got in enumerate(ray.get([w.call.remote(read_all) for w in workers], timeout=60)):
+        for name, value in expected(replicas(engines), j, version).items():
+            assert torch.equal(got[name], as_bytes(value)), f"worker {j}: {name} should hold version {version}"
+
+
+def _identity(actor) -> tuple[int, int]:
+    """The actor's process and the address of its bound `w`: a restart or a new binding changes them."""
+    return os.getpid(), actor.held["w"].local.data_ptr()
+
+
+def _tell(actor, **state) -> None:
+    ray.get(actor.call.remote(lambda self: self.state.update(state)))
+
+
+@pytest.fixture
+def group(ray_session):
+    trainers = [Trainer.remote(i, 2, trainer_build(replicas(1))) for i in range(2)]
+    first = _engine(0)
+    sync = WeightSync.create(trainers, first, loopback_config(round_timeout_s=10.0))
+    _step(trainers, 1)
+    sync.push(mode="sparse")  # (the first sparse request runs dense: the trainers keep baselines from here)
+    yield sync, trainers, first
+    sync.close()
+    for actor in trainers + first:
+        ray.kill(actor, no_restart=True)
+
+
+def test_an_engine_joins_from_a_peer_replica_then_another_leaves_and_nothing_else_moves(group):
+    sync, trainers, first = group
+    before = ray.get([w.call.remote(_identity) for w in first])
+    _step(trainers, 2)  # the trainers moved on: only the engine in the group holds version 1
+    second = _engine(2)
+    try:
+        summary = sync.add_engine(second)
+        assert (summary.world_size, len(summary.kept_bytes)) == (6, 4)
+        _check(first + second, 1, engines=2)
+        assert sync.versions() == [1, 1, 1, 1]
+        assert ray.get([w.call.remote(_identity) for w in first]) == before, "the first engine kept its bindings"
+        stats = sync.push(mode="sparse")
+        assert stats.mode == "sparse", "the trainers' baselines describe the joining engine too"
+        _check(first + second, 2, engines=2)
+        summary = sync.remove_engine(first)
+        assert (summary.world_size, len(summary.kept_bytes)) == (4, 2)
+        _step(trainers, 3)
+        assert sync.push(mode="sparse").mode == "sparse"
+        _check(second, 3, engines=1)
+        _check(first, 2, engines=1)  # left the group holding what it held
+        assert sync.versions() == [3, 3]
+    finally:
+        for actor in second:
+            ray.kill(actor, no_restart=True)
+
+
+def test_joins_that_fail_leave_the_group_as_it_was(group):
+    sync, trainers, first = group
+    second = _engine(2)
+    try:
+        _tell(
+            second[0],
+            recipes=[
+                replicas(2)[0],
+                Recipe("n", torch.float32, (40,), replicas(1)[1].src, Layout(Mesh((4,)), (Shard(0),))),
+            ],
+        )
+        _tell(
+            second[1],
+            recipes=[
+                replicas(2)[0],
+                Recipe("n", torch.float32, (40,), replicas(1)[1].src, Layout(Mesh((4,)), (Shard(0),))),
+            ],
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"^tensor 'n': the joining engine lays it out as Mesh\(\(4,\), start_rank=0\)\[S\(0\)\], which gives "
+            r"worker rank 0 the box \[0:10\] where it keeps \[0:40\]",
+        ):
+            sync.add_engine(second)
+        _tell(second[0], recipes=None, die=True)
+        _tell(second[1], recipes=None)
+        with pytest.raises(
+            SyncError,
+            match=r"^add_engine \(catch-up to version 1\) failed on 2 of 4 members:\n  worker 0 \(rank 2\): "
+            r"BucketError: rank 2, catch-up to version 1, bucket 0 .*\n  worker 2 \(rank 4\): Actor",
+        ):
+            sync.add_engine(second)  # the joining rank died; its peer, alive, stays in the group it was in
+        with pytest.raises(ValueError, match=r"^workers 0 and 2 are the same actor; pass each worker once$"):
+            sync.add_engine([first[0], second[1]])
+        with pytest.raises(
+            ValueError,
+            match=r"^remove_engine: tensor 'w' is laid out as .*, in which workers \[1\] are not one whole replica",
+        ):
+            sync.remove_engine([first[1]])
+        with pytest.raises(ValueError, match=r"^remove_engine: the group would keep no worker; close it instead$"):
+            sync.remove_engine(first)
+        _step(trainers, 2)
+        stats = sync.push(mode="sparse")
+        assert stats.mode == "sparse", "the group was not broken: no repair, no dense round"
+        _check(first, 2, engines=1)
+        assert sync.versions() == [2, 2]
+    finally:
+        for actor in second:
+            ray.kill(actor, no_restart=True)
+
+
+def test_a_peer_dying_during_the_catch_up_breaks_the_group_and_the_next_push_repairs_it(group):
+    sync, trainers, first = group
+    second = _engine(2)
+    try:
+        _tell(first[0], die=True)
+        with pytest.raises(
+            SyncError,
+            match=r"^add_engine \(catch-up to version 1\) failed on \d of 4 members:\n  worker 0 \(rank 2\): Actor",
+        ):
+            sync.add_engine(second)
+        _step(trainers, 2)
+        assert sync.push().version == 2  # Ray restarted worker 0: the repair binds it anew, a full round
+        _check(first, 2, engines=1)
+        assert sync.versions() == [2, 2], "the engine that failed to join is not in the group"
+    finally:
+        for actor in second:
+            ray.kill(actor, no_restart=True)
