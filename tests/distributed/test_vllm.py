@@ -224,42 +224,6 @@ def test_ranks_that_disagree_fail_init_naming_the_tensor_and_rank(qwen2_tp2, tp2
         tp2.set(1, disagree=False)
 
 
-@pytest.mark.slow  # 75 s: CI's 25 minutes (rank deaths are covered on rl-sync's workers in the default run)
-def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_up(references, tp2, tmp_path):
-    """Kills the module's shared TP2 engine: the last test here to use it."""
-    config = hf_config("qwen2")
-    trainers = _trainers(config)
-    init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
-    engine, fresh = tp2.load(init), None
-    try:
-        sync = WeightSync.create(trainers, engine.ranks, loopback_config(round_timeout_s=8.0))
-        sync.push()
-        tp2.set(1, die=True)
-        start = time.monotonic()
-        with pytest.raises(SyncError, match=r"round 2 \(m2n\) failed"):
-            sync.push()
-        assert time.monotonic() - start < 8.0 + 10.0, "the round outlived its timeout"
-        with pytest.raises(
-            SyncError,
-            match=r"worker 1 \(rank 3\): ActorDiedError.*\n.*launch the engine again and "
-            r"replace every one of its ranks",
-        ):
-            sync.push()
-        fresh = launch(init, 2)
-        for j, rank in enumerate(fresh.ranks):
-            sync.replace_worker(j, rank)
-        ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
-        stats = sync.push()
-        assert stats.version == 2 and fresh.versions() == [2, 2]
-        path = write_checkpoint(str(tmp_path / "after"), config, _state(trainers))
-        assert fresh.generate(PROMPTS, **SAMPLING) == references.outputs(path, 2)
-        sync.close()
-    finally:
-        if fresh is not None:
-            fresh.shutdown()
-        POOL.give_back(Trainer, trainers)
-
-
 def _norm_address(rank) -> int:
     model = rank.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     return dict(model.named_parameters())["model.norm.weight"].data_ptr()
@@ -291,6 +255,43 @@ def test_staged_rounds_arrive_while_the_engine_generates_then_match_a_fresh_engi
             path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
             served = engine.generate(PROMPTS, **SAMPLING)
             assert served == references.outputs(path, 2), f"step {step}: synced engine differs from a fresh one"
+        sync.close()
+    finally:
+        POOL.give_back(Trainer, trainers)
+
+
+def test_an_engine_joining_a_live_group_catches_up_from_a_peer_then_generates_like_a_fresh_engine(
+    references, tp2, tmp_path
+):
+    """A second TP2 engine joins while the first holds version 1 and the trainers already stepped
+    on: it binds for two replicas, the first sends it what it holds (vLLM's loader-form buffers
+    too, processed after) without binding anew, and both then generate what a fresh engine on
+    version 1 does; the next push reaches both, and the first leaves. The joining engine is the
+    module's reference engine, lent once this test's references are generated (CI's 25 minutes)."""
+    config = hf_config("qwen2")
+    trainers = _trainers(config)
+    init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
+    first = tp2.load(init)
+    try:
+        sync = WeightSync.create(trainers, first.ranks, loopback_config(bucket_bytes=1 << 18))
+        kept = list(sync.summary.kept_bytes)
+        ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+        sync.push()
+        held = references.outputs(write_checkpoint(str(tmp_path / "step1"), config, _state(trainers)), 2)
+        ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+        stepped = references.outputs(write_checkpoint(str(tmp_path / "step2"), config, _state(trainers)), 2)
+        second = references.lend(init, 2)
+        assert second.generate(PROMPTS, **SAMPLING) != held, "the joining engine starts from other weights"
+        address = ray.get(first.ranks[0].call.remote(_norm_address))
+        assert list(sync.add_engine(second.ranks).kept_bytes) == kept * 2
+        assert sync.versions() == [1] * 4
+        assert ray.get(first.ranks[0].call.remote(_norm_address)) == address, "the first engine kept its binding"
+        assert second.generate(PROMPTS, **SAMPLING) == held == first.generate(PROMPTS, **SAMPLING)
+        stats = sync.push()
+        assert [r.received_bytes for r in stats.ranks if r.role == "worker"] == kept * 2
+        assert second.generate(PROMPTS, **SAMPLING) == stepped == first.generate(PROMPTS, **SAMPLING)
+        sync.remove_engine(first.ranks)
+        assert sync.versions() == [2, 2]
         sync.close()
     finally:
         POOL.give_back(Trainer, trainers)
@@ -347,4 +348,40 @@ def test_vllm_serve_synced_over_http(references, tmp_path):
             assert generate_http(url) == references.outputs(path, 1), "served engine differs from a fresh one"
             sync.close()
     finally:
+        POOL.give_back(Trainer, trainers)
+
+
+@pytest.mark.slow  # 75 s: CI's 25 minutes (rank deaths are covered on rl-sync's workers in the default run)
+def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_up(references, tp2, tmp_path):
+    """Kills the module's shared TP2 engine: the last test here to use it."""
+    config = hf_config("qwen2")
+    trainers = _trainers(config)
+    init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
+    engine, fresh = tp2.load(init), None
+    try:
+        sync = WeightSync.create(trainers, engine.ranks, loopback_config(round_timeout_s=8.0))
+        sync.push()
+        tp2.set(1, die=True)
+        start = time.monotonic()
+        with pytest.raises(SyncError, match=r"round 2 \(m2n\) failed"):
+            sync.push()
+        assert time.monotonic() - start < 8.0 + 10.0, "the round outlived its timeout"
+        with pytest.raises(
+            SyncError,
+            match=r"worker 1 \(rank 3\): ActorDiedError.*\n.*launch the engine again and "
+            r"replace every one of its ranks",
+        ):
+            sync.push()
+        fresh = launch(init, 2)
+        for j, rank in enumerate(fresh.ranks):
+            sync.replace_worker(j, rank)
+        ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+        stats = sync.push()
+        assert stats.version == 2 and fresh.versions() == [2, 2]
+        path = write_checkpoint(str(tmp_path / "after"), config, _state(trainers))
+        assert fresh.generate(PROMPTS, **SAMPLING) == references.outputs(path, 2)
+        sync.close()
+    finally:
+        if fresh is not None:
+            fresh.shutdown()
         POOL.give_back(Trainer, trainers)
