@@ -158,6 +158,20 @@ def show(args, result: dict, params: int) -> None:
     print({k: [round(v, 4) for v in values] for k, values in result.items()})
 
 
+def defaults(args) -> None:
+    """Fill in what depends on the device (TP size, trainers), then start Ray on loopback."""
+    gpu = args.device == "cuda"
+    args.tp = args.tp or (1 if gpu else 2)
+    args.trainers = args.trainers or (1 if gpu else 2)
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
+        num_cpus=None if gpu else 8,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=12)
@@ -169,18 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=None, help="default: 4 on CPUs, 64 on GPUs")
     parser.add_argument("--tokens", type=int, default=None, help="default: 64 on CPUs, 512 on GPUs")
     args = parser.parse_args(argv)
-    gpu = args.device == "cuda"
-    args.tp = args.tp or (1 if gpu else 2)
-    args.trainers = args.trainers or (1 if gpu else 2)
-    args.prompts = args.prompts or (64 if gpu else 4)
-    args.tokens = args.tokens or (512 if gpu else 64)
-    ray.init(
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
-        num_cpus=None if gpu else 8,
-    )
+    defaults(args)
+    args.prompts = args.prompts or (64 if args.device == "cuda" else 4)
+    args.tokens = args.tokens or (512 if args.device == "cuda" else 64)
     result, params = run(args)
     show(args, result, params)
     return 0
