@@ -9,6 +9,8 @@ Every subcommand reads a YAML file from `configs/` into the project's
 dataclasses; trailing `key=value` or `--key value` arguments override fields
 (`trainer.ranks=512`, `--sync.bucket_bytes 1048576`). `--address` joins an
 existing Ray cluster (default: `RAY_ADDRESS`, else a local Ray on loopback).
+Bad input (a config or override out of bounds: see `rl_sync.config.load`)
+is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -106,8 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides, args.config = [args.config, *overrides], None
     try:
         return args.run(args, overrides)
-    except ValueError as exc:
-        print(f"rl-sync {args.command}: {exc}", file=sys.stderr)
+    except (ValueError, TypeError) as exc:
+        lines = (line.strip() for line in str(exc).splitlines())
+        print(f"rl-sync {args.command}: {'; '.join(filter(None, lines))}", file=sys.stderr)
         return 2
 
 

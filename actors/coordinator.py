@@ -10,11 +10,13 @@ and writes its mate's destinations itself (`rl_sync.transport.cuda_ipc`); the
 workers, outside the group, open and close each round around the trainers'.
 
 Round: start the ranks together, wait for all within the round timeout, and
-record the version only when every rank finished. Each driver call gives the
-coordinator a time budget (`actors.calls.Budget`) that bounds all its waits
-together, so the driver's answer is final. Any failure becomes a
-`SyncError` naming the ranks, the round and (from the ranks' own errors) the
-bucket and tensors.
+record the version only when every rank finished (double buffering: and
+switched its live weights) and the driver still waits for the answer: the
+coordinator claims the call's fence (`actors.fence`) and only then tells the
+workers to record it, so no version is recorded anywhere else or later. Each
+driver call gives the coordinator a time budget (`actors.calls.Budget`) that
+bounds all its waits together. Any failure becomes a `SyncError` naming the
+ranks, the round and (from the ranks' own errors) the bucket and tensors.
 """
 
 from __future__ import annotations
@@ -22,23 +24,23 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import cast
+from itertools import accumulate
 
 import ray
 import torch
 
 from rl_sync.config.push_args import check_mode, repeated_names
-from rl_sync.config.sync import SPARSE_MODES, Integrity, Mode, SyncConfig
-from rl_sync.planning.parts import parse_part, sharded_dims
-from rl_sync.planning.plan import SideSpec, join_specs, plan_model
+from rl_sync.config.sync import Mode, SyncConfig
+from rl_sync.planning.agreement import checkpoint_of, colocated_mates, group_init, merge_sources, plan_group, summarize
+from rl_sync.planning.parts import parse_part
 from rl_sync.planning.quant import scale_name, scaled_name
-from rl_sync.planning.schedule import build_schedule
 from rl_sync.rank.address import interface_address
 from rl_sync.rank.claim import GroupTag
 from rl_sync.rank.side import DescribeOptions
 from rl_sync.rendezvous import StoreServer, new_secret
-from rl_sync.sparse.auto import AutoPolicy, RoundCost
+from rl_sync.sparse.auto import AutoPolicy
 from rl_sync.sparse.patches import check_patch, route_patch
 from rl_sync.sparse.refresh import RefreshPolicy
 from rl_sync.transport.cuda_ipc import IpcExport, IpcRendezvous
@@ -47,17 +49,17 @@ from rl_sync.transport.local import LocalRendezvous
 from rl_sync.transport.nccl import NcclRendezvous
 from rl_sync.vllm.service import Rendezvous
 from rl_sync.wire.codec import decode, encode
-from rl_sync.wire.messages import InitInfo, RankReport, RankStats, RoundInfo, WriteMode
+from rl_sync.wire.messages import InitInfo, RankReport, RankStats, RoundInfo
 from rl_sync.wire.plan_info import PlanInfo
 from rl_sync.wire.stats import RoundStats, SyncSummary
 
-from .agreement import check_agreement, colocated_mates, merge_sources, split_sources
 from .calls import Budget, SyncError
 from .elastic import Formed, add_engine, remove_engine
+from .fence import Fence
 from .group import Membership
-from .members import ServiceMember, collect, failed, gather
+from .members import Member, ServiceMember, collect, failed, gather, leave
 from .metrics import RoundMetrics
-from .staging import OpenRound, Staged, commit, stage
+from .staging import OpenRound, Staged, commit, stage, unstage
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -78,22 +80,11 @@ def _colocated(info: InitInfo, export: bytes) -> InitInfo:
     )
 
 
-def _write_modes(workers: list[RankReport]) -> dict[str, WriteMode]:
-    """Each name's write mode across the workers: `reload` (or `fallback`) where any worker says
-    so, `direct` where all do."""
-    modes: dict[str, WriteMode] = {}
-    for report in workers:
-        for name, mode in report.modes.items():
-            if modes.get(name) in (None, "direct"):
-                modes[name] = mode
-    return modes
-
-
 class Coordinator:
     """Runs as a Ray actor (`ray.remote(Coordinator)`); driven by `WeightSync`. `workers` are
     actor handles and `VllmService`s (see `actors.group` for how ranks are assigned)."""
 
-    def __init__(self, trainers: list, workers: list, config: SyncConfig):
+    def __init__(self, trainers: list, workers: list, config: SyncConfig, token: str | None = None):
         self.trainer_handles, self.worker_entries, self.config = list(trainers), list(workers), config
         self._assign_ranks()
         self.metrics = RoundMetrics(config.name)
@@ -112,8 +103,9 @@ class Coordinator:
         """Bounds every wait of the driver call in progress (`SyncConfig.push_budget_s`)."""
         self.staged: Staged | None = None
         """The round `stage` started and `commit` has not committed (`actors.staging`)."""
-        self.tag = GroupTag(uuid.uuid4().hex[:12], config.name, ray.get_runtime_context().current_actor)
-        """Names this group to its ranks: an actor belongs to one live group at a time."""
+        self.tag = GroupTag(token or uuid.uuid4().hex[:12], config.name, ray.get_runtime_context().current_actor)
+        """Names this group to its ranks (`token`: the driver's, so it can release them should this
+        actor die): an actor belongs to one live group at a time."""
 
     def _assign_ranks(self) -> None:
         group = Membership.of(self.trainer_handles, self.worker_entries)
@@ -141,11 +133,9 @@ class Coordinator:
         )
         trainer_reports = [decode(RankReport, b) for b in blobs]
         sources = merge_sources(trainer_reports)
+        checkpoint, sharded = checkpoint_of(sources)
         options = DescribeOptions(
-            group=self.tag,
-            checkpoint={s.name: (s.dtype, tuple(s.shape)) for s in sources},
-            sharded={s.name: tuple(sorted(sharded_dims(s.layout))) for s in sources},
-            double_buffer=cfg.double_buffer,
+            group=self.tag, checkpoint=checkpoint, sharded=sharded, double_buffer=cfg.double_buffer
         )
         blobs = gather(
             self.workers,
@@ -155,15 +145,9 @@ class Coordinator:
         )
         reports = trainer_reports + [decode(RankReport, b) for b in blobs]
         self._choose_colocation(reports[:T], reports[T:])
-        check_agreement(reports[T:], ranks=self.worker_ranks)
-        sources = split_sources(sources, [t.name for t in reports[T].tensors])
-        destinations = [
-            SideSpec(t.name, t.dtype, t.shape, t.layout.to_layout().remapped(self.worker_ranks), t.block)
-            for t in reports[T].tensors
-        ]
         colocated = any(r < T for r in self.worker_ranks)
-        plan = plan_model(join_specs(sources, destinations), colocated=colocated)
-        self.schedule = build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes, cfg.relay)
+        self.schedule = plan_group(sources, reports[T:], self.worker_ranks, T, cfg)
+        plan = self.schedule.plan
         self.names = set(plan.index)
         self.parts: dict[str, list[str]] = {}
         for name in plan.index:
@@ -181,24 +165,8 @@ class Coordinator:
         return self._summary(info, colocated, reports[T:], time.perf_counter() - start)
 
     def _summary(self, info: InitInfo, colocated: bool, workers: list[RankReport], seconds: float) -> SyncSummary:
-        plan, modes = self.schedule.plan, _write_modes(workers)
-        fallbacks = tuple(sorted(n for n, m in modes.items() if m == "fallback"))
-        return SyncSummary(
-            tensors=len(plan),
-            buckets=self.schedule.num_buckets,
-            transport=info.transport,
-            cuda_ipc=self.ipc,
-            world_size=sum(m.size for m in self.ranks),
-            colocated=colocated,
-            relay=self.schedule.relay_choice,
-            plan_bytes=plan.stats.total_bytes,
-            local_copy_bytes=plan.stats.local_copy_bytes,
-            broadcast_bytes=plan.stats.broadcast_bytes,
-            fallbacks=fallbacks,
-            modes=modes,
-            kept_bytes=tuple(r.kept_bytes for r in workers),
-            seconds=seconds,
-        )
+        world = sum(m.size for m in self.ranks)
+        return summarize(self.schedule, workers, info.transport, self.ipc, world, colocated, seconds)
 
     def _choose_colocation(self, trainers: list[RankReport], workers: list[RankReport]) -> None:
         mode = self.config.colocate
@@ -302,20 +270,7 @@ class Coordinator:
         cfg, T = self.config, len(self.trainers)
         world = sum(m.size for m in self.ranks)
         transport, rendezvous = self._rendezvous(world, all(d.startswith("cuda") for d in devices))
-        return InitInfo(
-            rank=0,
-            world_size=world,
-            num_trainers=T,
-            worker_ranks=self.worker_ranks,
-            transport=transport,
-            rendezvous=encode(rendezvous),
-            prefix=f"rl-sync-{uuid.uuid4().hex[:12]}",
-            timeout_s=cfg.round_timeout_s,
-            sparse_baseline=cfg.sparse_baseline,
-            integrity=cast(Integrity, cfg.integrity),  # one of them: SyncConfig.__post_init__ checked
-            interface=cfg.interface or "",
-            secret=self._secret,
-        )
+        return group_init(cfg, world, T, self.worker_ranks, transport, encode(rendezvous), self._secret)
 
     def _rendezvous(self, world: int, on_cuda: bool) -> tuple[str, LocalRendezvous | NcclRendezvous | GlooRendezvous]:
         """The group's transport and its rendezvous message: `local` for one rank; NCCL when asked
@@ -421,22 +376,70 @@ class Coordinator:
         self.broken = self.broken or f"worker {index} replaced"
 
     def push(
-        self, version: int | None, names: list[str] | None, mode: str | None, budget_s: float | None = None
+        self,
+        version: int | None,
+        names: list[str] | None,
+        mode: str | None,
+        budget_s: float | None = None,
+        fence: str | None = None,
     ) -> RoundStats:
         """Run one round on every rank (repairing first if an earlier one failed), all of it within
-        `budget_s` seconds: the driver waits that long, so a round it was told failed is never
-        recorded later. See the module docstring."""
+        `budget_s` seconds, and record its version unless the driver gave up on the call (its
+        `fence`, `actors.fence`). See the module docstring."""
         with self.budget.within(budget_s, "push"):
-            return self._push(version, names, mode)
+            return self._push(version, names, mode, self._fence(fence, "push"))
 
-    def _push(self, version: int | None, asked_names: list[str] | None, asked_mode: str | None) -> RoundStats:
+    def _push(
+        self, version: int | None, asked_names: list[str] | None, asked_mode: str | None, fence: Fence | None
+    ) -> RoundStats:
         round_ = self._open_round(version, asked_names, asked_mode)
         try:
             results, commit_seconds = self._run_round(round_.blob, round_.version, round_.names, round_.what)
         except SyncError:
             self.broken = f"round {round_.version}"
             raise
-        return self._close_round(round_, results, commit_seconds)
+        return self._close_round(round_, results, commit_seconds, fence)
+
+    def _fence(self, token: str | None, what: str) -> Fence | None:
+        """The call's fence; `SyncError`, doing nothing, when its driver gave up on it before it
+        started (it waited behind another call, or this process was stopped)."""
+        if token is None:
+            return None
+        fence = Fence(token)
+        if fence.abandoned():
+            fence.settle()
+            raise SyncError(
+                f"{what}: the driver gave up on this call before it started (its timeout_s ran out while the "
+                "coordinator was busy or stopped); nothing was done"
+            )
+        return fence
+
+    def _record(self, version: int, fence: Fence | None, what: str) -> None:
+        """The one place a version is decided, once every rank finished `what`: claim the call's
+        fence (refused when the driver gave up on it: nothing is recorded and the version stays
+        free), then every worker records it (`record_on`)."""
+        self.claim(fence, f"{what} finished after the driver gave up on it; version {version} is not recorded")
+        self.version = version
+        self.record_on(self.workers, version)
+
+    @staticmethod
+    def claim(fence: Fence | None, refused: str) -> None:
+        """Claim the call's fence for the coordinator, before what it decides takes effect;
+        `SyncError(refused)` when its driver gave up on the call first."""
+        if fence is not None and not fence.commit():
+            fence.settle()
+            raise SyncError(refused)
+
+    def record_on(self, members: Sequence[Member], version: int) -> None:
+        """`members` (workers) record `version`, which they hold. They already hold it, so one that
+        does not record it only reports no version, and the next push repairs the group."""
+        step = self.config.round_timeout_s + 5
+        answers, failures = collect(members, lambda m: m.record(version), self.budget.left(step, at_least=1.0))
+        firsts = accumulate((m.size for m in members), initial=0)
+        refused = [m for m, first in zip(members, firsts) if answers[first] is False]
+        if failures or refused:
+            labels = [m.label for m, _ in failures] + [m.label for m in refused]
+            self.broken = f"version {version} not recorded by {', '.join(labels)}"
 
     def _open_round(
         self, version: int | None, asked_names: list[str] | None, asked_mode: str | None, what: str = "push"
@@ -472,41 +475,61 @@ class Coordinator:
         return OpenRound(version, mode, names, reason, dense_bytes, start, blob)
 
     def _close_round(
-        self, round_: OpenRound, results: list[RankStats], commit_seconds: float, seconds: float | None = None
+        self,
+        round_: OpenRound,
+        results: list[RankStats],
+        commit_seconds: float,
+        fence: Fence | None,
+        seconds: float | None = None,
     ) -> RoundStats:
-        """Record a round every rank finished (and committed); `seconds`: its time where it is not
-        the wall time since it opened (a staged round's)."""
-        self.version = round_.version
+        """Record a round every rank finished (and committed) unless its driver gave up on it
+        (`_record`); `seconds`: its time where it is not the wall time since it opened (a staged
+        round's)."""
+        self._record(round_.version, fence, round_.what)
         first = self.refresh.finished(round_.mode, every_tensor=round_.names is None)
         took = time.perf_counter() - round_.start if seconds is None else seconds
         stats = RoundStats(round_.version, round_.mode, took, tuple(results), round_.reason, commit_seconds)
         if not first and seconds is None:  # the first round pays one-time costs; a staged one shares the CPUs
-            self._learn(stats, round_.dense_bytes)
+            self.auto.learn(stats, round_.dense_bytes)
         self.metrics.record(stats)
         return stats
 
     def stage(
-        self, version: int | None, names: list[str] | None, mode: str | None, budget_s: float | None = None
+        self,
+        version: int | None,
+        names: list[str] | None,
+        mode: str | None,
+        budget_s: float | None = None,
+        fence: str | None = None,
     ) -> tuple[int, str, str]:
         """Start a round into the workers' shadows while they serve (`actors.staging`), within
-        `budget_s` seconds; returns its version, mode and why that mode."""
+        `budget_s` seconds, unless the driver gave up on the call (`fence`); returns its version,
+        mode and why that mode."""
         with self.budget.within(budget_s, "stage"):
-            return stage(self, version, names, mode)
+            return stage(self, version, names, mode, self._fence(fence, "stage"))
 
-    def commit(self, version: int, budget_s: float | None = None) -> RoundStats:
-        """Finish staged round `version` and make it live on every worker, within `budget_s` seconds."""
+    def unstage(self, fence: str) -> None:
+        """The driver gave up on the stage call of `fence` after it staged its round: drop that
+        round (`actors.staging`)."""
+        unstage(self, fence)
+
+    def commit(self, version: int, budget_s: float | None = None, fence: str | None = None) -> RoundStats:
+        """Finish staged round `version` and make it live on every worker, within `budget_s`
+        seconds; recorded unless the driver gave up on the call (`fence`)."""
         with self.budget.within(budget_s, "commit"):
-            return commit(self, version)
+            return commit(self, version, fence)
 
-    def add_engine(self, handles: list, budget_s: float | None = None) -> SyncSummary:
-        """Grow the live group by one engine's ranks (`actors.elastic`), within `budget_s` seconds."""
+    def add_engine(self, handles: list, budget_s: float | None = None, fence: str | None = None) -> SyncSummary:
+        """Grow the live group by one engine's ranks (`actors.elastic`), within `budget_s` seconds,
+        unless the driver gave up on the call (`fence`)."""
         with self.budget.within(budget_s, "add_engine"):
-            return add_engine(self, handles)
+            return add_engine(self, handles, self._fence(fence, "add_engine"))
 
-    def remove_engine(self, handles: list, budget_s: float | None = None) -> SyncSummary:
-        """Shrink the live group by one engine's ranks (`actors.elastic`), within `budget_s` seconds."""
+    def remove_engine(self, handles: list, budget_s: float | None = None, fence: str | None = None) -> SyncSummary:
+        """Shrink the live group by one engine's ranks (`actors.elastic`), within `budget_s` seconds,
+        unless the driver gave up on the call (`fence`)."""
         with self.budget.within(budget_s, "remove_engine"):
-            return remove_engine(self, handles)
+            return remove_engine(self, handles, self._fence(fence, "remove_engine"))
 
     def _check_unstaged(self, what: str) -> None:
         if self.staged is not None:
@@ -530,14 +553,6 @@ class Coordinator:
             return plan.stats.total_bytes
         subset = sum(plan.specs[plan.index[n]].nbytes for n in names)
         return plan.stats.total_bytes * subset // max(1, plan.stats.broadcast_recv_bytes)
-
-    def _learn(self, stats: RoundStats, dense_bytes: int) -> None:
-        """Teach `auto` what this round cost (dense M2N and sparse-engine rounds of `dense_bytes`)."""
-        if stats.mode == "m2n":
-            self.auto.record(RoundCost("dense", stats.seconds, dense_bytes))
-        elif stats.mode in SPARSE_MODES:
-            sent = sum(r.sent_bytes for r in stats.ranks if r.role != "worker")
-            self.auto.record(RoundCost("sparse", stats.seconds, dense_bytes, sent / max(1, stats.dense_bytes)))
 
     def _run_round(
         self, blob: bytes, version: int, names: tuple[str, ...] | None, what: str
@@ -585,7 +600,9 @@ class Coordinator:
             raise
         return bool(moved)
 
-    def push_patches(self, patches: list, version: int | None, budget_s: float | None = None) -> int:
+    def push_patches(
+        self, patches: list, version: int | None, budget_s: float | None = None, fence: str | None = None
+    ) -> int:
         """Apply flat-index patches (`rl_sync.sparse.patches`) on every worker that keeps part of them,
         within `budget_s` seconds.
 
@@ -593,11 +610,11 @@ class Coordinator:
         anything is sent; each worker gets only its part, in its own box's coordinates. The
         trainers' baselines no longer describe the workers, so the next sparse round is dense;
         patches that fail part-way mark the group broken (the next push repairs it with a full
-        round). Returns the version applied."""
+        round). Returns the version applied; recorded like a round's (`push`)."""
         with self.budget.within(budget_s, "push_patches"):
-            return self._push_patches(patches, version)
+            return self._push_patches(patches, version, self._fence(fence, "push_patches"))
 
-    def _push_patches(self, patches: list, version: int | None) -> int:
+    def _push_patches(self, patches: list, version: int | None, fence: Fence | None) -> int:
         self._check_patches(patches)
         if self.refresh.needs_full_round or self.broken is not None:
             raise ValueError(
@@ -628,7 +645,7 @@ class Coordinator:
         except SyncError:
             self.broken = f"patches {version}"
             raise
-        self.version = version
+        self._record(version, fence, f"patches {version}")
         return version
 
     def _check_patches(self, patches: list) -> None:
@@ -675,12 +692,9 @@ class Coordinator:
         self._close_ranks(abort=self.broken is not None)
 
     def _close_ranks(self, abort: bool) -> None:
-        """Every member leaves the group (aborting wakes peers stuck in a failed round; a member
-        another group holds by now is left alone); the rendezvous store goes with it. Bounded by
-        `init_timeout_s`; dead members are skipped."""
+        """Every member leaves the group (`actors.members.leave`), bounded by `init_timeout_s`; the
+        rendezvous store goes with it."""
         self.staged = None
-        ranks = {m.handle for m in self.ranks}
-        members = self.ranks + [m for m in self.workers if m.handle not in ranks]
-        refs = [m.close(abort, self.reply, self.tag.token) for m in members]
-        ray.wait(refs, num_returns=len(refs), timeout=self.budget.left(self.config.init_timeout_s, at_least=1.0))
+        timeout = self.budget.left(self.config.init_timeout_s, at_least=1.0)
+        leave(self.ranks + self.workers, abort, self.reply, self.tag.token, timeout)
         self._close_store()

@@ -65,7 +65,7 @@ class DemoConfig:
 
 
 def _bound(actor) -> dict:
-    return {name: (e.origin, e.tensor.detach().clone()) for name, e in actor._rl_sync_cached[1].items()}
+    return {name: (e.origin, e.tensor.detach().clone()) for name, e in actor._rl_sync_endpoints("worker").items()}
 
 
 def check_bit_exact(trainers, workers) -> int:

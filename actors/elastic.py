@@ -5,19 +5,22 @@ worker count, and the layouts they report must leave every existing worker its b
 (`rl_sync.planning.elastic`); the plan and schedule grow; every rank joins the grown group's
 transport beside its current one (`_rl_sync_regroup`, on the store the group formed on); a
 peer replica holding the group's version sends the newcomer what it holds (catch-up by relay,
-`rl_sync.engine.catch_up`), or, with no peer laid out alike, the next round carries every
-tensor to every worker dense; then every rank switches to the grown group (`_rl_sync_switch`),
-trainers keeping their sparse baselines. Removing one: the layouts shrink, the ranks that
-stay regroup and switch, and the engine's ranks leave. A join or leave that fails before the
-switch leaves the group as it was (a joining engine released), unless a rank of the group
-itself failed: then, as after any failure, the next push repairs it.
+`rl_sync.engine.catch_up`), or, with no peer laid out alike or holding that version (its
+engine replaced or moved a weight since: `rl_sync.rank.watch`), the next round carries every
+tensor to every worker dense; then, unless the driver gave up on the call (its fence,
+`actors.fence`, claimed here), every rank switches to the grown group (`_rl_sync_switch`),
+trainers keeping their sparse baselines, and the joining ranks record the version they caught
+up to. Removing one: the layouts shrink, the ranks that stay regroup and switch, and the
+engine's ranks leave. A join or leave that fails before the switch leaves the group as it
+was (a joining engine released), unless a rank of the group itself failed: then, as after
+any failure, the next push repairs it.
 
 Only engines whose ranks are Ray actors (`VllmEngine`, your mixin actors) join or leave, in
 groups without CUDA IPC or engine services, between rounds.
 
 Typical use (inside the coordinator)::
 
-    summary = add_engine(coordinator, [rank0, rank1])     # one engine's ranks, in TP order
+    summary = add_engine(coordinator, [rank0, rank1], fence)     # one engine's ranks, in TP order
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from rl_sync.planning.agreement import check_agreement, split_sources
 from rl_sync.planning.elastic import check_grown, engine_layout, shrunk
 from rl_sync.planning.layout import Layout
 from rl_sync.planning.plan import SideSpec, TensorSpec, join_specs, plan_model
@@ -40,8 +44,7 @@ from rl_sync.wire.messages import InitInfo, RankReport, RoundInfo
 from rl_sync.wire.plan_info import PlanInfo
 from rl_sync.wire.stats import SyncSummary
 
-from .agreement import check_agreement
-from .calls import SyncError
+from .fence import Fence
 from .group import Membership
 from .members import Member, ServiceMember, collect, failed, gather
 
@@ -54,7 +57,7 @@ class Formed:
     """What forming the group found, kept for engines that join or leave."""
 
     sources: list[SideSpec]
-    """The trainers' tensors, as planned (in parts where the workers bind parts)."""
+    """The trainers' tensors, whole (`rl_sync.planning.agreement.merge_sources`)."""
     workers: list[RankReport]
     """Each worker-side rank's report, as it bound."""
     devices: list[str]
@@ -120,7 +123,8 @@ def _schedule(c: Coordinator, layouts: dict[str, Layout], workers: list[RankRepo
     destinations = [
         SideSpec(t.name, t.dtype, t.shape, layouts[t.name].remapped(ranks), t.block) for t in workers[0].tensors
     ]
-    plan = plan_model(join_specs(c.formed.sources, destinations))  # (no hybrid actors: `_check_live`)
+    sources = split_sources(c.formed.sources, [t.name for t in workers[0].tensors])
+    plan = plan_model(join_specs(sources, destinations))  # (no hybrid actors: `_check_live`)
     return build_schedule(plan, c.config.bucket_bytes, c.config.coalesce_bytes, c.config.relay)
 
 
@@ -164,8 +168,9 @@ def _catch_up_plan(c: Coordinator, layouts: dict[str, Layout], workers: list[Ran
     return encode(PlanInfo.from_schedule(schedule), compress=True)
 
 
-def add_engine(c: Coordinator, handles: Sequence) -> SyncSummary:
-    """Grow the group by one engine (see the module docstring); returns its new summary."""
+def add_engine(c: Coordinator, handles: Sequence, fence: Fence | None) -> SyncSummary:
+    """Grow the group by one engine (see the module docstring), unless the driver gave up on the
+    call (`fence`, claimed before the switch); returns its new summary."""
     start, what = time.perf_counter(), "add_engine"
     _check_live(c, what, handles)
     N, n = len(c.worker_ranks), len(handles)
@@ -186,12 +191,14 @@ def add_engine(c: Coordinator, handles: Sequence) -> SyncSummary:
     except BaseException:
         _release(c, joining)
         raise
-    info = _switch(c, group, schedule, devices, joining, catch_up)
+    info, caught_up = _switch(c, group, schedule, devices, joining, catch_up, fence, what)
     c.formed = replace(c.formed, workers=c.formed.workers + reports, devices=devices, info=info, layouts=layouts)
-    if catch_up is None:
+    if not caught_up:
         c.refresh.regrouped()  # the joining engine holds what its engine loaded: the next round carries all
     c.worker_entries = list(c.worker_entries) + list(handles)
     c._assign_ranks()
+    if caught_up:
+        c.record_on(joining, c.version)
     return c._summary(info, False, c.formed.workers, time.perf_counter() - start)
 
 
@@ -215,39 +222,57 @@ def _grown(c: Coordinator, reports: list[RankReport], group: Membership, N: int)
 
 
 def _switch(
-    c: Coordinator, group: Membership, schedule: Schedule, devices: list[str], joining: Sequence[Member], catch_up
-) -> InitInfo:
-    """Regroup every rank of `group`, run the catch-up (if any), then switch every rank; on a
-    failure before the switch, undo it and release `joining` (the group is broken only if one of
-    its own ranks failed)."""
+    c: Coordinator,
+    group: Membership,
+    schedule: Schedule,
+    devices: list[str],
+    joining: Sequence[Member],
+    catch_up: bytes | None,
+    fence: Fence | None,
+    what: str,
+) -> tuple[InitInfo, bool]:
+    """Regroup every rank of `group`, run the catch-up (if any), claim the call's `fence`, then
+    switch every rank; on a failure before the switch (the driver gave up first included), undo
+    it and release `joining` (the group is broken only if one of its own ranks failed); on one
+    during the switch, release `joining` and mark the group broken (the next push repairs it as
+    it was). Returns the new group's `InitInfo` and whether the joining engine caught up."""
     staying = [m for m in group.ranks if all(m is not j for j in joining)]
     try:
         info = _regroup(c, group, schedule, devices, staying)
-        if catch_up is not None:
-            _catch_up(c, group, catch_up, len(joining), staying)
+        caught_up = catch_up is not None and _catch_up(c, group, catch_up, len(joining), staying)
+        c.claim(fence, f"{what} finished after the driver gave up on it; the group is as it was")
     except BaseException:
         _undo(c, group.ranks)
         _release(c, joining)
         raise
-    _step(c, group.ranks, lambda m: m.switch(True), "regroup (switch)", group.ranks, c.config.init_timeout_s)
+    try:
+        _step(c, group.ranks, lambda m: m.switch(True), "regroup (switch)", group.ranks, c.config.init_timeout_s)
+    except Exception:
+        c.broken = c.broken or "an engine joining or leaving (some ranks switched)"
+        _release(c, joining)
+        raise
     c.schedule = schedule
-    return info
+    return info, caught_up
 
 
-def _catch_up(c: Coordinator, group: Membership, plan: bytes, n: int, staying: Sequence[Member]) -> None:
-    """The first replica sends the joining one what it holds, at the group's version."""
+def _catch_up(c: Coordinator, group: Membership, plan: bytes, n: int, staying: Sequence[Member]) -> bool:
+    """The first replica sends the joining one what it holds, at the group's version; False (and
+    nothing sent) when its ranks do not all hold that version (a weight its engine replaced or
+    moved since, a round not recorded): the next round then carries every tensor."""
     workers = group.ranks[len(c.trainers) :]
     peers, joining = workers[:n], workers[-n:]
     held = _step(c, peers, lambda m: m.versions(), "add_engine (versions)", staying, c.config.init_timeout_s)
     if held != [c.version] * n:
-        raise SyncError(f"add_engine: the first engine's ranks hold versions {held}, not the group's {c.version}")
+        return False
     round_blob = encode(RoundInfo(c.version, "m2n", None, c.budget.left(c.config.round_timeout_s), False))
     what = f"add_engine (catch-up to version {c.version})"
     _step(c, peers + joining, lambda m: m.catch_up(plan, round_blob), what, staying, c.config.round_timeout_s + 5)
+    return True
 
 
-def remove_engine(c: Coordinator, handles: Sequence) -> SyncSummary:
-    """Shrink the group by one engine (see the module docstring); returns its new summary."""
+def remove_engine(c: Coordinator, handles: Sequence, fence: Fence | None) -> SyncSummary:
+    """Shrink the group by one engine (see the module docstring), unless the driver gave up on the
+    call (`fence`, claimed before the switch); returns its new summary."""
     start, what = time.perf_counter(), "remove_engine"
     _check_live(c, what, handles)
     entries = list(c.worker_entries)
@@ -272,7 +297,7 @@ def remove_engine(c: Coordinator, handles: Sequence) -> SyncSummary:
     leaving = [m for i, m in enumerate(c.workers) if i in gone]
     T = len(c.trainers)
     devices = [d for r, d in enumerate(c.formed.devices) if r < T or r - T not in gone]
-    info = _switch(c, group, _schedule(c, layouts, workers, group), devices, [], None)
+    info, _ = _switch(c, group, _schedule(c, layouts, workers, group), devices, [], None, fence, what)
     _release(c, leaving)
     c.formed = replace(c.formed, workers=workers, devices=devices, info=info, layouts=layouts)
     c.worker_entries = staying

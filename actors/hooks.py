@@ -45,7 +45,9 @@ class WorkerHooks(Protocol):
     ) -> Mapping[str, Destination]:
         """Given the trainers' checkpoint (`{name: (dtype, global shape)}`), this rank's live
         storage for each name (`rl_sync.bind.Binder` builds them from rules); called whenever
-        the group forms or is repaired."""
+        the group forms or is repaired. The mapping returned is kept and watched each round: a
+        `Destination` replaced in it, or a weight the engine moved, is bound anew
+        (`rl_sync.rank.worker`)."""
         ...
 
 

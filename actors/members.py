@@ -62,6 +62,9 @@ class ActorMember:
     def staged(self, version: int, timeout_s: float, reply: Rendezvous | None):
         return self.handle._rl_sync_staged.remote(version, timeout_s)
 
+    def record(self, version: int):
+        return self.handle._rl_sync_record.remote(version)
+
     def versions(self):
         return self.handle._rl_sync_version_of.remote()
 
@@ -140,6 +143,9 @@ class ServiceMember:
     def staged(self, version: int, timeout_s: float, reply: Rendezvous | None):
         request = RoundRequest(b"", version, replace(self._reply(reply), timeout_s=timeout_s))
         return self.handle._rl_sync_service_staged.remote(encode(request))
+
+    def record(self, version: int):
+        return self.handle._rl_sync_service_record.remote(version)
 
     def versions(self):
         return self.handle._rl_sync_service_versions.remote()
@@ -240,3 +246,15 @@ def failed(what: str, failures: list[tuple], members: int, timeout_s: float) -> 
     remote = [f"{m.label}: {remote_text(e)}" for m, e in failures if e is not None]
     error.__cause__ = RemoteTraceback("\n\n".join(remote)) if remote else None
     return error
+
+
+def leave(members: Sequence[Member], abort: bool, reply: Rendezvous | None, token: str, timeout_s: float) -> None:
+    """Every member (each actor once) leaves the group with `token`, waiting at most `timeout_s`
+    seconds: aborting wakes peers stuck in a failed round; a member another group holds by now is
+    left alone, and a dead one is skipped. An engine service's ranks leave only through `reply`
+    (the group's store); without it they stay until the next group takes them over."""
+    once: dict = {}
+    for member in members:
+        once.setdefault(member.handle, member)
+    refs = [m.close(abort, reply, token) for m in once.values()]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)

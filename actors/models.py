@@ -41,6 +41,19 @@ def hf_config(config: Mapping[str, Any]):
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
+def decoder_layers(model: Any) -> torch.nn.ModuleList:
+    """A transformers causal LM's stack of decoder layers (`model.layers`, GPT-2's `transformer.h`,
+    ...): its first module list of `config.num_hidden_layers` layers."""
+    count = model.config.num_hidden_layers
+    found = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count), None)
+    if found is None:
+        raise ValueError(
+            f"{type(model).__name__} holds no list of {count} modules (config.num_hidden_layers): "
+            "expected its decoder layers"
+        )
+    return found
+
+
 class HFTrainer(SyncTrainerMixin):
     """A trainer rank: a `transformers` causal LM from a config (random init, no download),
     every decoder layer and the root `fully_shard`-ed over the trainers' group (Gloo on the CPU;
@@ -74,7 +87,7 @@ class HFTrainer(SyncTrainerMixin):
                 if "norm" in name:
                     param.normal_(1.0, norm_noise)  # ones would hide a norm bound to the wrong slot
         mesh = init_device_mesh(self.device.type, (size,))
-        for layer in self.model.model.layers:
+        for layer in decoder_layers(self.model):
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.optimizer: torch.optim.AdamW | None = None

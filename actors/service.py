@@ -50,6 +50,7 @@ class _ServiceHost:
     """The calls a `ServiceMember` makes; `_rl_sync_driver()` reaches the engine."""
 
     _rl_sync_versions: list | None = None
+    _rl_sync_unrecorded: int | None = None
     _rl_sync_claim: Claim | None = None
 
     def _rl_sync_driver(self) -> ServiceDriver:
@@ -68,7 +69,7 @@ class _ServiceHost:
                 self._rl_sync_claim = Claim()
             self._rl_sync_claim.take(group, coordinator_alive)
         driver = self._rl_sync_driver()
-        self._rl_sync_versions = [None] * driver.ranks
+        self._rl_sync_written(None, driver.ranks)
         node = ray.get_runtime_context().get_node_id()
         return driver.describe(replace(decode(DescribeRequest, request), node=node))
 
@@ -81,10 +82,11 @@ class _ServiceHost:
         """One round; `live`: it writes the live weights (no double buffering)."""
         round_request = decode(RoundRequest, request)
         driver = self._rl_sync_driver()
-        self._rl_sync_versions = [None] * driver.ranks if live else self._rl_sync_versions
+        if live:
+            self._rl_sync_written(None, driver.ranks)
         stats = driver.run(round_request)
         if live:
-            self._rl_sync_versions = [round_request.version] * driver.ranks
+            self._rl_sync_written(round_request.version, driver.ranks)
         return stats
 
     def _rl_sync_service_stage(self, request: bytes) -> None:
@@ -99,8 +101,20 @@ class _ServiceHost:
     def _rl_sync_service_commit(self, request: bytes) -> None:
         round_request = decode(RoundRequest, request)
         driver = self._rl_sync_driver()
+        self._rl_sync_written(None, driver.ranks)
         driver.commit(round_request)
-        self._rl_sync_versions = [round_request.version] * driver.ranks
+        self._rl_sync_written(round_request.version, driver.ranks)
+
+    def _rl_sync_written(self, version: int | None, ranks: int) -> None:
+        """The live weights are being written (None), or hold `version`, not recorded yet."""
+        self._rl_sync_versions, self._rl_sync_unrecorded = [None] * ranks, version
+
+    def _rl_sync_service_record(self, version: int) -> bool:
+        """The coordinator recorded `version`: report it, if it is the last one written."""
+        if self._rl_sync_unrecorded != version:
+            return False
+        self._rl_sync_versions, self._rl_sync_unrecorded = [version] * self._rl_sync_driver().ranks, None
+        return True
 
     def _rl_sync_service_ipc_export(self, request: bytes) -> list[bytes]:
         """Every rank's export of its destinations' memory to its colocated trainer."""
@@ -109,14 +123,14 @@ class _ServiceHost:
     def _rl_sync_service_ipc_begin(self, request: bytes) -> list[bytes | None]:
         """Open a colocated round (the trainers write the live weights from now on)."""
         driver = self._rl_sync_driver()
-        self._rl_sync_versions = [None] * driver.ranks
+        self._rl_sync_written(None, driver.ranks)
         return driver.ipc_begin(decode(IpcRequest, request))
 
     def _rl_sync_service_ipc_end(self, request: bytes) -> None:
         step = decode(IpcRequest, request)
         driver = self._rl_sync_driver()
         driver.ipc_end(step)
-        self._rl_sync_versions = [step.version] * driver.ranks
+        self._rl_sync_written(step.version, driver.ranks)
 
     def _rl_sync_service_versions(self) -> list:
         return list(self._rl_sync_versions or [None] * self._rl_sync_driver().ranks)

@@ -10,13 +10,16 @@ every worker in one step (`Coordinator._commit`: a swap of the memory behind
 each storage where the engine allows, a copy otherwise), which is all the
 engines wait for. A staged round that fails anywhere is never committed
 anywhere: the workers keep serving the previous version in full, and the next
-push repairs the group.
+push repairs the group. Both calls carry the driver's fence (`actors.fence`):
+a stage the driver gave up on is dropped (claimed once every worker started,
+or dropped by the driver's `unstage` should its claim come second), and a
+commit is recorded only if its driver still waits (`Coordinator._record`).
 
 Typical use (inside the coordinator)::
 
-    version, mode, reason = stage(coordinator, None, None, "m2n")
+    version, mode, reason = stage(coordinator, None, None, "m2n", fence)
     ...                                   # the driver generates meanwhile
-    stats = commit(coordinator, version)
+    stats = commit(coordinator, version, token)
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from rl_sync.wire.messages import RankStats
 from rl_sync.wire.stats import RoundStats
 
 from .calls import SyncError
+from .fence import Fence
 from .members import Member, collect, failed, gather
 
 if TYPE_CHECKING:
@@ -66,11 +70,15 @@ class Staged:
     """`id(member)` -> the Ray reference of its round."""
     receivers: list[Member]
     """Workers receiving it on a thread of their own, in rank order."""
+    token: str
+    """The stage call's fence (`actors.fence`), or "" without one."""
 
 
-def stage(c: Coordinator, version: int | None, names: list[str] | None, mode: str | None) -> tuple[int, str, str]:
+def stage(
+    c: Coordinator, version: int | None, names: list[str] | None, mode: str | None, fence: Fence | None
+) -> tuple[int, str, str]:
     """Open and start a staged round (see the module docstring); returns its version, mode and
-    why that mode. Returns once every worker has started receiving."""
+    why that mode, once every worker has started receiving and the call's `fence` is claimed."""
     if not c.config.double_buffer:
         raise ValueError(
             "stage: a staged round lands in the workers' shadow copies while they serve, which only a "
@@ -96,20 +104,43 @@ def stage(c: Coordinator, version: int | None, names: list[str] | None, mode: st
     except SyncError:
         c.broken = f"round {round_.version}"
         raise
-    c.staged = Staged(round_, senders, refs, receivers)
+    c.staged = Staged(round_, senders, refs, receivers, "" if fence is None else fence.token)
+    try:
+        c.claim(fence, f"stage: {round_.what} started after the driver gave up on it; it is dropped")
+    except SyncError:
+        _drop(c)
+        raise
     return round_.version, round_.mode, round_.reason
 
 
-def commit(c: Coordinator, version: int) -> RoundStats:
-    """Wait for staged round `version` on every rank, then commit it on every worker; returns its
-    statistics (`seconds`: the slowest rank's transfer; `commit_seconds`: the commit step)."""
+def unstage(c: Coordinator, token: str) -> None:
+    """Drop the staged round of the stage call whose fence is `token`, if it is still staged."""
+    if c.staged is not None and c.staged.token == token:
+        _drop(c)
+
+
+def _drop(c: Coordinator) -> None:
+    """The staged round will never be committed: the next push repairs the group (which ends the
+    workers' threads); they serve the version they hold meanwhile."""
+    assert c.staged is not None  # (callers check)
+    c.broken, c.staged = f"round {c.staged.round.version}, staged and dropped", None
+
+
+def commit(c: Coordinator, version: int, token: str | None) -> RoundStats:
+    """Wait for staged round `version` on every rank, then commit it on every worker, and record
+    it unless the driver gave up on the call (its fence `token`; a call it gave up on before it
+    started drops the round); returns its statistics (`seconds`: the slowest rank's transfer;
+    `commit_seconds`: the commit step)."""
     staged = c.staged
     if staged is None or staged.round.version != version:
-        held = "it was committed already, or a repair or close dropped it" if staged is None else "another is"
+        held = (
+            "another is" if staged is not None else "committed already, or dropped: a repair, a close, a stage given up"
+        )
         raise ValueError(f"commit: round {version} is not staged ({held})")
     c.staged, round_ = None, staged.round
     what, step = f"{round_.what}, staged", c.config.round_timeout_s + 5
     try:
+        fence = c._fence(token, "commit")
         timeout = c.budget.left(step)
         sent, failures = collect(staged.senders, lambda m: staged.refs[id(m)], timeout)
         if failures:
@@ -121,4 +152,4 @@ def commit(c: Coordinator, version: int) -> RoundStats:
         c.broken = f"round {version}"
         raise
     results = [decode(RankStats, r) for r in sent + received]
-    return c._close_round(round_, results, commit_seconds, seconds=max(r.seconds for r in results))
+    return c._close_round(round_, results, commit_seconds, fence, seconds=max(r.seconds for r in results))

@@ -21,7 +21,10 @@ process-group rank for DTensors); workers follow in their own order.
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from typing import Any
 
 import ray
 from ray.actor import ActorHandle
@@ -32,10 +35,12 @@ from rl_sync.config.sync import SyncConfig, check_seconds
 from rl_sync.wire.failure import RemoteTraceback
 from rl_sync.wire.stats import RoundStats, SyncSummary
 
-from .calls import SyncError, remote_text
+from .calls import SyncError, failure_reason, remote_text
 from .coordinator import Coordinator
+from .fence import Fence
 from .group import Membership
 from .hooks import check_hooks
+from .members import leave
 from .service import VllmService
 
 log = logging.getLogger("rl_sync")
@@ -43,20 +48,27 @@ log = logging.getLogger("rl_sync")
 
 SLACK_S = 30.0
 """How much longer than a call's budget the driver waits for the coordinator's answer (Ray's
-scheduling, the coordinator's own planning time)."""
+scheduling, the coordinator's own planning time), at most: a call of a shorter budget waits
+twice its budget."""
 
 
-def _unwrap(ref, budget_s: float, unknown: str = ""):
-    """The coordinator's answer to a call bounded by `budget_s`; `unknown` says what is in doubt
-    should it not answer even `SLACK_S` later (a coordinator wedged outside its bounded waits).
-    A caller's mistake stays a `ValueError` / `TypeError`, any other failure is a `SyncError`;
-    either way the coordinator's traceback (and in it the failing ranks') is its `__cause__`."""
+def _slack(budget_s: float) -> float:
+    return min(SLACK_S, budget_s)
+
+
+def _unwrap(ref, budget_s: float, gave_up: Callable[[], str] = lambda: ""):
+    """The coordinator's answer to a call bounded by `budget_s`; should it not answer even
+    `_slack(budget_s)` later, `SyncError` ending with what `gave_up()` says (a push: whether its
+    version was applied). A caller's mistake stays a `ValueError` / `TypeError`, any other
+    failure is a `SyncError`; either way the coordinator's traceback (and in it the failing
+    ranks') is its `__cause__`."""
+    slack = _slack(budget_s)
     try:
-        return ray.get(ref, timeout=budget_s + SLACK_S)
+        return ray.get(ref, timeout=budget_s + slack)
     except ray.exceptions.GetTimeoutError:
         raise SyncError(
-            f"the coordinator did not answer within {budget_s + SLACK_S:.0f} s (the call's budget of "
-            f"{budget_s:.0f} s plus {SLACK_S:.0f} s){unknown}"
+            f"the coordinator did not answer within {budget_s + slack:.0f} s (the call's budget of "
+            f"{budget_s:.0f} s plus {slack:.0f} s){gave_up()}"
         ) from None
     except ray.exceptions.RayTaskError as exc:
         cause, remote = exc.cause, RemoteTraceback(remote_text(exc))
@@ -65,12 +77,20 @@ def _unwrap(ref, budget_s: float, unknown: str = ""):
         raise SyncError(str(cause)) from remote
 
 
-def _in_doubt(version: int | None) -> str:
+def _recorded(version: int | None) -> Callable[[Fence, bool], str]:
+    """What a call recording `version` (a push, patches, a commit) that the driver stopped waiting
+    for did, by whose claim on its fence landed first (`WeightSync._fenced`)."""
     which = "the next version" if version is None else f"version {version}"
-    return (
-        f"; whether {which} was applied is unknown: versions() says what each worker holds, and the next push "
-        "repairs the group if it must"
-    )
+
+    def outcome(_fence: Fence, abandoned: bool) -> str:
+        if abandoned:
+            return (
+                f"; {which} was not applied and never will be (a round finishing later is not recorded, and "
+                "workers it wrote into report no version): push it again"
+            )
+        return f"; {which} was applied just before the driver gave up: versions() says what each worker holds"
+
+    return outcome
 
 
 def _budget(timeout_s, default: float, what: str) -> float:
@@ -91,11 +111,25 @@ def _discard(coordinator, config: SyncConfig) -> None:
 
 class WeightSync:
     """Handle to a Coordinator actor that owns one sync group; `summary` (`SyncSummary`) says
-    what forming it decided."""
+    what forming it decided. `trainers`, `workers` and `token` (the group's, `GroupTag`) let
+    `close` release the actors should the coordinator be gone."""
 
-    def __init__(self, coordinator, config: SyncConfig, summary: SyncSummary):
+    def __init__(
+        self,
+        coordinator,
+        config: SyncConfig,
+        summary: SyncSummary,
+        *,
+        trainers: Sequence = (),
+        workers: Sequence = (),
+        token: str = "",
+    ):
         self.coordinator, self.config, self.summary = coordinator, config, summary
+        self.trainers, self.workers, self.token = list(trainers), list(workers), token
         self.closed = False
+        self._abandoned: list[Fence] = []
+        """Fences of calls the driver gave up on: the coordinator may yet refuse them (`settle`s
+        each it sees); `close` forgets the rest."""
 
     def _open(self):
         """The coordinator, unless the group was closed."""
@@ -116,7 +150,10 @@ class WeightSync:
             raise TypeError(f"WeightSync.create: config must be a SyncConfig, got {type(config).__name__}")
         trainers, workers = list(trainers), list(workers)
         Membership.of(trainers, workers)  # bad entries are refused here, before any actor is reached
-        coordinator = ray.remote(Coordinator).options(num_cpus=0, **_beside_driver()).remote(trainers, workers, config)
+        token = uuid.uuid4().hex[:12]
+        coordinator = (
+            ray.remote(Coordinator).options(num_cpus=0, **_beside_driver()).remote(trainers, workers, config, token)
+        )
         try:
             with (
                 Console(stderr=True).status(
@@ -132,7 +169,7 @@ class WeightSync:
             _discard(coordinator, config)
             raise
         log.info("rl-sync group %r: %s", config.name, summary)
-        return cls(coordinator, config, summary)
+        return cls(coordinator, config, summary, trainers=trainers, workers=workers, token=token)
 
     def push(
         self,
@@ -146,12 +183,16 @@ class WeightSync:
         (also logged, and recorded as Ray metrics by the coordinator).
 
         The whole push (a repair first, after a failed round) is bounded by `timeout_s`
-        (default `SyncConfig.push_budget_s`). A push that raises recorded nothing: the group's
-        version stays, and a retry with the same version is taken (workers may hold part of the
-        failed round until then; `versions()` says which hold what)."""
+        (default `SyncConfig.push_budget_s`); the driver waits at most as long again (30 s at
+        most) for the answer. A push that raises recorded nothing, now or later (`actors.fence`),
+        unless its error says its version was applied: the group's version stays, and a retry
+        with the same version is taken (workers may hold part of the failed round until then and
+        report no version; `versions()` says which hold what)."""
         version, names, mode = check_push_args(version, names, mode)
         budget = _budget(timeout_s, self.config.push_budget_s, "push")
-        stats = _unwrap(self._open().push.remote(version, names, mode, budget), budget, _in_doubt(version))
+        stats = self._fenced(
+            lambda fence: self._open().push.remote(version, names, mode, budget, fence), budget, _recorded(version)
+        )
         log.info(stats.log_line())
         return stats
 
@@ -166,18 +207,50 @@ class WeightSync:
         """Start a round (arguments as for `push`) that lands in the workers' shadow copies while
         their engines keep serving the version they hold; returns once every worker receives, on a
         thread of its own. Needs `SyncConfig(double_buffer=True)`. `StagedRound.commit()` makes it
-        live; until then no other round may start. Bounded like `push`; a stage that raises
-        started nothing that will be committed (the next push repairs the group if it must)."""
+        live; until then no other round may start. Bounded like `push`; a stage that raises left
+        nothing staged, now or later (`actors.fence`; the next push repairs the group if it must)."""
         version, names, mode = check_push_args(version, names, mode)
         budget = _budget(timeout_s, self.config.push_budget_s, "stage")
-        staged = _unwrap(self._open().stage.remote(version, names, mode, budget), budget, _in_doubt(version))
+
+        def unstaged(fence: Fence, abandoned: bool) -> str:
+            which = "the next version" if version is None else f"version {version}"
+            if abandoned:
+                return f"; {which} was not staged and never will be: stage or push it again"
+            self.coordinator.unstage.remote(fence.token)  # (runs before any later call of this driver)
+            return f"; {which} was staged just before the driver gave up, and is dropped: the next push repairs"
+
+        staged = self._fenced(
+            lambda fence: self._open().stage.remote(version, names, mode, budget, fence), budget, unstaged
+        )
         return StagedRound(self, *staged)
 
     def _commit(self, version: int, timeout_s: float | None) -> RoundStats:
         budget = _budget(timeout_s, self.config.push_budget_s, "commit")
-        stats = _unwrap(self._open().commit.remote(version, budget), budget, _in_doubt(version))
+        stats = self._fenced(
+            lambda fence: self._open().commit.remote(version, budget, fence), budget, _recorded(version)
+        )
         log.info(stats.log_line())
         return stats
+
+    def _fenced(self, call: Callable[[str], Any], budget: float, outcome: Callable[[Fence, bool], str]) -> Any:
+        """The answer of a call that decides what the group keeps (a version, a staged round, its
+        members), run under a fresh fence (`actors.fence`): should the driver stop waiting, its
+        claim decides whether the call took effect, and `outcome(fence, abandoned)` says which."""
+        fence = Fence.new()
+        ref = call(fence.token)
+        claims: list[bool] = []
+
+        def gave_up() -> str:
+            claims.append(fence.abandon())
+            return outcome(fence, claims[-1])
+
+        try:
+            return _unwrap(ref, budget, gave_up)
+        finally:
+            if claims == [True]:
+                self._abandoned.append(fence)  # the coordinator settles it, should it ever reach the call
+            else:
+                fence.settle()
 
     def push_patches(self, patches, version: int | None = None, *, timeout_s: float | None = None) -> int:
         """Drop-in for vLLM's sparse patches: `SparseWeightPatch(name, indices, values)` with flat
@@ -186,7 +259,12 @@ class WeightSync:
         Bounded like `push`."""
         version = check_version(version)
         budget = _budget(timeout_s, self.config.push_budget_s, "push_patches")
-        return _unwrap(self._open().push_patches.remote(list(patches), version, budget), budget, _in_doubt(version))
+        patches = list(patches)
+        return self._fenced(
+            lambda fence: self._open().push_patches.remote(patches, version, budget, fence),
+            budget,
+            _recorded(version),
+        )
 
     def versions(self) -> list[int | None]:
         """The version each worker's live weights fully hold (None: torn, in flight, never synced, dead)."""
@@ -211,6 +289,7 @@ class WeightSync:
         if isinstance(handle, ActorHandle):
             check_hooks(handle, "worker", f"replace_worker: worker {index}")
         _unwrap(self._open().replace_worker.remote(index, handle), self.config.init_timeout_s)
+        self.workers[index] = handle
 
     def add_engine(self, workers: list, *, timeout_s: float | None = None) -> SyncSummary:
         """Grow the live group by one engine: `workers`, its ranks in tensor-parallel order (Ray actors
@@ -240,20 +319,55 @@ class WeightSync:
                     f"{what}: rank {i} of the engine must be a Ray actor handle, got {type(handle).__name__}"
                 )
             check_hooks(handle, "worker", f"{what}: rank {i} of the engine")
-        budget = _budget(timeout_s, self.config.init_budget_s, what)
-        self.summary = _unwrap(getattr(self._open(), what).remote(list(workers), budget), budget)
+        budget, handles = _budget(timeout_s, self.config.init_budget_s, what), list(workers)
+        verb = "join" if what == "add_engine" else "leave"
+
+        def outcome(_fence: Fence, abandoned: bool) -> str:
+            if abandoned:
+                return f"; the engine did not {verb} the group and never will (the group is as it was): {what} again"
+            self._members(what, handles)
+            return f"; the engine did {verb} the group just before the driver gave up (versions() lists the workers)"
+
+        self.summary = self._fenced(
+            lambda fence: getattr(self._open(), what).remote(handles, budget, fence), budget, outcome
+        )
+        self._members(what, handles)
         log.info("rl-sync group %r after %s: %s", self.config.name, what, self.summary)
         return self.summary
 
+    def _members(self, what: str, handles: list) -> None:
+        """`workers` once `what` took effect with the engine's ranks `handles` (what `close`
+        releases should the coordinator be gone)."""
+        if what == "add_engine":
+            self.workers += handles
+        else:
+            self.workers = [w for w in self.workers if w not in handles]
+
     def close(self) -> None:
-        """Release the group and the coordinator; closing again does nothing."""
+        """Release the group and the coordinator; closing again does nothing, and closing never
+        raises. A coordinator that died (or does not answer within `init_timeout_s`) cannot
+        release the group: the driver then asks each actor to leave it
+        (`actors.members.leave`, bounded the same; an engine service's ranks stay until the next
+        group takes them over)."""
         if self.closed:
             return
         self.closed = True
+        timeout = self.config.init_timeout_s
         try:
-            _unwrap(self.coordinator.close.remote(), self.config.init_timeout_s)
+            ray.get(self.coordinator.close.remote(), timeout=timeout + SLACK_S)
+        except ray.exceptions.RayError as exc:
+            log.warning(
+                "rl-sync group %r: the coordinator did not close it (%s); releasing its actors",
+                self.config.name,
+                failure_reason(exc),
+            )
+            if self.trainers:
+                group = Membership.of(self.trainers, self.workers)
+                leave(group.trainers + group.workers, True, None, self.token, timeout)
         finally:
             ray.kill(self.coordinator)
+            for fence in self._abandoned:  # the coordinator is gone: no call of it can be recorded now
+                fence.settle()
 
 
 class StagedRound:

@@ -6,7 +6,9 @@ models of ~16 GB bf16: Llama-3-8B shapes (291 tensors) and the same bytes in
 mapped once, batched copies), against the device-to-device copy rate measured
 in the same run and a naive per-tensor baseline (every round: one IPC handle
 per tensor, rebuilt and copied one by one on the worker, as frameworks that
-share tensors with `torch.multiprocessing` do). `--allocators classic,expandable`
+share tensors with `torch.multiprocessing` do). "round / handover" is the whole
+push (driver -> coordinator -> actors, the ranks' per-round checks of what
+moved included) over the trainer's handover alone. `--allocators classic,expandable`
 runs every case once per PyTorch allocator setting of the actors (expandable:
 `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, exported as VMM mappings).
 
@@ -106,6 +108,7 @@ def main() -> None:
             f"{total / 1e9:.2f}",
             f"{floor * 1e3:.1f}",
             "-",
+            "-",
             f"{total / floor / 1e9:.0f}",
             "1.00",
             "-",
@@ -119,6 +122,7 @@ def main() -> None:
                 f"{r['bytes'] / 1e9:.2f}",
                 f"{r['rank_s'] * 1e3:.1f}",
                 f"{r['round_s'] * 1e3:.1f}",
+                f"{r['round_s'] / r['rank_s']:.2f}",
                 f"{r['bytes'] / r['rank_s'] / 1e9:.0f}",
                 f"{r['rank_s'] / floor:.2f}",
                 f"{r['naive_s'] * 1e3:.1f}",
@@ -132,6 +136,7 @@ def main() -> None:
             "GB",
             "handover ms",
             "round ms (with Ray RPC)",
+            "round / handover",
             "GB/s",
             "x copy floor",
             "naive per-tensor ms",

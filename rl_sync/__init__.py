@@ -3,8 +3,9 @@ and transports. Imports without Ray; `actors` is the Ray layer.
 
 What a user needs from the core is importable from here: layouts (`Layout`,
 `Mesh`, `Shard`, `Replicate`), what trainers and workers hand over (`Sharded`,
-`Destination`), binding a checkpoint into an engine's fused layout (`Binder`,
-`Rule`, `ModelConfig`, `Parallel`), and the group's settings (`SyncConfig`).
+`Destination`, and the `Slot` an engine keeps a destination's parameter in),
+binding a checkpoint into an engine's fused layout (`Binder`, `Rule`,
+`ModelConfig`, `Parallel`), and the group's settings (`SyncConfig`).
 The planner's own entry points (`plan_model`, `build_schedule`, `TensorSpec`)
 are for tools built on it."""
 
@@ -14,7 +15,7 @@ from .models import ModelConfig, Parallel
 from .planning.layout import Box, Layout, Mesh, Replicate, Shard
 from .planning.plan import TensorSpec, plan_model, plan_reshard
 from .planning.schedule import build_schedule
-from .storage import Destination, Sharded
+from .storage import Destination, Sharded, Slot
 
 __all__ = [
     "Binder",
@@ -28,6 +29,7 @@ __all__ = [
     "Rule",
     "Shard",
     "Sharded",
+    "Slot",
     "SyncConfig",
     "TensorSpec",
     "build_schedule",

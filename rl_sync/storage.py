@@ -6,7 +6,9 @@ binder (which builds destinations from rules).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +25,14 @@ class Sharded:
     shape: tuple[int, ...]
 
 
+class Slot(NamedTuple):
+    """Where an engine keeps the tensor a destination's view was cut from: `holder[key]` (a
+    module's `_parameters` and the parameter's name, a dict of weights and its key)."""
+
+    holder: Mapping
+    key: str
+
+
 @dataclass(frozen=True)
 class Destination:
     """A worker's live storage for its box of a checkpoint tensor.
@@ -37,19 +47,12 @@ class Destination:
     dtype: torch.dtype
     fallback: bool = False
     """Delivered whole and handed to the worker's load hook instead of written in place."""
+    reason: str = ""
+    """Why it falls back (`fallback` only): the sync summary groups fallbacks by it."""
     block: tuple[int, ...] = ()
     """Kept block-quantized (`rl_sync.planning.quant`): `local` holds float8_e4m3fn values, and the
     destination named `scale_name(name)` the fp32 scale of each block of this size."""
-
-
-def geometry(tensor: torch.Tensor) -> tuple:
-    """Where `tensor`'s elements live and how they are laid out: storage address (with offset),
-    shape, strides and dtype. A tensor resized, reshaped, or given other storage in place
-    (`p.data = ...`, `set_`, `resize_`) differs here afterwards."""
-    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype
-
-
-def owner(view: torch.Tensor) -> torch.Tensor:
-    """The tensor `view` was cut from (a parameter, for a slice of one), or `view` itself: the
-    object an engine moves when it reallocates its weights."""
-    return view if view._base is None else view._base
+    slot: Slot | None = field(default=None, compare=False)
+    """Where the engine keeps the tensor `local` was cut from, when it may put a new one there
+    (`module.weight = Parameter(...)`): each round looks, and cuts `local` again from a new one of
+    the same shape, strides and dtype (`rl_sync.rank.watch`)."""

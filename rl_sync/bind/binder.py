@@ -19,6 +19,7 @@ Typical use::
 
     binding = Binder(cfg, Parallel(engines=2, tp=4)).bind(checkpoint, model.params, rank)
     binding.destinations["model.layers.0.self_attn.k_proj.weight"].local   # a slot of qkv_proj
+    binding.destinations["model.layers.0.self_attn.k_proj.weight"].slot    # (params, "...qkv_proj.weight")
     Binder(cfg, par).destination("model.layers.0.self_attn.k_proj.weight", (1024, 4096))   # its Layout
 """
 
@@ -34,8 +35,11 @@ import torch
 from ..models.config import ModelConfig, Parallel
 from ..planning.layout import Box, Layout, Mesh, Replicate, Shard
 from ..planning.quant import LIVE_SCALE_SUFFIX, dest_scale_layout, grid_shape, scale_name
-from ..storage import Destination
+from ..storage import Destination, Slot
 from .rules import BUILTIN, FUSED, MLA_PLAIN_Q_RULES, QUANTIZED, Rule
+
+NO_RULE = "no rule binds it"
+"""Why a name the binder resolves falls back (`Destination.reason`)."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,9 @@ class Binder:
         for name in fallbacks:
             dtype, shape = checkpoint[name]
             whole = Layout.replicated(Mesh((self.par.size,)))
-            destinations[name] = Destination(torch.empty(shape, dtype=dtype), whole, tuple(shape), dtype, fallback=True)
+            destinations[name] = Destination(
+                torch.empty(shape, dtype=dtype), whole, tuple(shape), dtype, fallback=True, reason=NO_RULE
+            )
         return Binding(destinations, tuple(fallbacks))
 
     def _target(self, rule: Rule, groups: dict[str, str], rank: int) -> str:
@@ -211,11 +217,12 @@ class Binder:
                         f"{e.target!r}, which this rank does not hold"
                     )
                 view = self._view(e, params[e.target], offsets.get(e.name, 0), rank, e.box, block is not None)
+            slot = None if view is None else Slot(params, e.target)
             if block is not None:
-                out[e.name] = Destination(view, e.layout, e.shape, torch.float8_e4m3fn, block=block)
+                out[e.name] = Destination(view, e.layout, e.shape, torch.float8_e4m3fn, block=block, slot=slot)
                 out[scale_name(e.name)] = self._scales(e, params, block, offsets.get(e.name, 0), rank)
             else:
-                out[e.name] = Destination(view, e.layout, e.shape, e.dtype)
+                out[e.name] = Destination(view, e.layout, e.shape, e.dtype, slot=slot)
         return out
 
     def _block(self, e: _Entry) -> tuple[int, int] | None:
@@ -242,6 +249,7 @@ class Binder:
             if target not in params:
                 raise ValueError(f"{what}: {e.target!r} is FP8 but this rank holds no {target!r} for its scales")
             view = self._view(e, params[target], slot_offset // block[0], rank, box, True)
+            return Destination(view, layout, grid, torch.float32, slot=Slot(params, target))
         return Destination(view, layout, grid, torch.float32)
 
     def _view(

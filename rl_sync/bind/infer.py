@@ -185,24 +185,41 @@ def find_cuts(
 ) -> tuple[int, list[int]] | None:
     """A dim and the fewest cuts along it that leave each rank's boxes (`boxes[r]`) able to form
     one box per part: no box straddles a cut, and a cut lies in every gap a rank leaves along
-    that dim (gate and up rows of one TP rank inside a fused gate|up tensor). Dims in
-    `forbidden` (those the sender shards) are never cut; `None` when no dim works."""
-    for dim in range(len(shape)):
-        if dim in forbidden:
-            continue
-        gaps, overlapping = [], False
-        for rank_boxes in boxes:
-            bands = sorted({(b.offsets[dim], b.ends[dim]) for b in rank_boxes})
-            for (_, end), (start, _) in itertools.pairwise(bands):
-                overlapping |= start < end
-                if start > end:
-                    gaps.append((end, start))
-        if overlapping or not gaps:
-            continue
-        cuts: list[int] = []
-        for lo, hi in sorted(gaps, key=lambda g: g[1]):
-            if not cuts or cuts[-1] < lo:
-                cuts.append(hi)
-        if not any(b.offsets[dim] < c < b.ends[dim] for rank_boxes in boxes for b in rank_boxes for c in cuts):
-            return dim, cuts
+    that dim (gate and up rows of one TP rank inside a fused gate|up tensor). Where no dim has
+    such gaps, a dim cut wherever one of a rank's boxes ends and the next begins (Bloom's q, k
+    and v rows of one head, adjacent in the checkpoint, apart in the parameter). Dims in
+    `forbidden` are never cut; `None` when no dim works."""
+    for touching in (False, True):
+        for dim in range(len(shape)):
+            cuts = None if dim in forbidden else _cuts_along(dim, boxes, touching)
+            if cuts:
+                return dim, cuts
     return None
+
+
+def _cuts_along(dim: int, boxes: Sequence[Sequence[Box]], touching: bool) -> list[int] | None:
+    """The fewest cuts along `dim` through every gap between a rank's boxes (and, `touching`,
+    every point where one ends and the next begins); None where boxes overlap, straddle a cut, or
+    leave a rank more than one box's worth in a part."""
+    gaps, overlapping = [], False
+    for rank_boxes in boxes:
+        bands = sorted({(b.offsets[dim], b.ends[dim]) for b in rank_boxes})
+        for (_, end), (start, _) in itertools.pairwise(bands):
+            overlapping |= start < end
+            if start > end or (touching and start == end):
+                gaps.append((end, start))
+    if overlapping or not gaps:
+        return None
+    cuts: list[int] = []
+    for lo, hi in sorted(gaps, key=lambda g: g[1]):
+        if not cuts or cuts[-1] < lo:
+            cuts.append(hi)
+    if any(b.offsets[dim] < c < b.ends[dim] for rank_boxes in boxes for b in rank_boxes for c in cuts):
+        return None
+    bounds = [0, *cuts, max(b.ends[dim] for rank_boxes in boxes for b in rank_boxes)]
+    for lo, hi in itertools.pairwise(bounds):
+        for rank_boxes in boxes:
+            inside = [b for b in rank_boxes if lo <= b.offsets[dim] and b.ends[dim] <= hi]
+            if inside and _bound(inside).numel != sum(b.numel for b in inside):
+                return None
+    return cuts

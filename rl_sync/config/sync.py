@@ -6,6 +6,7 @@ code: `SyncConfig(transport="gloo", bucket_bytes=64 << 20)`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -101,10 +102,10 @@ class SyncConfig:
         for field in ("double_buffer", "auto_repair"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"SyncConfig.{field} must be True or False, got {getattr(self, field)!r}")
-        _integer("bucket_bytes", self.bucket_bytes, 1, MAX_BUCKET_BYTES)
-        _integer("coalesce_bytes", self.coalesce_bytes, 0, MAX_BUCKET_BYTES)
-        _integer("dense_refresh_every", self.dense_refresh_every, 0, 1 << 31)
-        _integer("rendezvous_port", self.rendezvous_port, 0, 65535)
+        check_int("SyncConfig.bucket_bytes", self.bucket_bytes, 1, MAX_BUCKET_BYTES)
+        check_int("SyncConfig.coalesce_bytes", self.coalesce_bytes, 0, MAX_BUCKET_BYTES)
+        check_int("SyncConfig.dense_refresh_every", self.dense_refresh_every, 0, 1 << 31)
+        check_int("SyncConfig.rendezvous_port", self.rendezvous_port, 0, 65535)
         for field in ("init_timeout_s", "round_timeout_s"):
             check_seconds(f"SyncConfig.{field}", getattr(self, field))
         for field in ("rendezvous_host", "bind_host", "interface"):
@@ -131,11 +132,22 @@ def either(choices: tuple[str, ...]) -> str:
     return " or ".join(filter(None, [", ".join(map(repr, choices[:-1])), repr(choices[-1])]))
 
 
-def _integer(field: str, value, low: int, high: int) -> None:
+def check_int(label: str, value, low: int, high: int) -> int:
+    """`value` as an int in [`low`, `high`] (a bool is not one); `label` names it in errors."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"SyncConfig.{field} must be an int, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{label} must be an int, got {value!r} ({type(value).__name__})")
     if not low <= value <= high:
-        raise ValueError(f"SyncConfig.{field} must be in [{low}, {high}], got {value}")
+        raise ValueError(f"{label} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def check_number(label: str, value, positive: bool = False) -> float:
+    """`value` as a finite number, >= 0 (> 0 when `positive`); `label` names it in errors."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{label} must be a number, got {value!r} ({type(value).__name__})")
+    if not (0 < value < math.inf if positive else 0 <= value < math.inf):  # NaN fails both
+        raise ValueError(f"{label} must be finite and {'> 0' if positive else '>= 0'}, got {value}")
+    return float(value)
 
 
 def check_seconds(label: str, value) -> float:

@@ -12,7 +12,9 @@ schedule order (`runner.run_program`).
 
 Typical use (inside `rl_sync.rank.worker`)::
 
-    counters, joining = run_catch_up(session, plan, live_endpoints, receive_endpoints, round_info)
+    schedule = decode(PlanInfo, plan).to_schedule()
+    if joins(schedule, session.rank): ...               # a rank of the joining engine
+    counters = run_catch_up(session, schedule, live_endpoints, receive_endpoints, round_info)
 """
 
 from __future__ import annotations
@@ -21,31 +23,33 @@ from collections.abc import Mapping
 
 import torch
 
+from ..planning.schedule import Schedule
 from ..wire.messages import RoundInfo
-from ..wire.plan_info import PlanInfo
 from .endpoint import Endpoint
 from .runner import BucketIO, Counters, compile_program, deadline_in, run_program
 from .session import RankSession, plan_endpoints
 
 
+def joins(schedule: Schedule, rank: int) -> bool:
+    """Whether group rank `rank` is a rank of the joining engine: one the catch-up `schedule` writes into."""
+    return any(s.dst.mesh.index_of(rank) is not None for s in schedule.plan.specs)
+
+
 def run_catch_up(
     session: RankSession,
-    plan: PlanInfo,
+    schedule: Schedule,
     sources: Mapping[str, Endpoint],
     dests: Mapping[str, Endpoint],
     round_info: RoundInfo,
-) -> tuple[Counters, bool]:
-    """Run this rank's part of the catch-up `plan` over `session`'s transport (sending from
-    `sources`, receiving into `dests`) within `round_info.timeout_s`; returns what it moved, and
-    whether it is a rank of the joining engine (one the plan writes into)."""
-    schedule, rank = plan.to_schedule(), session.rank
+) -> Counters:
+    """Run this rank's part of the catch-up `schedule` over `session`'s transport (sending from
+    `sources`, receiving into `dests`) within `round_info.timeout_s`; returns what it moved."""
+    rank = session.rank
     specs = schedule.plan.specs
-    joining = any(s.dst.mesh.index_of(rank) is not None for s in specs)
     src = plan_endpoints(schedule.plan, rank, sources, "source")
     dst = plan_endpoints(schedule.plan, rank, dests, "destination")
     io = BucketIO(lambda _b, t: src[t], lambda _b, t: dst[t], [getattr(torch, s.dtype) for s in specs])
     program = compile_program(schedule.rank_slice(rank).buckets, io, session.device)
     context = f"catch-up to version {round_info.version}"
     deadline = deadline_in(round_info.timeout_s)
-    names = [s.name for s in specs]
-    return run_program(program, session.transport, deadline, names=names, context=context), joining
+    return run_program(program, session.transport, deadline, names=[s.name for s in specs], context=context)

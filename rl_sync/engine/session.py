@@ -65,14 +65,21 @@ def checked(transport: Transport, info: InitInfo) -> Transport:
 
 
 def part_endpoint(endpoints: Mapping[str, Endpoint], name: str) -> Endpoint | None:
-    """A source endpoint for part `name` (`rl_sync.planning.parts`): a view of the whole tensor's shard,
-    which holds the cut dim whole (the coordinator checked), in the part's coordinates."""
+    """A source endpoint for part `name` (`rl_sync.planning.parts`): the view of the whole tensor's
+    shard that lies in the part, in the part's coordinates (the shard's rows of a cut dim the
+    trainers shard; the part's rows where the shard holds that dim whole); None where the shard
+    holds none of it."""
     found = parse_part(name)
     whole = None if found is None else endpoints.get(found[0])
     if found is None or whole is None:
         return None
     _, dim, start, stop = found
-    return Endpoint(whole.tensor.narrow(dim, start, stop - start), whole.origin)
+    first = whole.origin[dim]
+    lo, hi = max(start, first), min(stop, first + whole.tensor.shape[dim])
+    if hi <= lo:
+        return None
+    origin = whole.origin[:dim] + (lo - start,) + whole.origin[dim + 1 :]
+    return Endpoint(whole.tensor.narrow(dim, lo - first, hi - lo), origin)
 
 
 def plan_endpoints(plan: ModelPlan, rank: int, endpoints: Mapping[str, Endpoint], side: str) -> dict[int, Endpoint]:

@@ -33,6 +33,34 @@ class Entries(NamedTuple):
     endpoints: dict[str, Endpoint]
     """By checkpoint name; a tensor of which the rank holds nothing has none."""
 
+    def where(self) -> dict[str, int]:
+        """The index of each name's report."""
+        return {r.name: i for i, r in enumerate(self.reports)}
+
+    def updated(
+        self, again: Mapping[str, tuple[TensorReport, Endpoint | None]], what: str, where: Mapping[str, int]
+    ) -> Entries:
+        """These entries with the names of `again` resolved anew (`where`: `self.where()`);
+        `ValueError` naming the first whose report differs from the one the group planned with
+        (`what`: "worker rank 1")."""
+        endpoints = dict(self.endpoints)
+        for name, (report, endpoint) in again.items():
+            planned = self.reports[where[name]]
+            if report != planned:
+                raise ValueError(
+                    f"{what}: tensor {name!r} is now {_described(report)}; the group planned it as "
+                    f"{_described(planned)}; repair() plans it anew (the next push does, with auto_repair)"
+                )
+            endpoints.pop(name, None)
+            if endpoint is not None:
+                endpoints[name] = endpoint
+        return Entries(self.reports, endpoints)
+
+
+def _described(report: TensorReport) -> str:
+    block = f", blocks {report.block}" if report.block else ""
+    return f"{report.dtype} of shape {report.shape} laid out {report.layout.to_layout()}{block}"
+
 
 def _entry(
     name: str,
@@ -43,7 +71,7 @@ def _entry(
     rank: int,
     side: str,
     block: tuple[int, ...] = (),
-):
+) -> tuple[TensorReport, Endpoint | None]:
     report = TensorReport(name, dtype_name(dtype), tuple(shape), LayoutInfo.of(layout), tuple(block))
     box = layout.local_box(shape, rank)
     if box is None:
@@ -66,7 +94,7 @@ class _DTensorLike(Protocol):
     @property
     def shape(self) -> torch.Size: ...
 
-    def to_local(self) -> torch.Tensor: ...
+    _local_tensor: torch.Tensor
 
 
 def _is_dtensor(value: object) -> TypeGuard[_DTensorLike]:
@@ -74,11 +102,12 @@ def _is_dtensor(value: object) -> TypeGuard[_DTensorLike]:
 
 
 def local_tensor(value: object, name: str = "", rank: int = 0) -> torch.Tensor:
-    """The local shard of a trainer's `DTensor`, `Sharded` or plain tensor."""
+    """The local shard of a trainer's `DTensor` (the one it holds, not a view: `to_local()` under
+    autograd makes a new one each call), `Sharded` or plain tensor."""
     if isinstance(value, Sharded):
         return value.local
     if _is_dtensor(value):
-        return value.to_local()
+        return value._local_tensor
     if isinstance(value, torch.Tensor):
         return value
     raise TypeError(
@@ -93,33 +122,55 @@ def _layout(value: object, num_trainers: int) -> Layout:
     return Layout.from_dtensor(value) if _is_dtensor(value) else Layout.replicated(Mesh((num_trainers,)))
 
 
+def trainer_entry(
+    name: str, value: object, local: torch.Tensor, rank: int, num_trainers: int
+) -> tuple[TensorReport, Endpoint | None]:
+    """(report, endpoint or None) of trainer tensor `name` (`value`, resolved to `local`)."""
+    layout = _layout(value, num_trainers)
+    shape = tuple(cast("Sharded | _DTensorLike | torch.Tensor", value).shape)  # local_tensor took it
+    return _entry(name, alias(local), local.dtype, layout, shape, rank, "trainer")
+
+
 def trainer_entries(tensors: Mapping[str, object], rank: int, num_trainers: int) -> Entries:
     """The entries of a trainer's tensors at side rank `rank`."""
     reports, endpoints = [], {}
     for name, value in tensors.items():
-        local = local_tensor(value, name, rank)
-        layout = _layout(value, num_trainers)
-        shape = tuple(cast("Sharded | _DTensorLike | torch.Tensor", value).shape)  # local_tensor took it
-        report, endpoint = _entry(name, local.detach(), local.dtype, layout, shape, rank, "trainer")
+        report, endpoint = trainer_entry(name, value, local_tensor(value, name, rank), rank, num_trainers)
         reports.append(report)
         if endpoint is not None:
             endpoints[name] = endpoint
     return Entries(reports, endpoints)
+
+
+def checked_destination(name: str, dest: object, rank: int) -> Destination:
+    """`dest`, or a `TypeError` naming rank and tensor when it is no `Destination`."""
+    if not isinstance(dest, Destination):
+        raise TypeError(f"worker rank {rank}: destination {name!r} is a {type(dest).__name__}; expected a Destination")
+    return dest
+
+
+def worker_entry(
+    name: str, dest: Destination, local: torch.Tensor | None, rank: int
+) -> tuple[TensorReport, Endpoint | None]:
+    """(report, endpoint or None) of destination `name` (`dest`, resolved to `local`)."""
+    view = None if local is None else alias(local)
+    return _entry(name, view, dest.dtype, dest.layout, tuple(dest.shape), rank, "worker", dest.block)
 
 
 def worker_entries(destinations: Mapping[str, Destination], rank: int) -> Entries:
     """The entries of a worker's destinations at side rank `rank`."""
     reports, endpoints = [], {}
     for name, dest in destinations.items():
-        if not isinstance(dest, Destination):
-            raise TypeError(
-                f"worker rank {rank}: destination {name!r} is a {type(dest).__name__}; expected a Destination"
-            )
-        # detached: rounds write in place, which autograd refuses on a leaf that requires grad
-        view = None if dest.local is None else dest.local.detach()
-        report, endpoint = _entry(name, view, dest.dtype, dest.layout, tuple(dest.shape), rank, "worker", dest.block)
+        report, endpoint = worker_entry(name, checked_destination(name, dest, rank), dest.local, rank)
         reports.append(report)
         if endpoint is not None:
             endpoints[name] = endpoint
     check_disjoint({name: e.tensor for name, e in endpoints.items()}, rank)
     return Entries(reports, endpoints)
+
+
+def alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over `tensor`'s memory with a version counter of its own (`Tensor.data`): what a
+    round reads and writes, so rl-sync's writes move no version `rl_sync.rank.watch` reads (and
+    autograd, which refuses in-place writes to a leaf that requires grad, is not involved)."""
+    return tensor.data

@@ -17,6 +17,9 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..config.sync import check_int, check_number
+from ..planning.layout import MAX_MESH_RANKS
+
 Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3"]
 
 HF_FAMILIES: dict[str, Family] = {
@@ -29,6 +32,26 @@ HF_FAMILIES: dict[str, Family] = {
     "kimi_k2": "deepseek_v3",
 }
 """Hugging Face `model_type` -> the family whose binding rules serve it (Kimi-K2 is DeepSeek-V3-shaped)."""
+
+
+MAX_DIM = 1 << 24
+"""Bound on every size of a model (vocabulary, hidden, FFN, head and rank dims): far above any
+model's, so shapes and their products stay small."""
+MAX_COUNT = 1 << 12
+"""Bound on every count of a model (layers, heads, experts)."""
+_BOUNDS = {
+    **dict.fromkeys(
+        ("layers", "heads", "kv_heads", "experts", "top_k", "shared_experts", "first_dense_layers"), MAX_COUNT
+    ),
+    **dict.fromkeys(
+        ("vocab", "hidden", "intermediate", "head_dim", "moe_intermediate", "q_lora_rank", "kv_lora_rank")
+        + ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+        MAX_DIM,
+    ),
+}
+"""Each int field of `ModelConfig` and its upper bound."""
+_POSITIVE = ("layers", "hidden", "vocab", "heads", "intermediate")
+"""The int fields that must be > 0 (the rest may be 0: unused)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,12 +118,13 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.family must be one of {', '.join(typing.get_args(Family))}, got {self.family!r}"
             )
-        for name in ("layers", "hidden", "vocab", "heads", "intermediate"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("experts", "shared_experts", "first_dense_layers", "q_lora_rank"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name, high in _BOUNDS.items():
+            check_int(f"ModelConfig.{name}", getattr(self, name), 1 if name in _POSITIVE else 0, high)
+        check_number("ModelConfig.rms_eps", self.rms_eps)
+        check_number("ModelConfig.rope_theta", self.rope_theta, positive=True)
+        if self.fp8_block is not None:
+            for size in self.fp8_block:
+                check_int("ModelConfig.fp8_block", size, 1, MAX_DIM)
         if self.experts and self.moe_intermediate <= 0:
             raise ValueError("ModelConfig.moe_intermediate must be > 0 when experts > 0")
         if self.attention == "gqa" and (self.kv_heads <= 0 or self.head_dim <= 0):
@@ -197,9 +221,14 @@ class Parallel:
     (vLLM's `VocabParallelEmbedding`)."""
 
     def __post_init__(self) -> None:
-        for name in ("engines", "pp", "tp", "vocab_pad"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"Parallel.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("engines", "pp", "tp"):
+            check_int(f"Parallel.{name}", getattr(self, name), 1, MAX_MESH_RANKS)
+        check_int("Parallel.vocab_pad", self.vocab_pad, 1, MAX_DIM)
+        if self.size > MAX_MESH_RANKS:
+            raise ValueError(
+                f"Parallel: engines x pp x tp = {self.engines} x {self.pp} x {self.tp} = {self.size} ranks, more "
+                f"than the {MAX_MESH_RANKS} a mesh may hold"
+            )
 
     @property
     def size(self) -> int:

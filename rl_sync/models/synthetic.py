@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..bind.binder import Binder
-from ..planning.layout import Layout, Mesh, Replicate, Shard
+from ..config.sync import check_int
+from ..planning.layout import MAX_MESH_RANKS, Layout, Mesh, Replicate, Shard
 from ..planning.plan import TensorSpec
 from ..planning.quant import FP8_DTYPE, SCALE_DTYPE, dest_scale_layout, grid_shape, scale_name, source_scale_layout
 from .config import ModelConfig, Parallel
@@ -53,8 +54,9 @@ class TrainerParallel:
     """Expert groups: expert e lives on group `e * expert_groups // experts`, FSDP inside the group."""
 
     def __post_init__(self) -> None:
-        if self.ranks <= 0 or self.replicate <= 0 or self.expert_groups <= 0:
-            raise ValueError("TrainerParallel fields must be > 0")
+        check_int("TrainerParallel.ranks", self.ranks, 1, MAX_MESH_RANKS)
+        check_int("TrainerParallel.replicate", self.replicate, 1, self.ranks)
+        check_int("TrainerParallel.expert_groups", self.expert_groups, 1, self.ranks)
         if self.ranks % (self.replicate * self.expert_groups):
             raise ValueError(
                 f"TrainerParallel.ranks ({self.ranks}) must be divisible by replicate x "

@@ -33,11 +33,17 @@ class Shard:
     `grid=n` (with `block=b`): this dim indexes the `b`-element blocks of a dim of
     `n` elements that `Shard(dim)` splits, and position i holds the blocks whose
     first element its `torch.chunk` piece holds: the scales of a block-quantized
-    tensor laid out like its data (`rl_sync.planning.quant`)."""
+    tensor laid out like its data (`rl_sync.planning.quant`).
+
+    `shift=s` (with `block=b`): positions count from `s` elements before the dim's
+    start, so position i holds `[i * b - s, (i + 1) * b - s)` clipped to the dim: the
+    elements `[s, s + n)` of a dim sharded in blocks of b, renumbered from 0 (a part of
+    a fused tensor cut along a dim its senders shard, `rl_sync.planning.parts`)."""
 
     dim: int
     block: int = 0
     grid: int = 0
+    shift: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
@@ -57,10 +63,22 @@ class Shard:
                 f"Shard grid must be a non-negative int, and needs a block size, got grid={self.grid!r} "
                 f"with block={self.block!r}"
             )
+        if (
+            not isinstance(self.shift, int)
+            or isinstance(self.shift, bool)
+            or self.shift < 0
+            or (self.shift and (not self.block or self.grid))
+        ):
+            raise ValueError(
+                f"Shard shift must be a non-negative int, and needs a block size and no grid, got "
+                f"shift={self.shift!r} with block={self.block!r}, grid={self.grid!r}"
+            )
 
     def __str__(self) -> str:
         if self.grid:
             return f"S({self.dim}, grid={self.grid}/{self.block})"
+        if self.shift:
+            return f"S({self.dim}, block={self.block}, shift={self.shift})"
         return f"S({self.dim})" if not self.block else f"S({self.dim}, block={self.block})"
 
     def piece(self, length: int, parts: int, index: int) -> tuple[int, int]:
@@ -70,7 +88,7 @@ class Shard:
             first, end = -(-start // self.block), -(-(start + size) // self.block)
             return min(first, length), max(0, min(end, length) - min(first, length))
         if self.block:
-            return block_at(length, self.block, index)
+            return block_at(length, self.block, index, self.shift)
         return chunk_at(length, parts, index)
 
 
@@ -159,10 +177,11 @@ def chunk_at(length: int, parts: int, index: int) -> tuple[int, int]:
     return start, max(0, min(length, start + chunk) - start)
 
 
-def block_at(length: int, block: int, index: int) -> tuple[int, int]:
-    """`(start, size)` of fixed-size block `index` of `length` (clipped, maybe empty)."""
-    start = min(length, block * index)
-    return start, max(0, min(length, start + block) - start)
+def block_at(length: int, block: int, index: int, shift: int = 0) -> tuple[int, int]:
+    """`(start, size)` of fixed-size block `index` of `length`, blocks starting `shift` elements
+    before the dim (clipped, maybe empty)."""
+    start = min(length, max(0, block * index - shift))
+    return start, max(0, min(length, block * (index + 1) - shift) - start)
 
 
 def chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
@@ -347,11 +366,13 @@ class Layout:
             if (
                 placement.block
                 and not placement.grid
-                and (len(sharing) > 1 or placement.block * self.mesh.shape[axis] < shape[placement.dim])
+                and (
+                    len(sharing) > 1 or placement.block * self.mesh.shape[axis] - placement.shift < shape[placement.dim]
+                )
             ):
                 raise ValueError(
                     f"{what}: {placement} on mesh axis {axis} must be the only axis sharding dim "
-                    f"{placement.dim} and cover its {shape[placement.dim]} rows (block x axis size >= size)"
+                    f"{placement.dim} and cover its {shape[placement.dim]} rows (block x axis size - shift >= size)"
                 )
 
     def local_box(self, shape: Sequence[int], rank: int) -> Box | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from .layout import Layout, Shard
+from .layout import Layout, Shard, chunk_at
 
 _PART = re.compile(r"(?P<base>.+)@(?P<dim>\d+):(?P<start>\d+):(?P<stop>\d+)")
 
@@ -39,8 +39,27 @@ def parse_part(name: str) -> tuple[str, int, int, int] | None:
     return found["base"], int(found["dim"]), int(found["start"]), int(found["stop"])
 
 
-def sharded_dims(layout: Layout) -> set[int]:
-    return {p.dim for p in layout.placements if isinstance(p, Shard)}
+def _shards(layout: Layout) -> list[tuple[int, Shard]]:
+    return [(axis, p) for axis, p in enumerate(layout.placements) if isinstance(p, Shard)]
+
+
+def uncuttable_dims(layout: Layout) -> set[int]:
+    """Dims no part may be cut along: one several mesh axes shard, or a scale grid."""
+    dims = [p.dim for _, p in _shards(layout)]
+    return {p.dim for _, p in _shards(layout) if p.grid or dims.count(p.dim) > 1}
+
+
+def part_layout(layout: Layout, shape: Sequence[int], dim: int, start: int, stop: int) -> Layout:
+    """The layout of part `[start, stop)` along `dim` of a tensor of `shape` laid out as `layout`:
+    the same where `dim` is whole; the mesh axis sharding `dim` in shifted blocks otherwise."""
+    placements = []
+    for axis, p in enumerate(layout.placements):
+        if isinstance(p, Shard) and p.dim == dim:
+            if dim in uncuttable_dims(layout):
+                raise ValueError(f"layout {layout} shards dim {dim} in a way no part can be cut from")
+            p = Shard(dim, p.block or chunk_at(shape[dim], layout.mesh.shape[axis], 0)[1], 0, p.shift + start)
+        placements.append(p)
+    return Layout(layout.mesh, tuple(placements))
 
 
 def part_shape(shape: Sequence[int], dim: int, start: int, stop: int) -> tuple[int, ...]:
@@ -48,7 +67,7 @@ def part_shape(shape: Sequence[int], dim: int, start: int, stop: int) -> tuple[i
 
 
 def check_parts(base: str, shape: Sequence[int], layout: Layout, parts: Iterable[tuple[int, int, int]]) -> None:
-    """`ValueError` unless `parts` tile `base` along one dim the source layout does not shard."""
+    """`ValueError` unless `parts` tile `base` along one dim the source layout can be cut along."""
     parts = sorted(set(parts), key=lambda p: p[1])
     dims = {dim for dim, _, _ in parts}
     if len(dims) != 1:
@@ -56,10 +75,10 @@ def check_parts(base: str, shape: Sequence[int], layout: Layout, parts: Iterable
     dim = dims.pop()
     if not 0 <= dim < len(shape):
         raise ValueError(f"tensor {base!r}: cut along dim {dim}, past its shape {tuple(shape)}")
-    if dim in sharded_dims(layout):
+    if dim in uncuttable_dims(layout):
         raise ValueError(
-            f"tensor {base!r}: workers cut it along dim {dim}, which the trainers shard ({layout}); "
-            "send it from a layout that keeps that dim whole"
+            f"tensor {base!r}: workers cut it along dim {dim}, which the trainers shard over several mesh "
+            f"axes or as a scale grid ({layout}); send it from a layout that shards that dim over one axis"
         )
     cursor = 0
     for _, start, stop in parts:

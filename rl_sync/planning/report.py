@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypedDict
 
+from ..config.sync import MAX_BUCKET_BYTES, check_int
 from ..models.config import ModelConfig, Parallel
 from ..models.synthetic import TrainerParallel, model_specs
 from ..wire.codec import decode, encode
@@ -43,8 +44,32 @@ class PlanReportConfig:
     """Segments under this size share one packed message per peer."""
 
     def __post_init__(self) -> None:
-        if self.bucket_bytes <= 0 or self.coalesce_bytes < 0:
-            raise ValueError("bucket_bytes must be > 0 and coalesce_bytes >= 0")
+        """Bounded before any planning: the fields, and the products planning time grows with."""
+        check_int("PlanReportConfig.bucket_bytes", self.bucket_bytes, 1, MAX_BUCKET_BYTES)
+        check_int("PlanReportConfig.coalesce_bytes", self.coalesce_bytes, 0, MAX_BUCKET_BYTES)
+        pairs = self.trainer.ranks * self.inference.size
+        if pairs > MAX_RANK_PAIRS:
+            raise ValueError(
+                f"trainer.ranks x inference ranks (engines x pp x tp) = {self.trainer.ranks} x "
+                f"{self.inference.size} = {pairs}, more than the {MAX_RANK_PAIRS} rl-sync plan takes; plan "
+                "fewer ranks on one side"
+            )
+        per_layer = max(1, self.model.experts)
+        if self.model.layers * per_layer > MAX_LAYER_EXPERTS:
+            raise ValueError(
+                f"model.layers x model.experts = {self.model.layers} x {per_layer} = "
+                f"{self.model.layers * per_layer}, more than the {MAX_LAYER_EXPERTS} rl-sync plan takes"
+            )
+
+
+MAX_RANK_PAIRS = 1 << 20
+"""Bound on trainer ranks x inference ranks: one template holds up to that many transfers."""
+MAX_LAYER_EXPERTS = 1 << 16
+"""Bound on layers x routed experts (each expert of each layer is three checkpoint tensors); a
+Kimi-K2-shaped model has 61 x 384."""
+MAX_TRANSFERS = 1 << 26
+"""Bound on a plan's transfers before it is scheduled, encoded and expanded (Kimi-K2 on 256 + 128
+ranks: 23M)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +125,11 @@ def plan_report(
     start = time.perf_counter()
     plan = plan_model(specs)
     stats = plan.stats
+    if stats.num_transfers > MAX_TRANSFERS:
+        raise ValueError(
+            f"this plan holds {stats.num_transfers} transfers, more than the {MAX_TRANSFERS} rl-sync plan "
+            "schedules; plan fewer trainer or inference ranks"
+        )
     planned = time.perf_counter()
     step(STEPS[2])
     schedule = build_schedule(plan, cfg.bucket_bytes, cfg.coalesce_bytes)

@@ -33,7 +33,8 @@ from typing import Literal, NamedTuple, get_args
 
 import numpy as np
 
-from ..config.sync import either
+from ..config.sync import check_int, check_number, either
+from .layout import MAX_MESH_RANKS
 from .relay import Relay
 from .schedule import Schedule
 
@@ -62,16 +63,9 @@ class LinkModel:
     """Workers on nodes after the trainers', on their trainer rank's node, or every rank on one."""
 
     def __post_init__(self) -> None:
-        if self.gpus_per_node <= 0 or self.nvlink_gbs <= 0 or self.nic_gbs <= 0:
-            raise ValueError(
-                f"LinkModel needs gpus_per_node, nvlink_gbs and nic_gbs > 0, got {self.gpus_per_node}, "
-                f"{self.nvlink_gbs} and {self.nic_gbs}"
-            )
-        if self.latency_us < 0 or self.host_gbs < 0 or self.node_nic_gbs < 0:
-            raise ValueError(
-                f"LinkModel needs latency_us, host_gbs and node_nic_gbs >= 0, got {self.latency_us}, "
-                f"{self.host_gbs} and {self.node_nic_gbs}"
-            )
+        check_int("LinkModel.gpus_per_node", self.gpus_per_node, 1, MAX_MESH_RANKS)
+        for name in ("nvlink_gbs", "nic_gbs", "latency_us", "host_gbs", "node_nic_gbs"):
+            check_number(f"LinkModel.{name}", getattr(self, name), positive=name in ("nvlink_gbs", "nic_gbs"))
         if self.placement not in get_args(Placement):
             raise ValueError(f"LinkModel.placement must be {either(get_args(Placement))}, got {self.placement!r}")
 

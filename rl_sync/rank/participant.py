@@ -85,9 +85,9 @@ class Participant:
             raise ValueError(f"rank {side_rank} of {type(self).__name__}: tensors span devices {sorted(devices)}")
         device = devices.pop() if devices else "cpu"
         gpu = f"{self._rl_sync_node()[0]}/{device_uuid(torch.device(device))}" if device.startswith("cuda") else ""
-        modes = self._rl_sync_modes() if side == "worker" else {}
+        modes, reasons = (self._rl_sync_modes(), self._rl_sync_reasons()) if side == "worker" else ({}, {})
         kept = sum(e.tensor.numel() * e.tensor.element_size() for e in endpoints.values()) if side == "worker" else 0
-        return encode(RankReport(side_rank, device, gpu, tuple(reports), modes, kept), compress=True)
+        return encode(RankReport(side_rank, device, gpu, tuple(reports), modes, kept, reasons), compress=True)
 
     def _rl_sync_join(self, tag: GroupTag) -> None:
         """Be held by `tag`'s group; a new membership starts from nothing."""
@@ -110,6 +110,10 @@ class Participant:
 
     def _rl_sync_modes(self) -> dict[str, WriteMode]:
         """A worker's write mode per name (see `RankReport.modes`)."""
+        return {}
+
+    def _rl_sync_reasons(self) -> dict[str, str]:
+        """Why each of a worker's fallbacks falls back (see `RankReport.reasons`)."""
         return {}
 
     def _rl_sync_ping(self) -> None:

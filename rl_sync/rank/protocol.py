@@ -14,15 +14,18 @@ plays, `_rl_sync_nccl_ids` (trainer 0, NCCL only), `_rl_sync_ipc_export`
 rendezvous message), `_rl_sync_connect`; then per round
 `_rl_sync_ipc_begin` (IPC only; a worker whose memory moved answers a new
 export, which its trainer maps with `_rl_sync_ipc_remap` before the round),
-`_rl_sync_run`, `_rl_sync_ipc_end` (IPC only) and
-`_rl_sync_commit` (double buffering only); or, for a staged round (workers
-only, double buffering), `_rl_sync_stage` (returns once the round runs on a
-thread of its own), `_rl_sync_staged` (waits for it) and `_rl_sync_commit`;
-`_rl_sync_version_of`,
-`_rl_sync_apply_patches` and `_rl_sync_close` between rounds. An engine joining
-or leaving (between rounds): `_rl_sync_describe` on the joining ranks, then
-`_rl_sync_regroup` on every rank that stays or joins, `_rl_sync_catch_up` on
-a peer replica's ranks and the joining ones, and `_rl_sync_switch`.
+`_rl_sync_run`, `_rl_sync_ipc_end` (IPC only),
+`_rl_sync_commit` (double buffering only) and, on workers, once the
+coordinator decided the round counts, `_rl_sync_record`; or, for a staged
+round (workers only, double buffering), `_rl_sync_stage` (returns once the
+round runs on a thread of its own), `_rl_sync_staged` (waits for it),
+`_rl_sync_commit` and `_rl_sync_record`; `_rl_sync_version_of`,
+`_rl_sync_apply_patches` (then `_rl_sync_record`) and `_rl_sync_close`
+between rounds. An engine joining or leaving (between rounds):
+`_rl_sync_describe` on the joining ranks, then `_rl_sync_regroup` on every
+rank that stays or joins, `_rl_sync_catch_up` on a peer replica's ranks and
+the joining ones, `_rl_sync_switch`, and `_rl_sync_record` on the joining
+ones once the coordinator decided the join counts.
 
 Membership (`rl_sync.rank.claim`): describe's options
 (`rl_sync.rank.side.DescribeOptions`) carry the group's `GroupTag`; a rank
@@ -56,6 +59,8 @@ class SyncRank(Protocol):
     def _rl_sync_stage(self, round_blob: bytes) -> None: ...
 
     def _rl_sync_staged(self, version: int, timeout_s: float) -> bytes: ...
+
+    def _rl_sync_record(self, version: int) -> bool: ...
 
     def _rl_sync_version_of(self) -> int | None: ...
 

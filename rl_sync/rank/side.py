@@ -31,8 +31,9 @@ class DescribeOptions:
     checkpoint: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     """Worker side: the trainers' checkpoint, `{name: (dtype name, global shape)}`."""
     sharded: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    """Worker side: the dims the trainers shard each tensor along (a binding never cuts those
-    into parts)."""
+    """Worker side: the dims the trainers shard each tensor along in a way no part can be cut
+    from (several mesh axes on one dim, a scale grid: `rl_sync.planning.parts.uncuttable_dims`);
+    a binding never cuts those into parts."""
     double_buffer: bool = False
     """Worker side: receive into shadow copies and switch the live weights once the whole round
     succeeded (`SyncConfig.double_buffer`)."""

@@ -1,47 +1,61 @@
 """The sending side of a rank: a trainer's shards as sources.
 
 Define `rl_sync_sources()` returning `{checkpoint name: DTensor | Sharded | Tensor}`
-(a plain tensor is replicated on every trainer). It is called every round;
-when it returns the same mapping holding the same tensor objects, each with
-the storage address, shape, strides and dtype of last round, the compiled
-round is replayed as is; anything else is resolved afresh (a storage swapped
-in place, `p.data = ...`, is followed), and a shard whose geometry no longer
+(a plain tensor is replicated on every trainer). It is called every round; a
+`rl_sync.rank.watch.Watch` notices what changed since the last one (a new
+object under a name, a DTensor given another local shard or layout, a shard
+given new storage or laid out anew in place) at a cost that follows what
+changed, and only those names are resolved again: the compiled round is
+replayed when nothing changed. A shard whose dtype, shape or layout no longer
 matches the plan fails the round, naming tensor and rank, before this rank
 sends anything.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from ..engine.sources import Entries, local_tensor, trainer_entries
-from ..storage import geometry
+import torch
+
+from ..engine.sources import Entries, local_tensor, trainer_entries, trainer_entry
 from .participant import Participant
 from .side import DescribeOptions
+from .watch import Bound, Link, Watch, bound
 
 
-class SourceCache(NamedTuple):
-    """What the last round's sources resolved to, and what they looked like then."""
+class SourcesSeen(NamedTuple):
+    """What this trainer's sources resolved to, as of the last round."""
 
-    sources: Mapping
-    """The mapping `rl_sync_sources()` returned."""
     side: tuple[int, int]
     """(trainer rank, number of trainers)."""
-    tensors: list
-    """The objects it held (DTensors, `Sharded`s, tensors), in order."""
-    geometry: list[tuple]
-    """Each local shard's `_geometry` then."""
+    watch: Watch
     entries: Entries
+    where: dict[str, int]
+    """`entries.where()`."""
+
+
+def source_bound(name: str, value: object) -> Bound:
+    """A trainer's `value` resolved to its local shard; a DTensor is watched through the local
+    shard and layout it holds."""
+    local = local_tensor(value, name)
+    if hasattr(value, "_spec"):
+        links = tuple(Link(value, key, getattr(value, key), False) for key in ("_local_tensor", "_spec"))
+        return bound(value, local, links)
+    return bound(value, local)
+
+
+def _shard(local: torch.Tensor | None) -> torch.Tensor:
+    assert local is not None  # a trainer's value always resolves to a tensor
+    return local
 
 
 class TrainerRank(Participant):
     """Inherit and define `rl_sync_sources()`."""
 
-    _rl_sync_source_cache: SourceCache | None = None
+    _rl_sync_seen: SourcesSeen | None = None
 
-    def _rl_sync_trainer_entries(self, rank: int, size: int, options: DescribeOptions) -> Entries:
+    def _rl_sync_sources_now(self) -> Mapping:
         sources = getattr(self, "rl_sync_sources", None)
         if sources is None:
             raise TypeError(
@@ -53,26 +67,27 @@ class TrainerRank(Participant):
                 f"{type(self).__name__}.rl_sync_sources() must return a mapping of name to tensor, got "
                 f"{type(tensors).__name__}"
             )
-        cache, shards = self._rl_sync_source_cache, _geometry(tensors)
-        if (
-            cache is not None
-            and cache.sources is tensors
-            and cache.side == (rank, size)
-            and len(cache.tensors) == len(tensors)
-            and all(map(operator.is_, tensors.values(), cache.tensors))
-            and shards == cache.geometry
-        ):
-            return cache.entries
-        entries = trainer_entries(tensors, rank, size)
-        self._rl_sync_source_cache = SourceCache(tensors, (rank, size), list(tensors.values()), shards, entries)
+        return tensors
+
+    def _rl_sync_trainer_entries(self, rank: int, size: int, options: DescribeOptions) -> Entries:
+        tensors, seen = self._rl_sync_sources_now(), self._rl_sync_seen
+        changed = None if seen is None or seen.side != (rank, size) else seen.watch.changed(tensors)
+        if changed == []:
+            assert seen is not None  # changed is a list only for what was seen
+            return seen.entries
+        if changed is None:
+            entries = trainer_entries(tensors, rank, size)
+            watch = Watch(tensors, source_bound, f"trainer rank {rank}")
+            self._rl_sync_seen = SourcesSeen((rank, size), watch, entries, entries.where())
+            return entries
+        assert seen is not None  # as above
+        again = seen.watch.resolve(tensors, changed)
+        resolved = {name: trainer_entry(name, b.value, _shard(b.local), rank, size) for name, (b, _) in again.items()}
+        entries = seen.entries.updated(resolved, f"trainer rank {rank}", seen.where)
+        seen.watch.record(again)
+        self._rl_sync_seen = seen._replace(entries=entries)
         return entries
 
     def _rl_sync_leave(self, abort: bool) -> None:
         super()._rl_sync_leave(abort)
-        self._rl_sync_source_cache = None
-
-
-def _geometry(tensors: Mapping) -> list[tuple]:
-    """Where each local shard lives and how it is laid out (storage address, shape, strides,
-    dtype): a tensor resized, reshaped or moved in place since the last round differs here."""
-    return [geometry(local_tensor(value, name)) for name, value in tensors.items()]
+        self._rl_sync_seen = None

@@ -3,10 +3,19 @@
 Define `rl_sync_destinations(checkpoint)`: given the trainers' checkpoint
 (`{name: (torch dtype, shape)}`), return `{name: Destination}` (the
 `rl_sync.bind.Binder` builds these from rules). Destinations are resolved
-whenever a group forms or is repaired and must stay the live storage while it
-lasts. Names bound as fallbacks are received whole
-and handed to `rl_sync_load_fallbacks(pairs)`, which the class must then
-define. An engine that derives state from its weights (repacked kernels,
+whenever a group forms or is repaired; rl-sync keeps the mapping returned, and
+before every round a `rl_sync.rank.watch.Watch` notices what changed under it
+(a `Destination` replaced in that mapping, a new parameter where its `Slot`
+says the engine keeps it, a weight given new storage or laid out anew in
+place) at a cost that follows what changed, and binds those names again
+without re-planning. A rebound tensor holds what the engine put there, so the
+worker reports no version until a round fills it: a dense round of every
+tensor, a double-buffered round (the commit copies every shadow), or a
+colocated round (the worker exports anew and the coordinator runs every tensor
+dense); a sparse round, a round of other tensors or patches fail instead,
+naming tensor and rank, before anything is written. Names bound as fallbacks
+are received whole and handed to `rl_sync_load_fallbacks(pairs)`, which the
+class must then define. An engine that derives state from its weights (repacked kernels,
 caches) may define `rl_sync_weights_updated(names)`: it runs once the live
 weights hold a round (`names`: the round's tensors, `None` for all), before
 the worker reports the new version; and `rl_sync_write_modes()` (`{name:
@@ -14,7 +23,10 @@ the worker reports the new version; and `rl_sync_write_modes()` (`{name:
 
 Versions: a worker knows the version its live weights hold, and reports
 `None` while a round is writing into them or after one failed part-way, until
-a full round repairs it. With double buffering (`SyncConfig.double_buffer`)
+a full round repairs it. A round's version is recorded only when the
+coordinator says so (`_rl_sync_record`), once every rank finished it and the
+driver still waited for it (`actors.fence`); until then the worker reports
+`None`. With double buffering (`SyncConfig.double_buffer`)
 rounds land in a shadow copy of every bound tensor (one extra copy of the
 worker's bound bytes) and are committed into the live weights only once the
 whole round succeeded, so the worker serves the previous version throughout;
@@ -30,23 +42,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import NamedTuple
 
 import torch
 
 from ..config.sync import DENSE_MODES
 from ..engine import sparse_codec
-from ..engine.catch_up import run_catch_up
-from ..engine.sources import Entries, worker_entries
+from ..engine.catch_up import joins, run_catch_up
+from ..engine.sources import Entries
+from ..planning.quant import is_scale_name, scale_name, scaled_name
 from ..sparse.encodings import INDICES
-from ..storage import geometry, owner
 from ..transport.cuda_ipc import WorkerExport
 from ..wire.codec import decode, encode
 from ..wire.messages import RankStats, RoundInfo, WriteMode
 from ..wire.plan_info import PlanInfo
 from .background import BackgroundRound
+from .kept import KeptDestinations
 from .participant import Participant
-from .shadow import Shadows
 from .side import DescribeOptions
 
 STOP_WAIT_S = 30.0
@@ -54,30 +65,19 @@ STOP_WAIT_S = 30.0
 and a commit for the thread that already answered."""
 
 
-class BoundOwner(NamedTuple):
-    """A tensor the engine owns behind a bound destination, as it was when the group bound it."""
-
-    name: str
-    tensor: torch.Tensor
-    """The owning tensor (a parameter, for a slice of one): what an engine moves."""
-    geometry: tuple
-    """Its `rl_sync.storage.geometry` at binding time."""
-
-
 class WorkerRank(Participant):
     """Inherit and define `rl_sync_destinations(checkpoint)`."""
 
-    _rl_sync_cached: Entries | None = None
-    _rl_sync_fallbacks: tuple[str, ...] = ()
-    _rl_sync_shadow: Shadows | None = None
+    _rl_sync_kept: KeptDestinations | None = None
     _rl_sync_background: BackgroundRound | None = None
     _rl_sync_pending: tuple[str, ...] = ()
     """Fallbacks a double-buffered round received, loaded at its commit."""
     _rl_sync_version: int | None = None
+    _rl_sync_written: int | None = None
+    """The version of the last round written into the live weights, until it is recorded."""
     _rl_sync_ipc: WorkerExport | None = None
     _rl_sync_ipc_timeout: float = 120.0
     _rl_sync_round_names: tuple[str, ...] | None = None
-    _rl_sync_owners: tuple[BoundOwner, ...] = ()
     rl_sync_load_fallbacks: Callable[[list[tuple[str, torch.Tensor]]], None]
     """The subclass's hook taking `(name, tensor)` of each fallback a round delivered (see the
     module docstring): required when any name is bound as a fallback."""
@@ -87,7 +87,7 @@ class WorkerRank(Participant):
     ) -> bytes:
         if side == "worker":
             self._rl_sync_forget_moved()
-            self._rl_sync_cached = None  # every group, and every repair, binds anew: storage may have moved
+            self._rl_sync_kept = None  # every group, and every repair, binds anew: storage may have moved
         return super()._rl_sync_describe(side, side_rank, side_size, options)
 
     def _rl_sync_new_numbering(self) -> None:
@@ -95,7 +95,7 @@ class WorkerRank(Participant):
 
     def _rl_sync_forget_moved(self) -> None:
         """A weight the engine moved holds what the engine put there: no version until a round."""
-        if self._rl_sync_storage_moved():
+        if self._rl_sync_kept is not None and self._rl_sync_kept.moved():
             self._rl_sync_version = None
 
     def _rl_sync_leave(self, abort: bool) -> None:
@@ -103,90 +103,98 @@ class WorkerRank(Participant):
         self._rl_sync_forget_moved()
         super()._rl_sync_leave(abort)
         self._rl_sync_drop_export()
-        self._rl_sync_cached, self._rl_sync_shadow, self._rl_sync_pending = None, None, ()
-        self._rl_sync_fallbacks, self._rl_sync_round_names, self._rl_sync_owners = (), None, ()
+        self._rl_sync_kept, self._rl_sync_round_names, self._rl_sync_pending = None, None, ()
 
     def _rl_sync_worker_entries(self, rank: int, size: int, options: DescribeOptions) -> Entries:
-        if self._rl_sync_cached is None:
+        if self._rl_sync_kept is None:
             destinations = getattr(self, "rl_sync_destinations", None)
             if destinations is None:
                 raise TypeError(
                     f"{type(self).__name__} must define rl_sync_destinations(checkpoint) -> {{name: Destination}}"
                 )
             checkpoint = {n: (getattr(torch, d), tuple(s)) for n, (d, s) in options.checkpoint.items()}
-            bound = destinations(checkpoint)
-            self._rl_sync_fallbacks = tuple(n for n, d in bound.items() if d.fallback)
-            if self._rl_sync_fallbacks and not hasattr(self, "rl_sync_load_fallbacks"):
+            swappable = getattr(self, "rl_sync_swappable", lambda: ())() if options.double_buffer else ()
+            kept = KeptDestinations(destinations(checkpoint), rank, options.double_buffer, swappable)
+            if kept.fallbacks and not hasattr(self, "rl_sync_load_fallbacks"):
                 raise ValueError(
-                    f"worker rank {rank}: {len(self._rl_sync_fallbacks)} tensors fall back "
-                    f"({list(self._rl_sync_fallbacks)[:8]}) but {type(self).__name__} defines no "
+                    f"worker rank {rank}: {len(kept.fallbacks)} tensors fall back "
+                    f"({list(kept.fallbacks)[:8]}) but {type(self).__name__} defines no "
                     "rl_sync_load_fallbacks(pairs) hook"
                 )
-            reports, endpoints = worker_entries(bound, rank)
-            self._rl_sync_owners = tuple(
-                BoundOwner(name, owner(d.local), geometry(owner(d.local)))
-                for name, d in bound.items()
-                if d.local is not None and not d.fallback
-            )
-            if options.double_buffer:
-                swappable = getattr(self, "rl_sync_swappable", lambda: ())()
-                self._rl_sync_shadow = Shadows.of(endpoints, self._rl_sync_fallbacks, swappable)
-                endpoints = self._rl_sync_shadow.endpoints
-            self._rl_sync_cached = Entries(reports, endpoints)
-        return self._rl_sync_cached
+            self._rl_sync_kept = kept
+        return self._rl_sync_kept.entries
+
+    def _rl_sync_reasons(self) -> dict[str, str]:
+        kept = self._rl_sync_kept
+        return {} if kept is None else {n: kept.mapping[n].reason for n in kept.fallbacks}
 
     def _rl_sync_modes(self) -> dict[str, WriteMode]:
         """`fallback` for names bound whole; else what the engine's `rl_sync_write_modes()` says
         (`direct` or `reload`), `direct` without one."""
         engine = getattr(self, "rl_sync_write_modes", None)
         modes = engine() if engine is not None else {}
-        names = self._rl_sync_cached.endpoints if self._rl_sync_cached else {}
-        return {n: "fallback" if n in self._rl_sync_fallbacks else modes.get(n, "direct") for n in names}
+        kept = self._rl_sync_kept
+        names = kept.entries.endpoints if kept else {}
+        fallbacks = kept.fallbacks if kept else ()
+        return {n: "fallback" if n in fallbacks else modes.get(n, "direct") for n in names}
 
-    def _rl_sync_check_storage(self) -> None:
-        """Refuse to write when the engine moved a bound tensor since the group bound it (new
-        storage, shape or strides: `p.data = ...`, a reload that reallocates); nothing is
-        written, the round fails, and the repair that follows binds the new storage."""
-        moved = self._rl_sync_storage_moved()
-        if moved:
-            name, tensor = moved[0]
-            assert self._rl_sync_sides is not None  # storage is bound only in a group
-            rank = self._rl_sync_sides["worker"].rank
+    def _rl_sync_follow(self, unfilled: Callable[[dict[str, str]], str | None]) -> bool:
+        """Bind anew what the engine replaced or moved since the last round (`KeptDestinations`);
+        a rebound weight holds what the engine put there, so the version is forgotten. When
+        `unfilled(rebound)` says why what comes next cannot fill a rebound weight, refuse with a
+        `ValueError` naming rank and tensor before anything is written. True if any was rebound."""
+        if self._rl_sync_kept is None:
+            return False
+        try:
+            rebound = self._rl_sync_kept.follow()
+        except ValueError:
+            self._rl_sync_version = None  # something changed that cannot be bound anew
+            raise
+        if not rebound:
+            return False
+        self._rl_sync_version = None
+        why = unfilled(rebound)
+        if why is not None:
+            name, changed = next(iter(rebound.items()))
             raise ValueError(
-                f"worker rank {rank}: the storage bound for {name!r} moved since the group bound it "
-                f"(now shape {tuple(tensor.shape)}, strides {tensor.stride()}, {tensor.dtype}; the "
-                "engine reallocated or resized its weights); nothing was written, and the next push "
-                "binds the new storage (with auto_repair) or call repair()"
+                f"{self._rl_sync_kept.what}: {name!r} changed since the last round ({changed}) and was bound "
+                f"anew, so it holds what the engine put there; {why}, so nothing was written; the next push "
+                "runs every tensor dense (with auto_repair) or call repair()"
             )
+        return True
 
     def _rl_sync_before_round(self, round_info: RoundInfo) -> None:
         super()._rl_sync_before_round(round_info)
-        self._rl_sync_check_storage()
-        if self._rl_sync_shadow is None:
-            self._rl_sync_version = None  # live weights are being written
+        kept = self._rl_sync_kept
+        buffered = kept is not None and kept.shadow is not None
+        self._rl_sync_follow(lambda rebound: None if buffered else _unfilled(round_info, rebound))
+        if kept is not None and kept.shadow is not None:
+            kept.shadow.prepare(round_info.mode in DENSE_MODES and round_info.names is None)
         else:
-            self._rl_sync_shadow.prepare(round_info.mode in DENSE_MODES and round_info.names is None)
+            self._rl_sync_version = self._rl_sync_written = None  # live weights are being written
 
     def _rl_sync_after_round(self, round_info: RoundInfo, stats: RankStats) -> RankStats:
         stats = super()._rl_sync_after_round(round_info, stats)
-        names = tuple(n for n in self._rl_sync_fallbacks if round_info.names is None or n in round_info.names)
+        kept = self._rl_sync_kept
+        assert kept is not None  # a round runs on bound destinations
+        names = tuple(n for n in kept.fallbacks if round_info.names is None or n in round_info.names)
         self._rl_sync_round_names = round_info.names
-        if self._rl_sync_shadow is None:
+        if kept.shadow is None:
             self._rl_sync_load_fallbacks(names)
             self._rl_sync_updated(round_info.names)
-            self._rl_sync_version = round_info.version
+            self._rl_sync_written = round_info.version
         else:
             self._rl_sync_pending = names
             prepare = getattr(self, "rl_sync_prepare", None)
             if prepare is not None:
-                prepare(round_info.names, self._rl_sync_shadow.spare_of)
+                prepare(round_info.names, kept.shadow.spare_of)
         return replace(stats, fallbacks=len(names))
 
     def _rl_sync_load_fallbacks(self, names: tuple[str, ...]) -> None:
         """Hand the fallbacks a round received to the engine's loader."""
         if names:
-            assert self._rl_sync_cached is not None  # bound with the fallbacks
-            views = self._rl_sync_cached.endpoints
+            assert self._rl_sync_kept is not None  # bound with the fallbacks
+            views = self._rl_sync_kept.entries.endpoints
             self.rl_sync_load_fallbacks([(n, views[n].tensor) for n in names])
 
     def _rl_sync_updated(self, names: tuple[str, ...] | None) -> None:
@@ -197,26 +205,34 @@ class WorkerRank(Participant):
 
     def _rl_sync_commit(self, version: int) -> None:
         """Double buffering: the round completed everywhere; make it live (by copy, or by swap where
-        the engine allows and no other process maps the memory: `rl_sync.rank.shadow`), load its
-        fallbacks, run the engine's hook. A staged round's thread must have ended."""
+        the engine allows and no other process maps the memory: `rl_sync.rank.shadow`; bound anew
+        first where the engine replaced or moved a weight: the shadows hold every tensor whole),
+        load its fallbacks, run the engine's hook. A staged round's thread must have ended."""
         self._rl_sync_end_background()
-        self._rl_sync_check_storage()
-        shadow, cached = self._rl_sync_shadow, self._rl_sync_cached
-        assert shadow is not None and cached is not None  # commits follow double-buffered rounds
-        if shadow.commit(swap=self._rl_sync_ipc is None):
-            self._rl_sync_owners = tuple(o._replace(geometry=geometry(o.tensor)) for o in self._rl_sync_owners)
-            self._rl_sync_cached = cached._replace(endpoints=shadow.endpoints)
+        self._rl_sync_version = self._rl_sync_written = None
+        self._rl_sync_follow(lambda rebound: None)
+        kept = self._rl_sync_kept
+        assert kept is not None  # commits follow double-buffered rounds
+        kept.commit(swap=self._rl_sync_ipc is None)
         pending, self._rl_sync_pending = self._rl_sync_pending, ()
         self._rl_sync_load_fallbacks(pending)
         self._rl_sync_updated(self._rl_sync_round_names)
-        self._rl_sync_version = version
+        self._rl_sync_written = version
+
+    def _rl_sync_record(self, version: int) -> bool:
+        """The coordinator recorded `version`: report it from now on, if it is what the live
+        weights hold (the last round written, nothing written since). Returns whether it is."""
+        if self._rl_sync_written != version:
+            return False
+        self._rl_sync_version, self._rl_sync_written = version, None
+        return True
 
     def _rl_sync_stage(self, round_blob: bytes, answer: Callable[[Callable[[], bytes]], bytes] | None = None) -> None:
         """Start a round into the shadows on a thread of its own and return at once: the process
         serves other calls meanwhile, the live weights stay as they are until `_rl_sync_commit`.
         `answer(run)` runs the round and passes its result on (a vLLM service rank's store)."""
         rank = self._rl_sync_worker_rank()
-        if self._rl_sync_shadow is None:
+        if self._rl_sync_kept is None or self._rl_sync_kept.shadow is None:
             raise ValueError(
                 f"worker rank {rank}: a staged round lands in shadow copies, which only a double-buffered "
                 "group keeps; create the group with SyncConfig(double_buffer=True)"
@@ -257,23 +273,34 @@ class WorkerRank(Participant):
 
     def _rl_sync_catch_up(self, plan: bytes, round_blob: bytes) -> bytes:
         """Within a regroup (`_rl_sync_regroup`), the joining engine's catch-up by relay: a peer
-        replica's rank sends what its live weights hold (its engine serving meanwhile), a joining
-        rank receives it (into its shadows when double-buffered) and makes it live as
-        `round_blob`'s version (`rl_sync.engine.catch_up`). Returns this rank's `RankStats`."""
-        session, cached = self._rl_sync_regrouped, self._rl_sync_cached
-        if session is None or cached is None:
+        replica's rank sends what its live weights hold (its engine serving meanwhile; refused,
+        sending nothing, when the engine replaced or moved one since the coordinator read the
+        peer's version), a joining rank receives it as a dense round of every tensor (into its
+        shadows when double-buffered, committed at once) and holds `round_blob`'s version, which
+        it reports once the coordinator records it (`_rl_sync_record`). Returns this rank's
+        `RankStats` (`rl_sync.engine.catch_up`)."""
+        session, kept = self._rl_sync_regrouped, self._rl_sync_kept
+        if session is None or kept is None:
             raise RuntimeError(f"worker rank {self._rl_sync_worker_rank()}: a catch-up runs in a regroup only")
         round_info, start = decode(RoundInfo, round_blob), time.perf_counter()
-        live = cached.endpoints if self._rl_sync_shadow is None else self._rl_sync_shadow.live
+        schedule = decode(PlanInfo, plan).to_schedule()
+        joining = joins(schedule, session.rank)
         try:
-            counters, joining = run_catch_up(session, decode(PlanInfo, plan), live, cached.endpoints, round_info)
+            if joining:
+                self._rl_sync_before_round(round_info)
+            elif kept.moved():
+                raise ValueError(
+                    f"{kept.what}: a weight changed under its binding since the coordinator read this rank's "
+                    f"version {self._rl_sync_version}; nothing was sent (the next round binds it anew)"
+                )
+            counters = run_catch_up(session, schedule, kept.live.endpoints, kept.entries.endpoints, round_info)
         except Exception:
             session.transport.abort()
             raise
         stats = session.stats(round_info, counters, time.perf_counter() - start)
         if joining:
             stats = self._rl_sync_after_round(round_info, stats)
-            if self._rl_sync_shadow is not None:
+            if kept.shadow is not None:
                 self._rl_sync_commit(round_info.version)
         return encode(stats)
 
@@ -283,9 +310,9 @@ class WorkerRank(Participant):
     def _rl_sync_apply_patches(self, version: int, patches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Write flat-index patches (local to this worker's boxes, checked by the coordinator)
         into live storage; re-validated here before the first write. Returns elements written."""
-        self._rl_sync_check_storage()
-        assert self._rl_sync_cached is not None  # the coordinator patches bound workers only
-        views = self._rl_sync_cached.endpoints
+        self._rl_sync_follow(lambda rebound: "patches write only the elements they name")
+        assert self._rl_sync_kept is not None  # the coordinator patches bound workers only
+        views = self._rl_sync_kept.entries.endpoints
         unknown = [n for n in patches if n not in views]
         if unknown:
             raise ValueError(f"patches name tensors {unknown[:4]} this worker does not keep")
@@ -293,26 +320,22 @@ class WorkerRank(Participant):
             view = views[name].tensor
             if index.numel() and (int(index.min()) < 0 or int(index.max()) >= view.numel()):
                 raise ValueError(f"patch for {name!r} indexes outside this worker's {tuple(view.shape)} box")
-        self._rl_sync_version = None
+        self._rl_sync_version = self._rl_sync_written = None
         written = 0
         for name, (index, values) in patches.items():
             view = views[name].tensor
             sparse_codec.apply(INDICES, view, index.to(view.device), values.to(view.device, view.dtype))
             written += index.numel()
-        self._rl_sync_version = version
+        self._rl_sync_written = version
         return written
 
     def _rl_sync_version_of(self) -> int | None:
         """The version the live weights fully hold, or None (never synced, torn, in flight, or
-        the engine moved a bound tensor since: its new storage holds what the engine put there)."""
-        if self._rl_sync_storage_moved() or (self._rl_sync_ipc is not None and self._rl_sync_ipc.moved()):
+        the engine replaced or moved a bound tensor since: it holds what the engine put there)."""
+        kept, ipc = self._rl_sync_kept, self._rl_sync_ipc
+        if (kept is not None and kept.moved()) or (ipc is not None and ipc.moved()):
             return None
         return self._rl_sync_version
-
-    def _rl_sync_storage_moved(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) of each bound tensor with other storage, shape, strides or dtype than
-        when it was bound."""
-        return [(o.name, o.tensor) for o in self._rl_sync_owners if geometry(o.tensor) != o.geometry]
 
     def _rl_sync_ipc_export(self, device: str, timeout_s: float = 120.0) -> bytes:
         """Export the memory behind this worker's destinations to its colocated trainer
@@ -330,14 +353,15 @@ class WorkerRank(Participant):
 
     def _rl_sync_ipc_begin(self) -> bytes | None:
         """Open a colocated round: the trainer may write once this returns. Returns a new export
-        when the memory behind the bound weights was released and re-allocated since the last
-        one (an engine's sleep and wake): the trainer must map it before writing, and the round
-        must be full (what the new memory holds is the engine's)."""
-        self._rl_sync_check_storage()
-        self._rl_sync_version = None
+        when the memory behind the bound weights moved since the last one (a weight the engine
+        replaced or moved, bound anew; memory released and re-allocated by an engine's sleep and
+        wake): the trainer must map it before writing, and the round must be full (what the new
+        memory holds is the engine's)."""
+        rebound = self._rl_sync_follow(lambda rebound: None)
+        self._rl_sync_version = self._rl_sync_written = None
         assert self._rl_sync_ipc is not None  # colocated rounds run on an export
         fresh = None
-        if self._rl_sync_ipc.moved():
+        if rebound or self._rl_sync_ipc.moved():
             fresh = self._rl_sync_ipc_export(str(self._rl_sync_ipc.device), self._rl_sync_ipc_timeout)
         self._rl_sync_ipc.begin()
         return fresh
@@ -346,4 +370,17 @@ class WorkerRank(Participant):
         assert self._rl_sync_ipc is not None  # colocated rounds run on an export
         self._rl_sync_ipc.end()
         self._rl_sync_updated(names)
-        self._rl_sync_version = version
+        self._rl_sync_written = version
+
+
+def _unfilled(round_info: RoundInfo, rebound: dict[str, str]) -> str | None:
+    """Why a round that writes straight into the live weights leaves a rebound weight unfilled,
+    or None when it writes every element of each (a dense round carrying it)."""
+    if round_info.mode not in DENSE_MODES:
+        return f"a {round_info.mode} round writes only what changed"
+    if round_info.names is None:
+        return None
+    named = set(round_info.names)
+    carried = named | {scale_name(n) for n in named} | {scaled_name(n) for n in named if is_scale_name(n)}
+    missing = [n for n in rebound if n not in carried]
+    return f"this round carries other tensors, not {missing[:4]}" if missing else None

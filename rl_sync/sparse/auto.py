@@ -30,6 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..config.sync import SPARSE_MODES
+from ..wire.stats import RoundStats
+
 Engine = Literal["dense", "sparse"]
 WARMUP = 2
 MIN_DECIDING_S = 0.05
@@ -72,6 +75,15 @@ class AutoPolicy:
         if cost.engine == "sparse":
             self.sparse_rounds += 1
             self.wire = cost.wire
+
+    def learn(self, stats: RoundStats, dense_bytes: int) -> None:
+        """Record what a round cost: a dense M2N or sparse-engine round of `dense_bytes` (any
+        other mode teaches nothing)."""
+        if stats.mode == "m2n":
+            self.record(RoundCost("dense", stats.seconds, dense_bytes))
+        elif stats.mode in SPARSE_MODES:
+            sent = sum(r.sent_bytes for r in stats.ranks if r.role != "worker")
+            self.record(RoundCost("sparse", stats.seconds, dense_bytes, sent / max(1, stats.dense_bytes)))
 
     def choose(self, dense_bytes: int) -> Choice:
         """The engine of an `auto` round that would move `dense_bytes` dense."""

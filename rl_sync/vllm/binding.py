@@ -9,9 +9,13 @@ entry gets a `Destination`:
 
 * **direct**: a strided view of the live parameter (q/k/v slots of
   `qkv_proj`, gate/up of `gate_up_proj`, experts of `w13_weight`, the real rows
-  of a padded vocabulary shard, ...);
+  of a padded vocabulary shard, ...), with the `Slot` of its module's
+  `_parameters`: a parameter the engine replaces there is followed each round
+  without binding again (`rl_sync.rank.watch`);
 * **reload**: the same view of a buffer in the loader's form, processed by
-  vLLM after each round (`rl_sync.vllm.reload`);
+  vLLM after each round (`rl_sync.vllm.reload`); a block-FP8 layer's weight
+  is an FP8 destination with the layer's block, and its blocks of
+  `weight_scale_inv` a second one (`rl_sync.vllm.fp8`);
 * **fallback**: the whole tensor, handed to vLLM's loader: when the loader's
   copies are no box, no layout gives the boxes, or a module's parameters
   cannot be rebuilt from what the trainers send; every name feeding a module
@@ -35,9 +39,9 @@ import torch
 from ..bind.infer import Geometry, Merged
 from ..planning.layout import Layout, Mesh, Replicate
 from ..planning.quant import dest_scale_layout, grid_shape, scale_name
-from ..storage import Destination
+from ..storage import Destination, Slot
 from . import compat, fp8
-from .entries import Entry, local_report, plan_entries
+from .entries import MODULE, UNCOVERED, UNMERGED, Entry, local_report, plan_entries
 from .modes import Mode, param_mode
 from .probe import ParamForm, Probe, attr_of, contiguous_strides, probe_loads
 from .reload import Processor
@@ -109,7 +113,7 @@ class VllmBinding:
         sharded: Mapping[str, Sequence[int]] | None = None,
     ) -> VllmBinding:
         """Resolve every checkpoint name on this rank (collective over the engine's ranks).
-        `sharded[name]`: dims the trainers shard (never cut into parts)."""
+        `sharded[name]`: dims no part may be cut along (`rl_sync.planning.parts.uncuttable_dims`)."""
         probe = probe_loads(model, checkpoint, model_config.dtype)
         if probe.errors:
             name, error = next(iter(probe.errors.items()))
@@ -120,8 +124,10 @@ class VllmBinding:
         gathered = where.exchange(local_report(probe, checkpoint))
         entries, fallback, unmerged = plan_entries(checkpoint, gathered, probe.pieces, sharded or {}, where.rank)
         resolver = _Resolver(model, probe, gathered, [e for e in entries if e.base not in fallback])
-        local = unmerged | resolver.uncovered()
-        fallback = resolver.close_modules(fallback | set().union(*where.exchange(sorted(local))))
+        local = dict.fromkeys(resolver.uncovered(), UNCOVERED) | dict.fromkeys(unmerged, UNMERGED)
+        for found in where.exchange(sorted(local.items())):
+            fallback = dict(found) | fallback
+        fallback = resolver.close_modules(fallback)
         resolver.entries = [e for e in entries if e.base not in fallback]
         return resolver.finish(checkpoint, fallback, model_config, where, engines)
 
@@ -138,10 +144,10 @@ class _Resolver:
         live = self.live.get(param)
         return [] if live is None else self.owners.get(id(live), [])
 
-    def close_modules(self, fallback: set[str]) -> set[str]:
-        """Every name feeding a module that a fallback name feeds falls back too."""
+    def close_modules(self, fallback: dict[str, str]) -> dict[str, str]:
+        """Every name feeding a module that a fallback name feeds falls back too (`MODULE`)."""
         params_of = {name: set().union(*(g[name][1] for g in self.gathered)) for name in self.gathered[0]}
-        fallback = set(fallback)
+        fallback = dict(fallback)
         while True:
             modules = {id(m) for name in fallback for p in params_of[name] for m in self._modules_of_param(p)}
             grown = {
@@ -149,9 +155,9 @@ class _Resolver:
                 for n, params in params_of.items()
                 if any(id(m) in modules for p in params for m in self._modules_of_param(p))
             }
-            if grown <= fallback:
+            if grown <= fallback.keys():
                 return fallback
-            fallback |= grown
+            fallback = dict.fromkeys(grown, MODULE) | fallback
 
     def _mine(self) -> list[tuple[Entry, Merged]]:
         """The entries this rank keeps a part of, each with its view."""
@@ -225,8 +231,14 @@ class _Resolver:
                 }
         return bad
 
+    def _slot(self, param: str) -> Slot:
+        """Where the engine keeps live parameter `param`: its module's `_parameters` (a direct
+        destination is cut again from a parameter the engine puts there in its place)."""
+        module, _, attr = param.rpartition(".")
+        return Slot(self.model.get_submodule(module)._parameters, attr)
+
     def finish(
-        self, checkpoint: Checkpoint, fallback: set[str], model_config, where: EngineRank, engines: int
+        self, checkpoint: Checkpoint, fallback: Mapping[str, str], model_config, where: EngineRank, engines: int
     ) -> VllmBinding:
         """Destinations, per-name reports and the post-round processor."""
         modes = self._modes()
@@ -236,7 +248,7 @@ class _Resolver:
             self._add(built, entry, modes, by_live)
         device = next(iter(self.live.values())).device if self.live else torch.device("cpu")
         for name in sorted(fallback):
-            built.fallback(name, tuple(checkpoint[name][1]), device)
+            built.fallback(name, tuple(checkpoint[name][1]), device, fallback[name])
         processor = Processor(
             self.model,
             model_config.dtype,
@@ -255,6 +267,7 @@ class _Resolver:
         layout = lift(entry.layout, built.engines, built.where.size)
         view, target, reason = None, None, "kept by other ranks of the engine"
         mode: Mode = "direct"
+        slot = None
         if entry.merged is not None:
             mode, reason = modes[param]
             live = self.live[param]
@@ -262,9 +275,12 @@ class _Resolver:
             view = _view(target, entry.merged.dst)
             if mode == "reload":
                 built.modules_of[entry.name] = self._modules_of_param(param)
+            else:
+                slot = self._slot(param)
         # (reload: the loader form's dtype, which may be narrower than the live one)
         dtype = fp8.FP8 if block else built.dtype if target is None else target.dtype
-        built.add(entry.name, Destination(view, layout, entry.shape, dtype, block=block or ()), param, mode, reason)
+        destination = Destination(view, layout, entry.shape, dtype, block=block or (), slot=slot)
+        built.add(entry.name, destination, param, mode, reason)
         if block is not None:
             scales = self._scales(entry, param, layout, block, mode, by_live, built.where)
             built.add(scale_name(entry.name), scales, param + "::" + fp8.SCALE_ATTR, mode, reason)
@@ -282,14 +298,15 @@ class _Resolver:
         """The destination of a block-FP8 weight's scales: its blocks of `weight_scale_inv`."""
         what = f"vLLM rank {where.rank}: {entry.name!r}"
         grid, scale_layout = grid_shape(entry.shape, block, what), dest_scale_layout(layout, entry.shape, block, what)
-        view = None
+        view, slot = None, None
         if entry.merged is not None:
             live = fp8.scale_param(self._modules_of_param(param))
             buffer = live.detach() if mode == "direct" else by_live[id(live)]
             box = scale_layout.local_box(grid, where.rank)  # (the engines' layouts agree: engine 0's rank)
             assert box is not None, "a rank keeping a box of the weight keeps its blocks' scales"
             view = fp8.scale_view(entry.merged.dst, self.probe.forms[param], buffer, box, block, what)
-        return Destination(view, scale_layout, grid, torch.float32)
+            slot = self._slot(param.rpartition(".")[0] + "." + fp8.SCALE_ATTR) if mode == "direct" else None
+        return Destination(view, scale_layout, grid, torch.float32, slot=slot)
 
 
 class _Built:
@@ -307,13 +324,12 @@ class _Built:
         nbytes = 0 if view is None else view.numel() * view.element_size()
         self.reports.append(ParamReport(name, None if view is None else param, mode, reason, nbytes))
 
-    def fallback(self, name: str, shape: tuple[int, ...], device: torch.device) -> None:
-        """A whole tensor for vLLM's loader, on the engine's device."""
+    def fallback(self, name: str, shape: tuple[int, ...], device: torch.device, reason: str) -> None:
+        """A whole tensor for vLLM's loader, on the engine's device; `reason`: why it falls back."""
         size = self.where.size
         whole = lift(Layout(Mesh.from_ranks(list(range(size))), (Replicate(),)), self.engines, size)
         buffer = torch.empty(shape, dtype=self.dtype, device=device)
-        self.destinations[name] = Destination(buffer, whole, shape, self.dtype, fallback=True)
-        reason = "vLLM's loader takes it (whole tensor)"
+        self.destinations[name] = Destination(buffer, whole, shape, self.dtype, fallback=True, reason=reason)
         self.reports.append(ParamReport(name, None, "fallback", reason, buffer.numel() * self.dtype.itemsize))
 
 
@@ -373,7 +389,7 @@ def _loader_buffers(modules: Sequence[torch.nn.Module], probe: Probe, live: Mapp
     return out, by_live
 
 
-def _fallback_modules(resolver: _Resolver, fallback: set[str]) -> list[torch.nn.Module]:
+def _fallback_modules(resolver: _Resolver, fallback: Mapping[str, str]) -> list[torch.nn.Module]:
     modules: dict[int, torch.nn.Module] = {}
     for name in fallback:
         for g in resolver.gathered:

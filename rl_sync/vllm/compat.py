@@ -13,7 +13,9 @@ each detected by what the installed vLLM has, never by its version string:
   last.
 * **A backend's trainer-side call.** 0.26 declares
   `WeightTransferEngine.trainer_send_weights` abstract, so every backend class
-  defines it (`TRAINER_SEND_REFUSED` says what rl-sync's does instead).
+  defines it (`TRAINER_SEND_REFUSED` says what rl-sync's does instead); 0.29+
+  has a trainer-side factory instead (`trainer_factory`), where rl-sync's
+  trainer engine (`rl_sync.vllm.trainer`, 0.29+ only) registers.
 
 Typical use::
 
@@ -43,6 +45,13 @@ def loaded_never_on_meta() -> frozenset[str]:
 
     never_loaded = getattr(meta, "SKIP_LOAD_TENSORS", None)
     return frozenset() if never_loaded is None else frozenset(meta.SKIP_TENSORS - never_loaded)
+
+
+def trainer_factory() -> type | None:
+    """vLLM's trainer-side weight-transfer factory (0.29+), or None where there is none (0.26)."""
+    from vllm.distributed.weight_transfer import factory
+
+    return getattr(factory, "WeightTransferTrainerFactory", None)
 
 
 @cache

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ..wire.codec import decode, encode
 from ..wire.failure import RankFailure, RemoteTraceback, kept_type
@@ -46,19 +47,24 @@ from .service import (
 
 
 class EngineControl(Protocol):
-    """vLLM's weight-transfer calls on one engine, and its prefix cache: `update` runs a round,
-    `stage` starts one the engine generates through, `commit` makes one live (and resets the
-    prefix cache)."""
+    """vLLM's weight-transfer calls on one engine, and its prefix cache: `update` runs a round."""
 
     def init(self, info: dict) -> None: ...
 
     def update(self, info: dict) -> None: ...
 
+    def reset_prefix_cache(self) -> None: ...
+
+
+@runtime_checkable
+class StagingControl(EngineControl, Protocol):
+    """An engine that takes staged rounds: `stage` starts one the engine generates through,
+    `commit` makes one live (and resets the prefix cache). Without these, a commit is an
+    `update` and a prefix-cache reset, and a stage is refused."""
+
     def stage(self, info: dict) -> None: ...
 
     def commit(self, info: dict) -> None: ...
-
-    def reset_prefix_cache(self) -> None: ...
 
 
 class LlmControl:
@@ -150,45 +156,56 @@ def _reported(blob: bytes) -> RankFailure:
         return RankFailure("RuntimeError", f"an unreadable failure report ({exc})", "")
 
 
-def _service_error(op: str, failed: dict[int, RankFailure]) -> Exception:
-    """The error for call `op` that `failed` ranks answered with: one line per rank, the ranks'
-    own type when they share a caller's-mistake type (`rl_sync.wire.failure.kept_type`), and
-    their tracebacks as the `__cause__`."""
-    reason = "; ".join(f"vLLM rank {rank}: {f}" for rank, f in failed.items())
-    error = kept_type([f.kept for f in failed.values()], RuntimeError)(f"vLLM engine service, {op}: {reason}")
-    tracebacks = [f"vLLM rank {rank}:\n{f.traceback}" for rank, f in failed.items() if f.traceback]
+def _service_error(label: str, op: str, failed: dict[str, RankFailure]) -> Exception:
+    """The error for call `op` that `failed` ranks (by name) answered with: one line per rank,
+    the ranks' own type when they share a caller's-mistake type
+    (`rl_sync.wire.failure.kept_type`), and their tracebacks as the `__cause__`."""
+    reason = "; ".join(f"{rank}: {f}" for rank, f in failed.items())
+    error = kept_type([f.kept for f in failed.values()], RuntimeError)(f"{label}, {op}: {reason}")
+    tracebacks = [f"{rank}:\n{f.traceback}" for rank, f in failed.items() if f.traceback]
     error.__cause__ = RemoteTraceback("\n".join(tracebacks)) if tracebacks else None
     return error
 
 
 class ServiceDriver:
-    """One engine's ranks as workers of a sync group (see the module docstring)."""
+    """One engine's ranks as workers of a sync group (see the module docstring). `label` and
+    `rank_name(i)` name the engine and its rank `i` in errors (other ranks reached through
+    the same calls, `rl_sync.lead`, name theirs)."""
 
-    def __init__(self, control: EngineControl, ranks: int):
-        self.control, self.ranks = control, ranks
+    def __init__(
+        self,
+        control: EngineControl,
+        ranks: int,
+        label: str = "vLLM engine service",
+        rank_name: Callable[[int], str] = "vLLM rank {}".format,
+    ):
+        self.control, self.ranks, self.label, self.rank_name = control, ranks, label, rank_name
 
     def _answers(self, reply: Rendezvous, op: str, tag: int, failure: BaseException | None = None) -> list[bytes]:
         """Every rank's answer to call `op`; raises naming each rank that failed."""
         store = store_client(reply)
-        out, failed = [], {}
+        out: list[bytes] = []
+        failed: dict[str, RankFailure] = {}
         try:
             for rank in range(self.ranks):
                 key = reply_key(reply.prefix, op, tag, rank)
                 try:
                     value = store.get(key)
                 except Exception as exc:  # the store's timeout: this rank never answered
-                    failed[rank] = RankFailure("RuntimeError", f"no answer to {op} ({type(exc).__name__})", "")
+                    failed[self.rank_name(rank)] = RankFailure(
+                        "RuntimeError", f"no answer to {op} ({type(exc).__name__})", ""
+                    )
                     continue
                 store.delete_key(key)
                 if value.startswith(ERROR):
-                    failed[rank] = _reported(value[len(ERROR) :])
+                    failed[self.rank_name(rank)] = _reported(value[len(ERROR) :])
                 out.append(value)
         finally:
             store.close()
         if failed:
-            raise _service_error(op, failed)
+            raise _service_error(self.label, op, failed)
         if failure is not None:
-            raise RuntimeError(f"vLLM engine service, {op}: {type(failure).__name__}: {failure}") from failure
+            raise RuntimeError(f"{self.label}, {op}: {type(failure).__name__}: {failure}") from failure
         return out
 
     def _issue(self, issue, info: dict, reply: Rendezvous, op: str, tag: int) -> None:
@@ -216,6 +233,11 @@ class ServiceDriver:
 
     def stage(self, request: RoundRequest) -> None:
         """Start a staged round on every rank; returns once each receives on a thread of its own."""
+        if not isinstance(self.control, StagingControl):
+            raise ValueError(
+                f"{self.label}: reached through {type(self.control).__name__}, which takes no staged rounds "
+                "(it cannot let the engine generate while one arrives); push() instead"
+            )
         self._issue(self.control.stage, pack("stage", encode(request)), request.reply, "stage", request.version)
 
     def staged(self, request: RoundRequest) -> list[bytes]:
@@ -225,7 +247,12 @@ class ServiceDriver:
 
     def commit(self, request: RoundRequest) -> None:
         """Make a double-buffered or staged round live (the engine's prefix cache reset)."""
-        self._call(self.control.commit, pack("commit", encode(request)), request.reply, "commit", request.version)
+        info = pack("commit", encode(request))
+        if isinstance(self.control, StagingControl):
+            self._call(self.control.commit, info, request.reply, "commit", request.version)
+            return
+        self._call(self.control.update, info, request.reply, "commit", request.version)
+        self.control.reset_prefix_cache()
 
     def ipc_export(self, request: IpcRequest) -> list[bytes]:
         """Every rank's export of the memory behind its destinations."""

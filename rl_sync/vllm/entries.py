@@ -10,14 +10,16 @@ report, `plan_entries` (pure, the same on every rank) decides:
   gives those boxes;
 * a name kept in pieces is cut into parts along a dim the trainers do not
   shard (`rl_sync.planning.parts`) where that leaves one box per rank and part;
-* anything else falls back (vLLM's loader takes the whole tensor).
+* anything else falls back (vLLM's loader takes the whole tensor), with the
+  reason (one of `REASONS`, so a summary can group names by it).
 
 A name no rank's loader writes is an error: the engine's model lacks it.
 
 Typical use::
 
     gathered = exchange(local_report(probe, checkpoint))
-    entries, fallback = plan_entries(checkpoint, gathered, sharded, rank=0, size=2)
+    entries, fallback, unmerged = plan_entries(checkpoint, gathered, probe.pieces, sharded, rank=0)
+    fallback    # {name: reason}
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ from ..bind.infer import Merged, Piece, find_cuts, infer_layout, merge_pieces
 from ..planning.layout import Box, Layout
 from ..planning.parts import part_name, part_shape
 from .probe import Probe
+
+NO_LAYOUT = "no layout gives the boxes the engine's ranks keep of it"
+NO_PARTS = "its pieces form one box per rank and part along no dim its senders' layout can be cut along"
+UNMERGED = "a rank's pieces of it form no single strided view of one parameter"
+UNCOVERED = (
+    "a parameter of a module it feeds can be rebuilt neither from what the trainers send nor from its live value"
+)
+MODULE = "it feeds a module another fallback feeds (vLLM's layerwise reload takes whole modules)"
+REASONS = (*Probe.REASONS, NO_LAYOUT, NO_PARTS, UNMERGED, UNCOVERED, MODULE)
+"""Why a name falls back: every reason a binding gives."""
 
 
 @dataclass(frozen=True)
@@ -55,21 +67,24 @@ def _box(raw) -> Box:
 
 
 def local_report(probe: Probe, checkpoint: Mapping) -> dict[str, tuple]:
-    """Per name: `(status, parameters it touches, boxes)`, plain data for the exchange."""
+    """Per name: `(status, parameters it touches, the merged box or the probe's reason, every
+    piece's box)`, plain data for the exchange. Parts are cut from the pieces' boxes: a rank whose
+    pieces happen to merge (Falcon's k and v rows after its half of the q rows) still says where
+    they lie apart."""
     out: dict[str, tuple] = {}
     for name in checkpoint:
         pieces = probe.pieces.get(name, [])
         params = sorted({p.param for p in pieces})
         boxes = [(p.src.offsets, p.src.sizes) for p in pieces]
+        merged = merge_pieces(pieces) if pieces else None
         if name in probe.unresolved:
-            out[name] = ("unresolved", params, [])
+            out[name] = ("unresolved", params, probe.unresolved[name], [])
         elif not pieces:
-            out[name] = ("none", params, [])
+            out[name] = ("none", params, [], [])
+        elif merged is not None:
+            out[name] = ("ok", params, [(merged.box.offsets, merged.box.sizes)], boxes)
         else:
-            merged = merge_pieces(pieces)
-            out[name] = (
-                ("ok", params, [(merged.box.offsets, merged.box.sizes)]) if merged else ("pieces", params, boxes)
-            )
+            out[name] = ("pieces", params, [], boxes)
     return out
 
 
@@ -88,7 +103,7 @@ def _parts(
 ) -> list[Entry] | None:
     """The entries of `name` cut into parts, or None; an entry whose local merge fails has
     `merged=None` while the rank holds pieces of it (`plan_entries` reports it)."""
-    boxes = [[_box(raw) for raw in r[2]] for r in reports]
+    boxes = [[_box(raw) for raw in r[3]] for r in reports]
     found = find_cuts(shape, boxes, forbidden)
     if found is None:
         return None
@@ -96,7 +111,7 @@ def _parts(
     bounds = [0, *cuts, shape[dim]]
     entries = []
     for start, stop in itertools.pairwise(bounds):
-        rank_boxes = [[_box(raw) for raw in r[2] if _inside(_box(raw), dim, start, stop)] for r in reports]
+        rank_boxes = [[_box(raw) for raw in r[3] if _inside(_box(raw), dim, start, stop)] for r in reports]
         sub_shape = part_shape(shape, dim, start, stop)
         per_rank = [None if not bs else _bound_in_part(bs, dim, start) for bs in rank_boxes]
         layout = infer_layout(sub_shape, per_rank)
@@ -127,11 +142,13 @@ def plan_entries(
     pieces: Mapping[str, Sequence[Piece]],
     sharded: Mapping[str, Collection[int]],
     rank: int,
-) -> tuple[list[Entry], set[str], set[str]]:
-    """(entries, names that fall back, names whose pieces this rank could not merge into the
-    part everyone else expects); raises for a name no rank's loader writes."""
+) -> tuple[list[Entry], dict[str, str], set[str]]:
+    """(entries, names that fall back with their reasons, names whose pieces this rank could not
+    merge into the part everyone else expects); raises for a name no rank's loader writes.
+    `sharded[name]`: dims never cut (`rl_sync.planning.parts.uncuttable_dims`)."""
     entries: list[Entry] = []
-    fallback, unmerged = set(), set()
+    fallback: dict[str, str] = {}
+    unmerged = set()
     for name, (_, shape) in checkpoint.items():
         shape = tuple(shape)
         reports = [g[name] for g in gathered]
@@ -142,14 +159,16 @@ def plan_entries(
                 f"on any of the engine's {len(gathered)} ranks; the engine's model has no parameter for it"
             )
         mine = list(pieces.get(name, []))
-        found: list[Entry] | None = None
-        if "unresolved" not in statuses:
-            if "pieces" in statuses:
-                found = _parts(name, shape, reports, mine, sharded.get(name, ()))
-            elif (whole := _whole(name, shape, reports, mine)) is not None:
-                found = [whole]
+        if "unresolved" in statuses:
+            fallback[name] = next(r[2] for r in reports if r[0] == "unresolved")
+            continue
+        if "pieces" in statuses:
+            found, reason = _parts(name, shape, reports, mine, sharded.get(name, ())), NO_PARTS
+        else:
+            whole = _whole(name, shape, reports, mine)
+            found, reason = None if whole is None else [whole], NO_LAYOUT
         if not found:
-            fallback.add(name)
+            fallback[name] = reason
             continue
         if any(e.merged is None and _keeps(e, rank) for e in found):
             unmerged.add(name)

@@ -69,8 +69,8 @@ class VllmDestinations:
         self, checkpoint: Checkpoint, side_rank: int, side_size: int, sharded: Mapping[str, Sequence[int]] | None = None
     ) -> dict[str, Destination]:
         """Resolve every checkpoint name (collective over the engine's ranks; see the module
-        docstring for how side ranks map to engines). `sharded[name]`: the dims the trainers
-        shard, which a fused tensor is never cut along."""
+        docstring for how side ranks map to engines). `sharded[name]`: the dims a fused tensor is
+        never cut along (`rl_sync.planning.parts.uncuttable_dims`)."""
         parallel = self.vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
             raise ValueError(

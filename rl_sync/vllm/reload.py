@@ -39,7 +39,6 @@ from typing import Any, cast
 import torch
 
 from ..rank.shadow import SWAPS
-from ..storage import geometry
 from .modes import platform_kind
 
 
@@ -69,8 +68,10 @@ def _process(layer: torch.nn.Module, info, buffers: Mapping[str, torch.Tensor], 
         to_meta_tensor,
     )
 
+    live_buffers = dict(layer._buffers)
     restore_layer_on_meta(layer, info)
     materialize_layer(layer, info)
+    _keep_buffers(layer, live_buffers)
     for name, buffer in buffers.items():
         target = getattr(layer, name)
         if any(target is tensor for tensor in shared.values()):
@@ -92,6 +93,11 @@ def _alone(tensor: torch.Tensor) -> bool:
     return tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size()
 
 
+def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` have the same shape, strides and dtype."""
+    return (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+
+
 def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: bool = False) -> None:
     """Copy what processing made of each of a module's `live` tensors (its parameters or its
     buffers, by name) into it, in place; a released live tensor is replaced in `live` instead.
@@ -104,7 +110,7 @@ def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: boo
             continue
         if _released(tensor, result):
             live[name] = result
-        elif swap and SWAPS and geometry(tensor)[1:] == geometry(result)[1:] and _alone(tensor) and _alone(result):
+        elif swap and SWAPS and _alike(tensor, result) and _alone(tensor) and _alone(result):
             tensor.untyped_storage()._swap_data_ptr_(result.untyped_storage())  # (SWAPS)
         else:
             tensor.data.copy_(result)
@@ -186,6 +192,15 @@ def install(layer: torch.nn.Module, twin: torch.nn.Module, swap: bool) -> None:
 
 
 _ABSENT = object()
+
+
+def _keep_buffers(layer: torch.nn.Module, live: Mapping[str, torch.Tensor | None]) -> None:
+    """Give the buffers `materialize_layer` left uninitialized the live values: no checkpoint
+    tensor feeds them (the embedding scale vLLM's transformers backend keeps for VaultGemma)."""
+    for name, tensor in live.items():
+        fresh = layer._buffers.get(name)
+        if tensor is not None and fresh is not None and fresh is not tensor and fresh.shape == tensor.shape:
+            fresh.copy_(tensor)
 
 
 def _released(live: torch.Tensor, processed: torch.Tensor) -> bool:

@@ -53,6 +53,8 @@ class RankReport:
     kept_bytes: int
     """Bytes of what a worker keeps (its boxes; whole tensors of fallbacks): a dense round
     brings exactly these."""
+    reasons: dict[str, str] = field(default_factory=dict)
+    """Why each of a worker's fallbacks falls back (`Destination.reason`)."""
 
 
 @dataclass(frozen=True)

@@ -29,32 +29,36 @@ from ..planning.schedule import Schedule
 @dataclass(frozen=True)
 class LayoutInfo:
     """A layout on the wire: mesh shape, flat ranks, placements (-1 = Replicate), and
-    each Shard's block size (0: torch.chunk sizes) and grid length (0: none)."""
+    each Shard's block size (0: torch.chunk sizes), grid length (0: none) and shift."""
 
     mesh_shape: tuple[int, ...]
     ranks: tuple[int, ...]
     placements: tuple[int, ...]
     blocks: tuple[int, ...]
     grids: tuple[int, ...]
+    shifts: tuple[int, ...]
 
     @classmethod
     def of(cls, layout: Layout) -> LayoutInfo:
         codes = tuple(p.dim if isinstance(p, Shard) else -1 for p in layout.placements)
         blocks = tuple(p.block if isinstance(p, Shard) else 0 for p in layout.placements)
         grids = tuple(p.grid if isinstance(p, Shard) else 0 for p in layout.placements)
-        return cls(layout.mesh.shape, layout.mesh.ranks, codes, blocks, grids)
+        shifts = tuple(p.shift if isinstance(p, Shard) else 0 for p in layout.placements)
+        return cls(layout.mesh.shape, layout.mesh.ranks, codes, blocks, grids, shifts)
 
     def to_layout(self) -> Layout:
-        if any(code < -1 for code in self.placements) or not len(self.blocks) == len(self.grids) == len(
-            self.placements
+        n = len(self.placements)
+        if (
+            any(code < -1 for code in self.placements)
+            or not len(self.blocks) == len(self.grids) == len(self.shifts) == n
         ):
             raise ValueError(
-                f"placement codes must be -1 (Replicate) or a dim >= 0, one block and grid each, "
-                f"got {self.placements}, {self.blocks} and {self.grids}"
+                f"placement codes must be -1 (Replicate) or a dim >= 0, one block, grid and shift each, "
+                f"got {self.placements}, {self.blocks}, {self.grids} and {self.shifts}"
             )
         placements = tuple(
-            Replicate() if code == -1 else Shard(code, block, grid)
-            for code, block, grid in zip(self.placements, self.blocks, self.grids)
+            Replicate() if code == -1 else Shard(code, block, grid, shift)
+            for code, block, grid, shift in zip(self.placements, self.blocks, self.grids, self.shifts)
         )
         return Layout(Mesh(self.mesh_shape, ranks=self.ranks), placements)
 

@@ -33,6 +33,8 @@ class SyncSummary:
     """The broadcast baseline's bytes: every full tensor to every worker."""
     fallbacks: tuple[str, ...]
     """Names workers receive whole and hand to their load hook, sorted."""
+    fallback_reasons: dict[str, tuple[str, ...]]
+    """The fallbacks grouped by why they fall back (`Destination.reason`), names sorted."""
     modes: dict[str, WriteMode]
     """Each name's write mode (`reload` where any worker processes it after a round)."""
     kept_bytes: tuple[int, ...]

@@ -10,6 +10,7 @@ import torch
 
 from actors import SyncError, WeightSync
 from actors.ready import HybridActor
+from rl_sync.engine.sources import Destination
 from rl_sync.planning.layout import Layout, Mesh, Shard
 
 from .conftest import loopback_config
@@ -284,6 +285,7 @@ def test_a_push_reported_failed_is_never_recorded_later_and_its_retry_is_taken(r
         elapsed = time.monotonic() - start
         assert elapsed < 5.0, f"the push should end within its 3 s budget, took {elapsed:.1f} s"
         ray.get(g.workers[1].call.remote(lambda self: delattr(self, "rl_sync_weights_updated")), timeout=30)
+        assert sync.versions() == [None, None], "worker 1's commit finished late, and worker 0's: neither records it"
         assert sync.push(version=2).version == 2, "the failed push recorded nothing, so its version is still free"
         g.check(2)
         assert sync.versions() == [2, 2]
@@ -291,30 +293,42 @@ def test_a_push_reported_failed_is_never_recorded_later_and_its_retry_is_taken(r
             sync.push(timeout_s=float("nan"))
 
 
+def _replace_destination(actor) -> None:
+    """A new Destination for 'w' in the worker's mapping, over a new tensor (NaN until written)."""
+    old = actor.held["w"]
+    actor.held["w"] = Destination(torch.full_like(old.local, float("nan")), old.layout, old.shape, old.dtype)
+
+
 def _move_destination(actor) -> None:
     live = actor.held["w"].local
     live.set_(torch.full_like(live, 0.5))  # the engine reallocated its weight: new storage, same object
 
 
-def test_a_destination_the_engine_moved_fails_the_round_and_the_repair_binds_it_anew(ray_session):
+def test_a_destination_the_engine_moved_is_bound_anew_and_a_resized_one_fails_the_round(ray_session):
     with Group(W, 2, 2, round_timeout_s=4.0) as g:
         sync = g.connect()
         g.step(1)
         sync.push()
         ray.get(g.workers[1].call.remote(_move_destination))
+        assert sync.versions() == [1, None], "the moved weight holds what the engine put there"
         g.step(2)
+        assert sync.push().version == 2, "a dense round of every tensor fills the weight bound anew"
+        g.check(2)
+        assert sync.versions() == [2, 2]
+        ray.get(g.workers[1].call.remote(lambda self: self.held["w"].local.resize_(2, 3)))
+        g.step(3)
         with pytest.raises(SyncError) as info:
             sync.push()
         assert (
-            "worker 1 (rank 3): ValueError: worker rank 1: the storage bound for 'w' moved since the group bound "
-            "it (now shape (8, 3), strides (3, 1), torch.bfloat16; the engine reallocated or resized its weights); "
-            "nothing was written"
+            "worker 1 (rank 3): ValueError: worker rank 1: tensor 'w' holds local shape (2, 3) but its layout "
+            "Mesh((2,), start_rank=0)[S(1)] gives this rank the box"
         ) in str(info.value)
-        assert sync.versions()[1] is None, "worker 1 wrote nothing; its moved weight holds what the engine put there"
+        assert sync.versions()[1] is None, "worker 1 wrote nothing; it holds what the engine left there"
         with pytest.raises(ValueError, match=r"push: tensors \['nope'\] were not declared at init"):
-            sync.push(version=2, names=["nope"])
+            sync.push(version=3, names=["nope"])
         assert sync.versions()[1] is None, "a refused push neither repairs nor revives worker 1's old version"
+        ray.get(g.workers[1].call.remote(lambda self: self.held["w"].local.resize_(8, 3)))
         sync.repair()
-        assert sync.versions()[1] is None, "bound anew, the moved weight still holds what the engine put there"
-        assert sync.push(version=2).version == 2  # the repair bound the new storage
-        g.check(2)
+        assert sync.versions()[1] is None, "bound anew, the weight still holds what the engine left there"
+        assert sync.push(version=3).version == 3
+        g.check(3)

@@ -36,7 +36,7 @@ trainer's own rounding (2^-8)."""
 def _bound(actor) -> dict:
     """Bound views by name (FP8 as its bytes: Ray's pickling of torch cannot rebuild float8 storage)."""
     out = {}
-    for name, e in actor._rl_sync_cached[1].items():
+    for name, e in actor._rl_sync_endpoints("worker").items():
         value = e.tensor.detach().clone()
         out[name] = (e.origin, value.view(torch.uint8) if value.dtype == torch.float8_e4m3fn else value)
     return out

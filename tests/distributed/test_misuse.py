@@ -1,7 +1,8 @@
 """Random sequences of use and misuse on a live group: no weights reported wrong, no long waits.
 
 Each example drives one group (double-buffered or not) through a drawn
-sequence of good pushes (every mode), patches, refused arguments, sources and destinations changed under the group,
+sequence of good pushes (every mode), patches, refused arguments, sources and destinations moved or
+replaced under the group,
 ranks failing before their round, a second group on the same actors, and
 bad replacements. After every action, each worker that reports a version must
 hold exactly that version's weights, and no call may take longer than the
@@ -28,7 +29,7 @@ from rl_sync.sparse.patches import SparseWeightPatch
 
 from .harness import Group
 from .recipes import as_bytes, expected, full_value, read_all
-from .test_failures import W, _move_destination, _swap_storage
+from .test_failures import W, _move_destination, _replace_destination, _swap_storage
 
 BAD_PUSHES: list[tuple[dict[str, Any], type[Exception]]] = [  # Any: the arguments are ill-typed on purpose
     (dict(names="wb"), TypeError),
@@ -97,21 +98,26 @@ class Driver:
         )
 
     def moved_storage(self, side: int) -> None:
-        """A trainer's shard or a worker's weight given new storage: the first is followed; the
-        second fails the round (the worker no longer reports a version), unless the group was
-        broken, when the repair before the round binds the new storage."""
+        """A trainer's shard or a worker's weight given new storage: both are followed (the moved
+        weight holds what the engine put there until the dense round fills it)."""
         if side == 0:
             ray.get(self.g.trainers[1].call.remote(_swap_storage))
-            self.push("m2n")
-            return
-        ray.get(self.g.workers[1].call.remote(_move_destination))
-        assert self.sync.versions()[1] is None, "the moved weight holds what the engine put there"
+        else:
+            ray.get(self.g.workers[1].call.remote(_move_destination))
+            assert self.sync.versions()[1] is None, "the moved weight holds what the engine put there"
+        self.push("m2n")
+
+    def replaced_destination(self, mode: str) -> None:
+        """A new Destination in a worker's mapping: a round that writes it whole succeeds, one that
+        cannot (sparse, not double-buffered) fails naming it; either way no version is wrong."""
+        ray.get(self.g.workers[0].call.remote(_replace_destination))
+        assert self.sync.versions()[0] is None
         self.trained += 1
         self.g.step(self.trained)
         try:
-            self.sync.push(version=self.trained)
+            self.sync.push(version=self.trained, mode=mode)
         except SyncError as exc:
-            assert "the storage bound for 'w' moved since the group bound it" in str(exc)
+            assert "'w' changed since the last round (replaced under its name) and was bound anew" in str(exc)
 
     def patches(self) -> None:
         """Every element of every tensor patched to the next version's values: applied on a
@@ -156,6 +162,7 @@ ACTIONS = st.one_of(
     st.tuples(st.just("resized_source")),
     st.tuples(st.just("none_sources")),
     st.tuples(st.just("moved_storage"), st.integers(0, 1)),
+    st.tuples(st.just("replaced_destination"), st.sampled_from(get_args(Mode))),
     st.tuples(st.just("second_group")),
     st.tuples(st.just("bad_replacement")),
     st.tuples(st.just("patches")),

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from actors import WeightSync  # noqa: E402
 from actors.cluster import free_init_url  # noqa: E402
 from actors.models import EngineWorker, HFTrainer  # noqa: E402
+from rl_sync.bind.binder import NO_RULE  # noqa: E402
 from rl_sync.models.config import Parallel  # noqa: E402
 
 from .conftest import loopback_config  # noqa: E402
@@ -40,7 +41,7 @@ def _url() -> str:
 
 def _bound(actor) -> dict:
     out = {}
-    for name, endpoint in actor._rl_sync_cached[1].items():
+    for name, endpoint in actor._rl_sync_endpoints("worker").items():
         out[name] = (endpoint.origin, tuple(endpoint.tensor.shape), endpoint.tensor.detach().clone())
     return out
 
@@ -124,13 +125,14 @@ def test_tensors_no_rule_binds_go_through_the_load_hook(ray_session):
             "model.layers.0.mlp.experts.gate_up_proj",
             "model.layers.1.mlp.experts.gate_up_proj",
         )
+        assert sync.summary.fallback_reasons == {NO_RULE: sync.summary.fallbacks}
         stats = sync.push()
         assert [r.fallbacks for r in stats.ranks if r.role == "worker"] == [2, 2]
         assert ray.get(workers[0].call.remote(lambda self: self.state_received)) == list(sync.summary.fallbacks)
         full = ray.get([t.full_state.remote() for t in trainers])[0]
         got = ray.get(
             workers[1].call.remote(
-                lambda self: self._rl_sync_cached[1]["model.layers.1.mlp.experts.gate_up_proj"].tensor
+                lambda self: self._rl_sync_endpoints("worker")["model.layers.1.mlp.experts.gate_up_proj"].tensor
             )
         )
         assert torch.equal(got, full["model.layers.1.mlp.experts.gate_up_proj"])

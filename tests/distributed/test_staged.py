@@ -16,6 +16,7 @@ from rl_sync.planning.layout import Layout, Mesh, Shard
 
 from .harness import Group
 from .recipes import Recipe, as_bytes, expected, read_all
+from .test_fencing import NOT_APPLIED, _stopped
 
 RECIPES = [
     Recipe("w", torch.bfloat16, (32, 80), Layout(Mesh((2,)), (Shard(0),)), Layout(Mesh((2,)), (Shard(1),))),
@@ -150,3 +151,61 @@ def test_a_worker_dying_during_a_staged_round_leaves_the_others_serving_then_the
         assert sync.push(version=3).mode == "m2n"  # the restarted worker rejoins; a full round brings both to 3
         g.check(3)
         assert sync.versions() == [3, 3]
+
+
+def _replace(actor, name: str) -> None:
+    """The engine puts a new tensor, of the same layout, where it keeps `name` (holding zeros)."""
+    bound = actor.held[name]
+    actor.held[name] = replace(bound, local=torch.zeros_like(bound.local))
+
+
+def test_weights_the_engine_replaces_around_a_staged_round_get_what_it_commits(ray_session):
+    """The watch (`rl_sync.rank.watch`): `w`, replaced after a commit swapped its storage, is bound
+    anew before the next round (a round of `v` only), its spare caught up from the tensor it
+    replaced; `n`, replaced while a round is staged, is bound anew at the commit. Each new tensor
+    gets what the commit makes live."""
+    with _group(double_buffer=True) as g:
+        sync = g.connect()
+        g.step(1)
+        sync.push()
+        g.step(2)
+        sync.stage().commit()  # by swap: the spares hold version 1 now
+        ray.get([w.call.remote(_replace, "w") for w in g.workers])
+        g.step(3)
+        staged = sync.stage(names=["v"])
+        ray.get([w.call.remote(_replace, "n") for w in g.workers])
+        staged.commit()
+        g.check(3, names=["v"])
+        g.check(2, names=["w", "n"])
+        assert sync.versions() == [3, 3]
+        g.step(4)
+        assert sync.stage(mode="sparse").commit().mode == "m2n"  # (a first sparse request runs dense)
+        g.check(4)
+
+
+def test_a_stage_or_commit_the_driver_gave_up_on_commits_nothing(ray_session):
+    """The coordinator stopped (SIGSTOP) for the whole call, then resumed: it refuses a stage it
+    finds abandoned (nothing staged), and drops the round of a commit it finds abandoned (the
+    workers serve version 1 in full; the next push repairs)."""
+    with _group(double_buffer=True) as g:
+        sync = g.connect()
+        g.step(1)
+        sync.push()
+        g.step(2)
+        with (
+            _stopped(sync.coordinator),
+            pytest.raises(
+                SyncError,
+                match=r"^the coordinator did not answer within 4 s \(the call's budget of 2 s plus 2 s\); version 2 "
+                r"was not staged and never will be: stage or push it again$",
+            ),
+        ):
+            sync.stage(version=2, timeout_s=2.0)
+        staged = sync.stage(version=2)
+        with _stopped(sync.coordinator), pytest.raises(SyncError, match=NOT_APPLIED.format(w=4, b=2, v=2)):
+            staged.commit(timeout_s=2.0)
+        assert sync.versions() == [1, 1]
+        g.check(1)
+        assert sync.push(version=2).mode == "m2n"
+        g.check(2)
+        assert sync.versions() == [2, 2]

@@ -9,8 +9,12 @@ a fresh model loading the same checkpoint from disk through vLLM's loader
 holds. Covers Llama, Qwen2 and Qwen3, tied embeddings, KV heads replicated past TP, transformers-5
 fused MoE experts cut into parts, Mixtral, DeepSeek-V3 (MLA, shared experts,
 per-expert checkpoint names), and Qwen3-MoE and DeepSeek-V3 under expert
-parallelism. Each rank also checks that the binder's rules (`rl_sync.bind`,
-the layouts synthetic models get) give every checkpoint name the boxes vLLM's
+parallelism. For Qwen3-MoE, the engine then replaces every parameter a
+destination is cut from (`module.weight = Parameter(...)`) before the round:
+the rank's watch must find each one through its `Slot` and cut the
+destination again from the new parameter, without binding anew. Each rank also
+checks that the binder's rules (`rl_sync.bind`, the layouts synthetic models
+get) give every checkpoint name the boxes vLLM's
 loader keeps; a vocabulary of 1030 (padded to 64 x 17) tells vLLM's padding
 rule apart from one padding to 64 x TP."""
 
@@ -18,21 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import traceback
 
 import torch
-import torch.multiprocessing as mp
 
-SMALL = dict(
-    vocab_size=1000,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    torch_dtype="bfloat16",
-)
+from .vllm_group import SMALL, build, differing, join, random_model, run_ranks, snapshot, write_round
+
 MODELS: dict[str, tuple[str, str, dict[str, object], str]] = {
     "qwen3-tied": (
         "Qwen3ForCausalLM",
@@ -105,21 +99,19 @@ MODELS: dict[str, tuple[str, str, dict[str, object], str]] = {
 EXPERT_PARALLEL = {"qwen3-moe-ep": "qwen3-moe", "deepseek-v3-ep": "deepseek-v3"}
 """The same checkpoints into an engine with `enable_expert_parallel`: whole experts per rank."""
 RUNS = [*MODELS, *EXPERT_PARALLEL]
+REPLACED = "qwen3-moe"
+"""The model whose live parameters the engine replaces after binding."""
 
 
 def _checkpoint(directory: str, name: str) -> dict[str, torch.Tensor]:
     """A random model of `name`'s family: config.json and model.safetensors in `directory`
     (bf16), and the tensors the trainers would send (their names and fp32 values)."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     architecture, family, extra, names = MODELS[EXPERT_PARALLEL.get(name, name)]
     config = AutoConfig.for_model(family, **{**SMALL, **extra})
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    model = random_model(config)
     os.makedirs(directory, exist_ok=True)
     if names == "saved":  # the names a checkpoint file holds (per-expert for DeepSeek)
         model.save_pretrained(directory)
@@ -132,53 +124,6 @@ def _checkpoint(directory: str, name: str) -> dict[str, torch.Tensor]:
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump({**config.to_dict(), "architectures": [architecture]}, f)
     return {k: v.float() for k, v in state.items()}
-
-
-def _config(directory: str, load_format: str, ep: bool = False):
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=directory,
-        skip_tokenizer_init=True,
-        tensor_parallel_size=2,
-        enforce_eager=True,
-        load_format=load_format,
-        dtype="bfloat16",
-        max_model_len=256,
-        distributed_executor_backend="mp",
-        enable_expert_parallel=ep,
-    ).create_engine_config()
-
-
-def _build(directory: str, load_format: str, ep: bool = False):
-    """A model of the TP2 group this process is a rank of: random (`dummy`) or from disk (`auto`)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader import get_model
-
-    config = _config(directory, load_format, ep)
-    with set_current_vllm_config(config):
-        return config, get_model(vllm_config=config)
-
-
-KV_CACHE_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
-"""Attention buffers no checkpoint tensor feeds and only an fp8 KV cache reads: vLLM's dummy
-loader randomizes them and its MLA processing resets them to 1.0, except on a CPU with AMX,
-where it returns before that; left out of the comparison."""
-
-
-def _snapshot(model) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer, and the state MLA derives from `kv_b_proj`: `W_UV` and
-    `W_UK_T`, or, on a CPU with AMX, its packed copies on the attention's implementation."""
-    out = {f"param {n}": p.detach().clone() for n, p in model.named_parameters()}
-    out |= {f"buffer {n}": b.clone() for n, b in model.named_buffers() if not n.endswith(KV_CACHE_SCALES)}
-    for n, m in model.named_modules():
-        for owner, names in ((m, ("W_UV", "W_UK_T")), (getattr(m, "impl", None), ("_w_uk_packed", "_w_uv_packed"))):
-            out |= {f"derived {n}.{a}": getattr(owner, a).clone() for a in names if _is_tensor(getattr(owner, a, None))}
-    return out
-
-
-def _is_tensor(value: object) -> bool:
-    return isinstance(value, torch.Tensor)
 
 
 def _binder_disagrees(directory: str, checkpoint: dict, destinations: dict, ep: bool) -> list[str]:
@@ -222,90 +167,56 @@ def _binder_disagrees(directory: str, checkpoint: dict, destinations: dict, ep: 
     return differ
 
 
+def _replace_live_parameters(destinations: dict, rank: int) -> dict[str, torch.Tensor]:
+    """The engine puts a new parameter (same shape, strides, dtype and attributes, zeros) in place
+    of every one a destination is cut from; the worker's kept destinations follow each. Returns
+    what a round now writes for each rebound name."""
+    from rl_sync.rank.kept import KeptDestinations
+
+    kept = KeptDestinations(destinations, rank, double_buffer=False)
+    slots = {(id(d.slot.holder), d.slot.key): d.slot for d in destinations.values() if d.slot is not None}
+    for holder, key in slots.values():
+        old = holder[key]
+        new = torch.nn.Parameter(torch.empty_strided(old.shape, old.stride(), dtype=old.dtype), requires_grad=False)
+        new.data.zero_()
+        new.__dict__.update(old.__dict__)
+        holder[key] = new
+    rebound = kept.follow()
+    assert slots and set(rebound) == {n for n, d in destinations.items() if d.slot is not None}, "every one is found"
+    return {name: kept.entries.endpoints[name].tensor for name in rebound}
+
+
 def _bind_and_write(
-    directory: str, state: dict[str, torch.Tensor], rank: int, ep: bool
+    directory: str, state: dict[str, torch.Tensor], rank: int, ep: bool, replace_live: bool
 ) -> tuple[dict, list[str], list[str]]:
     from vllm.config import set_current_vllm_config
 
-    from rl_sync.planning.parts import parse_part
     from rl_sync.vllm.binding import VllmBinding
     from rl_sync.vllm.rank import engine_rank
 
-    config, model = _build(directory, "dummy", ep)
+    config, model = build(directory, "dummy", ep)
     checkpoint = {n: (t.dtype, tuple(t.shape)) for n, t in state.items()}
     with set_current_vllm_config(config):
         binding = VllmBinding.build(model, config.model_config, checkpoint, engine_rank(), sharded={})
         disagree = _binder_disagrees(directory, checkpoint, binding.destinations, ep)
-        for name, dest in binding.destinations.items():
-            if dest.fallback or dest.local is None:
-                continue
-            part = parse_part(name)
-            whole = state[name] if part is None else state[part[0]].narrow(part[1], part[2], part[3] - part[2])
-            box = dest.layout.local_box(dest.shape, rank)
-            assert box is not None, f"{name}: rank {rank} holds a tensor but no box"
-            dest.local.copy_(whole[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])
-        if binding.fallbacks:
-            binding.processor.load_fallbacks([(n, state[n].to(torch.bfloat16)) for n in binding.fallbacks])
-        binding.processor.after_update(None)
-    return _snapshot(model), list(binding.fallbacks), disagree
+        moved = _replace_live_parameters(binding.destinations, rank) if replace_live else {}
+        write_round(binding, state, rank, moved)
+    return snapshot(model), list(binding.fallbacks), disagree
 
 
-def _rank(rank: int, port: int, root: str, queue) -> None:
-    try:
-        # VLLM_DIST_IDENT names the CPU shared-memory group; vLLM's CPU worker sets it from the init port
-        os.environ.update(OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING", VLLM_DIST_IDENT=str(port))
-        from vllm.config import set_current_vllm_config
-        from vllm.distributed import init_distributed_environment, initialize_model_parallel
-        from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
-
-        _set_torch_accelerator_to_noop()  # what vLLM's CPU model runner does before it loads a model
-
-        states = {name: _checkpoint(os.path.join(root, name), name) for name in RUNS}
-        # a MoE config, so vLLM also forms the expert group the MoE models need
-        with set_current_vllm_config(_config(os.path.join(root, "qwen3-moe"), "dummy")):
-            init_distributed_environment(
-                world_size=2,
-                rank=rank,
-                local_rank=rank,
-                backend="gloo",
-                distributed_init_method=f"tcp://127.0.0.1:{port}",
-            )
-            initialize_model_parallel(2, 1)
-        for name, state in states.items():
-            ep = name in EXPERT_PARALLEL
-            got, fallbacks, disagree = _bind_and_write(os.path.join(root, name), state, rank, ep)
-            _, fresh = _build(os.path.join(root, name), "auto", ep)
-            want = _snapshot(fresh)
-            differ = sorted(k for k in want if k not in got or not torch.equal(got[k], want[k]))
-            queue.put((rank, name, differ, fallbacks, len(want), disagree))
-    except Exception:
-        queue.put((rank, "error", traceback.format_exc()[-3000:], [], 0, []))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank(rank: int, port: int, queue, root: str) -> None:
+    root = os.path.join(root, f"rank{rank}")  # each rank writes its own copy of the checkpoints
+    states = {name: _checkpoint(os.path.join(root, name), name) for name in RUNS}
+    join(rank, port, os.path.join(root, "qwen3-moe"))
+    for name, state in states.items():
+        ep = name in EXPERT_PARALLEL
+        got, fallbacks, disagree = _bind_and_write(os.path.join(root, name), state, rank, ep, name == REPLACED)
+        want = snapshot(build(os.path.join(root, name), "auto", ep)[1])
+        queue.put((rank, name, differing(got, want), fallbacks, len(want), disagree))
 
 
 def test_every_parameter_equals_what_vllms_loader_loads(tmp_path):
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    port = _free_port()
-    procs = [context.Process(target=_rank, args=(r, port, str(tmp_path / f"rank{r}"), queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    results = []
-    try:
-        while len(results) < 2 * len(RUNS) and not any(r[1] == "error" for r in results):
-            results.append(queue.get(timeout=420))
-    finally:
-        for proc in procs:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-    errors = [r[2] for r in results if r[1] == "error"]
-    assert not errors, errors[0]
+    results = run_ranks(_rank, (str(tmp_path),), expected=2 * len(RUNS), timeout_s=420)
     for rank, name, differ, fallbacks, checked, disagree in results:
         assert fallbacks == [], f"rank {rank}, {name}: fell back {fallbacks}"
         assert checked > 0 and differ == [], f"rank {rank}, {name}: {len(differ)} of {checked} differ: {differ[:6]}"

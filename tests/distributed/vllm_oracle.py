@@ -50,12 +50,14 @@ SHAPES = dict(
     tie_word_embeddings=False,
 )
 """head_dim 32: the CPU attention kernels take no smaller."""
-FAMILIES = {
+FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
     "qwen2": ("Qwen2ForCausalLM", {}),
     "qwen3_moe": (
         "Qwen3MoeForCausalLM",
         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32),
     ),
+    "phi3": ("Phi3ForCausalLM", dict(pad_token_id=None)),  # q|k|v and gate|up fused in the checkpoint
+    "gpt2": ("GPT2LMHeadModel", {}),  # Conv1D weights: vLLM's are their transposes
 }
 
 

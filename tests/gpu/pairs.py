@@ -22,14 +22,18 @@ def set_versions(ray, trainers, version: int) -> None:
     ray.get([t.call.remote(builders.set_version, version) for t in trainers])
 
 
+def pushed(ray, sync, trainers, workers, version: int) -> str:
+    """Every trainer at `version`, one `push(mode="sparse")`, every worker checked bit-exact; the
+    mode that ran."""
+    set_versions(ray, trainers, version)
+    mode = sync.push(mode="sparse").mode
+    check(ray, workers, len(workers), version)
+    return mode
+
+
 def sparse_rounds(ray, sync, trainers, workers, versions=(1, 2, 3)) -> list[str]:
-    """One `push(mode="sparse")` per version, each checked bit-exact; the modes that ran."""
-    modes = []
-    for version in versions:
-        set_versions(ray, trainers, version)
-        modes.append(sync.push(mode="sparse").mode)
-        check(ray, workers, len(workers), version)
-    return modes
+    """`pushed` for each version; the modes that ran."""
+    return [pushed(ray, sync, trainers, workers, version) for version in versions]
 
 
 def release(ray, pg, actors) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from . import builders
-from .pairs import CONFIG, EXPANDABLE, check, pairs, release, set_versions, sparse_rounds
+from .pairs import CONFIG, EXPANDABLE, check, pairs, pushed, release, set_versions, sparse_rounds
 from .vmm import BUFFERS, VmmBuffer
 
 MIB = 1 << 20
@@ -123,24 +123,18 @@ def test_vmm_memory_beside_the_caching_allocator_and_released_and_reallocated_be
         sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
         kinds = ray.get(workers[0].call.remote(_kinds))
         assert ("vmm", (32 * MIB, 32 * MIB)) in kinds and any(kind == "legacy" for kind, _ in kinds)
-        for version, mode in ((1, "m2n"), (2, "sparse")):  # the first sparse push is dense: it takes the baseline
-            set_versions(ray, trainers, version)
-            assert sync.push(mode="sparse").mode == mode
-            check(ray, workers, 1, version)
+        # the first sparse push is dense: it takes the baseline
+        assert sparse_rounds(ray, sync, trainers, workers, (1, 2)) == ["m2n", "sparse"]
         before = ray.get(workers[0].call.remote(_used))
         ray.get(workers[0].call.remote(_sleep_and_wake))  # new memory under the same addresses
         held = ray.get(workers[0].call.remote(_used)) - before
         assert held >= 60 * MIB, f"the trainer's mapping should still hold the old 64 MiB, {held / MIB:.1f} MiB held"
         assert sync.versions() == [None]
-        set_versions(ray, trainers, 3)
-        assert sync.push(mode="sparse").mode == "m2n"  # the new memory holds what the engine put there
-        check(ray, workers, 1, 3)
+        assert pushed(ray, sync, trainers, workers, 3) == "m2n"  # the new memory holds what the engine put there
         after = ray.get(workers[0].call.remote(_used)) - before
         assert abs(after) < 16 * MIB, f"the old mapping was not released: {after / MIB:.1f} MiB more in use"
         assert sync.versions() == [3]
-        set_versions(ray, trainers, 4)
-        assert sync.push(mode="sparse").mode == "sparse"
-        check(ray, workers, 1, 4)
+        assert pushed(ray, sync, trainers, workers, 4) == "sparse"
         sync.close()
     finally:
         release(ray, pg, trainers + workers)

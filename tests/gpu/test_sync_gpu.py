@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .pairs import CONFIG, check, pairs, release, set_versions, sparse_rounds
+from .pairs import CONFIG, check, pairs, pushed, release, set_versions, sparse_rounds
 
 
 @pytest.mark.parametrize("count", [1, 2])
@@ -66,6 +66,40 @@ def test_sparse_rounds_through_cuda_ipc_with_either_baseline(gpu_ray, baseline):
     try:
         sync = WeightSync.create(trainers, workers, SyncConfig(sparse_baseline=baseline, **CONFIG))
         assert sparse_rounds(ray, sync, trainers, workers) == ["m2n", "sparse", "sparse"]
+        sync.close()
+    finally:
+        release(ray, pg, trainers + workers)
+
+
+def _rebuild_and_move(actor) -> None:
+    """The engine rebuilds its fused qkv (new tensor, new Destinations for its slots) and gives
+    o_proj new storage in place (`.data = ...`)."""
+    from dataclasses import replace
+
+    parts = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+    fused = torch.full_like(actor.held[parts[0]].local._base, float("nan"))
+    row = 0
+    for name in parts:
+        rows = actor.held[name].local.shape[0]
+        actor.held[name] = replace(actor.held[name], local=fused[row : row + rows])
+        row += rows
+    o_proj = actor.held["o_proj.weight"].local
+    o_proj.data = torch.full_like(o_proj, float("nan"))
+
+
+def test_a_colocated_worker_that_rebuilt_or_moved_weights_exports_anew_and_gets_a_full_round(gpu_ray):
+    from actors import WeightSync
+    from rl_sync.config.sync import SyncConfig
+
+    ray = gpu_ray
+    pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True)
+    try:
+        sync = WeightSync.create(trainers, workers, SyncConfig(**CONFIG))
+        assert pushed(ray, sync, trainers, workers, 1) == "m2n"
+        ray.get(workers[0].call.remote(_rebuild_and_move))
+        assert sync.versions() == [None]
+        assert pushed(ray, sync, trainers, workers, 2) == "m2n", "the worker exported anew: every tensor, dense"
+        assert pushed(ray, sync, trainers, workers, 3) == "sparse"
         sync.close()
     finally:
         release(ray, pg, trainers + workers)

@@ -19,7 +19,7 @@ def layouts(
     draw, shape: tuple[int, ...], start: int = 0, max_axes: int = 3, max_axis: int = 4, blocks: bool = True
 ) -> Layout:
     """Random layouts for `shape`; with `blocks`, a dim sharded by one axis alone may use a
-    (covering) fixed block size."""
+    (covering) fixed block size, maybe shifted (a part of a sharded dim)."""
     ndim = len(shape)
     mesh_shape = tuple(draw(st.lists(st.integers(1, max_axis), min_size=1, max_size=max_axes)))
     placement = (
@@ -30,7 +30,8 @@ def layouts(
         alone = sum(isinstance(q, Shard) and q.dim == getattr(p, "dim", -1) for q in placements) == 1
         if blocks and isinstance(p, Shard) and alone and draw(st.booleans()):
             cover = -(-shape[p.dim] // mesh_shape[axis])
-            placements[axis] = Shard(p.dim, max(1, cover + draw(st.integers(0, 2))))
+            block = max(1, cover + draw(st.integers(0, 2)))
+            placements[axis] = Shard(p.dim, block, shift=draw(st.integers(0, block * mesh_shape[axis] - shape[p.dim])))
     mesh = Mesh(mesh_shape, start_rank=start)
     if draw(st.booleans()):
         ranks = list(mesh.ranks)

@@ -11,9 +11,11 @@ from rl_sync.bind.infer import Geometry, Piece, find_cuts, infer_layout, merge_p
 from rl_sync.engine.endpoint import Endpoint
 from rl_sync.engine.session import part_endpoint
 from rl_sync.planning.layout import Box, Layout, Mesh, Replicate, Shard
-from rl_sync.planning.parts import check_parts, parse_part, part_name
+from rl_sync.planning.parts import check_parts, parse_part, part_layout, part_name, part_shape, uncuttable_dims
+from rl_sync.vllm.entries import NO_LAYOUT, NO_PARTS, plan_entries
+from rl_sync.vllm.probe import Probe
 
-from .strategies import shapes
+from .strategies import layouts, shapes
 
 
 @st.composite
@@ -124,11 +126,27 @@ def test_fused_gate_up_is_cut_between_its_halves():
     assert find_cuts((4, 16, 3), straddling) is None, "rank 1's box spans the only gap of rank 0"
 
 
-def test_parts_must_tile_a_dim_the_trainers_keep_whole():
+def test_boxes_that_touch_are_cut_apart_only_where_no_dim_has_gaps():
+    """Bloom at TP2: each rank keeps whole heads of a (heads x [q, k, v] x 2, 3) tensor, as one
+    piece per head and slot (adjacent in the checkpoint, apart in the parameter): cut at every
+    piece boundary inside a rank. Experts keep their gap cut along dim 1, not one cut per expert."""
+    heads = [[Box((r * 12 + i * 2, 0), (2, 3)) for i in range(6)] for r in range(2)]
+    assert find_cuts((24, 3), heads) == (0, [2, 4, 6, 8, 10, 14, 16, 18, 20, 22])
+    assert find_cuts((4, 16, 3), _gate_up_boxes(4, 8, 3, 2)) == (1, [8])
+
+
+def test_parts_must_tile_a_dim_the_trainers_layout_can_be_cut_along():
     fsdp = Layout(Mesh((2,)), (Shard(0),))
     check_parts("w", (4, 16), fsdp, [(1, 0, 8), (1, 8, 16)])
-    with pytest.raises(ValueError, match=r"tensor 'w': workers cut it along dim 0, which the trainers shard"):
-        check_parts("w", (4, 16), fsdp, [(0, 0, 2), (0, 2, 4)])
+    check_parts("w", (4, 16), fsdp, [(0, 0, 3), (0, 3, 4)])  # q|k|v rows of a fused qkv_proj: FSDP's dim
+    two_axes = Layout(Mesh((2, 2)), (Shard(0), Shard(0)))
+    assert uncuttable_dims(two_axes) == {0} and uncuttable_dims(fsdp) == set()
+    with pytest.raises(
+        ValueError, match=r"tensor 'w': workers cut it along dim 0, which the trainers shard over several mesh axes"
+    ):
+        check_parts("w", (4, 16), two_axes, [(0, 0, 2), (0, 2, 4)])
+    with pytest.raises(ValueError, match=r"shards dim 0 in a way no part can be cut from"):
+        part_layout(two_axes, (4, 16), 0, 0, 2)
     with pytest.raises(
         ValueError, match=r"tensor 'w': parts \[\(0, 8\), \(9, 16\)\] along dim 1 do not tile \[0, 16\)"
     ):
@@ -139,9 +157,68 @@ def test_parts_must_tile_a_dim_the_trainers_keep_whole():
     assert parse_part("model.experts.gate_up_proj") is None
 
 
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_part_of_any_cuttable_layout_is_sent_from_exactly_its_elements(data):
+    """Each rank's box of a part (`part_layout`) is its box of the whole inside the part, and the
+    view `part_endpoint` cuts from its shard of the whole holds exactly those elements."""
+    shape = data.draw(shapes())
+    layout = data.draw(layouts(shape, blocks=data.draw(st.booleans())))
+    dims = [d for d in range(len(shape)) if shape[d] and d not in uncuttable_dims(layout)]
+    if not dims:
+        return
+    dim = data.draw(st.sampled_from(dims))
+    start = data.draw(st.integers(0, shape[dim] - 1))
+    stop = data.draw(st.integers(start + 1, shape[dim]))
+    whole = torch.arange(max(1, torch.Size(shape).numel())).narrow(0, 0, torch.Size(shape).numel()).view(shape)
+    part, sub_shape = part_layout(layout, shape, dim, start, stop), part_shape(shape, dim, start, stop)
+    window = Box(tuple(start if d == dim else 0 for d in range(len(shape))), sub_shape)
+    for rank in layout.mesh.ranks:
+        held, box = layout.local_box(shape, rank), part.local_box(sub_shape, rank)
+        inside = held.intersect(window) if not held.is_empty() else None
+        assert box.is_empty() == (inside is None), (rank, held, box)
+        if inside is None:
+            continue
+        assert box.sizes == inside.sizes
+        assert box.offsets == tuple(o - start if d == dim else o for d, o in enumerate(inside.offsets))
+        shard = Endpoint(whole[tuple(slice(o, o + s) for o, s in zip(held.offsets, held.sizes))], held.offsets)
+        sent = part_endpoint({"w": shard}, part_name("w", dim, start, stop))
+        assert sent is not None and sent.origin == box.offsets
+        assert torch.equal(sent.tensor, whole.narrow(dim, start, stop - start)[_slices(box)])
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+
+
 def test_a_part_is_sent_from_a_view_of_the_whole_shard():
     whole = torch.arange(2 * 16 * 3).view(2, 16, 3)  # trainer rank 1 of FSDP over 4 experts: experts 2 and 3
     endpoints = {"w": Endpoint(whole, (2, 0, 0))}
     part = part_endpoint(endpoints, part_name("w", 1, 8, 16))
     assert part.origin == (2, 0, 0) and torch.equal(part.tensor, whole[:, 8:16])
     assert part_endpoint(endpoints, "v") is None and part_endpoint(endpoints, part_name("v", 1, 0, 8)) is None
+    rows = torch.arange(6 * 3).view(6, 3)  # FSDP rank 1 of a fused (12, 3) q|k|v tensor: rows 6..12
+    fused = {"qkv": Endpoint(rows, (6, 0))}
+    assert part_endpoint(fused, part_name("qkv", 0, 0, 4)) is None, "holds no q row"
+    k = part_endpoint(fused, part_name("qkv", 0, 4, 8))
+    assert k is not None and k.origin == (2, 0) and torch.equal(k.tensor, rows[0:2])
+    v = part_endpoint(fused, part_name("qkv", 0, 8, 12))
+    assert v is not None and v.origin == (0, 0) and torch.equal(v.tensor, rows[2:6])
+
+
+def test_each_fallback_says_why():
+    """`plan_entries` names the reason of every name it falls back: the probe's, no layout for the
+    boxes the ranks keep, pieces no cut makes one box per rank and part."""
+    checkpoint = dict.fromkeys(("derived", "scattered", "interleaved", "kept"), ("bfloat16", (8, 4)))
+    whole = Box((0, 0), (8, 4))
+    rank0 = {
+        "derived": ("unresolved", ["p"], Probe.DERIVED, []),
+        "scattered": ("ok", ["p"], [((0, 0), (3, 4))], [((0, 0), (3, 4))]),
+        "interleaved": ("pieces", ["p"], [], [((0, 0), (4, 2)), ((4, 2), (4, 2))]),
+        "kept": ("ok", ["p"], [(whole.offsets, whole.sizes)], [(whole.offsets, whole.sizes)]),
+    }
+    rank1 = dict(rank0, scattered=("ok", ["p"], [((2, 0), (6, 4))], [((2, 0), (6, 4))]))
+    pieces = {"kept": [Piece("p", whole, Geometry(0, (8, 4), (4, 1)))]}
+    entries, fallback, unmerged = plan_entries(checkpoint, [rank0, rank1], pieces, {}, rank=0)
+    assert fallback == {"derived": Probe.DERIVED, "scattered": NO_LAYOUT, "interleaved": NO_PARTS}
+    assert [e.name for e in entries] == ["kept"] and unmerged == set()

@@ -67,6 +67,19 @@ def test_block_sharding_is_a_padded_vocab_split():
     assert layout.local_box((1000, 8), 3).offsets == (768, 0)
 
 
+def test_a_shifted_block_shard_is_a_window_of_the_blocks():
+    layout = Layout(Mesh((4,)), (Shard(0, block=3, shift=4),))  # rows [4, 9) of a dim cut in blocks of 3
+    assert [layout.local_box((5,), r) for r in range(4)] == [
+        Box((5,), (0,)),
+        Box((0,), (2,)),
+        Box((2,), (3,)),
+        Box((5,), (0,)),
+    ]
+    assert str(layout.placements[0]) == "S(0, block=3, shift=4)"
+    with pytest.raises(ValueError, match=r"cover its 9 rows \(block x axis size - shift >= size\)"):
+        layout.local_box((9,), 0)
+
+
 def test_rank_outside_mesh_has_no_box():
     assert Layout(Mesh((2,), start_rank=4), (Shard(0),)).local_box((4,), 0) is None
 
@@ -88,6 +101,11 @@ def test_mesh_from_ranks_is_row_major():
         (lambda: Mesh((3,), ranks=[0, 1]), "mesh shape (3,) needs 3 ranks, got 2"),
         (lambda: Mesh((2,), start_rank=-1), "mesh start_rank must be a non-negative int"),
         (lambda: Shard(-1), "Shard dim must be a non-negative int, got -1"),
+        (
+            lambda: Shard(0, shift=2),
+            "Shard shift must be a non-negative int, and needs a block size and no grid, got shift=2 with block=0",
+        ),
+        (lambda: Shard(0, 4, shift=-1), "Shard shift must be a non-negative int"),
         (lambda: Layout(Mesh((2, 2)), (Shard(0),)), "layout needs one placement per mesh axis"),
     ],
 )

@@ -65,7 +65,7 @@ def test_a_storage_with_a_name_the_engine_does_not_allow_commits_by_copy():
     fused, norm, endpoints = _bound()
     address = fused.data_ptr()
     shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "n"})
-    assert [live.data_ptr() for live, _ in shadows.copied] == [address, endpoints["k"].tensor.data_ptr()]
+    assert [live.data_ptr() for live, _ in shadows.copied.values()] == [address, endpoints["k"].tensor.data_ptr()]
     assert shadows.endpoints["q"].tensor.is_contiguous(), "a copied view's spare is contiguous"
     _write(shadows, 3.0)
     assert shadows.commit(swap=True) is True, "the whole tensor n swaps"

@@ -74,8 +74,14 @@ def test_buckets_add_up():
 
 
 def test_bad_links_are_refused_with_their_values():
-    with pytest.raises(ValueError, match=r"nic_gbs > 0, got 8, 450 and 0"):
+    with pytest.raises(ValueError, match=r"^LinkModel.nic_gbs must be finite and > 0, got 0$"):
         LinkModel(gpus_per_node=8, nvlink_gbs=450, nic_gbs=0)
+    with pytest.raises(ValueError, match=r"^LinkModel.host_gbs must be finite and >= 0, got nan$"):
+        LinkModel(gpus_per_node=8, nvlink_gbs=450, nic_gbs=50, host_gbs=float("nan"))
+    with pytest.raises(ValueError, match=r"^LinkModel.latency_us must be finite and >= 0, got inf$"):
+        LinkModel(gpus_per_node=8, nvlink_gbs=450, nic_gbs=50, latency_us=float("inf"))
+    with pytest.raises(ValueError, match=rf"^LinkModel.gpus_per_node must be in \[1, {2**20}\], got {2**70}$"):
+        LinkModel(gpus_per_node=2**70, nvlink_gbs=450, nic_gbs=50)
     with pytest.raises(ValueError, match=r"placement must be 'separate', 'colocated' or 'one_node', got 'mixed'"):
         LinkModel(gpus_per_node=8, nvlink_gbs=450, nic_gbs=50, placement="mixed")
 

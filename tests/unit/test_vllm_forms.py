@@ -1,5 +1,6 @@
-"""The loader form the vLLM binding receives a parameter in, and the post-round reprocessing of a
-weight that a later step released (what vLLM does on a CPU with AMX, shown on stand-in modules)."""
+"""The loader form the vLLM binding receives a parameter in, the post-round reprocessing of a
+weight that a later step released (what vLLM does on a CPU with AMX, shown on stand-in modules),
+and what the probe records of a loader's copies."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import torch
 
 pytest.importorskip("vllm")
 
+from rl_sync.bind.infer import Geometry
+from rl_sync.planning.layout import Box
 from rl_sync.vllm.binding import _module_forms
-from rl_sync.vllm.probe import ParamForm
+from rl_sync.vllm.indices import index_tensor
+from rl_sync.vllm.probe import ParamForm, Probe, _Recorder, storage_key
 from rl_sync.vllm.reload import Processor
 
 
@@ -74,3 +78,88 @@ def test_a_weight_the_attention_freed_is_processed_again_for_it_every_round():
         assert processor.after_update(names) == 1
         assert torch.equal(attention.derived, buffers[kv_b_proj]["weight"].t())
         assert kv_b_proj.weight.numel() == 0
+
+
+def _recorded(load, checkpoint: torch.Tensor, param: torch.Tensor) -> Probe:
+    """What the probe records of `load(param, checkpoint)` (the loader's copies, not run)."""
+    probe = Probe()
+    sources = {storage_key(checkpoint): ("w", tuple(checkpoint.shape))}
+    with _Recorder(sources, {storage_key(param): "p"}, probe):
+        load(param, checkpoint)
+    return probe
+
+
+def test_a_copy_from_a_transposed_checkpoint_tensor_is_a_box_in_a_transposed_view():
+    """GPT-2's loader copies a Conv1D weight `(in, out)` from its transpose, each TP rank a block of
+    output rows: the probe records the checkpoint's box and the parameter's view in the
+    checkpoint's dims, so writing the box into that view is what the loader's copy writes."""
+    checkpoint = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)  # (in, out) as transformers keeps it
+    param = torch.zeros(4, 6)  # rank 1's output rows [4, 8) as vLLM keeps them
+
+    def load(p: torch.Tensor, w: torch.Tensor) -> None:
+        p.copy_(w.t().narrow(0, 4, 4))
+
+    probe = _recorded(load, checkpoint, param)
+    assert probe.unresolved == {}
+    (piece,) = probe.pieces["w"]
+    assert piece.src == Box((0, 4), (6, 4)) and piece.dst == Geometry(0, (6, 4), (1, 6))
+    torch.as_strided(param, piece.dst.sizes, piece.dst.strides, piece.dst.offset).copy_(checkpoint[:, 4:8])
+    expected = torch.zeros(4, 6)
+    load(expected, checkpoint)
+    assert torch.equal(param, expected)
+
+
+def test_a_copy_from_a_tensor_derived_from_the_checkpoint_is_unresolved_with_its_reason():
+    checkpoint, param = torch.ones(4, 6), torch.zeros(6, 4)
+    probe = _recorded(lambda p, w: p.copy_(w.t().contiguous()), checkpoint, param)
+    assert probe.pieces == {} and probe.unresolved == {"": Probe.DERIVED}
+
+
+def test_copies_from_regrouped_heads_are_read_off_element_indices():
+    """Bloom's loader regroups its fused `(heads x [q, k, v] x head_dim, hidden)` rows as
+    `([q, k, v] x heads x head_dim, hidden)` with a `reshape` that copies: fed element indices,
+    each TP rank's q, k and v rows are one box per head, landing where the loader's copy puts
+    them; values the loader computes from the checkpoint's are no box."""
+    heads, dim, hidden = 4, 2, 3
+    checkpoint = index_tensor((heads * 3 * dim, hidden))
+    param = torch.zeros(3 * heads * dim // 2, hidden, dtype=torch.int64)  # TP rank 1's q|k|v rows
+
+    def load(p: torch.Tensor, w: torch.Tensor) -> None:
+        regrouped = w.view(heads, 3, dim, hidden).transpose(0, 1).reshape(w.shape)
+        for slot in range(3):
+            rows = regrouped.narrow(0, slot * heads * dim + heads * dim // 2, heads * dim // 2)
+            p.narrow(0, slot * heads * dim // 2, heads * dim // 2).copy_(rows)
+
+    probe = Probe()
+    recorder = _Recorder({storage_key(checkpoint): ("w", tuple(checkpoint.shape))}, {storage_key(param): "p"}, probe)
+    with recorder:
+        recorder.current, recorder.shape = "w", tuple(checkpoint.shape)
+        load(param, checkpoint)
+    assert probe.unresolved == {}
+    pieces = probe.pieces["w"]
+    assert sorted(p.src.offsets[0] for p in pieces) == [(h * 3 + s) * dim for h in (2, 3) for s in range(3)]
+    assert all(p.src.sizes == (dim, hidden) for p in pieces)
+    for p in pieces:
+        torch.as_strided(param, p.dst.sizes, p.dst.strides, p.dst.offset).copy_(checkpoint[_rows(p.src)])
+    expected = torch.zeros_like(param)
+    load(expected, checkpoint)
+    assert torch.equal(param, expected)
+    computed = _recorded(lambda p, w: p.copy_(-torch.exp(w.float())), torch.ones(4, 6), torch.zeros(4, 6))
+    assert computed.unresolved == {"": Probe.DERIVED}
+
+
+def _rows(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+
+
+def test_a_checkpoint_tensor_changed_in_place_is_copied_as_what_it_became():
+    """gpt-oss's loader zeroes `w2_bias` in place on every TP rank past the first, then copies
+    it: the probe records a fill of zeros (nothing of the checkpoint is kept there); any other
+    change in place leaves the copy unresolved."""
+    checkpoint, param = torch.ones(4, 6), torch.zeros(4, 6)
+    zeroed = _recorded(lambda p, w: p.copy_(w.zero_()), checkpoint, param)
+    assert zeroed.pieces == {} and zeroed.unresolved == {}
+    assert zeroed.fills == {"p": [(Geometry(0, (4, 6), (6, 1)), 0.0)]}
+    scaled = _recorded(lambda p, w: p.copy_(w.mul_(2)), checkpoint, param)
+    assert scaled.pieces == {} and scaled.unresolved == {"w": Probe.DERIVED}
+    assert torch.equal(checkpoint, torch.ones(4, 6)), "the probe changed the checkpoint tensor"

@@ -89,3 +89,11 @@ def test_the_probe_sees_loads_that_an_online_processing_wrapper_would_ignore():
     probe = probe_loads(model, {"proj.weight": (torch.bfloat16, (6, 4))}, torch.bfloat16)
     assert [(p.param, p.src.sizes) for p in probe.pieces["proj.weight"]] == [("proj.weight", (6, 4))]
     assert model.proj.weight.weight_loader.__name__ == "online_process_loader", "the wrapper is put back"
+
+
+def test_the_trainer_factory_is_found_in_0_32_and_absent_from_0_26(monkeypatch):
+    from vllm.distributed.weight_transfer import factory
+
+    assert compat.trainer_factory() is factory.WeightTransferTrainerFactory
+    monkeypatch.delattr(factory, "WeightTransferTrainerFactory")  # 0.26: the trainer side is a static call
+    assert compat.trainer_factory() is None
