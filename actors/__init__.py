@@ -16,12 +16,14 @@ _WHERE = {
     "SyncTrainerMixin": ".trainer_mixin",
     "SyncWorkerMixin": ".worker_mixin",
     "SyncPlacement": ".placement",
+    "StagedRound": ".weight_sync",
     "VllmEngine": ".vllm",
     "VllmService": ".service",
     "WeightSync": ".weight_sync",
 }
 
 __all__ = [
+    "StagedRound",
     "SyncError",
     "SyncPlacement",
     "SyncTrainerMixin",
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from .service import VllmService
     from .trainer_mixin import SyncTrainerMixin
     from .vllm import VllmEngine
-    from .weight_sync import WeightSync
+    from .weight_sync import StagedRound, WeightSync
     from .worker_mixin import SyncWorkerMixin
 
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
+from itertools import accumulate
 
 import ray
 import torch
@@ -52,10 +54,12 @@ from rl_sync.wire.plan_info import PlanInfo
 from rl_sync.wire.stats import RoundStats, SyncSummary
 
 from .calls import Budget, SyncError
+from .elastic import Formed, add_engine, remove_engine
 from .fence import Fence
 from .group import Membership
-from .members import ServiceMember, collect, failed, gather, leave
+from .members import Member, ServiceMember, collect, failed, gather, leave
 from .metrics import RoundMetrics
+from .staging import OpenRound, Staged, commit, stage, unstage
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -92,10 +96,13 @@ class Coordinator:
         self.version = 0
         self.broken: str | None = None
         self._store: StoreServer | None = None
+        self._store_host = ""
         self._secret = new_secret()
         self.reply: Rendezvous | None = None
         self.budget = Budget()
         """Bounds every wait of the driver call in progress (`SyncConfig.push_budget_s`)."""
+        self.staged: Staged | None = None
+        """The round `stage` started and `commit` has not committed (`actors.staging`)."""
         self.tag = GroupTag(token or uuid.uuid4().hex[:12], config.name, ray.get_runtime_context().current_actor)
         """Names this group to its ranks (`token`: the driver's, so it can release them should this
         actor die): an actor belongs to one live group at a time."""
@@ -154,6 +161,7 @@ class Coordinator:
         ]
         info = self._init_info(devices)
         self._connect(info, devices, [r.device for r in reports[T:]])
+        self.formed = Formed(sources, reports[T:], devices, options, info)
         return self._summary(info, colocated, reports[T:], time.perf_counter() - start)
 
     def _summary(self, info: InitInfo, colocated: bool, workers: list[RankReport], seconds: float) -> SyncSummary:
@@ -233,6 +241,10 @@ class Coordinator:
         return Rendezvous(host, port, f"rl-sync-{uuid.uuid4().hex[:12]}", self.config.init_timeout_s, self._secret)
 
     def _open_store(self) -> tuple[str, int]:
+        """The rendezvous store's address, opened unless it is (an engine joining or leaving
+        regroups on the store the group formed on)."""
+        if self._store is not None:
+            return self._store_host, self._store.port
         cfg = self.config
         host = cfg.rendezvous_host or (
             interface_address(cfg.interface) if cfg.interface else ray.util.get_node_ip_address()
@@ -246,7 +258,7 @@ class Coordinator:
                 f"SyncConfig.rendezvous_port): {exc.strerror or exc}; give an address of the "
                 "coordinator's node"
             ) from None
-        self._store = StoreServer(sock, self._secret)
+        self._store, self._store_host = StoreServer(sock, self._secret), host
         return host, self._store.port
 
     def _close_store(self) -> None:
@@ -377,6 +389,17 @@ class Coordinator:
         with self.budget.within(budget_s, "push"):
             return self._push(version, names, mode, self._fence(fence, "push"))
 
+    def _push(
+        self, version: int | None, asked_names: list[str] | None, asked_mode: str | None, fence: Fence | None
+    ) -> RoundStats:
+        round_ = self._open_round(version, asked_names, asked_mode)
+        try:
+            results, commit_seconds = self._run_round(round_.blob, round_.version, round_.names, round_.what)
+        except SyncError:
+            self.broken = f"round {round_.version}"
+            raise
+        return self._close_round(round_, results, commit_seconds, fence)
+
     def _fence(self, token: str | None, what: str) -> Fence | None:
         """The call's fence; `SyncError`, doing nothing, when its driver gave up on it before it
         started (it waited behind another call, or this process was stopped)."""
@@ -394,23 +417,37 @@ class Coordinator:
     def _record(self, version: int, fence: Fence | None, what: str) -> None:
         """The one place a version is decided, once every rank finished `what`: claim the call's
         fence (refused when the driver gave up on it: nothing is recorded and the version stays
-        free), then every worker records it. The workers already hold it, so one that does not
-        record it only reports no version, and the next push repairs the group."""
+        free), then every worker records it (`record_on`)."""
+        self.claim(fence, f"{what} finished after the driver gave up on it; version {version} is not recorded")
+        self.version = version
+        self.record_on(self.workers, version)
+
+    @staticmethod
+    def claim(fence: Fence | None, refused: str) -> None:
+        """Claim the call's fence for the coordinator, before what it decides takes effect;
+        `SyncError(refused)` when its driver gave up on the call first."""
         if fence is not None and not fence.commit():
             fence.settle()
-            raise SyncError(f"{what} finished after the driver gave up on it; version {version} is not recorded")
-        self.version = version
+            raise SyncError(refused)
+
+    def record_on(self, members: Sequence[Member], version: int) -> None:
+        """`members` (workers) record `version`, which they hold. They already hold it, so one that
+        does not record it only reports no version, and the next push repairs the group."""
         step = self.config.round_timeout_s + 5
-        answers, failures = collect(self.workers, lambda m: m.record(version), self.budget.left(step, at_least=1.0))
-        refused = [m for m, first in zip(self.workers, self.firsts) if answers[first] is False]
+        answers, failures = collect(members, lambda m: m.record(version), self.budget.left(step, at_least=1.0))
+        firsts = accumulate((m.size for m in members), initial=0)
+        refused = [m for m, first in zip(members, firsts) if answers[first] is False]
         if failures or refused:
             labels = [m.label for m, _ in failures] + [m.label for m in refused]
             self.broken = f"version {version} not recorded by {', '.join(labels)}"
 
-    def _push(
-        self, version: int | None, asked_names: list[str] | None, asked_mode: str | None, fence: Fence | None
-    ) -> RoundStats:
+    def _open_round(
+        self, version: int | None, asked_names: list[str] | None, asked_mode: str | None, what: str = "push"
+    ) -> OpenRound:
+        """Check the push (`what`: the driver's call), repair first if the group is broken, and
+        decide the round (version, mode, tensors, why); nothing is sent yet."""
         self._check_push(version, self._plan_names(asked_names), asked_mode)  # a refused push repairs nothing
+        self._check_unstaged(what)
         if self.broken is not None:
             if not self.config.auto_repair:
                 raise SyncError(f"the sync group is broken by an earlier failure ({self.broken}); call repair()")
@@ -431,18 +468,82 @@ class Coordinator:
             mode, reason = ("auto" if choice.engine == "sparse" else "m2n"), f"auto: {choice.reason}"
         try:
             timeout = self.budget.left(self.config.round_timeout_s)
-            blob = encode(RoundInfo(version, mode, names, timeout, self.refresh.baselines))
-            results = self._run_round(blob, version, names, f"round {version} ({mode})")
         except SyncError:
-            self.broken = f"round {version}"
+            self.broken = f"round {version}"  # (colocated workers may have opened it)
             raise
-        self._record(version, fence, f"round {version} ({mode})")
-        first = self.refresh.finished(mode, every_tensor=names is None)
-        stats = RoundStats(version, mode, time.perf_counter() - start, tuple(results), reason)
-        if not first:  # the first round after init or a repair pays one-time costs (compiling, mapping)
-            self.auto.learn(stats, dense_bytes)
+        blob = encode(RoundInfo(version, mode, names, timeout, self.refresh.baselines))
+        return OpenRound(version, mode, names, reason, dense_bytes, start, blob)
+
+    def _close_round(
+        self,
+        round_: OpenRound,
+        results: list[RankStats],
+        commit_seconds: float,
+        fence: Fence | None,
+        seconds: float | None = None,
+    ) -> RoundStats:
+        """Record a round every rank finished (and committed) unless its driver gave up on it
+        (`_record`); `seconds`: its time where it is not the wall time since it opened (a staged
+        round's)."""
+        self._record(round_.version, fence, round_.what)
+        first = self.refresh.finished(round_.mode, every_tensor=round_.names is None)
+        took = time.perf_counter() - round_.start if seconds is None else seconds
+        stats = RoundStats(round_.version, round_.mode, took, tuple(results), round_.reason, commit_seconds)
+        if not first and seconds is None:  # the first round pays one-time costs; a staged one shares the CPUs
+            self.auto.learn(stats, round_.dense_bytes)
         self.metrics.record(stats)
         return stats
+
+    def stage(
+        self,
+        version: int | None,
+        names: list[str] | None,
+        mode: str | None,
+        budget_s: float | None = None,
+        fence: str | None = None,
+    ) -> tuple[int, str, str]:
+        """Start a round into the workers' shadows while they serve (`actors.staging`), within
+        `budget_s` seconds, unless the driver gave up on the call (`fence`); returns its version,
+        mode and why that mode."""
+        with self.budget.within(budget_s, "stage"):
+            return stage(self, version, names, mode, self._fence(fence, "stage"))
+
+    def unstage(self, fence: str) -> None:
+        """The driver gave up on the stage call of `fence` after it staged its round: drop that
+        round (`actors.staging`)."""
+        unstage(self, fence)
+
+    def commit(self, version: int, budget_s: float | None = None, fence: str | None = None) -> RoundStats:
+        """Finish staged round `version` and make it live on every worker, within `budget_s`
+        seconds; recorded unless the driver gave up on the call (`fence`)."""
+        with self.budget.within(budget_s, "commit"):
+            return commit(self, version, fence)
+
+    def add_engine(self, handles: list, budget_s: float | None = None, fence: str | None = None) -> SyncSummary:
+        """Grow the live group by one engine's ranks (`actors.elastic`), within `budget_s` seconds,
+        unless the driver gave up on the call (`fence`)."""
+        with self.budget.within(budget_s, "add_engine"):
+            return add_engine(self, handles, self._fence(fence, "add_engine"))
+
+    def remove_engine(self, handles: list, budget_s: float | None = None, fence: str | None = None) -> SyncSummary:
+        """Shrink the live group by one engine's ranks (`actors.elastic`), within `budget_s` seconds,
+        unless the driver gave up on the call (`fence`)."""
+        with self.budget.within(budget_s, "remove_engine"):
+            return remove_engine(self, handles, self._fence(fence, "remove_engine"))
+
+    def _check_unstaged(self, what: str) -> None:
+        if self.staged is not None:
+            raise ValueError(
+                f"{what}: round {self.staged.round.version} is staged and not committed; commit it first "
+                "(StagedRound.commit())"
+            )
+
+    def _commit(self, version: int, what: str) -> float:
+        """Make a double-buffered round live on every worker; returns the seconds it took."""
+        start = time.perf_counter()
+        step = self.config.round_timeout_s + 5
+        gather(self.workers, lambda m: m.commit(version, self.reply), self.budget.left(step), f"{what} commit")
+        return time.perf_counter() - start
 
     def _dense_bytes(self, names: tuple[str, ...] | None) -> int:
         """What a dense round of `names` (None: all) sends, in proportion of the plan's bytes
@@ -453,9 +554,12 @@ class Coordinator:
         subset = sum(plan.specs[plan.index[n]].nbytes for n in names)
         return plan.stats.total_bytes * subset // max(1, plan.stats.broadcast_recv_bytes)
 
-    def _run_round(self, blob: bytes, version: int, names: tuple[str, ...] | None, what: str) -> list[RankStats]:
+    def _run_round(
+        self, blob: bytes, version: int, names: tuple[str, ...] | None, what: str
+    ) -> tuple[list[RankStats], float]:
         """The round's steps, each bounded by the round timeout (plus 5 s for the ranks to report)
-        and by what the push's budget has left."""
+        and by what the push's budget has left; returns the ranks' statistics and the seconds the
+        commit took (double buffering)."""
         step = self.config.round_timeout_s + 5
         results = [
             decode(RankStats, r)
@@ -473,9 +577,7 @@ class Coordinator:
                 )
                 for r in self.worker_ranks
             ]
-        if self.config.double_buffer:
-            gather(self.workers, lambda m: m.commit(version, self.reply), self.budget.left(step), f"{what} commit")
-        return results
+        return results, self._commit(version, what) if self.config.double_buffer else 0.0
 
     def _ipc_begin(self, version: int, what: str) -> bool:
         """Open the round on every colocated worker; a worker whose memory moved since its export
@@ -592,6 +694,7 @@ class Coordinator:
     def _close_ranks(self, abort: bool) -> None:
         """Every member leaves the group (`actors.members.leave`), bounded by `init_timeout_s`; the
         rendezvous store goes with it."""
+        self.staged = None
         timeout = self.budget.left(self.config.init_timeout_s, at_least=1.0)
         leave(self.ranks + self.workers, abort, self.reply, self.tag.token, timeout)
         self._close_store()

@@ -17,7 +17,7 @@ Typical use::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ray.actor import ActorHandle
@@ -67,6 +67,22 @@ class EngineHooks(Protocol):
     def rl_sync_write_modes(self) -> dict[str, Literal["direct", "reload"]]:
         """Per name, whether the engine uses it as stored (`direct`) or processes it after a
         round (`reload`); `direct` for names left out."""
+        ...
+
+    def rl_sync_prepare(
+        self, names: tuple[str, ...] | None, spare: Callable[[torch.Tensor], torch.Tensor | None]
+    ) -> None:
+        """With double buffering, once a round reached the shadows (on a staged round's thread,
+        beside the running engine): prepare what `rl_sync_weights_updated` will need at the
+        commit without touching the live weights (`spare(t)`: the next values of a bound tensor
+        `t` whose storage the commit swaps, else None), so that the commit waits for less."""
+        ...
+
+    def rl_sync_swappable(self) -> Collection[str]:
+        """With double buffering, the names whose memory a commit may swap with its shadow's (O(1)
+        per storage, `rl_sync.rank.shadow`) instead of copying into it: those the engine reads
+        through its tensors at every use, with no address captured elsewhere (CUDA graphs) and
+        no memory tracked by an allocator of its own (sleep mode). None without this hook."""
         ...
 
 

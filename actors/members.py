@@ -16,6 +16,7 @@ ranks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import ray
 
@@ -55,6 +56,12 @@ class ActorMember:
     def commit(self, version: int, reply: Rendezvous | None):
         return self.handle._rl_sync_commit.remote(version)
 
+    def stage(self, blob: bytes, version: int, reply: Rendezvous | None):
+        return self.handle._rl_sync_stage.remote(blob)
+
+    def staged(self, version: int, timeout_s: float, reply: Rendezvous | None):
+        return self.handle._rl_sync_staged.remote(version, timeout_s)
+
     def record(self, version: int):
         return self.handle._rl_sync_record.remote(version)
 
@@ -78,6 +85,15 @@ class ActorMember:
 
     def ipc_end(self, version: int, names: tuple[str, ...] | None, reply: Rendezvous | None):
         return self.handle._rl_sync_ipc_end.remote(version, names)
+
+    def regroup(self, init: bytes, plan, bind_host: str | None, device: str):
+        return self.handle._rl_sync_regroup.remote(init, plan, bind_host, device)
+
+    def switch(self, keep: bool):
+        return self.handle._rl_sync_switch.remote(keep)
+
+    def catch_up(self, plan: bytes, round_blob: bytes):
+        return self.handle._rl_sync_catch_up.remote(plan, round_blob)
 
 
 class ServiceMember:
@@ -121,6 +137,13 @@ class ServiceMember:
     def commit(self, version: int, reply: Rendezvous | None):
         return self.handle._rl_sync_service_commit.remote(encode(RoundRequest(b"", version, self._reply(reply))))
 
+    def stage(self, blob: bytes, version: int, reply: Rendezvous | None):
+        return self.handle._rl_sync_service_stage.remote(encode(RoundRequest(blob, version, self._reply(reply))))
+
+    def staged(self, version: int, timeout_s: float, reply: Rendezvous | None):
+        request = RoundRequest(b"", version, replace(self._reply(reply), timeout_s=timeout_s))
+        return self.handle._rl_sync_service_staged.remote(encode(request))
+
     def record(self, version: int):
         return self.handle._rl_sync_service_record.remote(version)
 
@@ -159,6 +182,15 @@ class ServiceMember:
 
     def ipc_remap(self, ipc: bytes):
         self._unsupported("mapping a worker's memory (a trainer's step)")
+
+    def regroup(self, init: bytes, plan, bind_host: str | None, device: str):
+        self._unsupported("joining or leaving a live group")
+
+    def switch(self, keep: bool):
+        self._unsupported("joining or leaving a live group")
+
+    def catch_up(self, plan: bytes, round_blob: bytes):
+        self._unsupported("joining or leaving a live group")
 
 
 Member = ActorMember | ServiceMember

@@ -17,7 +17,7 @@ without defining a class::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import ray
@@ -47,10 +47,14 @@ class TrainerActor(_Holder, SyncTrainerMixin):
 
 
 class InferenceWorker(_Holder, SyncWorkerMixin):
-    """A worker rank whose destinations are `build(rank, size)`'s `Destination`s."""
+    """A worker rank whose destinations are `build(rank, size)`'s `Destination`s; nothing captures
+    their addresses, so a double-buffered commit swaps them."""
 
     def rl_sync_destinations(self, checkpoint=None) -> Mapping[str, Any]:
         return self.held
+
+    def rl_sync_swappable(self) -> Collection[str]:
+        return self.held.keys()
 
 
 class HybridActor(_Holder, SyncTrainerMixin, SyncWorkerMixin):

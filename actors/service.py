@@ -89,6 +89,15 @@ class _ServiceHost:
             self._rl_sync_written(round_request.version, driver.ranks)
         return stats
 
+    def _rl_sync_service_stage(self, request: bytes) -> None:
+        """Start a staged round: the engine's ranks receive on threads of their own, the live
+        weights (and the versions they hold) stay until the commit."""
+        self._rl_sync_driver().stage(decode(RoundRequest, request))
+
+    def _rl_sync_service_staged(self, request: bytes) -> list[bytes]:
+        """Every rank's statistics of the staged round, once it ended (bounded)."""
+        return self._rl_sync_driver().staged(decode(RoundRequest, request))
+
     def _rl_sync_service_commit(self, request: bytes) -> None:
         round_request = decode(RoundRequest, request)
         driver = self._rl_sync_driver()

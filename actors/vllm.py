@@ -76,6 +76,12 @@ class VllmWorkerMixin(SyncWorkerMixin):
     def rl_sync_write_modes(self) -> dict[str, str]:
         return self._rl_sync_bound().write_modes()
 
+    def rl_sync_swappable(self) -> list[str]:
+        return self._rl_sync_bound().swappable()
+
+    def rl_sync_prepare(self, names, spare) -> None:
+        self._rl_sync_bound().prepare(names, spare)
+
 
 def completions(llm, prompts: Sequence[Sequence[int]], sampling: dict[str, Any]) -> list[dict]:
     """Per token-id prompt: the first completion's `tokens` and `logprobs` (of the chosen tokens,

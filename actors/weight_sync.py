@@ -7,6 +7,13 @@ Typical use, between training steps::
     stats = sync.push(names=["lm_head.weight"], mode="broadcast")
     sync.close()
 
+Asynchronous RL, with `SyncConfig(double_buffer=True)`: the next version travels while the
+engines generate with the last, and becomes live at a step boundary::
+
+    staged = sync.stage()               # returns once every worker receives in the background
+    rollouts = engine.generate(...)     # the engines serve the previous version meanwhile
+    stats = staged.commit()             # waits for the transfer, then swaps it in everywhere
+
 `trainers[i]` must be the actor whose layouts call it rank i (its default
 process-group rank for DTensors); workers follow in their own order.
 """
@@ -70,15 +77,20 @@ def _unwrap(ref, budget_s: float, gave_up: Callable[[], str] = lambda: ""):
         raise SyncError(str(cause)) from remote
 
 
-def _outcome(abandoned: bool, version: int | None) -> str:
-    """What a push the driver stopped waiting for did, by whose claim on its fence landed first."""
+def _recorded(version: int | None) -> Callable[[Fence, bool], str]:
+    """What a call recording `version` (a push, patches, a commit) that the driver stopped waiting
+    for did, by whose claim on its fence landed first (`WeightSync._fenced`)."""
     which = "the next version" if version is None else f"version {version}"
-    if abandoned:
-        return (
-            f"; {which} was not applied and never will be (a round finishing later is not recorded, and "
-            "workers it wrote into report no version): push it again"
-        )
-    return f"; {which} was applied just before the driver gave up: versions() says what each worker holds"
+
+    def outcome(_fence: Fence, abandoned: bool) -> str:
+        if abandoned:
+            return (
+                f"; {which} was not applied and never will be (a round finishing later is not recorded, and "
+                "workers it wrote into report no version): push it again"
+            )
+        return f"; {which} was applied just before the driver gave up: versions() says what each worker holds"
+
+    return outcome
 
 
 def _budget(timeout_s, default: float, what: str) -> float:
@@ -178,22 +190,59 @@ class WeightSync:
         report no version; `versions()` says which hold what)."""
         version, names, mode = check_push_args(version, names, mode)
         budget = _budget(timeout_s, self.config.push_budget_s, "push")
-        stats = self._recorded(
-            lambda fence: self._open().push.remote(version, names, mode, budget, fence), budget, version
+        stats = self._fenced(
+            lambda fence: self._open().push.remote(version, names, mode, budget, fence), budget, _recorded(version)
         )
         log.info(stats.log_line())
         return stats
 
-    def _recorded(self, call: Callable[[str], Any], budget: float, version: int | None) -> Any:
-        """The answer of a call that records a version, run under a fresh fence (`actors.fence`):
-        should the driver stop waiting, its claim decides whether the version was applied."""
+    def stage(
+        self,
+        version: int | None = None,
+        names: list[str] | None = None,
+        mode: str | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> StagedRound:
+        """Start a round (arguments as for `push`) that lands in the workers' shadow copies while
+        their engines keep serving the version they hold; returns once every worker receives, on a
+        thread of its own. Needs `SyncConfig(double_buffer=True)`. `StagedRound.commit()` makes it
+        live; until then no other round may start. Bounded like `push`; a stage that raises left
+        nothing staged, now or later (`actors.fence`; the next push repairs the group if it must)."""
+        version, names, mode = check_push_args(version, names, mode)
+        budget = _budget(timeout_s, self.config.push_budget_s, "stage")
+
+        def unstaged(fence: Fence, abandoned: bool) -> str:
+            which = "the next version" if version is None else f"version {version}"
+            if abandoned:
+                return f"; {which} was not staged and never will be: stage or push it again"
+            self.coordinator.unstage.remote(fence.token)  # (runs before any later call of this driver)
+            return f"; {which} was staged just before the driver gave up, and is dropped: the next push repairs"
+
+        staged = self._fenced(
+            lambda fence: self._open().stage.remote(version, names, mode, budget, fence), budget, unstaged
+        )
+        return StagedRound(self, *staged)
+
+    def _commit(self, version: int, timeout_s: float | None) -> RoundStats:
+        budget = _budget(timeout_s, self.config.push_budget_s, "commit")
+        stats = self._fenced(
+            lambda fence: self._open().commit.remote(version, budget, fence), budget, _recorded(version)
+        )
+        log.info(stats.log_line())
+        return stats
+
+    def _fenced(self, call: Callable[[str], Any], budget: float, outcome: Callable[[Fence, bool], str]) -> Any:
+        """The answer of a call that decides what the group keeps (a version, a staged round, its
+        members), run under a fresh fence (`actors.fence`): should the driver stop waiting, its
+        claim decides whether the call took effect, and `outcome(fence, abandoned)` says which."""
         fence = Fence.new()
         ref = call(fence.token)
         claims: list[bool] = []
 
         def gave_up() -> str:
             claims.append(fence.abandon())
-            return _outcome(claims[-1], version)
+            return outcome(fence, claims[-1])
 
         try:
             return _unwrap(ref, budget, gave_up)
@@ -211,8 +260,10 @@ class WeightSync:
         version = check_version(version)
         budget = _budget(timeout_s, self.config.push_budget_s, "push_patches")
         patches = list(patches)
-        return self._recorded(
-            lambda fence: self._open().push_patches.remote(patches, version, budget, fence), budget, version
+        return self._fenced(
+            lambda fence: self._open().push_patches.remote(patches, version, budget, fence),
+            budget,
+            _recorded(version),
         )
 
     def versions(self) -> list[int | None]:
@@ -240,6 +291,58 @@ class WeightSync:
         _unwrap(self._open().replace_worker.remote(index, handle), self.config.init_timeout_s)
         self.workers[index] = handle
 
+    def add_engine(self, workers: list, *, timeout_s: float | None = None) -> SyncSummary:
+        """Grow the live group by one engine: `workers`, its ranks in tensor-parallel order (Ray actors
+        with the worker mixin, e.g. a new `VllmEngine`'s `ranks`), which bind for the grown worker
+        count. The group's ranks keep their bindings and buffers (nothing restarts); a replica
+        already in the group sends the newcomer the version it holds (or, laid out otherwise, the
+        next push carries every tensor dense), and the next push includes it. Between rounds,
+        bounded by `timeout_s` (default `SyncConfig.init_budget_s`); a join that fails leaves the
+        group as it was, unless one of its own ranks failed (the next push repairs it then).
+        Returns the group's new summary (also `self.summary`)."""
+        return self._regroup("add_engine", workers, timeout_s)
+
+    def remove_engine(self, workers: list, *, timeout_s: float | None = None) -> SyncSummary:
+        """Shrink the live group by one engine: `workers`, all of its ranks. The others keep their
+        bindings and buffers and go on at the same version; the engine's ranks leave the group
+        (free to join another). Bounded like `add_engine`; returns the new summary."""
+        return self._regroup("remove_engine", workers, timeout_s)
+
+    def _regroup(self, what: str, workers: list, timeout_s: float | None) -> SyncSummary:
+        if not isinstance(workers, (list, tuple)) or not workers:
+            raise TypeError(
+                f"{what}: workers must be a non-empty list of one engine's rank actors, got {workers!r:.80}"
+            )
+        for i, handle in enumerate(workers):
+            if not isinstance(handle, ActorHandle):
+                raise TypeError(
+                    f"{what}: rank {i} of the engine must be a Ray actor handle, got {type(handle).__name__}"
+                )
+            check_hooks(handle, "worker", f"{what}: rank {i} of the engine")
+        budget, handles = _budget(timeout_s, self.config.init_budget_s, what), list(workers)
+        verb = "join" if what == "add_engine" else "leave"
+
+        def outcome(_fence: Fence, abandoned: bool) -> str:
+            if abandoned:
+                return f"; the engine did not {verb} the group and never will (the group is as it was): {what} again"
+            self._members(what, handles)
+            return f"; the engine did {verb} the group just before the driver gave up (versions() lists the workers)"
+
+        self.summary = self._fenced(
+            lambda fence: getattr(self._open(), what).remote(handles, budget, fence), budget, outcome
+        )
+        self._members(what, handles)
+        log.info("rl-sync group %r after %s: %s", self.config.name, what, self.summary)
+        return self.summary
+
+    def _members(self, what: str, handles: list) -> None:
+        """`workers` once `what` took effect with the engine's ranks `handles` (what `close`
+        releases should the coordinator be gone)."""
+        if what == "add_engine":
+            self.workers += handles
+        else:
+            self.workers = [w for w in self.workers if w not in handles]
+
     def close(self) -> None:
         """Release the group and the coordinator; closing again does nothing, and closing never
         raises. A coordinator that died (or does not answer within `init_timeout_s`) cannot
@@ -265,6 +368,31 @@ class WeightSync:
             ray.kill(self.coordinator)
             for fence in self._abandoned:  # the coordinator is gone: no call of it can be recorded now
                 fence.settle()
+
+
+class StagedRound:
+    """A round `WeightSync.stage` started: `version` travels into the workers' shadows while their
+    engines serve the previous one (`mode`, and `reason` when that is not simply what was asked)."""
+
+    def __init__(self, sync: WeightSync, version: int, mode: str, reason: str):
+        self.sync, self.version, self.mode, self.reason = sync, version, mode, reason
+        self.committed = False
+
+    def commit(self, *, timeout_s: float | None = None) -> RoundStats:
+        """Wait until every rank has the round, then make it live on every worker at once (a swap of
+        the memory behind each storage where the engine allows it, a copy otherwise); call it
+        between generation steps. Returns the round's statistics (`commit_seconds`: what the
+        engines waited for). Bounded by `timeout_s` (default `SyncConfig.push_budget_s`); a round
+        that failed anywhere is committed nowhere (the workers keep the previous version in full,
+        the next push repairs), and a round is committed once."""
+        if self.committed:
+            raise ValueError(f"commit: round {self.version} was committed already")
+        self.committed = True
+        return self.sync._commit(self.version, timeout_s)
+
+    def __repr__(self) -> str:
+        state = "committed" if self.committed else "staged"
+        return f"StagedRound(version={self.version}, mode={self.mode!r}, {state})"
 
 
 def _beside_driver() -> dict:

@@ -16,6 +16,8 @@ Mode = Literal["m2n", "broadcast", "sparse", "auto"]
 """How a round moves weights (`SyncConfig.mode`); the one list of round modes."""
 SPARSE_MODES: tuple[Mode, ...] = ("sparse", "auto")
 """The modes that send changes against baselines (the sparse engine)."""
+DENSE_MODES: tuple[Mode, ...] = ("m2n", "broadcast")
+"""The modes that write every element of the tensors a round carries."""
 Relay = Literal["off", "on", "auto"]
 BaselineDevice = Literal["device", "pinned_cpu"]
 Integrity = Literal["keyed", "checksum", "off"]

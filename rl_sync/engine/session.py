@@ -24,6 +24,7 @@ import torch
 
 from ..config.sync import SPARSE_MODES
 from ..planning.parts import parse_part
+from ..planning.plan import ModelPlan
 from ..planning.quant import is_scale_name, scale_name, scaled_name
 from ..planning.schedule import RankSchedule
 from ..rendezvous import derive
@@ -79,6 +80,29 @@ def part_endpoint(endpoints: Mapping[str, Endpoint], name: str) -> Endpoint | No
         return None
     origin = whole.origin[:dim] + (lo - start,) + whole.origin[dim + 1 :]
     return Endpoint(whole.tensor.narrow(dim, lo - first, hi - lo), origin)
+
+
+def plan_endpoints(plan: ModelPlan, rank: int, endpoints: Mapping[str, Endpoint], side: str) -> dict[int, Endpoint]:
+    """`rank`'s endpoints by tensor index of `plan` (`side`: "source" or "destination"); refused,
+    naming the tensor, where one the plan needs is missing or covers another box."""
+    out = {}
+    for i, spec in enumerate(plan.specs):
+        layout = spec.src if side == "source" else spec.dst
+        box = layout.local_box(spec.shape, rank)
+        if box is None or box.is_empty():
+            continue
+        endpoint = endpoints.get(spec.name)
+        if endpoint is None and side == "source":
+            endpoint = part_endpoint(endpoints, spec.name)
+        if endpoint is None:
+            raise ValueError(f"rank {rank}: the plan needs {side} tensor {spec.name!r} here, but it was not provided")
+        if endpoint.origin != box.offsets or tuple(endpoint.tensor.shape) != box.sizes:
+            raise ValueError(
+                f"rank {rank}: {side} tensor {spec.name!r} covers {tuple(endpoint.tensor.shape)} at "
+                f"{endpoint.origin}, the plan expects {box}"
+            )
+        out[i] = endpoint
+    return out
 
 
 @dataclass
@@ -143,26 +167,7 @@ class RankSession:
         return out
 
     def _indices(self, endpoints: Mapping[str, Endpoint], side: str) -> dict[int, Endpoint]:
-        out = {}
-        for i, spec in enumerate(self.plan.specs):
-            layout = spec.src if side == "source" else spec.dst
-            box = layout.local_box(spec.shape, self.rank)
-            if box is None or box.is_empty():
-                continue
-            endpoint = endpoints.get(spec.name)
-            if endpoint is None and side == "source":
-                endpoint = part_endpoint(endpoints, spec.name)
-            if endpoint is None:
-                raise ValueError(
-                    f"rank {self.rank}: the plan needs {side} tensor {spec.name!r} here, but it was not provided"
-                )
-            if endpoint.origin != box.offsets or tuple(endpoint.tensor.shape) != box.sizes:
-                raise ValueError(
-                    f"rank {self.rank}: {side} tensor {spec.name!r} covers {tuple(endpoint.tensor.shape)} at "
-                    f"{endpoint.origin}, the plan expects {box}"
-                )
-            out[i] = endpoint
-        return out
+        return plan_endpoints(self.plan, self.rank, endpoints, side)
 
     def run(self, round_info: RoundInfo, sources: Mapping[str, Endpoint], dests: Mapping[str, Endpoint]) -> RankStats:
         """Run one round between the transport's `begin_round` and `end_round`; raises
@@ -181,13 +186,17 @@ class RankSession:
             if isinstance(exc, BucketError):
                 raise
             raise BucketError(f"rank {self.rank}, {context}: {type(exc).__name__}: {exc}") from exc
+        return self.stats(round_info, counters, time.perf_counter() - start)
+
+    def stats(self, round_info: RoundInfo, counters: Counters, seconds: float) -> RankStats:
+        """What this rank did in `round_info`'s round: `counters` over `seconds`."""
         sparse = counters if isinstance(counters, SparseCounters) else SparseCounters()
         return RankStats(
             rank=self.rank,
             role=self.role,
             version=round_info.version,
             mode=round_info.mode,
-            seconds=time.perf_counter() - start,
+            seconds=seconds,
             sent_bytes=counters.sent_bytes,
             received_bytes=counters.received_bytes,
             zero_copy_bytes=counters.zero_copy_bytes,

@@ -1,60 +1,50 @@
 """A worker's destinations as bound, followed round by round (`rl_sync.rank.watch`).
 
 `KeptDestinations` holds the mapping `rl_sync_destinations` returned, the
-entries bound from it, the shadows of double buffering, and the watch that
-notices what changed under them. `follow()` binds the changed names anew and
+entries bound from it, the shadows of double buffering (`rl_sync.rank.shadow`),
+and the watch that notices what changed under them. `follow()` binds the changed names anew and
 says why each changed; what the session reads and writes (`entries`) is a new
 object only when it changed, so a compiled round replays otherwise (a rebound
 live weight under double buffering changes only the commit's target).
 
 Typical use (what `WorkerRank` does)::
 
-    kept = KeptDestinations(mapping, rank=1, double_buffer=False)
+    kept = KeptDestinations(mapping, rank=1, double_buffer=False, swappable=())
     session.run(..., dests=kept.entries.endpoints)
     rebound = kept.follow()          # {} in the usual round; else {name: why}
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import torch
+from collections.abc import Collection, Mapping
 
 from ..engine.aliasing import check_disjoint
-from ..engine.endpoint import Endpoint
 from ..engine.sources import Entries, checked_destination, worker_entries, worker_entry
+from .shadow import Shadows
 from .watch import Bound, Watch, bound
 
 
 class KeptDestinations:
     """One worker's bound destinations (see the module docstring)."""
 
-    def __init__(self, mapping: Mapping, rank: int, double_buffer: bool):
+    def __init__(self, mapping: Mapping, rank: int, double_buffer: bool, swappable: Collection[str] = ()):
+        """`swappable`: the names the engine lets a commit swap the memory of (`Shadows.of`)."""
         self.mapping, self.rank, self.what = mapping, rank, f"worker rank {rank}"
         self.live = worker_entries(mapping, rank)
         self.where = self.live.where()
         self.fallbacks = tuple(n for n, d in mapping.items() if d.fallback)
         self.watch = Watch(mapping, self._bound, self.what)
-        self.shadow: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.shadow: Shadows | None = None
         self.entries = self.live
+        self._swapped_slots: list[int] | None = None
+        """The watch's slots of the tensors over storages a commit swaps, once asked for."""
         if double_buffer:
-            self.entries = Entries(self.live.reports, self._shadowed(self.live.endpoints))
+            self.shadow = Shadows.of(self.live.endpoints, self.fallbacks, swappable)
+            self.entries = Entries(self.live.reports, self.shadow.endpoints)
 
     def _bound(self, name: str, value: object) -> Bound:
         dest = checked_destination(name, value, self.rank)
         return bound(dest, dest.local, slot=dest.slot)
-
-    def _shadowed(self, endpoints: dict[str, Endpoint]) -> dict[str, Endpoint]:
-        """Receive into contiguous shadows of the bound views; `commit` copies them in."""
-        shadows, self.shadow = {}, {}
-        for name, endpoint in endpoints.items():
-            if name in self.fallbacks:
-                shadows[name] = endpoint
-                continue
-            shadow = endpoint.tensor.detach().clone(memory_format=torch.contiguous_format)
-            shadows[name] = Endpoint(shadow, endpoint.origin)
-            self.shadow[name] = (endpoint.tensor, shadow)
-        return shadows
 
     def moved(self) -> bool:
         """Whether anything changed under the bound names since they were bound (nothing is bound
@@ -92,23 +82,19 @@ class KeptDestinations:
 
     def _take(self, names: list[str]) -> None:
         """Read and write the rebound `names` where `live` now says."""
+        self._swapped_slots = None
         if self.shadow is None:
             self.entries = self.live
-            return
-        unshadowed = [n for n in names if n not in self.shadow]
-        for name in names:
-            if name in self.shadow:
-                self.shadow[name] = (self.live.endpoints[name].tensor, self.shadow[name][1])
-        if unshadowed:
-            endpoints = dict(self.entries.endpoints)
-            for name in unshadowed:
-                endpoints.pop(name, None)
-                if name in self.live.endpoints:
-                    endpoints[name] = self.live.endpoints[name]
-            self.entries = Entries(self.live.reports, endpoints)
+        elif self.shadow.rebound({n: self.live.endpoints[n] for n in names if n in self.live.endpoints}, self.what):
+            self.entries = Entries(self.live.reports, self.shadow.endpoints)
 
-    def commit(self) -> None:
-        """Double buffering: copy every shadow into its live weight."""
-        if self.shadow:
-            pairs = list(self.shadow.values())
-            torch._foreach_copy_([live for live, _ in pairs], [shadow for _, shadow in pairs])
+    def commit(self, swap: bool) -> None:
+        """Double buffering: make every shadow live (`Shadows.commit`); where storages swapped,
+        the session reads new entries and the watch records their tensors anew (rl-sync moved
+        their memory, not the engine)."""
+        if self.shadow is None or not self.shadow.commit(swap):
+            return
+        self.entries = Entries(self.live.reports, self.shadow.endpoints)
+        if self._swapped_slots is None:
+            self._swapped_slots = self.watch.over(self.shadow.swapped_storages())
+        self.watch.settle(self._swapped_slots)

@@ -37,6 +37,8 @@ class Participant:
     """State and coordinator-facing methods; side classes add their entries and round hooks."""
 
     _rl_sync_session: RankSession | None = None
+    _rl_sync_regrouped: RankSession | None = None
+    """A grown or shrunk group's session, joined beside the current one (`_rl_sync_regroup`)."""
     _rl_sync_sides: dict[str, Side] | None = None
     _rl_sync_claim: Claim | None = None
     _rl_sync_numbering: str | None = None
@@ -122,9 +124,36 @@ class Participant:
 
     def _rl_sync_connect(self, init: bytes, plan: bytes, bind_host: str | None, device: str) -> None:
         """Join the group with the transport `init` names (`rl_sync.transport.registry`)."""
+        self._rl_sync_session = self._rl_sync_joined(init, plan, bind_host, device)
+
+    def _rl_sync_joined(self, init: bytes, plan: bytes, bind_host: str | None, device: str) -> RankSession:
         info = decode(InitInfo, init)
         host = bind_host or (interface_address(info.interface) if info.interface else self._rl_sync_node()[1])
-        self._rl_sync_session = RankSession(info, decode(PlanInfo, plan), bind_host=host, device=torch.device(device))
+        return RankSession(info, decode(PlanInfo, plan), bind_host=host, device=torch.device(device))
+
+    def _rl_sync_regroup(self, init: bytes, plan: bytes, bind_host: str | None, device: str) -> None:
+        """An engine joins or leaves the group: join the grown or shrunk group (`init`, `plan`)
+        beside the current one, keeping this rank's bindings and buffers; `_rl_sync_switch`
+        then makes it current, or drops it."""
+        self._rl_sync_switch(keep=False)
+        self._rl_sync_regrouped = self._rl_sync_joined(init, plan, bind_host, device)
+
+    def _rl_sync_switch(self, keep: bool) -> None:
+        """Make the session `_rl_sync_regroup` joined current (`keep`: every rank joined it; the
+        old one closes, its sparse baselines carried over where the tensors are the same), or
+        drop it and go on in the current group."""
+        new, self._rl_sync_regrouped = self._rl_sync_regrouped, None
+        if new is None:
+            return
+        if not keep:
+            new.transport.abort()
+            new.close()
+            return
+        old, self._rl_sync_session = self._rl_sync_session, new
+        if old is not None:
+            if old.names == new.names:
+                new.baselines = old.baselines
+            old.close()
 
     def _rl_sync_ipc_remap(self, ipc: bytes) -> None:
         """Map a colocated worker's new export (its memory moved) in place of the one before; only
@@ -168,6 +197,7 @@ class Participant:
     def _rl_sync_leave(self, abort: bool) -> None:
         """Drop the session (aborting its transport first if asked; closing then releases what
         the abort left) and everything described for the group."""
+        self._rl_sync_switch(keep=False)
         session, self._rl_sync_session = self._rl_sync_session, None
         self._rl_sync_sides = None
         if session is not None:

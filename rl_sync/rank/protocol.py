@@ -16,9 +16,16 @@ rendezvous message), `_rl_sync_connect`; then per round
 export, which its trainer maps with `_rl_sync_ipc_remap` before the round),
 `_rl_sync_run`, `_rl_sync_ipc_end` (IPC only),
 `_rl_sync_commit` (double buffering only) and, on workers, once the
-coordinator decided the round counts, `_rl_sync_record`;
-`_rl_sync_version_of`, `_rl_sync_apply_patches` (then `_rl_sync_record`) and
-`_rl_sync_close` between rounds.
+coordinator decided the round counts, `_rl_sync_record`; or, for a staged
+round (workers only, double buffering), `_rl_sync_stage` (returns once the
+round runs on a thread of its own), `_rl_sync_staged` (waits for it),
+`_rl_sync_commit` and `_rl_sync_record`; `_rl_sync_version_of`,
+`_rl_sync_apply_patches` (then `_rl_sync_record`) and `_rl_sync_close`
+between rounds. An engine joining or leaving (between rounds):
+`_rl_sync_describe` on the joining ranks, then `_rl_sync_regroup` on every
+rank that stays or joins, `_rl_sync_catch_up` on a peer replica's ranks and
+the joining ones, `_rl_sync_switch`, and `_rl_sync_record` on the joining
+ones once the coordinator decided the join counts.
 
 Membership (`rl_sync.rank.claim`): describe's options
 (`rl_sync.rank.side.DescribeOptions`) carry the group's `GroupTag`; a rank
@@ -49,6 +56,10 @@ class SyncRank(Protocol):
 
     def _rl_sync_commit(self, version: int) -> None: ...
 
+    def _rl_sync_stage(self, round_blob: bytes) -> None: ...
+
+    def _rl_sync_staged(self, version: int, timeout_s: float) -> bytes: ...
+
     def _rl_sync_record(self, version: int) -> bool: ...
 
     def _rl_sync_version_of(self) -> int | None: ...
@@ -62,5 +73,11 @@ class SyncRank(Protocol):
     def _rl_sync_ipc_remap(self, ipc: bytes) -> None: ...
 
     def _rl_sync_ipc_end(self, version: int, names: tuple[str, ...] | None = None) -> None: ...
+
+    def _rl_sync_regroup(self, init: bytes, plan: bytes, bind_host: str | None, device: str) -> None: ...
+
+    def _rl_sync_switch(self, keep: bool) -> None: ...
+
+    def _rl_sync_catch_up(self, plan: bytes, round_blob: bytes) -> bytes: ...
 
     def _rl_sync_close(self, abort: bool = False, group: str | None = None) -> None: ...

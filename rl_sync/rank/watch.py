@@ -45,7 +45,7 @@ Typical use (what `TrainerRank` and `WorkerRank` do)::
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import compress
 from typing import Any, NamedTuple
 
@@ -229,6 +229,15 @@ class Watch:
         for link, position in zip(sorted(new.links, key=lambda k: not k.item), self.link_at.get(i, [])):
             self.links[0 if link.item else 1].set(position, link)
         return True
+
+    def over(self, storages: Collection[int]) -> list[int]:
+        """The slots of the tensors over `storages` (their `UntypedStorage._cdata`)."""
+        return [k for k, t in enumerate(self.table.tensors) if t.numel() and t.untyped_storage()._cdata in storages]
+
+    def settle(self, slots: Sequence[int]) -> None:
+        """Record the tensors of `slots` as they are now: rl-sync itself moved their memory (a
+        double-buffered commit's swap), so it is no change of the engine's."""
+        self.table.reread(slots)
 
     def sharing(self, again: Mapping[str, Rebound]) -> set[str]:
         """The names of `again` and every name that reads or writes through a tensor one of them

@@ -29,35 +29,49 @@ driver still waited for it (`actors.fence`); until then the worker reports
 `None`. With double buffering (`SyncConfig.double_buffer`)
 rounds land in a shadow copy of every bound tensor (one extra copy of the
 worker's bound bytes) and are committed into the live weights only once the
-whole round succeeded, so the worker serves the previous version throughout.
+whole round succeeded, so the worker serves the previous version throughout;
+fallbacks are loaded at commit. The commit copies each shadow in, or swaps the
+memory behind a storage whose names the engine lists in
+`rl_sync_swappable()` (`rl_sync.rank.shadow`). A staged round
+(`WeightSync.stage`) runs on a thread of its own (`rl_sync.rank.background`)
+while the process serves other calls, and waits for its commit.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
+from ..config.sync import DENSE_MODES
 from ..engine import sparse_codec
+from ..engine.catch_up import joins, run_catch_up
 from ..engine.sources import Entries
 from ..planning.quant import is_scale_name, scale_name, scaled_name
 from ..sparse.encodings import INDICES
 from ..transport.cuda_ipc import WorkerExport
-from ..wire.codec import encode
+from ..wire.codec import decode, encode
 from ..wire.messages import RankStats, RoundInfo, WriteMode
+from ..wire.plan_info import PlanInfo
+from .background import BackgroundRound
 from .kept import KeptDestinations
 from .participant import Participant
 from .side import DescribeOptions
 
-DENSE_MODES = ("m2n", "broadcast")
-"""Round modes that write every element of the tensors they carry."""
+STOP_WAIT_S = 30.0
+"""How long leaving the group waits for a staged round's thread once its transport is aborted,
+and a commit for the thread that already answered."""
 
 
 class WorkerRank(Participant):
     """Inherit and define `rl_sync_destinations(checkpoint)`."""
 
     _rl_sync_kept: KeptDestinations | None = None
+    _rl_sync_background: BackgroundRound | None = None
+    _rl_sync_pending: tuple[str, ...] = ()
+    """Fallbacks a double-buffered round received, loaded at its commit."""
     _rl_sync_version: int | None = None
     _rl_sync_written: int | None = None
     """The version of the last round written into the live weights, until it is recorded."""
@@ -85,10 +99,11 @@ class WorkerRank(Participant):
             self._rl_sync_version = None
 
     def _rl_sync_leave(self, abort: bool) -> None:
+        self._rl_sync_stop_background()
         self._rl_sync_forget_moved()
         super()._rl_sync_leave(abort)
         self._rl_sync_drop_export()
-        self._rl_sync_kept, self._rl_sync_round_names = None, None
+        self._rl_sync_kept, self._rl_sync_round_names, self._rl_sync_pending = None, None, ()
 
     def _rl_sync_worker_entries(self, rank: int, size: int, options: DescribeOptions) -> Entries:
         if self._rl_sync_kept is None:
@@ -98,7 +113,8 @@ class WorkerRank(Participant):
                     f"{type(self).__name__} must define rl_sync_destinations(checkpoint) -> {{name: Destination}}"
                 )
             checkpoint = {n: (getattr(torch, d), tuple(s)) for n, (d, s) in options.checkpoint.items()}
-            kept = KeptDestinations(destinations(checkpoint), rank, options.double_buffer)
+            swappable = getattr(self, "rl_sync_swappable", lambda: ())() if options.double_buffer else ()
+            kept = KeptDestinations(destinations(checkpoint), rank, options.double_buffer, swappable)
             if kept.fallbacks and not hasattr(self, "rl_sync_load_fallbacks"):
                 raise ValueError(
                     f"worker rank {rank}: {len(kept.fallbacks)} tensors fall back "
@@ -149,24 +165,37 @@ class WorkerRank(Participant):
 
     def _rl_sync_before_round(self, round_info: RoundInfo) -> None:
         super()._rl_sync_before_round(round_info)
-        buffered = self._rl_sync_kept is not None and self._rl_sync_kept.shadow is not None
+        kept = self._rl_sync_kept
+        buffered = kept is not None and kept.shadow is not None
         self._rl_sync_follow(lambda rebound: None if buffered else _unfilled(round_info, rebound))
-        if not buffered:
+        if kept is not None and kept.shadow is not None:
+            kept.shadow.prepare(round_info.mode in DENSE_MODES and round_info.names is None)
+        else:
             self._rl_sync_version = self._rl_sync_written = None  # live weights are being written
 
     def _rl_sync_after_round(self, round_info: RoundInfo, stats: RankStats) -> RankStats:
         stats = super()._rl_sync_after_round(round_info, stats)
         kept = self._rl_sync_kept
         assert kept is not None  # a round runs on bound destinations
-        names = [n for n in kept.fallbacks if round_info.names is None or n in round_info.names]
-        if names:
-            views = kept.entries.endpoints
-            self.rl_sync_load_fallbacks([(n, views[n].tensor) for n in names])
+        names = tuple(n for n in kept.fallbacks if round_info.names is None or n in round_info.names)
         self._rl_sync_round_names = round_info.names
         if kept.shadow is None:
+            self._rl_sync_load_fallbacks(names)
             self._rl_sync_updated(round_info.names)
             self._rl_sync_written = round_info.version
+        else:
+            self._rl_sync_pending = names
+            prepare = getattr(self, "rl_sync_prepare", None)
+            if prepare is not None:
+                prepare(round_info.names, kept.shadow.spare_of)
         return replace(stats, fallbacks=len(names))
+
+    def _rl_sync_load_fallbacks(self, names: tuple[str, ...]) -> None:
+        """Hand the fallbacks a round received to the engine's loader."""
+        if names:
+            assert self._rl_sync_kept is not None  # bound with the fallbacks
+            views = self._rl_sync_kept.entries.endpoints
+            self.rl_sync_load_fallbacks([(n, views[n].tensor) for n in names])
 
     def _rl_sync_updated(self, names: tuple[str, ...] | None) -> None:
         """The live weights now hold a round's values: run the engine's hook, if it has one."""
@@ -175,12 +204,18 @@ class WorkerRank(Participant):
             hook(names)
 
     def _rl_sync_commit(self, version: int) -> None:
-        """Double buffering: the round completed everywhere; copy it into the live weights (bound
-        anew first where the engine moved them: the shadows hold every tensor whole)."""
+        """Double buffering: the round completed everywhere; make it live (by copy, or by swap where
+        the engine allows and no other process maps the memory: `rl_sync.rank.shadow`; bound anew
+        first where the engine replaced or moved a weight: the shadows hold every tensor whole),
+        load its fallbacks, run the engine's hook. A staged round's thread must have ended."""
+        self._rl_sync_end_background()
         self._rl_sync_version = self._rl_sync_written = None
         self._rl_sync_follow(lambda rebound: None)
-        if self._rl_sync_kept is not None:
-            self._rl_sync_kept.commit()
+        kept = self._rl_sync_kept
+        assert kept is not None  # commits follow double-buffered rounds
+        kept.commit(swap=self._rl_sync_ipc is None)
+        pending, self._rl_sync_pending = self._rl_sync_pending, ()
+        self._rl_sync_load_fallbacks(pending)
         self._rl_sync_updated(self._rl_sync_round_names)
         self._rl_sync_written = version
 
@@ -191,6 +226,86 @@ class WorkerRank(Participant):
             return False
         self._rl_sync_version, self._rl_sync_written = version, None
         return True
+
+    def _rl_sync_stage(self, round_blob: bytes, answer: Callable[[Callable[[], bytes]], bytes] | None = None) -> None:
+        """Start a round into the shadows on a thread of its own and return at once: the process
+        serves other calls meanwhile, the live weights stay as they are until `_rl_sync_commit`.
+        `answer(run)` runs the round and passes its result on (a vLLM service rank's store)."""
+        rank = self._rl_sync_worker_rank()
+        if self._rl_sync_kept is None or self._rl_sync_kept.shadow is None:
+            raise ValueError(
+                f"worker rank {rank}: a staged round lands in shadow copies, which only a double-buffered "
+                "group keeps; create the group with SyncConfig(double_buffer=True)"
+            )
+        if self._rl_sync_background is not None:
+            raise RuntimeError(
+                f"worker rank {rank}: staged round {self._rl_sync_background.version} is not committed yet"
+            )
+        version = decode(RoundInfo, round_blob).version
+
+        def run() -> bytes:
+            return self._rl_sync_run(round_blob)
+
+        self._rl_sync_background = BackgroundRound(version, run if answer is None else lambda: answer(run))
+
+    def _rl_sync_staged(self, version: int, timeout_s: float) -> bytes:
+        """The staged round's `RankStats` once it ended (waiting at most `timeout_s` seconds), or
+        what it raised."""
+        background = self._rl_sync_background
+        if background is None or background.version != version:
+            raise RuntimeError(f"worker rank {self._rl_sync_worker_rank()}: no staged round {version} here")
+        return background.result(timeout_s, self._rl_sync_worker_rank())
+
+    def _rl_sync_end_background(self) -> None:
+        """Before a commit: a staged round's thread ended well (its result was collected)."""
+        background, self._rl_sync_background = self._rl_sync_background, None
+        if background is not None:
+            background.result(STOP_WAIT_S, self._rl_sync_worker_rank())
+
+    def _rl_sync_stop_background(self) -> None:
+        """Leaving the group: end a staged round still running (its transport aborted, its thread
+        waited for within `STOP_WAIT_S`)."""
+        background, self._rl_sync_background = self._rl_sync_background, None
+        if background is not None and background.running:
+            if self._rl_sync_session is not None:
+                self._rl_sync_session.transport.abort()
+            background.join(STOP_WAIT_S)
+
+    def _rl_sync_catch_up(self, plan: bytes, round_blob: bytes) -> bytes:
+        """Within a regroup (`_rl_sync_regroup`), the joining engine's catch-up by relay: a peer
+        replica's rank sends what its live weights hold (its engine serving meanwhile; refused,
+        sending nothing, when the engine replaced or moved one since the coordinator read the
+        peer's version), a joining rank receives it as a dense round of every tensor (into its
+        shadows when double-buffered, committed at once) and holds `round_blob`'s version, which
+        it reports once the coordinator records it (`_rl_sync_record`). Returns this rank's
+        `RankStats` (`rl_sync.engine.catch_up`)."""
+        session, kept = self._rl_sync_regrouped, self._rl_sync_kept
+        if session is None or kept is None:
+            raise RuntimeError(f"worker rank {self._rl_sync_worker_rank()}: a catch-up runs in a regroup only")
+        round_info, start = decode(RoundInfo, round_blob), time.perf_counter()
+        schedule = decode(PlanInfo, plan).to_schedule()
+        joining = joins(schedule, session.rank)
+        try:
+            if joining:
+                self._rl_sync_before_round(round_info)
+            elif kept.moved():
+                raise ValueError(
+                    f"{kept.what}: a weight changed under its binding since the coordinator read this rank's "
+                    f"version {self._rl_sync_version}; nothing was sent (the next round binds it anew)"
+                )
+            counters = run_catch_up(session, schedule, kept.live.endpoints, kept.entries.endpoints, round_info)
+        except Exception:
+            session.transport.abort()
+            raise
+        stats = session.stats(round_info, counters, time.perf_counter() - start)
+        if joining:
+            stats = self._rl_sync_after_round(round_info, stats)
+            if kept.shadow is not None:
+                self._rl_sync_commit(round_info.version)
+        return encode(stats)
+
+    def _rl_sync_worker_rank(self) -> int:
+        return self._rl_sync_sides["worker"].rank if self._rl_sync_sides and "worker" in self._rl_sync_sides else -1
 
     def _rl_sync_apply_patches(self, version: int, patches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Write flat-index patches (local to this worker's boxes, checked by the coordinator)

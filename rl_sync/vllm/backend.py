@@ -10,7 +10,9 @@ process (`LLM` / `AsyncLLM` methods) or over HTTP (`vllm serve` routes):
   checkpoint to this rank's live model (`rl_sync.vllm.rank`); `"connect"`: join
   the sync group; `"close"`: leave it;
 * `start_weight_update()`, `update_weights({"op": "run", ...})` (one round; or
-  `"commit"` for double buffering), `finish_weight_update()`.
+  `"stage"`, a round received on a thread of its own while the engine
+  generates, answered when it ends; or `"commit"` for double buffering),
+  `finish_weight_update()`.
 
 Every answer goes to the group's rendezvous store (`rl_sync.vllm.service`),
 since vLLM's calls return nothing. The worker side itself is the same
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -87,6 +90,12 @@ class ServiceRank(WorkerRank):
     def rl_sync_write_modes(self) -> dict[str, str]:
         return self.vllm.write_modes()
 
+    def rl_sync_swappable(self) -> list[str]:
+        return self.vllm.swappable()
+
+    def rl_sync_prepare(self, names, spare) -> None:
+        self.vllm.prepare(names, spare)
+
 
 class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo]):
     """One vLLM worker's end of an rl-sync group (see the module docstring)."""
@@ -99,7 +108,7 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self.rank: ServiceRank | None = None
 
-    def _answer(self, reply: Rendezvous, op: str, tag: int, work: Callable[[], bytes]) -> None:
+    def _answer(self, reply: Rendezvous, op: str, tag: int, work: Callable[[], bytes]) -> bytes:
         """Run `work` and put its result, or what failed, where the driver waits for it."""
         key = reply_key(reply.prefix, op, tag, engine_rank().rank)
         try:
@@ -108,6 +117,7 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
             _put(reply, key, ERROR + encode(RankFailure.of(exc)))
             raise
         _put(reply, key, value)
+        return value
 
     def init_transfer_engine(self, init_info: RlSyncInitInfo) -> None:
         op, payload = unpack({"op": init_info.op, "payload": init_info.payload})
@@ -155,6 +165,14 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
             self.rank._rl_sync_close(abort=abort)
         return b""
 
+    def _stage(self, rank: ServiceRank, request: RoundRequest) -> None:
+        """Start a staged round on a thread of the rank's own, which answers when the round ends;
+        a refusal to start is answered at once."""
+        try:
+            rank._rl_sync_stage(request.round, lambda run: self._answer(request.reply, "stage", request.version, run))
+        except Exception as exc:
+            self._answer(request.reply, "stage", request.version, partial(_raise, exc))
+
     @staticmethod
     def _commit(rank: ServiceRank, version: int) -> bytes:
         rank._rl_sync_commit(version)
@@ -188,11 +206,13 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
         request = decode(RoundRequest, payload)
         if op == "run":
             self._answer(request.reply, op, request.version, lambda: rank._rl_sync_run(request.round))
+        elif op == "stage":
+            self._stage(rank, request)
         elif op == "commit":
             self._answer(request.reply, op, request.version, lambda: self._commit(rank, request.version))
         else:
             raise ValueError(
-                f"rl_sync weight transfer: update_weights takes run, commit, ipc_begin or ipc_end, got {op!r}"
+                f"rl_sync weight transfer: update_weights takes run, stage, commit, ipc_begin or ipc_end, got {op!r}"
             )
 
     @staticmethod
@@ -211,6 +231,10 @@ def _end(rank: ServiceRank, step: IpcRequest) -> bytes:
     processing for what it wrote."""
     rank._rl_sync_ipc_end(step.version, step.names)
     return b""
+
+
+def _raise(exc: Exception) -> bytes:
+    raise exc
 
 
 def _put(reply: Rendezvous, key: str, value: bytes) -> None:

@@ -8,10 +8,12 @@ engine is reached in one of two ways (`EngineControl`):
 
 * `LlmControl`: an `LLM` in this process (its workers are vLLM's processes);
 * `HttpControl`: `vllm serve` over HTTP (its weight-transfer and cache routes
-  exist with `VLLM_SERVER_DEV_MODE=1`), pausing generation around each round.
+  exist with `VLLM_SERVER_DEV_MODE=1`), pausing generation around each round
+  (`mode=wait`), never around a staged round's transfer, and around a commit
+  only while it runs (`mode=keep`: requests in flight freeze, then go on).
 
-After a round, the engine's prefix cache is reset: a prefix cached with the
-old weights would otherwise be served after the update.
+After a round or commit, the engine's prefix cache is reset: a prefix cached
+with the old weights would otherwise be served after the update.
 
 Typical use::
 
@@ -25,7 +27,7 @@ import json
 import urllib.request
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ..wire.codec import decode, encode
 from ..wire.failure import RankFailure, RemoteTraceback, kept_type
@@ -45,13 +47,24 @@ from .service import (
 
 
 class EngineControl(Protocol):
-    """vLLM's weight-transfer calls on one engine, and its prefix cache."""
+    """vLLM's weight-transfer calls on one engine, and its prefix cache: `update` runs a round."""
 
     def init(self, info: dict) -> None: ...
 
     def update(self, info: dict) -> None: ...
 
     def reset_prefix_cache(self) -> None: ...
+
+
+@runtime_checkable
+class StagingControl(EngineControl, Protocol):
+    """An engine that takes staged rounds: `stage` starts one the engine generates through,
+    `commit` makes one live (and resets the prefix cache). Without these, a commit is an
+    `update` and a prefix-cache reset, and a stage is refused."""
+
+    def stage(self, info: dict) -> None: ...
+
+    def commit(self, info: dict) -> None: ...
 
 
 class LlmControl:
@@ -67,6 +80,14 @@ class LlmControl:
         self.llm.start_weight_update()
         self.llm.update_weights({"update_info": info})
         self.llm.finish_weight_update()
+
+    def stage(self, info: dict) -> None:
+        """(This engine generates only inside calls of its owner, never during this one.)"""
+        self.update(info)
+
+    def commit(self, info: dict) -> None:
+        self.update(info)
+        self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
@@ -97,12 +118,29 @@ class HttpControl:
     def init(self, info: dict) -> None:
         self._post("/init_weight_transfer_engine", {"init_info": info})
 
+    def _weights(self, info: dict) -> None:
+        self._post("/start_weight_update")
+        self._post("/update_weights", {"update_info": info})
+        self._post("/finish_weight_update")
+
     def update(self, info: dict) -> None:
         self._post("/pause?mode=wait&clear_cache=false")
         try:
-            self._post("/start_weight_update")
-            self._post("/update_weights", {"update_info": info})
-            self._post("/finish_weight_update")
+            self._weights(info)
+        finally:
+            self._post("/resume")
+
+    def stage(self, info: dict) -> None:
+        """The engine keeps generating: the rank answers at once and receives on a thread."""
+        self._weights(info)
+
+    def commit(self, info: dict) -> None:
+        """Requests in flight freeze for the commit only; those holding cache blocks are moved back
+        to the queue (their cached prefixes are the old weights'), then all go on."""
+        self._post("/pause?mode=keep")
+        try:
+            self._weights(info)
+            self._post("/reset_prefix_cache?reset_running_requests=true")
         finally:
             self._post("/resume")
 
@@ -170,12 +208,16 @@ class ServiceDriver:
             raise RuntimeError(f"{self.label}, {op}: {type(failure).__name__}: {failure}") from failure
         return out
 
-    def _call(self, issue, info: dict, reply: Rendezvous, op: str, tag: int) -> list[bytes]:
+    def _issue(self, issue, info: dict, reply: Rendezvous, op: str, tag: int) -> None:
+        """Issue one vLLM call; when it fails, raise with what the ranks answered (waited for 2 s)."""
         try:
             issue(info)
         except Exception as exc:
             short = replace(reply, timeout_s=min(reply.timeout_s, 2.0))
             self._answers(short, op, tag, failure=exc)
+
+    def _call(self, issue, info: dict, reply: Rendezvous, op: str, tag: int) -> list[bytes]:
+        self._issue(issue, info, reply, op, tag)
         return self._answers(reply, op, tag)
 
     def describe(self, request: DescribeRequest) -> list[bytes]:
@@ -189,8 +231,27 @@ class ServiceDriver:
         self.control.reset_prefix_cache()
         return stats
 
+    def stage(self, request: RoundRequest) -> None:
+        """Start a staged round on every rank; returns once each receives on a thread of its own."""
+        if not isinstance(self.control, StagingControl):
+            raise ValueError(
+                f"{self.label}: reached through {type(self.control).__name__}, which takes no staged rounds "
+                "(it cannot let the engine generate while one arrives); push() instead"
+            )
+        self._issue(self.control.stage, pack("stage", encode(request)), request.reply, "stage", request.version)
+
+    def staged(self, request: RoundRequest) -> list[bytes]:
+        """Every rank's `RankStats` of staged round `request.version`, once it ended (waiting at
+        most `request.reply.timeout_s` for each)."""
+        return self._answers(request.reply, "stage", request.version)
+
     def commit(self, request: RoundRequest) -> None:
-        self._call(self.control.update, pack("commit", encode(request)), request.reply, "commit", request.version)
+        """Make a double-buffered or staged round live (the engine's prefix cache reset)."""
+        info = pack("commit", encode(request))
+        if isinstance(self.control, StagingControl):
+            self._call(self.control.commit, info, request.reply, "commit", request.version)
+            return
+        self._call(self.control.update, info, request.reply, "commit", request.version)
         self.control.reset_prefix_cache()
 
     def ipc_export(self, request: IpcRequest) -> list[bytes]:

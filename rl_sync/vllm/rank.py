@@ -21,7 +21,7 @@ Typical use::
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -103,13 +103,34 @@ class VllmDestinations:
         """`{name: "direct" | "reload" | "fallback"}` on this rank."""
         return {r.name: r.mode for r in self.reports}
 
+    def swappable(self) -> list[str]:
+        """The names a double-buffered commit may swap with their shadows (`rl_sync.rank.shadow`):
+        those received into rl-sync's own loader-form buffers (`reload`: only rl-sync reads them),
+        and those written in place (`direct`) when the engine runs eagerly without sleep mode (no
+        CUDA graph holds their addresses, no allocator of vLLM's tracks their memory)."""
+        eager = self._addresses_free()
+        return [r.name for r in self.reports if r.mode == "reload" or (r.mode == "direct" and eager)]
+
+    def _addresses_free(self) -> bool:
+        """Whether the engine runs eagerly without sleep mode: no CUDA graph holds its weights'
+        addresses and no allocator of vLLM's tracks their memory, so it may be swapped."""
+        config = self.vllm_config.model_config
+        return config.enforce_eager and not config.enable_sleep_mode
+
     def load_fallbacks(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
         assert self.binding is not None  # rounds follow `bind`
         with self._context():
             self.binding.processor.load_fallbacks(pairs)
 
+    def prepare(self, names: Collection[str] | None, spare: Callable[[torch.Tensor], torch.Tensor | None]) -> int:
+        """Before a double-buffered round's commit: process twins of the modules it touches from
+        their buffers' next values (`rl_sync.vllm.reload.Processor.prepare`)."""
+        assert self.binding is not None  # rounds follow `bind`
+        with self._context():
+            return self.binding.processor.prepare(names, spare)
+
     def after_update(self, names: Collection[str] | None) -> int:
         """vLLM's post-load processing for what a round wrote; returns modules processed."""
         assert self.binding is not None  # rounds follow `bind`
         with self._context():
-            return self.binding.processor.after_update(names)
+            return self.binding.processor.after_update(names, swap=self._addresses_free())

@@ -15,6 +15,15 @@ through vLLM's layerwise reload (`model.load_weights` between
 `initialize_layerwise_reload` and `finalize_layerwise_reload`) for their whole
 modules.
 
+A double-buffered round's values wait in shadows until its commit. On CPUs,
+where processing a module touches nothing but that module (the packed kernels
+are its own attributes), `Processor.prepare` processes a twin of each module
+from the shadows before the commit, beside the running engine (a staged
+round's thread); the commit then installs each twin's results into its live
+module (`install`: the processed tensors copied into the live ones, the
+attributes processing set taken over, such as the kernel holding the packed
+weights), so the engine waits for no repacking.
+
 Typical use (inside a vLLM worker, after every rank finished the round)::
 
     processor.after_update(names)          # None: every tensor changed
@@ -22,11 +31,14 @@ Typical use (inside a vLLM worker, after every rank finished the round)::
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+import copy
+from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 
+from ..rank.shadow import SWAPS
 from .modes import platform_kind
 
 
@@ -45,37 +57,77 @@ def _fresh_moe_kernel(layer: torch.nn.Module) -> None:
         method.moe_kernel = None
 
 
+def _process(layer: torch.nn.Module, info, buffers: Mapping[str, torch.Tensor], shared: Mapping) -> None:
+    """Run vLLM's post-load processing on `layer` as its layerwise reload does, its tensors first
+    put back in loader form and filled from `buffers`; a tensor still one of `shared` (a live
+    tensor of another module object: `prepare`'s twin) is replaced by its own copy first."""
+    from vllm.model_executor.model_loader.reload.meta import (
+        materialize_layer,
+        materialize_meta_tensor,
+        restore_layer_on_meta,
+        to_meta_tensor,
+    )
+
+    live_buffers = dict(layer._buffers)
+    restore_layer_on_meta(layer, info)
+    materialize_layer(layer, info)
+    _keep_buffers(layer, live_buffers)
+    for name, buffer in buffers.items():
+        target = getattr(layer, name)
+        if any(target is tensor for tensor in shared.values()):
+            target = materialize_meta_tensor(to_meta_tensor(target))
+            setattr(layer, name, target)
+        target.data.copy_(buffer)
+    if hasattr(layer, "_already_called_process_weights_after_loading"):
+        delattr(layer, "_already_called_process_weights_after_loading")
+    _fresh_moe_kernel(layer)
+    # vLLM's layer attributes (here and below): torch types nn.Module.__getattr__ as Tensor | Module
+    layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr, operator]
+    if hasattr(layer, "update_param_tp_status"):
+        layer.update_param_tp_status()  # type: ignore[operator]
+
+
+def _alone(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is the whole of its storage (a swap of that storage's memory moves it alone)."""
+    storage = tensor.untyped_storage()
+    return tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size()
+
+
+def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` have the same shape, strides and dtype."""
+    return (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+
+
+def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: bool = False) -> None:
+    """Copy what processing made of each of a module's `live` tensors (its parameters or its
+    buffers, by name) into it, in place; a released live tensor is replaced in `live` instead.
+    `swap`: exchange the memory behind a live tensor and its result instead of copying, where both
+    are the whole of their storages and alike (`rl_sync.rank.shadow`: for engines whose addresses
+    nothing captured; the result is dropped after)."""
+    for name, tensor in live.items():
+        result = getattr(processed, name, None)
+        if tensor is None or result is None or result is tensor:
+            continue
+        if _released(tensor, result):
+            live[name] = result
+        elif swap and SWAPS and _alike(tensor, result) and _alone(tensor) and _alone(result):
+            tensor.untyped_storage()._swap_data_ptr_(result.untyped_storage())  # (SWAPS)
+        else:
+            tensor.data.copy_(result)
+
+
 @torch.no_grad()
 def reprocess(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
     """Process `layer` again from loader-form `buffers` (one per parameter it loads) and copy
     the result into its live tensors, which stay registered (see the module docstring)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
 
     live_params, live_buffers = dict(layer._parameters), dict(layer._buffers)
     non_persistent = set(layer._non_persistent_buffers_set)
-    info = get_layerwise_info(layer)
     try:
-        restore_layer_on_meta(layer, info)
-        materialize_layer(layer, info)
-        _keep_buffers(layer, live_buffers)
-        for name, buffer in buffers.items():
-            getattr(layer, name).data.copy_(buffer)
-        if hasattr(layer, "_already_called_process_weights_after_loading"):
-            delattr(layer, "_already_called_process_weights_after_loading")
-        _fresh_moe_kernel(layer)
-        # vLLM's layer attributes (here and below): torch types nn.Module.__getattr__ as Tensor | Module
-        layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr, operator]
-        if hasattr(layer, "update_param_tp_status"):
-            layer.update_param_tp_status()  # type: ignore[operator]
-        for name, tensor in list(live_params.items()) + list(live_buffers.items()):
-            processed = getattr(layer, name, None)
-            if tensor is None or processed is None or processed is tensor:
-                continue
-            if _released(tensor, processed):
-                (live_params if name in live_params else live_buffers)[name] = processed
-            else:
-                tensor.data.copy_(processed)
+        _process(layer, get_layerwise_info(layer), buffers, {})
+        _adopt(live_params, layer)
+        _adopt(live_buffers, layer)
     finally:
         for name in list(layer._parameters) + list(layer._buffers):
             delattr(layer, name)
@@ -83,6 +135,63 @@ def reprocess(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> No
             layer.register_parameter(name, param)
         for name, live in live_buffers.items():
             layer.register_buffer(name, live, persistent=name not in non_persistent)
+
+
+_MODULE_STATE = frozenset({"_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"})
+"""A module's own containers, which `install` never takes from a twin wholesale."""
+
+
+def _own(obj):
+    """A shallow copy of `obj`, with containers of its own when it is a module."""
+    twin = copy.copy(obj)
+    if isinstance(obj, torch.nn.Module):
+        containers = (obj._parameters, obj._buffers, obj._modules)
+        twin.__dict__.update(zip(("_parameters", "_buffers", "_modules"), map(dict, containers)))
+    return twin
+
+
+@torch.no_grad()
+def prepare(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """A twin of `layer` processed from loader-form `buffers`, the live layer untouched (it may
+    run meanwhile): the twin has its own tensor containers, attributes and `quant_method` (a
+    shallow copy, so state processing keeps there, such as a MoE kernel, stays the twin's)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    twin = _own(layer)
+    twin.__dict__["_non_persistent_buffers_set"] = set(layer._non_persistent_buffers_set)
+    method = _own(layer.quant_method)  # (modules vLLM processes have one; a MoE's is a module)
+    (twin._modules if "quant_method" in layer._modules else twin.__dict__)["quant_method"] = method
+    _process(twin, get_layerwise_info(layer), buffers, {**layer._parameters, **layer._buffers})
+    return twin
+
+
+def _take_over(live: dict, twin: Mapping, skip: frozenset[str]) -> None:
+    """Every entry of `twin` that processing set, changed or dropped, the same in `live`."""
+    for key in [k for k in live if k not in twin and k not in skip]:
+        del live[key]
+    for key, value in twin.items():
+        if key not in skip and live.get(key, _ABSENT) is not value:
+            live[key] = value
+
+
+@torch.no_grad()
+def install(layer: torch.nn.Module, twin: torch.nn.Module, swap: bool) -> None:
+    """Make `prepare`'s results live in `layer`: each processed tensor copied (or, with `swap`,
+    swapped: `_adopt`) into its live one (a released one replaced), then what processing set on
+    the twin and its `quant_method` taken over by the live ones (the kernel holding packed
+    weights), whose objects stay."""
+    live_params, live_buffers = dict(layer._parameters), dict(layer._buffers)
+    _adopt(live_params, twin, swap)
+    _adopt(live_buffers, twin, swap)
+    layer._parameters.update(live_params)
+    layer._buffers.update(live_buffers)
+    method = frozenset({"quant_method"})
+    _take_over(layer.__dict__, twin.__dict__, _MODULE_STATE | method)
+    _take_over(layer._modules, twin._modules, method)
+    _take_over(layer.quant_method.__dict__, twin.quant_method.__dict__, frozenset())
+
+
+_ABSENT = object()
 
 
 def _keep_buffers(layer: torch.nn.Module, live: Mapping[str, torch.Tensor | None]) -> None:
@@ -123,10 +232,12 @@ class Processor:
     modules_of: dict[str, list[torch.nn.Module]]
     fallback_modules: list[torch.nn.Module]
     attention: list[torch.nn.Module]
+    prepared: dict[int, torch.nn.Module] = field(default_factory=dict)
+    """`id(module)` -> its twin, processed by `prepare` for the next `after_update`."""
 
-    def after_update(self, names: Collection[str] | None) -> int:
-        """Process what the round changed; returns how many modules were processed. A module
-        an attention layer derives from, whose weight that layer released (`_released`), is
+    def _touched(self, names: Collection[str] | None) -> list[torch.nn.Module]:
+        """The modules a round of `names` (None: all) makes processing run on. A module an
+        attention layer derives from, whose weight that layer released (`_released`), is
         processed whatever changed: the attention layers are processed after any round."""
         touched: dict[int, torch.nn.Module] = {}
         for name, modules in self.modules_of.items():
@@ -136,8 +247,34 @@ class Processor:
             for module in layer.modules():
                 if module in self.buffers and _holds_released(module, self.buffers[module]):
                     touched[id(module)] = module
-        for module in touched.values():
-            reprocess(module, self.buffers[module])
+        return list(touched.values())
+
+    def prepare(self, names: Collection[str] | None, spare: Callable[[torch.Tensor], torch.Tensor | None]) -> int:
+        """Before a double-buffered round's commit, on CPUs: process a twin of each module it
+        touches from its new values (`spare(buffer)`: where the round put a loader-form buffer's
+        next values, None when it has none), for `after_update` to install. Returns modules
+        prepared (none off CPUs, where processing may reach the live kernels)."""
+        self.prepared = {}
+        if platform_kind() != "cpu":
+            return 0
+        for module in self._touched(names):
+            spares = {name: spare(buffer) for name, buffer in self.buffers[module].items()}
+            if all(s is not None for s in spares.values()):
+                self.prepared[id(module)] = prepare(module, cast(dict[str, torch.Tensor], spares))
+        return len(self.prepared)
+
+    def after_update(self, names: Collection[str] | None, swap: bool = False) -> int:
+        """Process what the round changed (install what `prepare` processed of it, `swap`ping the
+        memory behind live tensors where the engine allows: `install`); returns how many modules
+        were processed or installed."""
+        prepared, self.prepared = self.prepared, {}
+        touched = self._touched(names)
+        for module in touched:
+            twin = prepared.get(id(module))
+            if twin is None:
+                reprocess(module, self.buffers[module])
+            else:
+                install(module, twin, swap)
         for layer in self.attention:
             # vLLM's attention method: torch types nn.Module.__getattr__ as Tensor | Module
             layer.process_weights_after_loading(self.dtype)  # type: ignore[operator]

@@ -12,7 +12,9 @@ waits for every rank's answer, bounded in time.
 
 Operations: `describe` (bind and report, answer: a `RankReport`), `connect`
 (join the group; answer: empty), `run` (one round; answer: `RankStats`),
-`commit` (double buffering), `close`; and for ranks that share their GPU with
+`stage` (a round into the shadows on a thread of the rank's own, while the
+engine generates: the call returns at once, the answer, `RankStats`, comes
+when the round ends), `commit` (double buffering), `close`; and for ranks that share their GPU with
 a trainer (colocated rounds through CUDA IPC, `IpcRequest`): `ipc_export`
 (answer: an `IpcExport`), `ipc_begin` (answer: a new export when the memory
 moved, else empty) and `ipc_end` (answer: empty).
@@ -28,7 +30,7 @@ from ..config.sync import check_port, check_seconds
 from ..rendezvous import MemberStore
 from ..rendezvous.auth import check_secret
 
-Op = Literal["describe", "connect", "run", "commit", "close", "ipc_export", "ipc_begin", "ipc_end"]
+Op = Literal["describe", "connect", "run", "stage", "commit", "close", "ipc_export", "ipc_begin", "ipc_end"]
 ERROR = b"\x00rl-sync-error\x00"
 
 
@@ -76,7 +78,8 @@ class ConnectRequest:
 
 @dataclass(frozen=True)
 class RoundRequest:
-    """Run a round (`RoundInfo` bytes), or commit a double-buffered one (`round` empty)."""
+    """Run or stage a round (`RoundInfo` bytes), or collect or commit a staged or double-buffered
+    one (`round` empty)."""
 
     round: bytes
     version: int

@@ -54,6 +54,10 @@ class RoundStats:
     reason: str = ""
     """Why the round ran in `mode` when that is not simply what was asked (`auto`'s choice, a
     first or refreshing dense round of a sparse request)."""
+    commit_seconds: float = 0.0
+    """The commit step of a double-buffered round: what engines serving between rounds wait for
+    (for a staged round, `WeightSync.stage`, all they wait for; its `seconds` are then the slowest
+    rank's transfer, made while they served). 0 without double buffering."""
 
     def _of(self, role: str) -> list[RankStats]:
         return [r for r in self.ranks if r.role == role]
@@ -108,5 +112,7 @@ class RoundStats:
             f"rl-sync round {self.version} [{self.mode}]: {self.seconds:.3f} s, busiest trainer sent "
             f"{self.busiest_sender_bytes / 1e6:.1f} MB, busiest worker received "
             f"{self.worker_received_bytes / 1e6:.1f} MB ({self.gbps:.2f} GB/s), "
-            f"staging {self.staging_bytes / 1e6:.1f} MB" + (f"; {self.reason}" if self.reason else "")
+            f"staging {self.staging_bytes / 1e6:.1f} MB"
+            + (f", commit {self.commit_seconds * 1e3:.1f} ms" if self.commit_seconds else "")
+            + (f"; {self.reason}" if self.reason else "")
         )

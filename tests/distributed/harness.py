@@ -69,11 +69,15 @@ POOL = ActorPool()
 class Group:
     """T trainer actors and N worker actors holding `recipes`, plus their WeightSync."""
 
-    def __init__(self, recipes, num_trainers: int, num_workers: int, worker_recipes=None, **config):
-        self.recipes = recipes
-        self.trainers = POOL.take(Trainer, [(i, num_trainers, trainer_build(recipes)) for i in range(num_trainers)])
+    def __init__(
+        self, recipes, num_trainers: int, num_workers: int, worker_recipes=None, classes=(Trainer, Worker), **config
+    ):
+        self.recipes, self.classes = recipes, classes
+        trainer_class, worker_class = classes
+        trainer_args = [(i, num_trainers, trainer_build(recipes)) for i in range(num_trainers)]
+        self.trainers = POOL.take(trainer_class, trainer_args)
         self.workers = POOL.take(
-            Worker, [(j, num_workers, worker_build(worker_recipes or recipes)) for j in range(num_workers)]
+            worker_class, [(j, num_workers, worker_build(worker_recipes or recipes)) for j in range(num_workers)]
         )
         self.sync: WeightSync | None = None
         self.config = loopback_config(**config)
@@ -85,8 +89,8 @@ class Group:
         if self.sync is not None:
             with contextlib.suppress(Exception):
                 self.sync.close()
-        POOL.give_back(Trainer, self.trainers)
-        POOL.give_back(Worker, self.workers)
+        POOL.give_back(self.classes[0], self.trainers)
+        POOL.give_back(self.classes[1], self.workers)
 
     def connect(self) -> WeightSync:
         self.sync = WeightSync.create(self.trainers, self.workers, self.config)

@@ -278,6 +278,134 @@ def test_ranks_that_disagree_fail_init_naming_the_tensor_and_rank(qwen2_tp2, tp2
         tp2.set(1, disagree=False)
 
 
+def _norm_address(rank) -> int:
+    model = rank.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    return dict(model.named_parameters())["model.norm.weight"].data_ptr()
+
+
+@pytest.mark.parametrize("family, modes", [("qwen2", ["m2n", "sparse", "sparse"]), ("qwen3_moe", ["m2n", "m2n"])])
+def test_staged_rounds_arrive_while_the_engine_generates_then_match_a_fresh_engine(
+    references, tp2, tmp_path, family, modes
+):
+    """Each round lands in the ranks' shadows on threads of their own while the engine generates
+    with the version it holds, and vLLM's processing of what it changed runs there too, on twins
+    of the modules; the commit between generations swaps the loader-form buffers and (the engine
+    running eagerly) the live parameters, and installs the twins' packed kernels."""
+    config = hf_config(family)
+    trainers = _trainers(config)
+    engine = tp2.load(_unrelated_checkpoint(tmp_path / "init", config, trainers))
+    try:
+        sync = WeightSync.create(trainers, engine.ranks, loopback_config(bucket_bytes=1 << 18, double_buffer=True))
+        served = engine.generate(PROMPTS, **SAMPLING)
+        for step, mode in enumerate(modes, start=1):
+            ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+            address = ray.get(engine.ranks[0].call.remote(_norm_address))
+            staged = sync.stage(mode=mode)
+            assert engine.generate(PROMPTS, **SAMPLING) == served, f"step {step}: the engine served a torn version"
+            stats = staged.commit()
+            assert (stats.mode, stats.version) == (("m2n" if step < 3 else "sparse"), step)
+            assert sync.versions() == [step, step]
+            assert ray.get(engine.ranks[0].call.remote(_norm_address)) != address, "a swap, not a copy"
+            path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
+            served = engine.generate(PROMPTS, **SAMPLING)
+            assert served == references.outputs(path, 2), f"step {step}: synced engine differs from a fresh one"
+        sync.close()
+    finally:
+        POOL.give_back(Trainer, trainers)
+
+
+def test_an_engine_joining_a_live_group_catches_up_from_a_peer_then_generates_like_a_fresh_engine(
+    references, tp2, tmp_path
+):
+    """A second TP2 engine joins while the first holds version 1 and the trainers already stepped
+    on: it binds for two replicas, the first sends it what it holds (vLLM's loader-form buffers
+    too, processed after) without binding anew, and both then generate what a fresh engine on
+    version 1 does; the next push reaches both, and the first leaves. The joining engine is the
+    module's reference engine, lent once this test's references are generated (CI's 25 minutes)."""
+    config = hf_config("qwen2")
+    trainers = _trainers(config)
+    init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
+    first = tp2.load(init)
+    try:
+        sync = WeightSync.create(trainers, first.ranks, loopback_config(bucket_bytes=1 << 18))
+        kept = list(sync.summary.kept_bytes)
+        ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+        sync.push()
+        held = references.outputs(write_checkpoint(str(tmp_path / "step1"), config, _state(trainers)), 2)
+        ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+        stepped = references.outputs(write_checkpoint(str(tmp_path / "step2"), config, _state(trainers)), 2)
+        second = references.lend(init, 2)
+        assert second.generate(PROMPTS, **SAMPLING) != held, "the joining engine starts from other weights"
+        address = ray.get(first.ranks[0].call.remote(_norm_address))
+        assert list(sync.add_engine(second.ranks).kept_bytes) == kept * 2
+        assert sync.versions() == [1] * 4
+        assert ray.get(first.ranks[0].call.remote(_norm_address)) == address, "the first engine kept its binding"
+        assert second.generate(PROMPTS, **SAMPLING) == held == first.generate(PROMPTS, **SAMPLING)
+        stats = sync.push()
+        assert [r.received_bytes for r in stats.ranks if r.role == "worker"] == kept * 2
+        assert second.generate(PROMPTS, **SAMPLING) == stepped == first.generate(PROMPTS, **SAMPLING)
+        sync.remove_engine(first.ranks)
+        assert sync.versions() == [2, 2]
+        sync.close()
+    finally:
+        POOL.give_back(Trainer, trainers)
+
+
+@pytest.mark.slow  # 2 min; test_vllm_trainer_api.py drives the same backend through vLLM's calls
+def test_engine_service_driven_through_vllms_weight_transfer_calls(references, tmp_path):
+    """rl-sync as vLLM's `rl_sync` weight-transfer backend: the engine's workers are vLLM's own
+    processes, reached only through `init_weight_transfer_engine` / `update_weights` (double
+    buffered: the first round lands in shadows, committed by a second `update_weights`; the
+    second is staged, received on threads of the workers while the engine generates)."""
+    config = hf_config("qwen2")
+    trainers = _trainers(config)
+    service = launch_service(_unrelated_checkpoint(tmp_path / "init", config, trainers), 2)
+    try:
+        sync = WeightSync.create(trainers, [service], loopback_config(bucket_bytes=1 << 18, double_buffer=True))
+        assert sync.summary.fallbacks == () and sync.summary.world_size == 4
+        served = None
+        for step in range(1, 3):
+            ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+            if step == 1:
+                stats = sync.push()
+            else:
+                staged = sync.stage()
+                assert service.generate(PROMPTS, **SAMPLING) == served, "the service served a torn version"
+                stats = staged.commit()
+            received = [r.received_bytes for r in stats.ranks if r.role == "worker"]
+            assert [r.rank for r in stats.ranks if r.role == "worker"] == [2, 3]
+            assert received == list(sync.summary.kept_bytes), f"bytes into each rank {received}"
+            assert sync.versions() == [step, step]
+            served = service.generate(PROMPTS, **SAMPLING)
+            path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
+            assert served == references.outputs(path, 2), f"step {step}: synced service differs from a fresh engine"
+        sync.close()
+    finally:
+        service.shutdown()
+        POOL.give_back(Trainer, trainers)
+
+
+@pytest.mark.slow  # 95-105 s (a `vllm serve` process and a TP1 reference engine): CI's 25 minutes
+def test_vllm_serve_synced_over_http(references, tmp_path):
+    """`vllm serve` with rl-sync as its backend, driven over HTTP (vLLM's weight-transfer
+    routes, generation paused around each round); read back through its generate route."""
+    config = hf_config("qwen2")
+    trainers = _trainers(config)
+    init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
+    try:
+        with served(init, 1, str(tmp_path / "serve.log")) as url:
+            sync = WeightSync.create(trainers, [VllmService.http(url, ranks=1)], loopback_config(bucket_bytes=1 << 18))
+            ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+            stats = sync.push()
+            assert [r.received_bytes for r in stats.ranks if r.role == "worker"] == list(sync.summary.kept_bytes)
+            assert sync.versions() == [1]
+            path = write_checkpoint(str(tmp_path / "step1"), config, _state(trainers))
+            assert generate_http(url) == references.outputs(path, 1), "served engine differs from a fresh one"
+            sync.close()
+    finally:
+        POOL.give_back(Trainer, trainers)
+
+
 @pytest.mark.slow  # 75 s: CI's 25 minutes (rank deaths are covered on rl-sync's workers in the default run)
 def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_up(references, tp2, tmp_path):
     """Kills the module's shared TP2 engine: the last test here to use it."""
@@ -311,52 +439,4 @@ def test_a_rank_killed_mid_round_fails_in_time_then_a_relaunched_engine_catches_
     finally:
         if fresh is not None:
             fresh.shutdown()
-        POOL.give_back(Trainer, trainers)
-
-
-@pytest.mark.slow  # 2 min; test_vllm_trainer_api.py drives the same backend through vLLM's calls
-def test_engine_service_driven_through_vllms_weight_transfer_calls(references, tmp_path):
-    """rl-sync as vLLM's `rl_sync` weight-transfer backend: the engine's workers are vLLM's own
-    processes, reached only through `init_weight_transfer_engine` / `update_weights` (double
-    buffered: rounds land in shadows, committed by a second `update_weights`)."""
-    config = hf_config("qwen2")
-    trainers = _trainers(config)
-    service = launch_service(_unrelated_checkpoint(tmp_path / "init", config, trainers), 2)
-    try:
-        sync = WeightSync.create(trainers, [service], loopback_config(bucket_bytes=1 << 18, double_buffer=True))
-        assert sync.summary.fallbacks == () and sync.summary.world_size == 4
-        for step in range(1, 3):  # each round lands in the shadows, then is committed
-            ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
-            stats = sync.push()
-            received = [r.received_bytes for r in stats.ranks if r.role == "worker"]
-            assert [r.rank for r in stats.ranks if r.role == "worker"] == [2, 3]
-            assert received == list(sync.summary.kept_bytes), f"bytes into each rank {received}"
-            assert sync.versions() == [step, step]
-            got = service.generate(PROMPTS, **SAMPLING)
-            path = write_checkpoint(str(tmp_path / f"step{step}"), config, _state(trainers))
-            assert got == references.outputs(path, 2), f"step {step}: synced service differs from a fresh engine"
-        sync.close()
-    finally:
-        service.shutdown()
-        POOL.give_back(Trainer, trainers)
-
-
-@pytest.mark.slow  # 95-105 s (a `vllm serve` process and a TP1 reference engine): CI's 25 minutes
-def test_vllm_serve_synced_over_http(references, tmp_path):
-    """`vllm serve` with rl-sync as its backend, driven over HTTP (vLLM's weight-transfer
-    routes, generation paused around each round); read back through its generate route."""
-    config = hf_config("qwen2")
-    trainers = _trainers(config)
-    init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
-    try:
-        with served(init, 1, str(tmp_path / "serve.log")) as url:
-            sync = WeightSync.create(trainers, [VllmService.http(url, ranks=1)], loopback_config(bucket_bytes=1 << 18))
-            ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
-            stats = sync.push()
-            assert [r.received_bytes for r in stats.ranks if r.role == "worker"] == list(sync.summary.kept_bytes)
-            assert sync.versions() == [1]
-            path = write_checkpoint(str(tmp_path / "step1"), config, _state(trainers))
-            assert generate_http(url) == references.outputs(path, 1), "served engine differs from a fresh one"
-            sync.close()
-    finally:
         POOL.give_back(Trainer, trainers)

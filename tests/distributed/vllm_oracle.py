@@ -95,6 +95,13 @@ class References:
             engine.restart(path, {**LLM_KWARGS, **llm_kwargs})
         return self.engines[tp].generate(PROMPTS, **SAMPLING)
 
+    def lend(self, path: str, tp: int) -> VllmEngine:
+        """The engine of `tp`, loaded from `path`, lent to a test to sync into once its references
+        are generated (starting another costs a minute here); the next `outputs` of `tp` rebuilds
+        it from disk, so nothing the test wrote reaches a reference."""
+        self.outputs(path, tp)
+        return self.engines[tp]
+
     def shutdown(self) -> None:
         for engine in self.engines.values():
             engine.shutdown()

@@ -4,10 +4,12 @@ answer the steps of colocated rounds."""
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 
 import pytest
 
 from rl_sync.rendezvous import StoreServer, new_secret
+from rl_sync.vllm import service
 from rl_sync.vllm.driver import ServiceDriver
 from rl_sync.vllm.service import ERROR, DescribeRequest, IpcRequest, Rendezvous, reply_key, store_client, unpack
 from rl_sync.wire.codec import decode, encode
@@ -50,6 +52,8 @@ class Ranks:
 
     def update(self, info: dict) -> None:
         raise AssertionError("not called")
+
+    stage = commit = update
 
     def reset_prefix_cache(self) -> None:
         raise AssertionError("not called")
@@ -111,6 +115,11 @@ class Colocated:
 
     init = update = _answer
 
+    def stage(self, info: dict) -> None:
+        raise AssertionError("not called")
+
+    commit = stage
+
     def reset_prefix_cache(self) -> None:
         self.resets += 1
 
@@ -125,3 +134,69 @@ def test_colocated_rounds_reach_a_services_ranks_through_vllms_calls(reply):
     assert engine.resets == 0
     driver.ipc_end(IpcRequest(3, ("w",), 1.0, reply))
     assert engine.resets == 1 and engine.calls == ["ipc_export", "ipc_begin", "ipc_end"]
+
+
+class Staging:
+    """An engine whose ranks take staged rounds: `stage` returns at once (each rank answers when
+    its round ends: `finish`); a rank in `refuses` answers at once with its refusal."""
+
+    def __init__(self, reply: Rendezvous, refuses: dict[int, Exception] | None = None):
+        self.reply, self.refuses = reply, refuses or {}
+        self.calls: list[str] = []
+
+    def _put(self, op: str, tag: int, answers: dict[int, bytes]) -> None:
+        store = store_client(self.reply)
+        for rank, answer in answers.items():
+            store.set(reply_key(self.reply.prefix, op, tag, rank), answer)
+        store.close()
+
+    def stage(self, info: dict) -> None:
+        op, payload = unpack(info)
+        self.calls.append(op)
+        if self.refuses:
+            failures = {r: _failure(e) for r, e in self.refuses.items()}
+            self._put(op, decode(service.RoundRequest, payload).version, failures)
+            raise RuntimeError("Worker failed with error: see the ranks' answers")
+
+    def finish(self, version: int, answers: dict[int, bytes]) -> None:
+        self._put("stage", version, answers)
+
+    def commit(self, info: dict) -> None:
+        op, payload = unpack(info)
+        self.calls.append(op)
+        self._put(op, decode(service.RoundRequest, payload).version, {0: b"", 1: b""})
+
+    def init(self, info: dict) -> None:
+        raise AssertionError("not called")
+
+    update = init
+
+    def reset_prefix_cache(self) -> None:
+        raise AssertionError("not called")
+
+
+def test_a_staged_round_starts_at_once_its_answers_are_collected_when_it_ended_then_it_commits(reply):
+    engine = Staging(reply)
+    driver = ServiceDriver(engine, 2)
+    driver.stage(service.RoundRequest(b"round", 4, reply))  # nothing answered yet: it returns all the same
+    engine.finish(4, {0: b"stats0", 1: b"stats1"})
+    assert driver.staged(service.RoundRequest(b"", 4, reply)) == [b"stats0", b"stats1"]
+    driver.commit(service.RoundRequest(b"", 4, reply))
+    assert engine.calls == ["stage", "commit"]
+
+
+def test_a_rank_refusing_a_staged_round_is_named_and_one_never_answering_fails_in_time(reply):
+    refusals = {r: ValueError(f"worker rank {2 + r}: a staged round lands in shadow copies") for r in (0, 1)}
+    driver = ServiceDriver(Staging(reply, refusals), 2)
+    with pytest.raises(
+        ValueError,
+        match=r"^vLLM engine service, stage: vLLM rank 0: ValueError: worker rank 2: a staged round lands in "
+        r"shadow copies; vLLM rank 1: ValueError: worker rank 3: a staged round lands in shadow copies$",
+    ):
+        driver.stage(service.RoundRequest(b"round", 5, reply))
+    engine = Staging(reply)
+    driver = ServiceDriver(engine, 2)
+    driver.stage(service.RoundRequest(b"round", 6, reply))
+    engine.finish(6, {0: b"stats0"})
+    with pytest.raises(RuntimeError, match=r"^vLLM engine service, stage: vLLM rank 1: RuntimeError: no answer to"):
+        driver.staged(service.RoundRequest(b"", 6, replace(reply, timeout_s=0.5)))

@@ -1,0 +1,101 @@
+"""An engine joining and leaving a live group, against a dense round.
+
+The setup of `staged_bench.py` (Qwen2-0.5B shapes, `--layers` of them, FSDP2 trainers, a vLLM
+engine with its TP ranks as Ray actors). The group forms with one engine and pushes; a second
+engine starts (not timed: vLLM's own start-up), then:
+
+* **dense round, one engine**: `WeightSync.push()` (median of `--rounds`): what the join is
+  held against;
+* **join**: `WeightSync.add_engine(second.ranks)`: the joining ranks bind (vLLM's loader probed
+  on meta tensors), every rank joins the grown group beside its current one, the first engine
+  sends the second what it holds (catch-up by relay: as many bytes as one engine keeps), and
+  every rank switches; nothing of the first engine restarts or binds anew;
+* **dense round, two engines**, then **leave**: `WeightSync.remove_engine(first.ranks)`.
+
+Same script on GPUs (`--device cuda`: a trainer GPU and a GPU per engine rank, so 1 + 2 x TP).
+
+    python benchmarks/elastic_bench.py [--layers 12] [--rounds 3] [--tp 2] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import ray
+from rich.console import Console
+from rich.table import Table
+from staged_bench import HFTrainer, _config, _engine, _sync, defaults, free_init_url, write_checkpoint
+
+
+def _seconds(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def run(args) -> dict:
+    config = _config(args.layers)
+    Trainer = ray.remote(num_cpus=0.1, num_gpus=1 if args.device == "cuda" else 0)(HFTrainer)
+    url = free_init_url("127.0.0.1")
+    trainers = [Trainer.remote(i, args.trainers, config, url, device=args.device) for i in range(args.trainers)]
+    state = ray.get([t.full_state.remote() for t in trainers])[0]
+    path = write_checkpoint(tempfile.mkdtemp(prefix="rl-sync-elastic-"), config, state)
+    del state
+    engines = [_engine(path, args.tp, args.device, cuda_graphs=False)]
+    try:
+        sync = _sync(trainers, engines[0], double_buffer=False)
+        sync.push()  # the first round compiles
+        one = [sync.push().seconds for _ in range(args.rounds)]
+        engines.append(_engine(path, args.tp, args.device, cuda_graphs=False))
+        join = _seconds(lambda: sync.add_engine(engines[1].ranks))
+        caught_up = sync.versions()
+        sync.push()
+        two = [sync.push().seconds for _ in range(args.rounds)]
+        leave = _seconds(lambda: sync.remove_engine(engines[0].ranks))
+        sync.close()
+        return {"one": one, "join": join, "two": two, "leave": leave, "caught_up": caught_up}
+    finally:
+        for engine in engines:
+            engine.shutdown()
+        for t in trainers:
+            ray.kill(t)  # type: ignore[arg-type]  # Ray's ActorProxy
+
+
+def show(args, result: dict) -> None:
+    table = Table(
+        title=f"vLLM TP{args.tp} engines ({args.device}), Qwen2-0.5B shapes x {args.layers} layers, "
+        f"{args.trainers} FSDP2 trainers; medians of {args.rounds}"
+    )
+    for column in ("what", "seconds"):
+        table.add_column(column)
+    one = statistics.median(result["one"])
+    rows = [
+        ("dense round, one engine", one),
+        ("add_engine: the second engine joins (bind, regroup, catch-up from the first, switch)", result["join"]),
+        ("dense round, two engines", statistics.median(result["two"])),
+        ("remove_engine: the first engine leaves", result["leave"]),
+    ]
+    for what, seconds in rows:
+        table.add_row(what, f"{seconds:.3f}")
+    table.add_row("join against one dense round", f"{result['join'] / one:.2f}x")
+    Console().print(table)
+    print(f"versions after the join (caught up from the first engine): {result['caught_up']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tp", type=int, default=None, help="default: 2 on CPUs, 1 on GPUs")
+    parser.add_argument("--trainers", type=int, default=None, help="default: 2 on CPUs, 1 on GPUs")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    defaults(args := parser.parse_args(argv))
+    show(args, run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

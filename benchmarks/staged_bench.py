@@ -1,0 +1,195 @@
+"""Staged rounds against blocking ones: what a vLLM engine loses to a weight update.
+
+One model (Qwen2-0.5B shapes, random weights, `--layers` of them), FSDP2 trainers and a vLLM
+engine (its TP ranks as Ray actors, external launcher). Every round moves the same tensors
+(the trainers take no step), dense:
+
+* **idle**: the engine generates `--prompts` prompts x `--tokens` tokens (greedy, no early stop)
+  with no round running: tokens per second;
+* **blocking**: `WeightSync.push()` without double buffering: the engine cannot generate during
+  it, so the whole round is its stall;
+* **staged**: `WeightSync.stage()` (double buffering), the same generation at once (the transfer
+  runs beside it, on the ranks' own threads), then `StagedRound.commit()`: tokens per second
+  meanwhile, the transfer's seconds (the slowest rank's), and the commit: the step the engine
+  waits for (`RoundStats.commit_seconds`) and the driver's whole call (which also waits for a
+  transfer the generation outlasted less).
+
+The same script runs on CPUs (vLLM's CPU build; defaults: 2 trainers, TP2) and on GPUs
+(`--device cuda`: a trainer and each engine rank on a GPU of their own, NCCL, so 1 + TP GPUs;
+`--cuda-graphs` leaves vLLM's CUDA graphs on, which capture the weights' addresses, so commits
+copy instead of swapping). Prints one table; medians of `--rounds`.
+
+    python benchmarks/staged_bench.py [--layers 12] [--rounds 3] [--tp 2] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import ray
+import torch
+from rich.console import Console
+from rich.table import Table
+from vllm_bench import LLM_KWARGS, QWEN2_05B
+
+from actors import WeightSync
+from actors.cluster import free_init_url
+from actors.models import HFTrainer
+from actors.vllm import VllmEngine
+from rl_sync.config.sync import SyncConfig
+from rl_sync.vllm.checkpoint import write_checkpoint
+
+GPU_LLM_KWARGS = dict(
+    skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=1024, seed=0
+)
+ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def _config(layers: int) -> dict:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("qwen2", **QWEN2_05B, num_hidden_layers=layers).to_dict()
+    config.update(architectures=["Qwen2ForCausalLM"], torch_dtype="bfloat16")
+    return config
+
+
+def _engine(path: str, tp: int, device: str, cuda_graphs: bool) -> VllmEngine:
+    options: dict[str, float] = {"num_gpus": 1, "num_cpus": 1} if device == "cuda" else {"num_cpus": 0.1}
+    kwargs = {**GPU_LLM_KWARGS, "enforce_eager": not cuda_graphs} if device == "cuda" else dict(LLM_KWARGS)
+    return VllmEngine.launch(
+        path, tp=tp, llm_kwargs=kwargs, host="127.0.0.1", env=ENV, actor_options=[options] * tp, timeout_s=900
+    )
+
+
+def _generate(engine: VllmEngine, prompts: list[list[int]], tokens: int) -> float:
+    """Seconds to generate `tokens` tokens for every prompt."""
+    start = time.perf_counter()
+    engine.generate(prompts, max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return time.perf_counter() - start
+
+
+def _sync(trainers, engine: VllmEngine, double_buffer: bool) -> WeightSync:
+    config = SyncConfig(
+        rendezvous_host="127.0.0.1",
+        bind_host="127.0.0.1",
+        bucket_bytes=64 << 20,
+        init_timeout_s=300,
+        round_timeout_s=300,
+        double_buffer=double_buffer,
+    )
+    return WeightSync.create(trainers, engine.ranks, config, progress=False)
+
+
+def measure(engine: VllmEngine, trainers, rounds: int, prompts: list[list[int]], tokens: int) -> dict:
+    """The figures of the module docstring, each a list of `rounds` values."""
+    generated = len(prompts) * tokens
+    _generate(engine, prompts, tokens)  # warm
+    idle = [generated / _generate(engine, prompts, tokens) for _ in range(rounds)]
+    sync = _sync(trainers, engine, double_buffer=False)
+    sync.push()  # the first round compiles
+    blocking = [sync.push().seconds for _ in range(rounds)]
+    sync.close()
+    sync = _sync(trainers, engine, double_buffer=True)
+    sync.push()
+    out: dict[str, list[float]] = {"idle": idle, "blocking": blocking, "during": [], "transfer": [], "commit": []}
+    out["commit_call"] = []
+    for _ in range(rounds):
+        staged = sync.stage()
+        out["during"].append(generated / _generate(engine, prompts, tokens))
+        start = time.perf_counter()
+        stats = staged.commit()
+        out["commit_call"].append(time.perf_counter() - start)
+        out["transfer"].append(stats.seconds)
+        out["commit"].append(stats.commit_seconds)
+    sync.close()
+    return out
+
+
+def run(args) -> tuple[dict, int]:
+    config = _config(args.layers)
+    Trainer = ray.remote(num_cpus=0.1, num_gpus=1 if args.device == "cuda" else 0)(HFTrainer)
+    url = free_init_url("127.0.0.1")
+    trainers = [Trainer.remote(i, args.trainers, config, url, device=args.device) for i in range(args.trainers)]
+    state = ray.get([t.full_state.remote() for t in trainers])[0]
+    params = sum(v.numel() for v in state.values())
+    path = write_checkpoint(tempfile.mkdtemp(prefix="rl-sync-staged-"), config, state)
+    del state
+    engine = _engine(path, args.tp, args.device, args.cuda_graphs)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (8,), generator=gen).tolist() for _ in range(args.prompts)]
+    try:
+        return measure(engine, trainers, args.rounds, prompts, args.tokens), params
+    finally:
+        engine.shutdown()
+        for t in trainers:
+            ray.kill(t)  # type: ignore[arg-type]  # Ray's ActorProxy
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def show(args, result: dict, params: int) -> None:
+    table = Table(
+        title=f"vLLM TP{args.tp} ({args.device}{', CUDA graphs' if args.cuda_graphs else ''}), Qwen2-0.5B shapes x "
+        f"{args.layers} layers ({params / 1e6:.0f}M parameters), {args.trainers} FSDP2 trainers; "
+        f"{args.prompts} prompts x {args.tokens} tokens; medians of {args.rounds}"
+    )
+    for column in ("what", "value"):
+        table.add_column(column)
+    blocking, commit = _median(result["blocking"]), _median(result["commit"])
+    rows = [
+        ("generation, idle (tokens/s)", f"{_median(result['idle']):.1f}"),
+        ("generation during a staged round (tokens/s)", f"{_median(result['during']):.1f}"),
+        ("blocking round, push() without double buffering (s): the engine's stall", f"{blocking:.3f}"),
+        ("staged round's transfer, slowest rank (s), beside generation", f"{_median(result['transfer']):.3f}"),
+        ("staged round's commit step (s): the engine's stall", f"{commit:.4f}"),
+        ("StagedRound.commit() on the driver (s)", f"{_median(result['commit_call']):.4f}"),
+        ("stall: commit against blocking round", f"{commit / blocking:.1%}"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+    print({k: [round(v, 4) for v in values] for k, values in result.items()})
+
+
+def defaults(args) -> None:
+    """Fill in what depends on the device (TP size, trainers), then start Ray on loopback."""
+    gpu = args.device == "cuda"
+    args.tp = args.tp or (1 if gpu else 2)
+    args.trainers = args.trainers or (1 if gpu else 2)
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
+        num_cpus=None if gpu else 8,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tp", type=int, default=None, help="default: 2 on CPUs, 1 on GPUs")
+    parser.add_argument("--trainers", type=int, default=None, help="default: 2 on CPUs, 1 on GPUs")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--cuda-graphs", action="store_true", help="GPU: leave vLLM's CUDA graphs on")
+    parser.add_argument("--prompts", type=int, default=None, help="default: 4 on CPUs, 64 on GPUs")
+    parser.add_argument("--tokens", type=int, default=None, help="default: 64 on CPUs, 512 on GPUs")
+    args = parser.parse_args(argv)
+    defaults(args)
+    args.prompts = args.prompts or (64 if args.device == "cuda" else 4)
+    args.tokens = args.tokens or (512 if args.device == "cuda" else 64)
+    result, params = run(args)
+    show(args, result, params)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

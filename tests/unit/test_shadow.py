@@ -1,0 +1,89 @@
+"""A double-buffered worker's shadows: rounds land in spares, commits copy or swap them in."""
+
+from __future__ import annotations
+
+import torch
+
+from rl_sync.engine.endpoint import Endpoint
+from rl_sync.rank.shadow import Shadows
+
+
+def _bound() -> tuple[torch.Tensor, torch.Tensor, dict[str, Endpoint]]:
+    """A fused parameter with two bound slots (q, k), a whole tensor (n) and a fallback buffer (f)."""
+    fused = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)
+    norm = torch.arange(5, dtype=torch.float32)
+    endpoints = {
+        "q": Endpoint(fused[:, :2], (0, 0)),
+        "k": Endpoint(fused[:, 2:6], (0, 0)),
+        "n": Endpoint(norm, (0,)),
+        "f": Endpoint(torch.zeros(3), (0,)),
+    }
+    return fused, norm, endpoints
+
+
+def _write(shadows: Shadows, value: float) -> None:
+    for name in ("q", "k", "n"):
+        shadows.endpoints[name].tensor.fill_(value)
+
+
+def test_rounds_land_in_the_spares_and_a_swap_makes_them_live_without_a_copy():
+    fused, norm, endpoints = _bound()
+    before = fused.clone()
+    shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "k", "n"})
+    assert shadows.endpoints["f"] is endpoints["f"], "a fallback is received as it is"
+    assert shadows.endpoints["q"].tensor.stride() == (6, 1), "a spare keeps its view's strides"
+    shadows.prepare(writes_all=True)
+    _write(shadows, 7.0)
+    assert torch.equal(fused, before) and torch.equal(norm, torch.arange(5.0)), "live weights untouched"
+    spare = shadows.endpoints["q"].tensor.data_ptr()
+    assert shadows.commit(swap=True) is True
+    assert fused.data_ptr() == spare, "the live storage took the spare's memory"
+    assert torch.equal(fused, torch.full((4, 6), 7.0, dtype=torch.bfloat16))
+    assert torch.equal(endpoints["k"].tensor, torch.full((4, 4), 7.0, dtype=torch.bfloat16)), "views see it too"
+    assert torch.equal(norm, torch.full((5,), 7.0))
+    assert torch.equal(shadows.endpoints["q"].tensor, before[:, :2]), "the spare now holds the previous round"
+
+
+def test_a_stale_spare_catches_up_before_a_partial_round_and_not_before_a_full_one():
+    fused, _, endpoints = _bound()
+    shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "k", "n"})
+    _write(shadows, 7.0)
+    shadows.commit(swap=True)
+    shadows.prepare(writes_all=False)  # a sparse round next: it writes only what changed
+    assert torch.equal(shadows.endpoints["k"].tensor, torch.full((4, 4), 7.0, dtype=torch.bfloat16))
+    shadows.endpoints["q"].tensor[0, 0] = 9.0
+    shadows.commit(swap=True)
+    expected = torch.full((4, 6), 7.0, dtype=torch.bfloat16)
+    expected[0, 0] = 9.0
+    assert torch.equal(fused, expected)
+    shadows.prepare(writes_all=True)  # a dense round of every tensor overwrites the spares
+    assert torch.equal(shadows.endpoints["k"].tensor, torch.full((4, 4), 7.0, dtype=torch.bfloat16))
+    assert shadows.endpoints["q"].tensor[0, 0].item() == 7.0, "no catch-up before a round that writes all"
+
+
+def test_a_storage_with_a_name_the_engine_does_not_allow_commits_by_copy():
+    fused, norm, endpoints = _bound()
+    address = fused.data_ptr()
+    shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "n"})
+    assert [live.data_ptr() for live, _ in shadows.copied.values()] == [address, endpoints["k"].tensor.data_ptr()]
+    assert shadows.endpoints["q"].tensor.is_contiguous(), "a copied view's spare is contiguous"
+    _write(shadows, 3.0)
+    assert shadows.commit(swap=True) is True, "the whole tensor n swaps"
+    assert fused.data_ptr() == address, "the fused parameter was copied into, in place"
+    assert torch.equal(fused, torch.full((4, 6), 3.0, dtype=torch.bfloat16))
+    assert torch.equal(norm, torch.full((5,), 3.0))
+    assert torch.equal(shadows.endpoints["q"].tensor, torch.full((4, 2), 3.0, dtype=torch.bfloat16))
+
+
+def test_memory_another_process_maps_commits_by_copy_even_where_the_engine_allows_swaps():
+    fused, norm, endpoints = _bound()
+    addresses = fused.data_ptr(), norm.data_ptr()
+    shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "k", "n"})
+    _write(shadows, 5.0)
+    assert shadows.commit(swap=False) is False
+    assert (fused.data_ptr(), norm.data_ptr()) == addresses
+    assert torch.equal(fused, torch.full((4, 6), 5.0, dtype=torch.bfloat16))
+    assert torch.equal(norm, torch.full((5,), 5.0))
+    endpoints_before = shadows.endpoints
+    shadows.prepare(writes_all=False)
+    assert shadows.endpoints is endpoints_before, "no swap: the session's compiled round stays valid"
