@@ -28,6 +28,7 @@ from typing import cast
 import ray
 import torch
 
+from rl_sync.config.lora import LoraSpec
 from rl_sync.config.push_args import check_mode, repeated_names
 from rl_sync.config.sync import SPARSE_MODES, Integrity, Mode, SyncConfig
 from rl_sync.planning.parts import parse_part, sharded_dims
@@ -93,8 +94,10 @@ class Coordinator:
     """Runs as a Ray actor (`ray.remote(Coordinator)`); driven by `WeightSync`. `workers` are
     actor handles and `VllmService`s (see `actors.group` for how ranks are assigned)."""
 
-    def __init__(self, trainers: list, workers: list, config: SyncConfig):
+    def __init__(self, trainers: list, workers: list, config: SyncConfig, lora: LoraSpec | None = None):
         self.trainer_handles, self.worker_entries, self.config = list(trainers), list(workers), config
+        self.lora = lora
+        """The adapter a LoRA group binds to the engines' LoRA slots (`WeightSync.create`)."""
         self._assign_ranks()
         self.metrics = RoundMetrics(config.name)
         self.repairs = 0
@@ -146,6 +149,7 @@ class Coordinator:
             checkpoint={s.name: (s.dtype, tuple(s.shape)) for s in sources},
             sharded={s.name: tuple(sorted(sharded_dims(s.layout))) for s in sources},
             double_buffer=cfg.double_buffer,
+            lora=self.lora,
         )
         blobs = gather(
             self.workers,

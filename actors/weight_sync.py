@@ -27,6 +27,7 @@ import ray
 from ray.actor import ActorHandle
 from rich.console import Console
 
+from rl_sync.config.lora import LoraSpec
 from rl_sync.config.push_args import check_push_args, check_version
 from rl_sync.config.sync import SyncConfig, check_seconds
 from rl_sync.wire.failure import RemoteTraceback
@@ -93,8 +94,8 @@ class WeightSync:
     """Handle to a Coordinator actor that owns one sync group; `summary` (`SyncSummary`) says
     what forming it decided."""
 
-    def __init__(self, coordinator, config: SyncConfig, summary: SyncSummary):
-        self.coordinator, self.config, self.summary = coordinator, config, summary
+    def __init__(self, coordinator, config: SyncConfig, summary: SyncSummary, lora: LoraSpec | None = None):
+        self.coordinator, self.config, self.summary, self.lora = coordinator, config, summary, lora
         self.closed = False
 
     def _open(self):
@@ -105,18 +106,29 @@ class WeightSync:
 
     @classmethod
     def create(
-        cls, trainers: list, workers: list, config: SyncConfig | None = None, *, progress: bool = True
+        cls,
+        trainers: list,
+        workers: list,
+        config: SyncConfig | None = None,
+        *,
+        lora: LoraSpec | None = None,
+        progress: bool = True,
     ) -> WeightSync:
         """Start a coordinator, plan, and connect every rank (bounded by `init_timeout_s`);
         `progress` shows a spinner on the driver's terminal meanwhile. The coordinator runs on
         the driver's node: a node that drops off the network then takes ranks out of the round,
-        not the group's control."""
+        not the group's control. `lora`: the trainers expose a PEFT LoRA adapter
+        (`rl_sync.lora.adapter_sources`) and every round writes it into one LoRA slot of each
+        vLLM engine (`docs/lora.md`); requests name it with `lora_request()`."""
         config = config or SyncConfig()
         if not isinstance(config, SyncConfig):
             raise TypeError(f"WeightSync.create: config must be a SyncConfig, got {type(config).__name__}")
         trainers, workers = list(trainers), list(workers)
         Membership.of(trainers, workers)  # bad entries are refused here, before any actor is reached
-        coordinator = ray.remote(Coordinator).options(num_cpus=0, **_beside_driver()).remote(trainers, workers, config)
+        _check_lora(lora, workers)
+        coordinator = (
+            ray.remote(Coordinator).options(num_cpus=0, **_beside_driver()).remote(trainers, workers, config, lora)
+        )
         try:
             with (
                 Console(stderr=True).status(
@@ -132,7 +144,16 @@ class WeightSync:
             _discard(coordinator, config)
             raise
         log.info("rl-sync group %r: %s", config.name, summary)
-        return cls(coordinator, config, summary)
+        return cls(coordinator, config, summary, lora)
+
+    def lora_request(self, name: str | None = None):
+        """vLLM's `LoRARequest` for the adapter this LoRA group pushes (`name`, if given, must be
+        its name): pass it to `generate` to serve the version last pushed."""
+        if self.lora is None:
+            raise ValueError("lora_request: this group pushes model weights, not a LoRA adapter (create it with lora=)")
+        if name is not None and name != self.lora.name:
+            raise ValueError(f"lora_request: unknown adapter {name!r}; this group pushes {self.lora.name!r}")
+        return self.lora.request()
 
     def push(
         self,
@@ -279,6 +300,20 @@ class StagedRound:
     def __repr__(self) -> str:
         state = "committed" if self.committed else "staged"
         return f"StagedRound(version={self.version}, mode={self.mode!r}, {state})"
+
+
+def _check_lora(lora: LoraSpec | None, workers: list) -> None:
+    """A LoRA group's spec is a `LoraSpec` and its workers are vLLM rank actors."""
+    if lora is None:
+        return
+    if not isinstance(lora, LoraSpec):
+        raise TypeError(f"WeightSync.create: lora must be a LoraSpec or None, got {type(lora).__name__}")
+    services = [i for i, w in enumerate(workers) if isinstance(w, VllmService)]
+    if services:
+        raise ValueError(
+            f"WeightSync.create: workers {services} are vLLM engine services, which take no LoRA rounds yet; "
+            "pass the engines' rank actors (actors.vllm.VllmEngine) to a LoRA group"
+        )
 
 
 def _beside_driver() -> dict:

@@ -113,6 +113,11 @@ class WorkerRank(Participant):
                 raise TypeError(
                     f"{type(self).__name__} must define rl_sync_destinations(checkpoint) -> {{name: Destination}}"
                 )
+            if options.lora is not None and not getattr(self, "rl_sync_takes_lora", False):
+                raise ValueError(
+                    f"worker rank {rank}: {type(self).__name__} takes no LoRA rounds (a LoRA group writes the "
+                    "adapter into vLLM's LoRA slots: its workers are vLLM engine ranks, actors.vllm)"
+                )
             checkpoint = {n: (getattr(torch, d), tuple(s)) for n, (d, s) in options.checkpoint.items()}
             bound = destinations(checkpoint)
             self._rl_sync_fallbacks = tuple(n for n, d in bound.items() if d.fallback)
