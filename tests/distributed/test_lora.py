@@ -144,7 +144,8 @@ def test_lora_rounds_generate_what_an_engine_loading_the_saved_adapter_does(trai
         (
             SPEC,
             lambda s: {**s, "model.norm.weight": torch.ones(128)},
-            r"vLLM rank \d: tensor 'model\.norm\.weight' is no LoRA adapter tensor: a LoRA group carries PEFT's saved names only",
+            r"vLLM rank \d: tensor 'model\.norm\.weight' is no LoRA adapter tensor: a LoRA group carries PEFT's "
+            r"saved names only",
         ),
     ],
     ids=["rank-over-max", "rank-not-the-specs", "module-vllm-lacks", "base-weight"],
