@@ -23,6 +23,9 @@ memory behind a storage whose names the engine lists in
 `rl_sync_swappable()` (`rl_sync.rank.shadow`). A staged round
 (`WeightSync.stage`) runs on a thread of its own (`rl_sync.rank.background`)
 while the process serves other calls, and waits for its commit.
+
+A class that takes LoRA rounds (the group's `DescribeOptions.lora`: bind the adapter to
+LoRA slots, `actors.vllm`) sets `rl_sync_takes_lora = True`; any other refuses such a group.
 """
 
 from __future__ import annotations
