@@ -14,6 +14,12 @@ engines generate with the last, and becomes live at a step boundary::
     rollouts = engine.generate(...)     # the engines serve the previous version meanwhile
     stats = staged.commit()             # waits for the transfer, then swaps it in everywhere
 
+LoRA, with trainers that expose a PEFT adapter (`docs/lora.md`)::
+
+    sync = WeightSync.create(trainers, engine.ranks, config, lora=LoraSpec(name="policy", lora_id=1, rank=8, alpha=16))
+    sync.push()                         # the adapter only, into one LoRA slot of each engine
+    engine.generate(prompts, lora_request=sync.lora_request())
+
 `trainers[i]` must be the actor whose layouts call it rank i (its default
 process-group rank for DTensors); workers follow in their own order.
 """
@@ -125,7 +131,7 @@ class WeightSync:
             raise TypeError(f"WeightSync.create: config must be a SyncConfig, got {type(config).__name__}")
         trainers, workers = list(trainers), list(workers)
         Membership.of(trainers, workers)  # bad entries are refused here, before any actor is reached
-        _check_lora(lora, workers)
+        _check_lora(lora, dict(enumerate(workers)), "WeightSync.create")
         coordinator = (
             ray.remote(Coordinator).options(num_cpus=0, **_beside_driver()).remote(trainers, workers, config, lora)
         )
@@ -231,6 +237,7 @@ class WeightSync:
             )
         if isinstance(handle, ActorHandle):
             check_hooks(handle, "worker", f"replace_worker: worker {index}")
+        _check_lora(self.lora, {index: handle}, "replace_worker")
         _unwrap(self._open().replace_worker.remote(index, handle), self.config.init_timeout_s)
 
     def add_engine(self, workers: list, *, timeout_s: float | None = None) -> SyncSummary:
@@ -302,16 +309,16 @@ class StagedRound:
         return f"StagedRound(version={self.version}, mode={self.mode!r}, {state})"
 
 
-def _check_lora(lora: LoraSpec | None, workers: list) -> None:
-    """A LoRA group's spec is a `LoraSpec` and its workers are vLLM rank actors."""
+def _check_lora(lora: LoraSpec | None, workers: dict[int, object], label: str) -> None:
+    """A LoRA group's spec is a `LoraSpec` and its workers (by index) are vLLM rank actors."""
     if lora is None:
         return
     if not isinstance(lora, LoraSpec):
-        raise TypeError(f"WeightSync.create: lora must be a LoraSpec or None, got {type(lora).__name__}")
-    services = [i for i, w in enumerate(workers) if isinstance(w, VllmService)]
+        raise TypeError(f"{label}: lora must be a LoraSpec or None, got {type(lora).__name__}")
+    services = [i for i, w in workers.items() if isinstance(w, VllmService)]
     if services:
         raise ValueError(
-            f"WeightSync.create: workers {services} are vLLM engine services, which take no LoRA rounds yet; "
+            f"{label}: workers {services} are vLLM engine services, which take no LoRA rounds yet; "
             "pass the engines' rank actors (actors.vllm.VllmEngine) to a LoRA group"
         )
 
