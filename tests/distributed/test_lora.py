@@ -1,9 +1,11 @@
 """LoRA rounds: FSDP2 trainers with a PEFT adapter into a TP2 vLLM engine's LoRA slot.
 
-After every AdamW step on the adapter and push, the synced engine generating with the
-group's adapter must generate exactly what an engine that never saw rl-sync generates with
-the adapter PEFT saved (`save_pretrained`, loaded by vLLM from disk through a `LoRARequest`):
-greedy token ids and their log-probabilities. Every round moves the adapter's bytes only:
+After every AdamW step on the adapter and push, the engine generating with the group's
+adapter must generate exactly what it generates with the adapter PEFT saved that step
+(`save_pretrained`, loaded from disk by vLLM's own loader through a new `LoRARequest` into
+its other slot; a LoRA group never writes the base weights, so the engine is the base
+checkpoint as vLLM loaded it): greedy token ids and their log-probabilities. One engine,
+started once for the module. Every round moves the adapter's bytes only:
 each worker receives exactly the boxes of lora_A and lora_B its slot keeps. Bad input fails
 `create` with an exact error before the engine's LoRA state is touched.
 """
@@ -28,7 +30,8 @@ pytest.importorskip("peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = dict(r=8, lora_alpha=24, target_modules=TARGETS)
 """Scaling 3: vLLM folds it into lora_B in bf16 (inexact), so the round's scaling must match it."""
-ENGINE_LORA = dict(enable_lora=True, max_lora_rank=8, max_loras=1)
+ENGINE_LORA = dict(enable_lora=True, max_lora_rank=8, max_loras=2)
+"""Two slots: the group's adapter (pinned) and the saved one vLLM loads each step (evicting the last)."""
 SPEC = LoraSpec(name="policy", lora_id=1, rank=8, alpha=24)
 ROW_PARALLEL = ("o_proj", "down_proj")
 """vLLM shards lora_A of these along its columns and keeps lora_B whole; the others, column
@@ -59,15 +62,13 @@ def trainers(ray_session):
 
 
 @pytest.fixture(scope="module")
-def engines(trainers, tmp_path_factory):
-    """The synced engine and the reference, both TP2 with LoRA, both from the trainers' base."""
+def engine(trainers, tmp_path_factory):
+    """A TP2 engine with LoRA on the trainers' base weights."""
     base = ray.get([t.base_state.remote() for t in trainers])[0]
     path = write_checkpoint(str(tmp_path_factory.mktemp("lora") / "base"), hf_config("qwen2"), base)
-    synced = launch(path, 2, **ENGINE_LORA)
-    reference = launch(path, 2, **ENGINE_LORA)
-    yield synced, reference
-    synced.shutdown()
-    reference.shutdown()
+    engine = launch(path, 2, **ENGINE_LORA)
+    yield engine
+    engine.shutdown()
 
 
 def _alter(alter):
@@ -89,16 +90,15 @@ def _kept_bytes(shapes: dict[str, tuple[int, ...]], tp_rank: int, tp: int = 2) -
     return total
 
 
-def test_lora_rounds_generate_what_an_engine_loading_the_saved_adapter_does(trainers, engines, tmp_path):
-    synced, reference = engines
-    sync = WeightSync.create(trainers, synced.ranks, loopback_config(bucket_bytes=1 << 16), lora=SPEC)
+def test_lora_rounds_generate_what_the_engine_loading_the_saved_adapter_does(trainers, engine, tmp_path):
+    sync = WeightSync.create(trainers, engine.ranks, loopback_config(bucket_bytes=1 << 16), lora=SPEC)
     shapes = {n: tuple(t.shape) for n, t in ray.get(trainers[0].call.remote(lambda s: s.rl_sync_sources())).items()}
     assert len(shapes) == 2 * len(TARGETS) * 2, "every targeted module's lora_A and lora_B, of 2 layers"
     assert set(sync.summary.modes.values()) == {"direct", "reload"}
     assert all((m == "reload") == (".lora_B." in n) for n, m in sync.summary.modes.items()), "lora_B is scaled"
     kept = [_kept_bytes(shapes, r) for r in range(2)]
     assert list(sync.summary.kept_bytes) == kept
-    base = synced.generate(PROMPTS, **SAMPLING)
+    base = engine.generate(PROMPTS, **SAMPLING)
     model_bytes = sum(t.numel() * 2 for t in ray.get([t.base_state.remote() for t in trainers])[0].values())
     for step in range(1, 4):
         ray.get([t.train_step.remote(TOKENS, 2e-2) for t in trainers])
@@ -109,8 +109,8 @@ def test_lora_rounds_generate_what_an_engine_loading_the_saved_adapter_does(trai
         saved = str(tmp_path / f"step{step}")
         ray.get([t.save_adapter.remote(saved) for t in trainers])
         loaded = LoraSpec(name=f"saved-{step}", lora_id=100 + step, rank=8, alpha=24, path=saved).request()
-        want = reference.generate(PROMPTS, lora_request=loaded, **SAMPLING)
-        got = synced.generate(PROMPTS, lora_request=sync.lora_request("policy"), **SAMPLING)
+        want = engine.generate(PROMPTS, lora_request=loaded, **SAMPLING)
+        got = engine.generate(PROMPTS, lora_request=sync.lora_request("policy"), **SAMPLING)
         assert got == want, f"step {step}: the synced adapter generates otherwise than the saved one"
         assert [o["logprobs"] for o in got] != [o["logprobs"] for o in base], "the adapter changes generation"
         assert sync.versions() == [step, step]
@@ -150,11 +150,10 @@ def test_lora_rounds_generate_what_an_engine_loading_the_saved_adapter_does(trai
     ],
     ids=["rank-over-max", "rank-not-the-specs", "module-vllm-lacks", "base-weight"],
 )
-def test_bad_adapters_fail_create_naming_what_is_wrong(trainers, engines, spec, alter, message):
-    synced, _ = engines
+def test_bad_adapters_fail_create_naming_what_is_wrong(trainers, engine, spec, alter, message):
     ray.get([t.call.remote(_alter(alter)) for t in trainers])
     try:
         with pytest.raises(ValueError, match=message):
-            WeightSync.create(trainers, synced.ranks, loopback_config(), lora=spec)
+            WeightSync.create(trainers, engine.ranks, loopback_config(), lora=spec)
     finally:
         ray.get([t.call.remote(_alter(None)) for t in trainers])
