@@ -186,3 +186,29 @@ def test_a_fused_qkv_lora_b_a_rank_keeps_in_three_pieces_is_refused():
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"^no box of a \(256, 8\) tensor$"):
         kept_box(layer, 0, "B", (256, 8))
+
+
+SPEC = LoraSpec(name="policy", lora_id=1, rank=8, alpha=16)
+
+
+def test_a_lora_group_refuses_engine_services_and_a_spec_of_another_type():
+    from actors.service import VllmService
+    from actors.weight_sync import _check_lora
+
+    services = r"^WeightSync\.create: workers \[1\] are vLLM engine services, which take no LoRA rounds yet; pass"
+    with pytest.raises(ValueError, match=services):
+        _check_lora(SPEC, {0: object(), 1: VllmService(None, 2)}, "WeightSync.create")
+    with pytest.raises(TypeError, match=r"^replace_worker: lora must be a LoraSpec or None, got dict$"):
+        _check_lora({"name": "policy"}, {}, "replace_worker")  # type: ignore[arg-type]
+
+
+def test_a_worker_that_takes_no_lora_rounds_refuses_a_lora_group():
+    from rl_sync.rank.side import DescribeOptions
+    from rl_sync.rank.worker import WorkerRank
+
+    class Plain(WorkerRank):
+        def rl_sync_destinations(self, checkpoint):
+            return {}
+
+    with pytest.raises(ValueError, match=r"^worker rank 3: Plain takes no LoRA rounds \(a LoRA group writes"):
+        Plain()._rl_sync_worker_entries(3, 4, DescribeOptions(lora=SPEC))
