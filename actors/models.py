@@ -91,13 +91,13 @@ class HFTrainer(SyncTrainerMixin):
             backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=120)
         )
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config(config)).to(getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_config(hf_config(config)).to(getattr(torch, dtype)).to(self.device)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.normal_(1.0, norm_noise)  # ones would hide a norm bound to the wrong slot
         self.lora = lora is not None
-        self.model = (model if lora is None else _with_adapter(model, lora)).to(self.device)
+        self.model = model if lora is None else _with_adapter(model, lora)
         mesh = init_device_mesh(self.device.type, (size,))
         for layer in decoder_layers(self.base()):
             fully_shard(layer, mesh=mesh)

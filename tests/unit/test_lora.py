@@ -199,7 +199,7 @@ def test_a_lora_group_refuses_engine_services_and_a_spec_of_another_type():
     with pytest.raises(ValueError, match=services):
         _check_lora(SPEC, {0: object(), 1: VllmService(None, 2)}, "WeightSync.create")
     with pytest.raises(TypeError, match=r"^replace_worker: lora must be a LoraSpec or None, got dict$"):
-        _check_lora({"name": "policy"}, {}, "replace_worker")  # type: ignore[arg-type]
+        _check_lora({"name": "policy"}, {}, "replace_worker")
 
 
 def test_a_worker_that_takes_no_lora_rounds_refuses_a_lora_group():
