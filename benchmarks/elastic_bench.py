@@ -2,15 +2,16 @@
 
 The setup of `staged_bench.py` (Qwen2-0.5B shapes, `--layers` of them, FSDP2 trainers, a vLLM
 engine with its TP ranks as Ray actors). The group forms with one engine and pushes; a second
-engine starts (not timed: vLLM's own start-up), then:
+engine starts (not timed: vLLM's own start-up), then, `--rounds` times (medians):
 
-* **dense round, one engine**: `WeightSync.push()` (median of `--rounds`): what the join is
-  held against;
+* **dense round, one engine**: `WeightSync.push()`: what the join is held against;
 * **join**: `WeightSync.add_engine(second.ranks)`: the joining ranks bind (vLLM's loader probed
   on meta tensors), every rank joins the grown group beside its current one, the first engine
-  sends the second what it holds (catch-up by relay: as many bytes as one engine keeps), and
-  every rank switches; nothing of the first engine restarts or binds anew;
-* **dense round, two engines**, then **leave**: `WeightSync.remove_engine(first.ranks)`.
+  sends the second what it holds (catch-up by relay: as many bytes as one engine keeps, then
+  vLLM's processing on the second), and every rank switches; nothing of the first engine
+  restarts or binds anew;
+* **dense round, two engines**, then **leave**: `WeightSync.remove_engine(second.ranks)` (the
+  next join binds it again).
 
 Same script on GPUs (`--device cuda`: a trainer GPU and a GPU per engine rank, so 1 + 2 x TP).
 
@@ -48,15 +49,16 @@ def run(args) -> dict:
     try:
         sync = _sync(trainers, engines[0], double_buffer=False)
         sync.push()  # the first round compiles
-        one = [sync.push().seconds for _ in range(args.rounds)]
         engines.append(_engine(path, args.tp, args.device, cuda_graphs=False))
-        join = _seconds(lambda: sync.add_engine(engines[1].ranks))
-        caught_up = sync.versions()
-        sync.push()
-        two = [sync.push().seconds for _ in range(args.rounds)]
-        leave = _seconds(lambda: sync.remove_engine(engines[0].ranks))
+        out: dict[str, list] = {"one": [], "join": [], "two": [], "leave": [], "caught_up": []}
+        for _ in range(args.rounds):
+            out["one"].append(sync.push().seconds)
+            out["join"].append(_seconds(lambda: sync.add_engine(engines[1].ranks)))
+            out["caught_up"].append(sync.versions())
+            out["two"].append(sync.push().seconds)
+            out["leave"].append(_seconds(lambda: sync.remove_engine(engines[1].ranks)))
         sync.close()
-        return {"one": one, "join": join, "two": two, "leave": leave, "caught_up": caught_up}
+        return out
     finally:
         for engine in engines:
             engine.shutdown()
@@ -71,18 +73,19 @@ def show(args, result: dict) -> None:
     )
     for column in ("what", "seconds"):
         table.add_column(column)
-    one = statistics.median(result["one"])
+    one, join = statistics.median(result["one"]), statistics.median(result["join"])
     rows = [
         ("dense round, one engine", one),
-        ("add_engine: the second engine joins (bind, regroup, catch-up from the first, switch)", result["join"]),
+        ("add_engine: the second engine joins (bind, regroup, catch-up from the first, switch)", join),
         ("dense round, two engines", statistics.median(result["two"])),
-        ("remove_engine: the first engine leaves", result["leave"]),
+        ("remove_engine: the second engine leaves", statistics.median(result["leave"])),
     ]
     for what, seconds in rows:
         table.add_row(what, f"{seconds:.3f}")
-    table.add_row("join against one dense round", f"{result['join'] / one:.2f}x")
+    table.add_row("join against one dense round", f"{join / one:.2f}x")
     Console().print(table)
-    print(f"versions after the join (caught up from the first engine): {result['caught_up']}")
+    print(f"versions after each join (caught up from the first engine): {result.pop('caught_up')}")
+    print({k: [round(v, 3) for v in values] for k, values in result.items()})
 
 
 def main(argv: list[str] | None = None) -> int:

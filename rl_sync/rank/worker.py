@@ -121,8 +121,9 @@ class WorkerRank(Participant):
                     "adapter into vLLM's LoRA slots: its workers are vLLM engine ranks, actors.vllm)"
                 )
             checkpoint = {n: (getattr(torch, d), tuple(s)) for n, (d, s) in options.checkpoint.items()}
+            mapping = destinations(checkpoint)
             swappable = getattr(self, "rl_sync_swappable", lambda: ())() if options.double_buffer else ()
-            kept = KeptDestinations(destinations(checkpoint), rank, options.double_buffer, swappable)
+            kept = KeptDestinations(mapping, rank, options.double_buffer, swappable)
             if kept.fallbacks and not hasattr(self, "rl_sync_load_fallbacks"):
                 raise ValueError(
                     f"worker rank {rank}: {len(kept.fallbacks)} tensors fall back "

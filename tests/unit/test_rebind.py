@@ -161,3 +161,35 @@ def _shapes() -> dict[str, tuple[int, ...]]:
         f"{attn}.k_proj.weight": (8, 16),
         f"{attn}.v_proj.weight": (8, 16),
     }
+
+
+class Swapping(Held):
+    """A worker whose engine lets a commit swap the memory behind every weight."""
+
+    def rl_sync_swappable(self):
+        return self.held.keys()
+
+
+def test_a_commit_that_swaps_is_no_rebinding_and_a_weight_replaced_after_it_gets_its_caught_up_spare():
+    worker = Swapping({n: Destination(torch.zeros(4, 3), WHOLE, (4, 3), torch.float32) for n in ("w", "v")})
+    options = DescribeOptions(checkpoint=dict.fromkeys(("w", "v"), ("float32", (4, 3))), double_buffer=True)
+    worker._rl_sync_describe("worker", 0, 1, options)
+    address = worker.held["w"].local.data_ptr()
+    worker._rl_sync_before_round(_round(1))
+    for endpoint in worker._rl_sync_entries("worker").endpoints.values():
+        endpoint.tensor.fill_(1.0)
+    worker._rl_sync_commit(1)
+    assert worker.held["w"].local.data_ptr() != address, "the commit swapped the memory behind w"
+    assert worker._rl_sync_record(1) and worker._rl_sync_version_of() == 1, "a swap is not a move"
+    assert worker._rl_sync_kept is not None and worker._rl_sync_kept.follow() == {}
+    new = _replace(worker, "w")  # w's spare holds the round before (zeros): caught up from the old w
+    worker._rl_sync_before_round(_round(2, "sparse", ("v",)))
+    worker._rl_sync_entries("worker").endpoints["v"].tensor.fill_(2.0)
+    worker._rl_sync_commit(2)
+    assert torch.equal(new, torch.ones(4, 3)) and torch.equal(worker.held["v"].local, torch.full((4, 3), 2.0))
+    assert worker.held["v"].local.data_ptr() != new.data_ptr()
+    worker._rl_sync_before_round(_round(3, "sparse", ("v",)))  # (the spares are stale after v's swap)
+    worker._rl_sync_entries("worker").endpoints["v"].tensor.fill_(3.0)
+    worker._rl_sync_commit(3)
+    assert torch.equal(new, torch.ones(4, 3)), "w, rebound, commits by copy now: its spare stays its own"
+    assert torch.equal(worker.held["v"].local, torch.full((4, 3), 3.0))

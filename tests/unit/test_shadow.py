@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rl_sync.engine.endpoint import Endpoint
@@ -87,3 +88,32 @@ def test_memory_another_process_maps_commits_by_copy_even_where_the_engine_allow
     endpoints_before = shadows.endpoints
     shadows.prepare(writes_all=False)
     assert shadows.endpoints is endpoints_before, "no swap: the session's compiled round stays valid"
+
+
+def test_a_rebound_name_is_committed_into_its_new_view_and_a_fallback_received_in_its_new_endpoint():
+    fused, _, endpoints = _bound()
+    shadows = Shadows.of(endpoints, keep={"f"}, swappable={"n"})
+    _write(shadows, 4.0)
+    new_q, new_f = torch.zeros(4, 2, dtype=torch.bfloat16), torch.zeros(3)
+    before = shadows.endpoints
+    assert shadows.rebound({"q": Endpoint(new_q, (0, 0))}, "worker rank 0") is False
+    assert shadows.endpoints is before, "a rebound spare's view stays: the compiled round replays"
+    assert shadows.rebound({"f": Endpoint(new_f, (0,))}, "worker rank 0") is True
+    assert shadows.endpoints["f"].tensor is new_f and shadows.endpoints is not before
+    shadows.commit(swap=True)
+    assert torch.equal(new_q, torch.full((4, 2), 4.0, dtype=torch.bfloat16))
+    assert torch.equal(fused[:, :2], torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)[:, :2]), "the old q stays"
+
+
+def test_a_stale_spare_whose_live_storage_was_resized_in_place_is_refused_naming_the_tensor():
+    _, norm, endpoints = _bound()
+    shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "k", "n"})
+    _write(shadows, 7.0)
+    shadows.commit(swap=True)
+    norm.untyped_storage().resize_(0)  # the engine released it in place (the spare holds the round before)
+    with pytest.raises(ValueError) as raised:
+        shadows.rebound({"n": Endpoint(torch.zeros(5), (0,))}, "worker rank 0")
+    assert str(raised.value) == (
+        "worker rank 0: 'n' was laid out anew in place after a commit swapped its storage, whose spare holds the "
+        "round before, so nothing was written; repair() binds it anew (the next push does, with auto_repair)"
+    )
