@@ -31,14 +31,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sparse",),
     ("storage",),
     ("transport",),
-    ("bind", "models"),
+    ("bind", "models", "lora"),
     ("engine",),
     ("rank",),
     ("vllm", "lead"),
 )
 """Bottom first. `wire` and `planning` are DESIGN.md's pure layer (the plan message encodes a
 schedule; the planner's agreement check reads the ranks' reports); `models` holds the model
-shapes the binder reads and the synthetic models the binder lays out; `lead` leads vLLM's ranks
+shapes the binder reads and the synthetic models the binder lays out, `lora` the names and
+sources of a PEFT adapter (`rl_sync/lora.py`); `lead` leads vLLM's ranks
 through the engine-service protocol of `vllm`, whose trainer-side engine is a `lead` leader."""
 
 OUTSIDE_THE_CORE = ("actors", "ray")
