@@ -2,8 +2,9 @@
 (`sparse_triton`: the same arguments and tables, and the same payloads, baselines and live
 tensors at the end of a round, bit for bit; but the CUDA `diff` advances the baselines that
 Triton's `compact` would, `sparse_fused` sets each row's SEND_UPDATE to match) whose launches
-cost the host tens of microseconds less, on the round's critical path. On an H200, 1 GiB of bf16
-(`docs/benchmarks.md`):
+cost the host tens of microseconds less, on the round's critical path. Each is kept only because
+an H200 benchmark shows it worth more than a tenth of a round, or feeds one that is (below; 1 GiB
+of bf16, `docs/benchmarks.md`, "GPU codec"):
 - for launches whose boxes are all on the vectorized path (contiguous, 16-byte aligned): `diff`,
   which also advances the baseline and stages the values of runs with few changes (0.62 ms at 1%,
   0.78 at 10%), then `compact_sparse` for sparse rows (0.15 ms at 1%), `compact_staged` for busy
@@ -14,6 +15,15 @@ cost the host tens of microseconds less, on the round's critical path. On an H20
 - for any row: `starts`, a receiver's checks of every row, bitmap or blocked, in one launch where
   Triton takes two (`sparse_triton.bitmap_counts`, then `sparse_triton.scan`); `blocked_check`
   and `blocked_apply` for blocked rows (0.017 against 0.025 ms, 0.22 against 0.21 ms at 1%).
+
+`diff` alone is within a tenth of Triton's on the device (0.62 against 0.66 ms at 1%, 0.78 against
+0.65 at 10%) and stays for the `compact` it feeds: `compact_staged` and `compact_sparse` read the
+values from the stage only the CUDA `diff` writes, and skip the baseline update it already made;
+behind Triton's `diff` they would read the sources and write the baselines again (the sender's
+kernels 0.92 against 0.79 ms at 1%, 1.17 against 1.01 at 10%), and `place` would not run. The
+blocked kernels are as fast as Triton's on the device, but a receiver whose blocked rows take
+Triton's uploads its table and queues two Triton launches: folded so, a 1% round (every box
+blocked) took 2.60x the copy against 2.29x, so they stay.
 
 `sparse_fused` sends a launch here when `usable(device)` (asked once per sender or receiver) and,
 for `diff`, `compact` and `expand`, its key is on the vectorized path (and, for `expand`, its
