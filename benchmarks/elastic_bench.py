@@ -20,7 +20,6 @@ Same script on GPUs (`--device cuda`: a trainer GPU and a GPU per engine rank, s
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -28,7 +27,7 @@ import time
 import ray
 from rich.console import Console
 from rich.table import Table
-from staged_bench import _config, _engine, _sync, defaults, placement, start_trainers, write_checkpoint
+from staged_bench import _config, _engine, _sync, arguments, defaults, placement, start_trainers, write_checkpoint
 
 
 def _seconds(call) -> float:
@@ -87,12 +86,7 @@ def show(args, result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tp", type=int, default=None, help="default: 2 on CPUs, 1 on GPUs")
-    parser.add_argument("--trainers", type=int, default=None, help="default: 2 on CPUs, 1 on GPUs")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser = arguments(__doc__)
     defaults(parser, args := parser.parse_args(argv))
     show(args, run(args))
     return 0

@@ -207,13 +207,19 @@ def defaults(parser: argparse.ArgumentParser, args) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The options this benchmark shares with `elastic_bench.py`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tp", type=int, default=None, help="default: 2 on CPUs, 1 on GPUs")
     parser.add_argument("--trainers", type=int, default=None, help="default: 2 on CPUs, 1 on GPUs")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arguments(__doc__)
     parser.add_argument("--cuda-graphs", action="store_true", help="GPU: leave vLLM's CUDA graphs on")
     parser.add_argument("--colocate", action="store_true", help="GPU: trainer i and engine rank i share GPU i")
     parser.add_argument("--prompts", type=int, default=None, help="default: 4 on CPUs, 64 on GPUs")
