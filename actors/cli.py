@@ -40,7 +40,7 @@ def _config(cls, path: str | None, overrides: Sequence[str]):
 def _plan(args, overrides) -> int:
     from rich.progress import Progress
 
-    from rl_sync.planning.report import STEPS, PlanReportConfig, format_report, plan_report
+    from rl_sync.models.plan_report import STEPS, PlanReportConfig, format_report, plan_report
     from rl_sync.planning.simulate import LinkModel
 
     if args.config is None:

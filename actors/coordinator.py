@@ -31,6 +31,7 @@ from itertools import accumulate
 import ray
 import torch
 
+from rl_sync.config.lora import LoraSpec
 from rl_sync.config.push_args import check_mode, repeated_names
 from rl_sync.config.sync import Mode, SyncConfig
 from rl_sync.planning.agreement import checkpoint_of, colocated_mates, group_init, merge_sources, plan_group, summarize
@@ -84,8 +85,12 @@ class Coordinator:
     """Runs as a Ray actor (`ray.remote(Coordinator)`); driven by `WeightSync`. `workers` are
     actor handles and `VllmService`s (see `actors.group` for how ranks are assigned)."""
 
-    def __init__(self, trainers: list, workers: list, config: SyncConfig, token: str | None = None):
+    def __init__(
+        self, trainers: list, workers: list, config: SyncConfig, token: str | None = None, lora: LoraSpec | None = None
+    ):
         self.trainer_handles, self.worker_entries, self.config = list(trainers), list(workers), config
+        self.lora = lora
+        """The adapter a LoRA group binds to the engines' LoRA slots (`WeightSync.create`)."""
         self._assign_ranks()
         self.metrics = RoundMetrics(config.name)
         self.repairs = 0
@@ -135,7 +140,7 @@ class Coordinator:
         sources = merge_sources(trainer_reports)
         checkpoint, sharded = checkpoint_of(sources)
         options = DescribeOptions(
-            group=self.tag, checkpoint=checkpoint, sharded=sharded, double_buffer=cfg.double_buffer
+            group=self.tag, checkpoint=checkpoint, sharded=sharded, double_buffer=cfg.double_buffer, lora=self.lora
         )
         blobs = gather(
             self.workers,

@@ -10,7 +10,7 @@ rl-sync's sync group. Wrap them with `ray.remote` like any class::
     Worker = ray.remote(EngineWorker)
     w = Worker.remote(rank, Parallel(tp=2), hf_config.to_dict(), "tcp://127.0.0.1:29501")
 
-Requires `transformers` (the `hf` extra).
+Requires `transformers` (the `hf` extra), and `peft` for a trainer with a LoRA adapter.
 """
 
 from __future__ import annotations
@@ -26,11 +26,19 @@ import torch.distributed as dist
 
 from rl_sync.bind.binder import Binder
 from rl_sync.bind.rules import Rule
+from rl_sync.lora import adapter_sources
 from rl_sync.models.config import ModelConfig, Parallel
 from rl_sync.models.tp_model import TPModel
 
 from .trainer_mixin import SyncTrainerMixin
 from .worker_mixin import SyncWorkerMixin
+
+
+def _with_adapter(model, lora: Mapping[str, Any]):
+    """`model` with a PEFT LoRA adapter (`default`) of `lora`'s `LoraConfig` arguments."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(**lora))
 
 
 def hf_config(config: Mapping[str, Any]):
@@ -57,7 +65,9 @@ def decoder_layers(model: Any) -> torch.nn.ModuleList:
 class HFTrainer(SyncTrainerMixin):
     """A trainer rank: a `transformers` causal LM from a config (random init, no download),
     every decoder layer and the root `fully_shard`-ed over the trainers' group (Gloo on the CPU;
-    `device="cuda"`: NCCL, one trainer per GPU, the GPU Ray gives the actor)."""
+    `device="cuda"`: NCCL, one trainer per GPU, the GPU Ray gives the actor). `lora`: PEFT
+    `LoraConfig` arguments; the model gets that adapter (the base frozen) before sharding, and
+    the trainer exposes and trains only the adapter (`rl_sync.lora.adapter_sources`)."""
 
     def __init__(
         self,
@@ -69,6 +79,7 @@ class HFTrainer(SyncTrainerMixin):
         norm_noise: float = 0.1,
         dtype: str = "float32",
         device: str = "cpu",
+        lora: Mapping[str, Any] | None = None,
     ):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -80,20 +91,25 @@ class HFTrainer(SyncTrainerMixin):
             backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=120)
         )
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config(config)).to(getattr(torch, dtype))
-        self.model = model.to(self.device)
+        model = AutoModelForCausalLM.from_config(hf_config(config)).to(getattr(torch, dtype)).to(self.device)
         with torch.no_grad():
-            for name, param in self.model.named_parameters():
+            for name, param in model.named_parameters():
                 if "norm" in name:
                     param.normal_(1.0, norm_noise)  # ones would hide a norm bound to the wrong slot
+        self.lora = lora is not None
+        self.model = model if lora is None else _with_adapter(model, lora)
         mesh = init_device_mesh(self.device.type, (size,))
-        for layer in decoder_layers(self.model):
+        for layer in decoder_layers(self.base()):
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.optimizer: torch.optim.AdamW | None = None
 
+    def base(self):
+        """The transformers model (under a PEFT model, the one it adapts)."""
+        return self.model.get_base_model() if self.lora else self.model
+
     def rl_sync_sources(self) -> dict[str, Any]:
-        return dict(self.model.named_parameters())
+        return adapter_sources(self.model) if self.lora else dict(self.model.named_parameters())
 
     @ray.method  # typed: handles get `full_state.remote`
     def full_state(self) -> dict[str, torch.Tensor]:
@@ -108,9 +124,9 @@ class HFTrainer(SyncTrainerMixin):
         return logits
 
     def train_step(self, tokens: torch.Tensor, lr: float = 1e-3) -> float:
-        """One next-token step with AdamW (collective)."""
+        """One next-token step with AdamW over the trainable parameters (collective)."""
         if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+            self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr)
         tokens = tokens.to(self.device)
         logits = self.model(tokens[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
@@ -118,6 +134,22 @@ class HFTrainer(SyncTrainerMixin):
         loss.backward()
         self.optimizer.step()
         return loss.item()
+
+    @ray.method  # typed: handles get `base_state.remote`
+    def base_state(self) -> dict[str, torch.Tensor]:
+        """The base model's parameters whole, by their transformers names, on the CPU (what a
+        checkpoint of it holds; collective)."""
+        return {
+            n.replace(".base_layer.", "."): p.full_tensor().detach().cpu().clone()
+            for n, p in self.base().named_parameters()
+            if ".lora_" not in n
+        }
+
+    def save_adapter(self, directory: str) -> None:
+        """The adapter whole, written by rank 0 with PEFT's `save_pretrained` (collective)."""
+        state = {n: p.full_tensor().detach().cpu() for n, p in self.model.state_dict().items() if ".lora_" in n}
+        if self.rank == 0:
+            self.model.save_pretrained(directory, state_dict=state)
 
     @ray.method  # typed: handles get `call.remote`
     def call(self, fn, *args, **kwargs):

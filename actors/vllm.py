@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from rl_sync.vllm.rank import VllmDestinations
+from rl_sync.vllm.lora import LoraSlots
+from rl_sync.vllm.rank import VllmDestinations, engine_rank_of
 
 from .worker_mixin import SyncWorkerMixin
 
@@ -46,27 +47,43 @@ if TYPE_CHECKING:
 
 class VllmWorkerMixin(SyncWorkerMixin):
     """Inherit in a Ray actor that holds one TP rank of a vLLM engine; define `rl_sync_llm()`
-    returning that `LLM`."""
+    returning that `LLM`. A group created with `lora=LoraSpec(...)` writes the trainers' adapter
+    into one LoRA slot of the engine instead of its weights (`rl_sync.vllm.lora`)."""
 
     _rl_sync_vllm: VllmDestinations | None = None
+    _rl_sync_lora: LoraSlots | None = None
+    rl_sync_takes_lora = True
     rl_sync_llm: Callable[[], LLM]
     """The subclass's: the `LLM` holding this rank."""
 
     def rl_sync_destinations(self, checkpoint):
         side = self._rl_sync_sides["worker"]
-        self._rl_sync_vllm = VllmDestinations.of_llm(self.rl_sync_llm())
-        return self._rl_sync_vllm.bind(checkpoint, side.rank, side.size, side.options.sharded)
+        self._rl_sync_vllm, self._rl_sync_lora = VllmDestinations.of_llm(self.rl_sync_llm()), None
+        if side.options.lora is None:
+            return self._rl_sync_vllm.bind(checkpoint, side.rank, side.size, side.options.sharded)
+        where = engine_rank_of(self._rl_sync_vllm.vllm_config, side.rank, side.size)
+        self._rl_sync_lora = LoraSlots(self._rl_sync_vllm.model, side.options.lora)
+        return self._rl_sync_lora.bind(checkpoint, where, side.size // where.size)
 
     def _rl_sync_bound(self) -> VllmDestinations:
         assert self._rl_sync_vllm is not None  # the hooks below run only once the rank is bound
         return self._rl_sync_vllm
 
+    def _rl_sync_before_round(self, round_info) -> None:
+        if self._rl_sync_lora is not None:
+            self._rl_sync_lora.check()
+        super()._rl_sync_before_round(round_info)
+
     def rl_sync_load_fallbacks(self, pairs) -> None:
         self._rl_sync_bound().load_fallbacks(pairs)
 
     def rl_sync_weights_updated(self, names) -> None:
-        """vLLM's post-load processing for what changed, then a fresh prefix cache."""
-        self._rl_sync_bound().after_update(names)
+        """vLLM's post-load processing for what changed (a LoRA group: the adapter's scaling),
+        then a fresh prefix cache."""
+        if self._rl_sync_lora is not None:
+            self._rl_sync_lora.after_update(names)
+        else:
+            self._rl_sync_bound().after_update(names)
         if not self.rl_sync_llm().reset_prefix_cache():
             raise RuntimeError(
                 "vLLM refused to reset its prefix cache (requests are running); weights changed, so "
@@ -74,22 +91,29 @@ class VllmWorkerMixin(SyncWorkerMixin):
             )
 
     def rl_sync_write_modes(self) -> dict[str, str]:
+        if self._rl_sync_lora is not None:
+            return self._rl_sync_lora.write_modes()
         return self._rl_sync_bound().write_modes()
 
     def rl_sync_swappable(self) -> list[str]:
-        return self._rl_sync_bound().swappable()
+        """None of a LoRA group's (a slot's box is part of a tensor every slot shares)."""
+        return [] if self._rl_sync_lora is not None else self._rl_sync_bound().swappable()
 
     def rl_sync_prepare(self, names, spare) -> None:
-        self._rl_sync_bound().prepare(names, spare)
+        """A LoRA group prepares nothing: its scaling runs at the commit, on the slot."""
+        if self._rl_sync_lora is None:
+            self._rl_sync_bound().prepare(names, spare)
 
 
-def completions(llm, prompts: Sequence[Sequence[int]], sampling: dict[str, Any]) -> list[dict]:
+def completions(llm, prompts: Sequence[Sequence[int]], sampling: dict[str, Any], lora_request=None) -> list[dict]:
     """Per token-id prompt: the first completion's `tokens` and `logprobs` (of the chosen tokens,
     None unless asked for), and every completion's token ids as `samples` (`sampling`:
-    `SamplingParams` fields, `n` included)."""
+    `SamplingParams` fields, `n` included; `lora_request`: vLLM's `LoRARequest` of the adapter
+    to generate with)."""
     from vllm import SamplingParams
 
-    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], SamplingParams(**sampling), use_tqdm=False)
+    prompted = [{"prompt_token_ids": list(p)} for p in prompts]
+    outputs = llm.generate(prompted, SamplingParams(**sampling), use_tqdm=False, lora_request=lora_request)
     out = []
     for output in outputs:
         completion = output.outputs[0]
@@ -204,10 +228,10 @@ class VllmRankActor(VllmWorkerMixin):
     def rl_sync_llm(self):
         return self.llm
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any]) -> list[dict]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any], lora_request=None) -> list[dict]:
         """Token ids and their log-probabilities for each prompt (every rank of the engine
-        calls it with the same arguments)."""
-        return completions(self.llm, prompts, sampling)
+        calls it with the same arguments; `lora_request`: the adapter to generate with)."""
+        return completions(self.llm, prompts, sampling, lora_request)
 
     def version(self) -> int | None:
         """The weight version this rank's live weights hold (rl-sync's, None before a sync)."""
@@ -260,9 +284,13 @@ class VllmEngine:
         ray.get([r.stop.remote() for r in self.ranks], timeout=timeout_s)
         self.start(model, llm_kwargs, timeout_s)
 
-    def generate(self, prompts: Sequence[Sequence[int]], timeout_s: float = 300.0, **sampling) -> list[dict]:
-        """Generate on every rank together; rank 0's outputs (`sampling`: `SamplingParams` fields)."""
-        return ray.get([r.generate.remote(prompts, sampling) for r in self.ranks], timeout=timeout_s)[0]
+    def generate(
+        self, prompts: Sequence[Sequence[int]], timeout_s: float = 300.0, lora_request=None, **sampling
+    ) -> list[dict]:
+        """Generate on every rank together; rank 0's outputs (`sampling`: `SamplingParams` fields;
+        `lora_request`: vLLM's `LoRARequest` of an adapter, e.g. `WeightSync.lora_request()`)."""
+        calls = [r.generate.remote(prompts, sampling, lora_request) for r in self.ranks]
+        return ray.get(calls, timeout=timeout_s)[0]
 
     def versions(self, timeout_s: float = 60.0) -> list[int | None]:
         return ray.get([r.version.remote() for r in self.ranks], timeout=timeout_s)

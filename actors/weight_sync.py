@@ -14,6 +14,12 @@ engines generate with the last, and becomes live at a step boundary::
     rollouts = engine.generate(...)     # the engines serve the previous version meanwhile
     stats = staged.commit()             # waits for the transfer, then swaps it in everywhere
 
+LoRA, with trainers that expose a PEFT adapter (`docs/lora.md`)::
+
+    sync = WeightSync.create(trainers, engine.ranks, config, lora=LoraSpec(name="policy", lora_id=1, rank=8, alpha=16))
+    sync.push()                         # the adapter only, into one LoRA slot of each engine
+    engine.generate(prompts, lora_request=sync.lora_request())
+
 `trainers[i]` must be the actor whose layouts call it rank i (its default
 process-group rank for DTensors); workers follow in their own order.
 """
@@ -30,6 +36,7 @@ import ray
 from ray.actor import ActorHandle
 from rich.console import Console
 
+from rl_sync.config.lora import LoraSpec
 from rl_sync.config.push_args import check_push_args, check_version
 from rl_sync.config.sync import SyncConfig, check_seconds
 from rl_sync.wire.failure import RemoteTraceback
@@ -123,8 +130,9 @@ class WeightSync:
         trainers: Sequence = (),
         workers: Sequence = (),
         token: str = "",
+        lora: LoraSpec | None = None,
     ):
-        self.coordinator, self.config, self.summary = coordinator, config, summary
+        self.coordinator, self.config, self.summary, self.lora = coordinator, config, summary, lora
         self.trainers, self.workers, self.token = list(trainers), list(workers), token
         self.closed = False
         self._abandoned: list[Fence] = []
@@ -139,20 +147,31 @@ class WeightSync:
 
     @classmethod
     def create(
-        cls, trainers: list, workers: list, config: SyncConfig | None = None, *, progress: bool = True
+        cls,
+        trainers: list,
+        workers: list,
+        config: SyncConfig | None = None,
+        *,
+        lora: LoraSpec | None = None,
+        progress: bool = True,
     ) -> WeightSync:
         """Start a coordinator, plan, and connect every rank (bounded by `init_timeout_s`);
         `progress` shows a spinner on the driver's terminal meanwhile. The coordinator runs on
         the driver's node: a node that drops off the network then takes ranks out of the round,
-        not the group's control."""
+        not the group's control. `lora`: the trainers expose a PEFT LoRA adapter
+        (`rl_sync.lora.adapter_sources`) and every round writes it into one LoRA slot of each
+        vLLM engine (`docs/lora.md`); requests name it with `lora_request()`."""
         config = config or SyncConfig()
         if not isinstance(config, SyncConfig):
             raise TypeError(f"WeightSync.create: config must be a SyncConfig, got {type(config).__name__}")
         trainers, workers = list(trainers), list(workers)
         Membership.of(trainers, workers)  # bad entries are refused here, before any actor is reached
+        _check_lora(lora, dict(enumerate(workers)), "WeightSync.create")
         token = uuid.uuid4().hex[:12]
         coordinator = (
-            ray.remote(Coordinator).options(num_cpus=0, **_beside_driver()).remote(trainers, workers, config, token)
+            ray.remote(Coordinator)
+            .options(num_cpus=0, **_beside_driver())
+            .remote(trainers, workers, config, token, lora)
         )
         try:
             with (
@@ -169,7 +188,16 @@ class WeightSync:
             _discard(coordinator, config)
             raise
         log.info("rl-sync group %r: %s", config.name, summary)
-        return cls(coordinator, config, summary, trainers=trainers, workers=workers, token=token)
+        return cls(coordinator, config, summary, trainers=trainers, workers=workers, token=token, lora=lora)
+
+    def lora_request(self, name: str | None = None):
+        """vLLM's `LoRARequest` for the adapter this LoRA group pushes (`name`, if given, must be
+        its name): pass it to `generate` to serve the version last pushed."""
+        if self.lora is None:
+            raise ValueError("lora_request: this group pushes model weights, not a LoRA adapter (create it with lora=)")
+        if name is not None and name != self.lora.name:
+            raise ValueError(f"lora_request: unknown adapter {name!r}; this group pushes {self.lora.name!r}")
+        return self.lora.request()
 
     def push(
         self,
@@ -288,6 +316,7 @@ class WeightSync:
             )
         if isinstance(handle, ActorHandle):
             check_hooks(handle, "worker", f"replace_worker: worker {index}")
+        _check_lora(self.lora, {index: handle}, "replace_worker")
         _unwrap(self._open().replace_worker.remote(index, handle), self.config.init_timeout_s)
         self.workers[index] = handle
 
@@ -393,6 +422,20 @@ class StagedRound:
     def __repr__(self) -> str:
         state = "committed" if self.committed else "staged"
         return f"StagedRound(version={self.version}, mode={self.mode!r}, {state})"
+
+
+def _check_lora(lora: LoraSpec | None, workers: dict[int, object], label: str) -> None:
+    """A LoRA group's spec is a `LoraSpec` and its workers (by index) are vLLM rank actors."""
+    if lora is None:
+        return
+    if not isinstance(lora, LoraSpec):
+        raise TypeError(f"{label}: lora must be a LoraSpec or None, got {type(lora).__name__}")
+    services = [i for i, w in workers.items() if isinstance(w, VllmService)]
+    if services:
+        raise ValueError(
+            f"{label}: workers {services} are vLLM engine services, which take no LoRA rounds yet; "
+            "pass the engines' rank actors (actors.vllm.VllmEngine) to a LoRA group"
+        )
 
 
 def _beside_driver() -> dict:

@@ -11,8 +11,12 @@ push (driver -> coordinator -> actors, the ranks' per-round checks of what
 moved included) over the trainer's handover alone. `--allocators classic,expandable`
 runs every case once per PyTorch allocator setting of the actors (expandable:
 `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, exported as VMM mappings).
+`--profile` then runs `repeat` more rounds of each case with timers around the
+parts of a round inside the actors (`round_profile.py`) and prints, per actor,
+each part's time and the round's timeline (the gaps being Ray calls, the
+coordinator and the driver).
 
-    python benchmarks/gpu_bench.py [--repeat 5] [--allocators classic,expandable]
+    python benchmarks/gpu_bench.py [--repeat 5] [--allocators classic,expandable] [--profile]
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import statistics
 import time
 
 import ray
+import round_profile
 import torch
 from gpu_common import median_round, pair, show, specs_8b, specs_small, start_ray
 from torch.multiprocessing.reductions import reduce_tensor
 
 from actors import WeightSync
 from rl_sync.config.sync import SyncConfig
+from rl_sync.rank import native
 
 
 def copy_floor(nbytes: int, repeat: int) -> float:
@@ -67,7 +73,7 @@ def naive_round(trainer, worker) -> float:
 ALLOCATORS = {"classic": {}, "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 
 
-def bench(specs, repeat: int, allocator: str) -> dict:
+def bench(specs, repeat: int, allocator: str, profile: str | None = None) -> dict:
     pg, trainer, worker = pair(specs, same_gpu=True, env=ALLOCATORS[allocator])
     sync = WeightSync.create(
         [trainer],
@@ -77,6 +83,9 @@ def bench(specs, repeat: int, allocator: str) -> dict:
     assert sync.summary.cuda_ipc, "expected colocated CUDA IPC"
     sync.push()
     result = median_round(sync, repeat)
+    if profile is not None:
+        rounds = round_profile.profiled_rounds(sync, {"trainer": trainer, "worker": worker}, repeat)
+        round_profile.report(rounds, profile)
     naive_round(trainer, worker)
     result["naive_s"] = statistics.median(naive_round(trainer, worker) for _ in range(repeat))
     result["tensors"] = len(specs)
@@ -91,13 +100,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--allocators", default="classic", help="comma-separated: classic, expandable")
+    parser.add_argument("--profile", action="store_true", help="time the parts of a round inside the actors")
     args = parser.parse_args()
+    watch = "C scan" if native.scan() else "Python pass (the log says why)"
+    print(f"torch {torch.__version__}; the ranks' watch: {watch}")
     start_ray()
+    ray.cloudpickle.register_pickle_by_value(round_profile)
     big = specs_8b()
     total = sum(s.nbytes for s in big)
     floor = copy_floor(total, args.repeat)
     results = {
-        f"{label}, {alloc}": bench(specs, args.repeat, alloc)
+        f"{label}, {alloc}": bench(specs, args.repeat, alloc, f"{label}, {alloc}" if args.profile else None)
         for alloc in args.allocators.split(",")
         for label, specs in (("8B shapes", big), ("30k small", specs_small(total, 30000)))
     }

@@ -1,8 +1,8 @@
 """A rank's per-round host time around its transfers, at 10k, 30k and 140k tensors (CPU, no Ray).
 
 What a trainer rank does each round before it sends (`rl_sync_sources()`, then the
-watch of `rl_sync.rank.watch`: identity passes, data pointers and version
-counters, geometry of what moved, and the names resolved again), and what a
+watch of `rl_sync.rank.watch`: identity passes, every tensor's layout compared
+with what was recorded, and the names resolved again), and what a
 worker rank does before it receives (the same watch over the destinations it
 bound). Every tensor is its own storage (the worst case: views of a few fused
 parameters share their owner's pointer and version reads). Cases:
@@ -19,8 +19,12 @@ parameters share their owner's pointer and version reads). Cases:
 tensor's address, shape, strides and dtype), timed on the same tensors. Times
 are this process's CPU time (`time.process_time`), so that a machine shared
 with other work measures what the rank spends rather than its waits for a core.
+The watch runs its C pass (`rl_sync.rank.native`) where it is built, or its
+Python pass with `--scan python` (data pointers and version counters, then the
+geometry of what moved).
 
     python benchmarks/host_round_bench.py [--sizes 10000,30000,140000] [--repeat 9] [--device cuda]
+                                          [--scan c|python]
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rl_sync.planning.layout import Layout, Mesh
-from rl_sync.rank import TrainerRank, WorkerRank
+from rl_sync.rank import TrainerRank, WorkerRank, native
 from rl_sync.rank.side import DescribeOptions
 from rl_sync.storage import Destination
 from rl_sync.wire.messages import RoundInfo
@@ -135,13 +139,21 @@ def main() -> None:
     parser.add_argument("--sizes", default="10000,30000,140000")
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--device", default="cpu", help="where the tensors live (the checks run on the host)")
+    parser.add_argument("--scan", choices=("c", "python"), default="c", help="the watch's C pass or Python pass")
     args = parser.parse_args()
+    if args.scan == "python":
+        native.scan = lambda: None  # (what the watch uses where the C pass cannot be built)
+    elif native.scan() is None:
+        raise SystemExit("the C pass of rl_sync.rank.native cannot be built here (the log says why)")
     sizes = [int(s) for s in args.sizes.split(",")]
     columns: dict[str, dict[int, tuple[float, float]]] = {}
     for n in sizes:
         for label, seconds in trainer_rows(n, args.repeat, args.device) + worker_rows(n, args.repeat, args.device):
             columns.setdefault(label, {})[n] = seconds
-    title = f"A rank's per-round host CPU time, ms ({args.device} tensors; median / fastest of {args.repeat})"
+    title = (
+        f"A rank's per-round host CPU time, ms ({args.device} tensors, the watch's {args.scan} pass; "
+        f"median / fastest of {args.repeat})"
+    )
     table = Table(title=title)
     table.add_column("case")
     for n in sizes:

@@ -98,20 +98,28 @@ def _no_mark(name: str) -> None:
     """The step marks of a plain timed run: none."""
 
 
+def _device_times(fn, setup, device: torch.device) -> dict[str, float]:
+    """Seconds the device spends in each kernel and copy of one `fn()` (after its `setup()`, which
+    is not counted), by name, by the torch profiler."""
+    setup()
+    _sync(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        _sync(device)
+    return {_short(event.key): event.device_time_total / 1e6 for event in profile.key_averages()}
+
+
+def _short(kernel: str) -> str:
+    """A kernel's name without its parameter list (`void compact_sparse<unsigned short, 16384, 8>`)."""
+    return kernel.split("(")[0].removeprefix("void ")
+
+
 def _device_seconds(runs, device: torch.device) -> float | None:
     """Seconds the device spends in the kernels and copies of one `fn()` of each `(fn, setup)` of
-    `runs` (after its `setup()`, which is not counted), by the torch profiler; None on a CPU."""
+    `runs` (`_device_times`); None on a CPU."""
     if device.type != "cuda":
         return None
-    seconds = 0.0
-    for fn, setup in runs:
-        setup()
-        _sync(device)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-            fn()
-            _sync(device)
-        seconds += sum(event.device_time_total for event in profile.key_averages()) / 1e6
-    return seconds
+    return sum(sum(_device_times(fn, setup, device).values()) for fn, setup in runs)
 
 
 @dataclass
@@ -233,21 +241,31 @@ def codec_tables(
     tensors: int = 16,
     reference: bool = False,
     phases: bool = False,
+    kernels: bool = False,
+    densities: tuple[float, ...] = DENSITIES,
 ) -> list[Table]:
     """Diff + encode + baseline update, then validate + apply, for `total_bytes` of bf16 in
-    `tensors` tensors, as one bucket (as a sparse round does); `reference` forces the torch codec;
-    `phases` adds a table of each step's wall time (`_steps`)."""
+    `tensors` tensors, as one bucket (as a sparse round does), at each of `densities`; `reference`
+    forces the torch codec; `phases` adds a table of each step's wall time (`_steps`), `kernels` one
+    of each kernel's device time (`_device_times`, on a GPU)."""
     on_kernel_device = sparse_codec._on_kernel_device
     if reference:
         sparse_codec._on_kernel_device = lambda t: False
     try:
-        return _codec_tables(device, repeat, total_bytes, tensors, reference, phases)
+        return _codec_tables(device, repeat, total_bytes, tensors, reference, phases, kernels, densities)
     finally:
         sparse_codec._on_kernel_device = on_kernel_device
 
 
 def _codec_tables(
-    device: torch.device, repeat: int, total_bytes: int, tensors: int, reference: bool, phases: bool
+    device: torch.device,
+    repeat: int,
+    total_bytes: int,
+    tensors: int,
+    reference: bool,
+    phases: bool,
+    kernels: bool,
+    densities: tuple[float, ...],
 ) -> list[Table]:
     empty, gen = _empty_bucket(device, total_bytes, tensors)
     copy_s = _timed(_copy(empty), device, repeat)
@@ -265,7 +283,10 @@ def _codec_tables(
     for column in (*columns, "device ms", "device / copy"):
         table.add_column(column, justify="right")
     steps = Table(title=f"{table.title}: µs of each step, no synchronization inside the round")
-    for density in DENSITIES:
+    by_kernel = Table(title=f"{table.title}: device µs of each kernel and copy in one round")
+    for column in ("density", "side", "kernel or copy", "device µs"):
+        by_kernel.add_column(column, justify="right")
+    for density in densities:
         bucket = _bucket(empty, density, gen)
         encode_all, apply_all = _sides(sparse_codec, bucket)
         sides = [("send", encode_all, bucket.reset(bucket.baseline)), ("receive", apply_all, bucket.receiving())]
@@ -296,7 +317,11 @@ def _codec_tables(
                 for column in ("density", *times):
                     steps.add_column(column, justify="right")
             steps.add_row(f"{density:.1%}", *(f"{t * 1e6:.0f}" for t in times.values()))
-    return [table, steps] if phases else [table]
+        if kernels and device.type == "cuda":
+            for side, fn, setup in sides:
+                for name, seconds in sorted(_device_times(fn, setup, device).items(), key=lambda item: -item[1]):
+                    by_kernel.add_row(f"{density:.1%}", side, name, f"{seconds * 1e6:.0f}")
+    return [table, *([steps] if phases else []), *([by_kernel] if kernels and device.type == "cuda" else [])]
 
 
 def _base_codec(tree: Path):
@@ -438,6 +463,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--reference", action="store_true", help="with --codec: time the torch codec too")
     parser.add_argument("--phases", action="store_true", help="with --codec: the wall time of each step")
+    parser.add_argument("--kernels", action="store_true", help="with --codec: each kernel's device time (GPU)")
+    parser.add_argument(
+        "--densities",
+        type=lambda text: tuple(float(d) for d in text.split(",")),
+        default=DENSITIES,
+        help="with --codec: the densities of its tables, comma-separated (default: 0.001 to 1.0)",
+    )
     parser.add_argument(
         "--against",
         type=Path,
@@ -448,7 +480,10 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(width=160)
     if args.codec:
-        for table in codec_tables(torch.device(args.device), args.repeat, phases=args.phases):
+        tables = codec_tables(
+            torch.device(args.device), args.repeat, phases=args.phases, kernels=args.kernels, densities=args.densities
+        )
+        for table in tables:
             console.print(table)
         if args.reference:
             console.print(*codec_tables(torch.device(args.device), args.repeat, reference=True))

@@ -1,4 +1,4 @@
-"""Configuration: `SyncConfig` (`sync`), loading YAML from `configs/` into the project's
-dataclasses (`load`), and the driver-side checks on `WeightSync.push` arguments
-(`push_args`).
+"""Configuration: `SyncConfig` (`sync`), the adapter of a LoRA group (`LoraSpec`, `lora`),
+loading YAML from `configs/` into the project's dataclasses (`load`), and the driver-side
+checks on `WeightSync.push` arguments (`push_args`).
 """

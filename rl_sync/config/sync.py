@@ -74,8 +74,8 @@ class SyncConfig:
     set. `bind_host` and `rendezvous_host` take precedence."""
     integrity: str = "keyed"
     """Digest on every transfer, checked before a round counts: `keyed` (HMAC under the group's
-    secret: catches tampering and corruption), `checksum` (corruption only), `off`. See the
-    README's security section for what each costs. One of `Integrity`; typed `str` so a YAML value
+    secret: catches tampering and corruption), `checksum` (corruption only), `off`. See
+    `docs/security.md` for what each costs. One of `Integrity`; typed `str` so a YAML value
     outside it is refused by `__post_init__`, which names the choices."""
 
     @property

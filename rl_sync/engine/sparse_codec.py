@@ -16,7 +16,6 @@ launches; the rest through the per-box torch functions below (`Changes`,
 from __future__ import annotations
 
 import functools
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -36,26 +35,25 @@ from ..sparse.encodings import (
     check_count,
     payload_layout,
 )
+from .sparse_table import BITS_TORCH, check_elements, flags_layout
 
 if TYPE_CHECKING:
-    from .sparse_fused import _Geometry
-    from .sparse_receiver import Destination, FusedReceiver, Tables
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    from .sparse_fused import KeptGeometry
+    from .sparse_receiver import FusedReceiver, KeptDestinations, Tables
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's elements reinterpreted as same-width integers (bit patterns)."""
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
-    return t if t.dtype == _BITS[t.element_size()] else t.view(_BITS[t.element_size()])
+    return t if t.dtype == BITS_TORCH[t.element_size()] else t.view(BITS_TORCH[t.element_size()])
 
 
 def changed(cur: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """Flat bool mask of elements whose bits differ (row-major over the box).
 
     Elements wider than 8 bytes (complex128) are all marked changed: they travel dense."""
-    if cur.element_size() not in _BITS:
+    if cur.element_size() not in BITS_TORCH:
         return torch.ones(cur.numel(), dtype=torch.bool, device=cur.device)
     return (as_bits(cur) != as_bits(base.to(cur.device, non_blocking=True))).reshape(-1)
 
@@ -263,14 +261,6 @@ def _receiver():
     return sparse_receiver
 
 
-def flags_layout(boxes: int) -> tuple[int, int]:
-    """(where the counters begin, how many values in all) of the int32 values a receiver of `boxes`
-    boxes starts from zero (`_zeroed_flags`): a flag a box, the guard, then a counter (int64, so
-    8-byte aligned) a box for the fused checks (the CUDA `starts`, `sparse_fused.FusedReceiver`)."""
-    counters = (boxes + 2) // 2 * 2
-    return counters, counters + 2 * boxes
-
-
 _SPARE_FLAGS: OrderedDict[tuple[torch.device, int], list[torch.Tensor]] = OrderedDict()
 _SPARE_KINDS = 64
 """Bucket sizes (device, boxes) whose spare flag buffers are kept (a few hundred bytes each)."""
@@ -426,29 +416,6 @@ def _advance(base: torch.Tensor, cur: torch.Tensor, code: int, changes: Changes,
         apply(INDICES, base, changes.index.to(base.device), values.to(base.device))
 
 
-def check_elements(first: int, boxes: Sequence[tuple], views: Sequence[torch.Tensor]) -> None:
-    """Refuses a message whose view i (slot `first + i`) holds other elements than its box
-    (`encodings.MessageLayout.boxes[i]`): the fused kernels would write past a smaller one."""
-    for i, (view, (_, _, n, _, _)) in enumerate(zip(views, boxes)):
-        held = view.numel()
-        if held != n:
-            raise ValueError(f"box slot {first + i}: its destination view holds {held} elements; the box has {n}")
-
-
-Refs = tuple["weakref.ref[torch.Tensor]", ...]
-"""Weak references to tensors a `KeptTables` finds again by identity: it keeps no tensor alive (a
-source cast to the wire's dtype is a new tensor each round, and is never found again)."""
-
-
-def refer(tensors: Sequence[torch.Tensor]) -> Refs:
-    return tuple(map(weakref.ref, tensors))
-
-
-def refers_to(refs: Refs, tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether `refs` (`refer`) are references to exactly `tensors`, in order, every one alive."""
-    return len(refs) == len(tensors) and all(ref() is tensor for ref, tensor in zip(refs, tensors))
-
-
 class KeptTables:
     """What the sender and receivers of one bucket keep from round to round (`BucketChanges(...,
     kept=)`, `BucketReceiver(..., kept=)`; a sparse round keeps one with the bucket's views,
@@ -462,8 +429,8 @@ class KeptTables:
     builds new views, with a new one, when a weight moves). One round at a time."""
 
     def __init__(self) -> None:
-        self.geometry: tuple[Refs, list[int], tuple[bool, ...], _Geometry] | None = None
-        self.destinations: dict[int, tuple[Refs, tuple, int, list[Destination]]] = {}
+        self.geometry: KeptGeometry | None = None
+        self.destinations: dict[int, KeptDestinations] = {}
         self.tables: OrderedDict[tuple, Tables] = OrderedDict()
 
 
@@ -480,7 +447,7 @@ class BucketReceiver:
     their way, so that only the kernels wait for them.
 
     Bitmap and blocked payloads bound for a CUDA view of the wire dtype are validated by the
-    fused kernels (`sparse_fused.FusedReceiver`), every such box of the bucket in the same
+    fused kernels (`sparse_receiver.FusedReceiver`), every such box of the bucket in the same
     launches, and written likewise; the rest `decode` and `apply` at `commit`. A malformed box
     raises its flag and the bucket's guard (the last flag) on the device, and the fused writes,
     queued right behind the checks, write nothing while the guard is raised; so `commit` reads

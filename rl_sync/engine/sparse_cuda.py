@@ -41,15 +41,16 @@ import numpy as np
 import torch
 
 from ..sparse.encodings import ALIGN, BITMAP, BLOCK, BLOCKED, DENSE, INDICES, MAX_INDEX
-from . import sparse_triton as kernels
+from . import sparse_table
+from .sparse_table import BUSIER, BUSY, INT32_INDEX, NONE, TILE, UINT16_OFFSET, anchor_address
 
 C_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
-"""The CUDA type a kernel moves elements of each width as (bits, like `sparse_triton.BITS`)."""
+"""The CUDA type a kernel moves elements of each width as (bits, like `sparse_table.BITS_TORCH`)."""
 DIFF_PARTS = 2
 """Programs a tile of the CUDA `diff` (the Triton one takes `sparse_triton.DIFF_PARTS`): on an H200,
 1 GiB of bf16, 0.516 ms with 2 or 1 (about 0.9x the copy: it reads, where the copy also writes),
 0.519 ms with 4, 0.674 ms with 8."""
-_DIFF_PART = kernels.TILE // DIFF_PARTS
+_DIFF_PART = TILE // DIFF_PARTS
 """Elements a program of the CUDA `diff` compares."""
 STAGE_SHARE = 8
 """A warp of the CUDA `diff` whose changes are at most this fraction of its elements (an eighth)
@@ -66,7 +67,7 @@ def stage_run(width: int) -> int:
 
 def stage_bytes(tiles: int, width: int) -> int:
     """Bytes of the stage of a box of `tiles` tiles of `width`-byte elements (16-byte multiples)."""
-    return tiles * kernels.TILE // STAGE_SHARE * width
+    return tiles * TILE // STAGE_SHARE * width
 
 
 WARPS = {
@@ -134,33 +135,25 @@ def _options() -> tuple[str, ...]:
 
 def _macros() -> tuple[str, ...]:
     """The table columns and constants the source reads, from their Python definitions."""
-    names = [name for name in dir(kernels) if name.startswith(("SEND_", "RECV_"))]
-    values = {name: getattr(kernels, name) for name in names}
-    values |= {"NO_INDEX": kernels.NONE, "INT32_INDEX": kernels.INT32_INDEX, "UINT16_OFFSET": kernels.UINT16_OFFSET}
+    names = [name for name in dir(sparse_table) if name.startswith(("SEND_", "RECV_"))]
+    values = {name: getattr(sparse_table, name) for name in names}
+    values |= {"NO_INDEX": NONE, "INT32_INDEX": INT32_INDEX, "UINT16_OFFSET": UINT16_OFFSET}
     values |= {"BLOCK": BLOCK, "INLINE_VALUES": INLINE_VALUES, "STAGE_SHARE": STAGE_SHARE}
-    values |= {"ALIGN": ALIGN, "MAX_INDEX": MAX_INDEX, "BUSY": _density().BUSY, "BUSIER": _density().BUSIER}
+    values |= {"ALIGN": ALIGN, "MAX_INDEX": MAX_INDEX, "BUSY": BUSY, "BUSIER": BUSIER}
     values |= {"CODE_INDICES": INDICES, "CODE_BITMAP": BITMAP, "CODE_DENSE": DENSE, "CODE_BLOCKED": BLOCKED}
     values |= {f"STAGE_RUN_{width}": stage_run(width) for width in C_TYPES}
-    return tuple(f"-D{name}={getattr(value, 'value', value)}" for name, value in sorted(values.items()))
-
-
-def _density():
-    """`sparse_fused`, where the density classes are defined (imported here, when the file is
-    compiled: it imports this module)."""
-    from . import sparse_fused
-
-    return sparse_fused
+    return tuple(f"-D{name}={value}" for name, value in sorted(values.items()))
 
 
 def _name(kernel: str, width: int) -> str:
     part = f", {_DIFF_PART}" if kernel == "diff" else ""
-    return f"{kernel}<{C_TYPES[width]}, {kernels.TILE}{part}, {WARPS[kernel][width]}>"
+    return f"{kernel}<{C_TYPES[width]}, {TILE}{part}, {WARPS[kernel][width]}>"
 
 
-_STARTS = f"starts<{kernels.TILE}, {STARTS_WARPS}>"
+_STARTS = f"starts<{TILE}, {STARTS_WARPS}>"
 PLACE_THREADS = 256
 """Threads of `place`'s one program: it takes the bucket's rows this many at a time."""
-_PLACE = f"place<{kernels.TILE}, {PLACE_THREADS}>"
+_PLACE = f"place<{TILE}, {PLACE_THREADS}>"
 _NAMES = {(kernel, width): _name(kernel, width) for kernel in WARPS for width in C_TYPES}
 """`_name` of each kernel and width (a launch looks its name up rather than formatting it)."""
 BLOCKED_WARPS = 4
@@ -280,7 +273,7 @@ class BoundDiff:
     ):
         _check_path("diff", key, None)
         width, self._device, self._total = key[0], counts.get_device(), total
-        anchor = kernels.anchor_address(self._device, width)
+        anchor = anchor_address(self._device, width)
         values = [table.data_ptr(), firsts.data_ptr(), boxes, 0, counts.data_ptr(), totals.data_ptr(), anchor]
         self._values = np.array(values, dtype=np.int64)
         first = self._values.ctypes.data
@@ -372,7 +365,7 @@ def _launch_rows(
     if total:
         device = data[0].get_device()
         where, inline = _rows(table, firsts, name != "diff")
-        addresses = (*(t.data_ptr() for t in data), kernels.anchor_address(device, width))
+        addresses = (*(t.data_ptr() for t in data), anchor_address(device, width))
         _launch(_NAMES[name, width], WARPS[name][width], total, device, *where, boxes, *addresses, inline=inline)
 
 
@@ -485,7 +478,7 @@ def blocked_apply(
     if total:
         device, width = starts.get_device(), key[0]
         where, inline = _rows(table, firsts, True)
-        args = (*where, boxes, starts.data_ptr(), guard.data_ptr(), kernels.anchor_address(device, width))
+        args = (*where, boxes, starts.data_ptr(), guard.data_ptr(), anchor_address(device, width))
         _launch(_BLOCKED_APPLY[width], BLOCKED_WARPS, total, device, *args, inline=inline)
 
 
@@ -510,7 +503,7 @@ def place(
     `headers` (int64, 2 a row) each row's wire header, its code and count (`n` for dense), as a
     sparse round sends it."""
     device = rows.get_device()
-    anchor = kernels.anchor_address(device, width)
+    anchor = anchor_address(device, width)
     args = (rows.data_ptr(), boxes, totals.data_ptr(), width, int(dense), buffer.data_ptr(), buffer.numel(), anchor)
     tables = (out.data_ptr(), firsts.data_ptr(), placed.data_ptr(), headers.data_ptr())
     _launch(_PLACE, PLACE_THREADS // 32, 1, device, *args, *tables)

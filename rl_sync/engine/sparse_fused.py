@@ -21,17 +21,29 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
 from ..sparse.encodings import ALIGN, BITMAP, BLOCK, BLOCKED, DENSE, encoded_nbytes, payload_layout
-from . import sparse_cuda
-from . import sparse_triton as kernels
-from .sparse_codec import KeptTables, refer, refers_to
-from .sparse_triton import Strided2D
-
-Key = tuple[int, bool]
-"""Which launch a box joins: (element width, every box of the launch on the vectorized path)."""
+from . import sparse_cuda, sparse_launch
+from .sparse_launch import Prepared, Row
+from .sparse_table import (
+    INDEX_KIND,
+    SEND_COLUMNS,
+    TILE,
+    WORDS,
+    Key,
+    Refs,
+    Strided2D,
+    Upload,
+    as_2d,
+    density,
+    element_offset,
+    refer,
+    refers_to,
+    tiles,
+)
 
 
 @dataclass(frozen=True)
@@ -73,134 +85,17 @@ class _Box:
 
     @functools.cached_property
     def tiles(self) -> int:
-        return kernels.tiles(self.n)
+        return tiles(self.n)
 
     def row(
         self, values: int = 0, index: int = 0, kind: int = -1, update: bool = False, bitmap: int = 0, blocks: int = 0
     ) -> list[int]:
-        """Its `sparse_triton.SEND_*` row (`kind` -1: no values written)."""
+        """Its `sparse_table.SEND_*` row (`kind` -1: no values written)."""
         return [*self._head, values, index, kind, int(update), bitmap, blocks, self.index, self.stage]
 
     @functools.cached_property
     def _head(self) -> tuple[int, ...]:
         return *self.cur.columns, *self.base.columns, self.n, self.slot
-
-
-BUSY = 32
-"""A box with more than one change in this many elements (one per bitmap word on average) is busy:
-it takes the busy `compact` / `expand` launches, which handle every element of
-`sparse_triton.SUB` words at once; sparser boxes visit their marks `sparse_triton.ROUNDS` per word
-at a time."""
-BUSIER = 5
-"""A busy box with more than one change in this many elements is busier: the same kernels, with
-other warps a program (`sparse_triton.COMPACT_WARPS`, `sparse_triton.EXPAND_WARPS`)."""
-
-
-def density(k: int, n: int) -> int:
-    """The density class of a box of `k` changes in `n` elements: 0 sparse, 1 busy, 2 busier."""
-    return int(k * BUSY > n) + int(k * BUSIER > n)
-
-
-Row = tuple[Key, "int | None", int, list[int]]
-"""(key, density class or None (a kernel without the choice), programs, table row): one box of a
-launch."""
-
-
-@dataclass(frozen=True)
-class _Launch:
-    """One kernel launch's rows and their program starts: `table[rows]` and `table[firsts]` of the
-    uploaded `table` (slices), or host values its kernel carries inline (`sparse_cuda.Rows`)."""
-
-    key: Key
-    density: int | None
-    rows: slice | list[int]
-    firsts: slice | list[int]
-    boxes: int
-    total: int
-
-
-def _launches(
-    rows: list[Row], up: kernels.Upload, inline: Callable[[Key, int | None], bool] = lambda *_: False
-) -> list[_Launch]:
-    """One launch per (key, density class) of `rows`, in that order: its table and starts carried
-    inline where `inline(key, density class)` says its kernel takes them so and they fit
-    (`sparse_cuda.fits_inline`), else added to `up`."""
-    groups: dict[tuple[Key, int | None], tuple[list[int], list[list[int]]]] = {}
-    for key, density_, count, row in rows:
-        group = groups.get((key, density_))
-        if group is None:
-            group = groups[key, density_] = ([], [])
-        group[0].append(count)
-        group[1].append(row)
-    out = []
-    for key, density_ in sorted(groups, key=_launch_order):
-        programs, table = groups[key, density_]
-        firsts = kernels.starts(programs)
-        if inline(key, density_) and sparse_cuda.fits_inline(len(table), len(table[0])):
-            out.append(_Launch(key, density_, [*itertools.chain.from_iterable(table)], firsts, len(table), firsts[-1]))
-        else:
-            at = up.add_rows(table)
-            out.append(_Launch(key, density_, at, up.add(firsts), len(table), firsts[-1]))
-    return out
-
-
-def _launch_order(launch: tuple[Key, int | None]) -> tuple[Key, bool, int]:
-    """The order of launches `(key, density class or None)`: by key, then by density class, a
-    launch without one (a receiver's `blocked_apply`) last."""
-    key, density_ = launch
-    return key, density_ is None, density_ or 0
-
-
-def _kernels(name: str, key: Key, density_: int | None, cuda: bool):
-    """The module whose kernel `name` (`diff`, `compact` or `expand`) a launch of `key` and density
-    class `density_` takes: with `cuda` (`sparse_cuda.usable`, asked once per sender or receiver),
-    `sparse_cuda` for launches on the vectorized path (every `diff` and `compact`, busy `expand`s),
-    else `sparse_triton`."""
-    return sparse_cuda if cuda and key[1] and (name != "expand" or bool(density_)) else kernels
-
-
-def _kernel(name: str, key: Key, density_: int | None, cuda: bool):
-    """Kernel `name` for a launch of `key` and density class `density_` (`_kernels`' choice)."""
-    return getattr(_kernels(name, key, density_, cuda), name)
-
-
-Prepared = tuple[Callable[..., None], tuple, tuple]
-"""A launch ready to run: (kernel, its arguments up to its key, its density class when it has
-one): `kernel(*head, *args, *choice)`."""
-
-
-def _prepared(name: str, launches: list[_Launch], dev: torch.Tensor | None, cuda: bool) -> list[Prepared]:
-    """Each launch of kernel `name` with programs (`_kernel`'s choice, with `cuda`), its table and
-    starts sliced from the uploaded `dev` (or carried inline)."""
-    return [
-        (
-            _kernel(name, launch.key, launch.density, cuda),
-            (_part(dev, launch.rows), _part(dev, launch.firsts), launch.boxes, launch.total, launch.key),
-            () if launch.density is None else (launch.density,),
-        )
-        for launch in launches
-        if launch.total
-    ]
-
-
-def _part(dev: torch.Tensor | None, where: slice | list[int]) -> torch.Tensor | list[int]:
-    """`where` of the uploaded `dev`, or the host values of a launch that carries them inline."""
-    if isinstance(where, list):
-        return where
-    assert dev is not None  # (something was uploaded)
-    return dev[where]
-
-
-def _on_cuda(name: str, cuda: bool) -> Callable[[Key, int | None], bool]:
-    """Whether a launch of kernel `name`, key and density class takes `sparse_cuda`'s kernel (which
-    can carry its rows inline), with `cuda` (`sparse_cuda.usable`)."""
-    return lambda key, density_: _kernels(name, key, density_, cuda) is sparse_cuda
-
-
-def _run(name: str, launches: list[_Launch], dev: torch.Tensor | None, *args, cuda: bool) -> None:
-    """Each launch of kernel `name` (`_prepared`), with `args` after its key."""
-    for kernel, head, choice in _prepared(name, launches, dev, cuda):
-        kernel(*head, *args, *choice)
 
 
 class _Scratch:
@@ -263,7 +158,7 @@ class _Plan:
     copy in pinned host memory and the event of that copy."""
 
     def __init__(self, boxes: int, device: torch.device, stream: torch.cuda.Stream | None):
-        rows, values = boxes * kernels.SEND_COLUMNS, sparse_cuda.placed_values(boxes)
+        rows, values = boxes * SEND_COLUMNS, sparse_cuda.placed_values(boxes)
         memory = torch.empty(rows + 3 * (boxes + 1) + values, dtype=torch.int64, device=device)
         self.rows, self.starts = memory[:rows], memory[rows : rows + 3 * (boxes + 1)]
         self.firsts = [self.starts[d * (boxes + 1) : (d + 1) * (boxes + 1)] for d in range(3)]
@@ -312,7 +207,7 @@ class _Geometry:
     slots: int
     tiles: int
     """The boxes' tiles, in all."""
-    diff: list[_Launch]
+    diff: list[sparse_launch.Launch]
     table: torch.Tensor
     cuda: bool
     """Its launches may take the CUDA kernels (`sparse_cuda.usable` when it was built): the two
@@ -351,7 +246,7 @@ class _Geometry:
     def launches(self) -> list[Prepared]:
         """The `diff` launches, ready to run (their rows sliced from `table` once, not every
         round)."""
-        return _prepared("diff", self.diff, self.table, self.cuda)
+        return sparse_launch.prepared("diff", self.diff, self.table, self.cuda)
 
     def lend(self, device: torch.device, number: int) -> _Scratch:
         """Scratch for one sender on `device` (numbered `number`), until it gives it back (`lent`
@@ -390,7 +285,7 @@ def _pair_2d(cur: torch.Tensor, base: torch.Tensor, device: torch.device) -> tup
         return None
     if not cur.numel() or cur.shape != base.shape:  # (a mismatch takes the torch path, which refuses it)
         return None
-    pair = kernels.as_2d(cur), kernels.as_2d(base)
+    pair = as_2d(cur), as_2d(base)
     return None if pair[0] is None or pair[1] is None else (pair[0], pair[1])
 
 
@@ -410,16 +305,27 @@ def _signature(pairs: list[tuple[torch.Tensor, torch.Tensor]], candidates: list[
     )
 
 
+KeptGeometry = tuple[Refs, list[int], tuple[bool, ...], _Geometry]
+"""What a bucket's sender keeps from round to round: (weak references to) the tensor objects, the
+candidates and the overlaps its last geometry was found for, and that geometry."""
+
+
+class Keeper(Protocol):
+    """Where a bucket keeps its sender's geometry (`sparse_codec.KeptTables`)."""
+
+    geometry: KeptGeometry | None
+
+
 def geometry(
     pairs: list[tuple[torch.Tensor, torch.Tensor]],
     candidates: list[int],
     shared: Sequence[bool],
-    kept: KeptTables | None = None,
+    kept: Keeper | None = None,
 ) -> _Geometry:
     """The geometry of the boxes among `candidates` (indices of `pairs` on CUDA) that take the
     fused path: those on the first candidate's device whose source and baseline match (the
     others take the torch path); built on first use, then found by where the boxes are, or, with
-    the bucket's `kept`, by the tensor objects of its last round (`KeptTables.geometry`), while
+    the bucket's `kept`, by the tensor objects of its last round (`Keeper.geometry`), while
     `sparse_cuda.usable` gives the same answer."""
     if kept is None:
         return _geometry(pairs, candidates, shared)
@@ -446,7 +352,7 @@ def _geometry(
         _GEOMETRIES.move_to_end(signature)
         return found
     device = first.device
-    per_block, slot, boxes = BLOCK // kernels.TILE, 0, {}
+    per_block, slot, boxes = BLOCK // TILE, 0, {}
     for i in candidates:
         cur = pairs[i][0]
         pair = _pair_2d(cur, pairs[i][1], device)
@@ -454,10 +360,10 @@ def _geometry(
             boxes[i] = _Box(i, *pair, cur.numel(), cur.element_size(), slot, shared[i])
             slot += -(-cur.numel() // BLOCK) * per_block
     boxes, stage = _staged(boxes, slot, cuda)
-    up = kernels.Upload()
-    parts = {b.key: _kernels("diff", b.key, None, cuda).DIFF_PARTS for b in boxes.values()}  # as `launches` picks
+    up = Upload()
+    parts = {b.key: sparse_launch.kernels_for("diff", b.key, None, cuda).DIFF_PARTS for b in boxes.values()}
     rows: list[Row] = [(b.key, None, b.tiles * parts[b.key], b.row(update=b.diff_advances)) for b in boxes.values()]
-    diff = _launches(rows, up)
+    diff = sparse_launch.launches(rows, up)
     tiles = sum(b.tiles for b in boxes.values())
     table = up.send(device) if boxes else torch.empty(0, dtype=torch.int64)
     made = _Geometry(boxes, slot, tiles, diff, table, cuda, len(pairs), stage)
@@ -484,12 +390,12 @@ def _placeable(g: _Geometry) -> bool:
 
 
 def _staged(boxes: dict[int, _Box], slots: int, cuda: bool) -> tuple[dict[int, _Box], int]:
-    """`boxes` (of `slots` tile slots), those that take the CUDA `diff` (`_kernels`' choice, with
+    """`boxes` (of `slots` tile slots), those that take the CUDA `diff` (`sparse_launch.kernels_for`' choice, with
     `cuda`) given their stage, one after another behind the words; and the stages' bytes."""
-    at = words = slots * kernels.WORDS * 4
+    at = words = slots * WORDS * 4
     staged = {}
     for i, box in boxes.items():
-        if _kernels("diff", box.key, None, cuda) is sparse_cuda:
+        if sparse_launch.kernels_for("diff", box.key, None, cuda) is sparse_cuda:
             box = replace(box, stage=at)
             at += sparse_cuda.stage_bytes(box.tiles, box.width)
         staged[i] = box
@@ -536,12 +442,12 @@ class FusedSender:
         self._device = first.get_device()  # (every fused box's, by number)
         self._scratch = scratch = g.lend(device, self._device)
         self._tiles = scratch.tiles
-        self._words = torch.empty(g.slots * kernels.WORDS + g.stage // 4, dtype=torch.int32, device=device)
+        self._words = torch.empty(g.slots * WORDS + g.stage // 4, dtype=torch.int32, device=device)
         for diff in scratch.diffs:
             diff(self._words)
         placing = allow_dense is not None and g.rows is not None
         counted = None if placing else scratch.read_back()  # the bucket's one host transfer, before the sums
-        self._blocks = self._tiles.view(-1, BLOCK // kernels.TILE).sum(1, dtype=torch.int32)
+        self._blocks = self._tiles.view(-1, BLOCK // TILE).sum(1, dtype=torch.int32)
         self._starts = torch.cumsum(self._tiles, 0) - self._tiles
         self.placed: Placed | None = None
         self.counts = self._place(bool(allow_dense)) if counted is None else counted()
@@ -609,10 +515,10 @@ class FusedSender:
         if not k:
             out[: at.head].zero_()
             return
-        values = kernels.element_offset(address + at.values, self._device, width)
+        values = element_offset(address + at.values, self._device, width)
         bitmap, index = (address, 0) if code == BITMAP else (0, address + at.positions)
         blocks = address if code == BLOCKED else 0
-        row = box.row(values, index, kernels.INDEX_KIND[code], box.encode_advances, bitmap, blocks)
+        row = box.row(values, index, INDEX_KIND[code], box.encode_advances, bitmap, blocks)
         class_ = density(k, n)
         self._rows.append((box.key, class_, box.tiles, row))
         self._payloads.append(out)
@@ -623,10 +529,10 @@ class FusedSender:
                 self._flush_at = max(self.geometry.tiles // FLUSHES, FLUSH_TILES)
 
     def _compact(self, rows: list[Row]) -> None:
-        up, cuda = kernels.Upload(), self.geometry.cuda
-        launches = _launches(rows, up, _on_cuda("compact", cuda))
+        up, cuda = Upload(), self.geometry.cuda
+        launches = sparse_launch.launches(rows, up, sparse_launch.on_cuda("compact", cuda))
         dev = up.send(self.device) if len(up) else None
-        _run("compact", launches, dev, self._words, self._starts, self._blocks, cuda=cuda)
+        sparse_launch.run("compact", launches, dev, self._words, self._starts, self._blocks, cuda=cuda)
 
     def complete(self) -> None:
         """Every encoding, and the baselines of boxes no other box overlaps."""

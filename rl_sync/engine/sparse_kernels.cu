@@ -457,7 +457,7 @@ __device__ __forceinline__ void compact_program(const Inline& in, const i64* tab
   wire_block_count<TILE>(row, blocks, slot, t);
 }
 
-// `compact_program` for busier SEND rows (more than `1 / sparse_fused.BUSIER` changed: more than a
+// `compact_program` for busier SEND rows (more than `1 / sparse_table.BUSIER` changed: more than a
 // stage holds), from the source. At least 48 warps an SM for 2-byte elements (40 registers a
 // thread: with 40 warps and 48 registers it took 4% longer on an H200), 40 for 1-byte ones (48
 // registers, as before the read one step ahead; 32 warps took 2% longer), 32 for wider ones (64
@@ -511,7 +511,7 @@ __device__ __forceinline__ void marks_from_source(const i64* row, VT* anchor, i6
   }
 }
 
-// `compact` for sparse SEND rows (at most one change in `sparse_fused.BUSY` elements: a few marks a
+// `compact` for sparse SEND rows (at most one change in `sparse_table.BUSY` elements: a few marks a
 // word), one program a tile: each thread takes 2 consecutive words and a block-wide scan of their
 // marks gives its first payload position. A tile whose runs left their values in the stage takes
 // them from there (`staged_tile`); any other visits its marks in the source (`marks_from_source`):
@@ -855,7 +855,7 @@ __device__ __forceinline__ i64 scan_from(i64 x, i64* sums, i64* carry) {
 // out one after another from `buffer` (byte address), each row's wire header (code, then its count,
 // `n` for dense) in `headers`: `out` takes each row as `compact` reads it
 // (values, positions and outputs in the payload; no baseline update: `diff` made it), `firsts` the
-// program starts of the three density classes' `compact` launches (`sparse_fused.density`: a
+// program starts of the three density classes' `compact` launches (`sparse_table.density`: a
 // program a tile, none for a dense payload or an empty indexed one), each `boxes + 1` values, and
 // `placed` each row's code, byte offset and count, then the payloads' bytes in all, whether they
 // fit in `capacity` bytes, and each class's programs. Payloads that do not fit leave every

@@ -18,21 +18,40 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, PayloadLayout
-from . import sparse_cuda
-from . import sparse_triton as kernels
-from .sparse_codec import KeptTables, check_elements, flags_layout, refer, refers_to
+from . import sparse_cuda, sparse_triton
 from .sparse_cuda import STARTS_WARPS
-from .sparse_fused import BUSIER, BUSY, Key, _kernels, _launch_order
-from .sparse_triton import TILE
+from .sparse_launch import kernels_for, launch_order
+from .sparse_table import (
+    BUSIER,
+    BUSY,
+    RECV_COLUMNS,
+    RECV_COUNTS,
+    RECV_K,
+    RECV_OFFSETS,
+    RECV_VALUES,
+    RECV_WORDS,
+    TILE,
+    Key,
+    Refs,
+    Upload,
+    anchor_address,
+    check_elements,
+    flags_layout,
+    refer,
+    refers_to,
+    starts,
+    strided,
+)
 
 
 def disjoint(spans: list[tuple[int, int]]) -> bool:
@@ -87,13 +106,13 @@ def _destination(
     dest = None
     if held == dtype and width <= 8 and n and here:
         try:
-            dest = kernels.strided(address, shape, strides, width, device)
+            dest = strided(address, shape, strides, width, device)
         except ValueError as error:  # (not aligned to its elements)
             return Destination(n, (), (width, False), None, width, 0, str(error))
     if dest is None:
         return Destination(n, (), (width, False), None, width, 0)
     span = (address, address + n * width) if dest.fast else None
-    anchor = kernels.anchor_address(device, width)
+    anchor = anchor_address(device, width)
     return Destination(n, (*dest.columns, n), (width, dest.fast), span, width, anchor)
 
 
@@ -103,10 +122,7 @@ _BLOCKED_ROW = 3
 """A blocked box's place in a message's shape (a bitmap box's is its density class, 0 to 2)."""
 _TORCH = -1
 """A box's place in a message's shape when it takes the torch path."""
-_PER_ROUND = np.array(
-    [c.value for c in (kernels.RECV_WORDS, kernels.RECV_OFFSETS, kernels.RECV_VALUES, kernels.RECV_K)]
-    + [kernels.RECV_COUNTS.value]
-)
+_PER_ROUND = np.array([RECV_WORDS, RECV_OFFSETS, RECV_VALUES, RECV_K, RECV_COUNTS])
 """The columns of a row that follow from the round's payload and count, in the order a receiver
 gathers them (`FusedReceiver.add_message`): bitmap words, in-block offsets, values, count, and
 block counts."""
@@ -149,7 +165,7 @@ class Tables:
 
     @property
     def rows(self) -> int:
-        return len(self.template) // kernels.RECV_COLUMNS
+        return len(self.template) // RECV_COLUMNS
 
     def table(self, per_round: list[int]) -> np.ndarray:
         """The rows, with each row's `_PER_ROUND` columns from `per_round` (five values a row)."""
@@ -164,16 +180,16 @@ def tables(messages: Sequence[Message], usable: bool) -> Tables:
     rows, checks, writes, counts, spans = _rows(messages, usable)
     firsts = {}
     for launch, each in _programs(checks, writes, counts).items():
-        at = kernels.starts(each)
+        at = starts(each)
         firsts[launch] = (at, at[-1])
     cuda = usable and disjoint(spans)
     queued = [
         (_writer(key, density_, cuda, usable), key, density_, (key, density_))
-        for key, density_ in sorted(filter(_is_write, firsts), key=_launch_order)
+        for key, density_ in sorted(filter(_is_write, firsts), key=launch_order)
     ]
-    inline = usable and sparse_cuda.fits_inline(len(counts), kernels.RECV_COLUMNS)
+    inline = usable and sparse_cuda.fits_inline(len(counts), RECV_COLUMNS)
     inline = inline and all(module is sparse_cuda for module, *_ in queued)
-    per_round_at = (np.arange(len(counts))[:, None] * kernels.RECV_COLUMNS + _PER_ROUND).ravel()
+    per_round_at = (np.arange(len(counts))[:, None] * RECV_COLUMNS + _PER_ROUND).ravel()
     with_programs = [write for write in queued if firsts[write[3]][1]]
     return Tables(np.array(rows, dtype=np.int64), per_round_at, firsts, with_programs, inline, sum(counts))
 
@@ -230,16 +246,29 @@ def _programs(checks: list[int], writes: list[Launch], counts: list[int]) -> dic
 def _writer(key: Key, density_: int | None, cuda: bool, usable: bool):
     """The module whose kernel writes a launch of `key` and density class `density_` (None:
     blocked rows): `sparse_cuda` for blocked rows wherever it is `usable` (its `blocked_apply`
-    writes one element at a time, strided or not), and for bitmap ones as `_kernels` picks
+    writes one element at a time, strided or not), and for bitmap ones as `sparse_launch.kernels_for` picks
     `expand` with `cuda` (usable, and the bitmap destinations disjoint); else `sparse_triton`."""
     if density_ is None:
-        return sparse_cuda if usable else kernels
-    return _kernels("expand", key, density_, cuda)
+        return sparse_cuda if usable else sparse_triton
+    return kernels_for("expand", key, density_, cuda)
 
 
 _KEPT_SHAPES = 8
 """Header shapes whose tables a bucket keeps (`KeptTables`): a round's boxes change encoding or
 density class now and then, and back."""
+
+
+KeptDestinations = tuple[Refs, tuple, int, list[Destination]]
+"""A message's destinations as a receiver found them: (weak references to) its views, their dtypes,
+the payload's device, and each view's `Destination`."""
+
+
+class Keeper(Protocol):
+    """Where a bucket keeps what its receivers worked out (`sparse_codec.KeptTables`): each message's
+    destinations by its first slot, and the tables of its last header shapes (`_KEPT_SHAPES`)."""
+
+    destinations: dict[int, KeptDestinations]
+    tables: OrderedDict[tuple, Tables]
 
 
 class FusedReceiver:
@@ -258,7 +287,7 @@ class FusedReceiver:
     take Triton's, which writes marked elements alone), and nothing else may write those views
     while the bucket is written (an inference engine only reads its weights)."""
 
-    def __init__(self, device: torch.device, zeroed: torch.Tensor, bucket: int, kept: KeptTables | None = None):
+    def __init__(self, device: torch.device, zeroed: torch.Tensor, bucket: int, kept: Keeper | None = None):
         """`zeroed`: the bucket receiver's int32 values, all zero (`flags_layout(bucket)` for its
         `bucket` boxes): a flag a box, the guard, then the `starts` counters; `kept`: what the
         bucket's earlier receivers worked out (None: everything is worked out afresh)."""
@@ -375,10 +404,10 @@ class FusedReceiver:
             queued.append((sparse_cuda.starts, (table, checks_at, boxes, checks, counts, starts, *flags, done)))
         else:
             if checks:
-                queued.append((kernels.bitmap_counts, (table, checks_at, boxes, checks, counts, *flags)))
-            queued.append((kernels.scan, (table, boxes, counts, starts, *flags)))
+                queued.append((sparse_triton.bitmap_counts, (table, checks_at, boxes, checks, counts, *flags)))
+            queued.append((sparse_triton.scan, (table, boxes, counts, starts, *flags)))
         if blocked:
-            check = (sparse_cuda if self._cuda else kernels).blocked_check
+            check = (sparse_cuda if self._cuda else sparse_triton).blocked_check
             queued.append((check, (table, blocked_at, boxes, blocked, starts, *flags)))
         self._checks = queued
         for writer, key, density_, launch in made.writes:
@@ -414,7 +443,7 @@ class FusedReceiver:
         table = made.table(self._per_round)
         if made.inline:
             return table, made.firsts
-        up = kernels.Upload()
+        up = Upload()
         table_at = up.add(table.tolist())
         uploaded = {launch: up.add(at) for launch, (at, total) in made.firsts.items() if total}
         dev = up.send(self.device)

@@ -30,7 +30,7 @@ Every payload load is bounded by the header's `k`, so even an unvalidated payloa
 kernel read out of bounds.
 
 `compact` and `expand` come in launches per density class of their boxes
-(`sparse_fused.density`): the sparse one visits each word's marks `ROUNDS` at a time, the busy
+(`sparse_table.density`): the sparse one visits each word's marks `ROUNDS` at a time, the busy
 and busier ones handle every element of `SUB` words at once, each with its own warps. On the
 vectorized path, `diff`, `compact` and the busy `expand` take `sparse_cuda`'s CUDA versions
 instead where CuPy is installed, and on every path `bitmap_counts` and `scan` give way to its
@@ -39,27 +39,16 @@ one `starts` launch and `blocked_check` and `blocked_apply` to its own (`sparse_
 
 from __future__ import annotations
 
-import array
-import ctypes
-import functools
-import itertools
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ..sparse.encodings import BITMAP, BLOCK, BLOCKED, INDICES
+from ..sparse.encodings import BLOCK
+from . import sparse_table
+from .sparse_table import TILE, anchor
 
-TILE = 16384
-"""Elements per program in the tile kernels (a power of two dividing `sparse.BLOCK`). On an H200,
-1 GiB of bf16 in 16 boxes: the kernels of a 10% round take 2.55 ms with 16,384, against 2.82 ms
-with 4,096 and 2.54-2.56 ms with 32,768 or 65,536 (where the sparse `compact` of a 1% round
-slows down: 0.39-1.2 against 0.37 ms)."""
-WORDS = TILE // 32
 CHUNK = 1024
 """Entries per step of the per-block and scan kernels."""
 ROUNDS = 4
@@ -73,7 +62,7 @@ WARPS = 4
 COMPACT_WARPS = (4, 2, 4)
 EXPAND_WARPS = (4, 4, 2)
 """Warps a program of `compact` and `expand`, by density class (sparse, busy, busier: see
-`sparse_fused.density`). On an H200, 1 GiB of bf16: `compact` 0.91 against 0.97 ms (2 against 4
+`sparse_table.density`). On an H200, 1 GiB of bf16: `compact` 0.91 against 0.97 ms (2 against 4
 warps) at 10% density, 1.05 against 1.28 ms (4 against 2) at 30%; `expand` 0.85 against 0.92 ms (4
 against 2) at 10%, 1.05 against 1.29 ms (2 against 4) at 30%."""
 BITMAP_COUNTS_WARPS = 2
@@ -81,192 +70,8 @@ BITMAP_COUNTS_WARPS = 2
 DIFF_PARTS = 8
 """`diff` programs a tile: 2,048 elements each (fewer registers than a whole tile, so more of them
 resident: 0.65 ms against 0.70 ms for 1 GiB of bf16 on an H200)."""
-NONE, INT32_INDEX, UINT16_OFFSET = (tl.constexpr(kind) for kind in range(3))
-"""What `compact` writes beside the values (a `SEND_INDEX_KIND`; -1: no values either)."""
-INDEX_KIND = {BITMAP: NONE.value, INDICES: INT32_INDEX.value, BLOCKED: UINT16_OFFSET.value}
-"""The index kind of each wire encoding."""
-
-BOX_COLS, BOX_ROW_STRIDE, BOX_COL_STRIDE, BOX_CONTIGUOUS = (tl.constexpr(c) for c in range(1, 5))
-"""A box's columns after its start (`Strided2D.columns`)."""
-(
-    SEND_CUR,
-    SEND_BASE,
-    SEND_N,
-    SEND_SLOT,
-    SEND_VALUES,
-    SEND_INDEX,
-    SEND_INDEX_KIND,
-    SEND_UPDATE,
-    SEND_BITMAP_OUT,
-    SEND_BLOCKS_OUT,
-    SEND_COUNT,
-    SEND_STAGE,
-) = (tl.constexpr(c) for c in (0, 5, *range(10, 20)))
-SEND_COLUMNS = 20
-"""A sender row: source box (5 columns), baseline box (5), n, tile slot, values (element offset),
-index pointer, index kind, update the baseline, wire bitmap and block counts pointers (0: none),
-where `diff` adds up the box's changes, and where the CUDA `diff` stages its values (bytes from the
-words; `sparse_cuda.stage_bytes`; the Triton kernels do not read it)."""
-(
-    RECV_WORDS,
-    RECV_OFFSETS,
-    RECV_VALUES,
-    RECV_DEST,
-    RECV_N,
-    RECV_K,
-    RECV_FLAG,
-    RECV_FIRST,
-    RECV_M,
-    RECV_COUNTS,
-    RECV_LIMIT,
-) = (tl.constexpr(c) for c in (0, 1, 2, 3, *range(8, 15)))
-RECV_COLUMNS = 15
-"""A receiver row: bitmap words and in-block offsets pointers, values (element offset), live box (5
-columns), n, k, flag slot, first count slot, counts, block counts pointer (0: tile counts), limit."""
 HARDWARE_POPC = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 BITS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
-BITS_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@dataclass(frozen=True)
-class Strided2D:
-    """Where a box's elements lie, in elements of its width: flat index `i` at `start + (i //
-    cols) * row_stride + (i % cols) * col_stride` from its width's anchor (`anchor`)."""
-
-    start: int
-    cols: int
-    row_stride: int
-    col_stride: int
-    aligned: bool
-    """Its first element is 16-byte aligned."""
-
-    @functools.cached_property
-    def contiguous(self) -> bool:
-        return self.col_stride == 1 and self.row_stride == self.cols
-
-    @functools.cached_property
-    def fast(self) -> bool:
-        """Contiguous and 16-byte aligned: the kernels' vectorized path."""
-        return self.contiguous and self.aligned
-
-    @functools.cached_property
-    def columns(self) -> tuple[int, ...]:
-        """(start, cols, row stride, col stride, contiguous) as table columns."""
-        return self.start, self.cols, self.row_stride, self.col_stride, int(self.contiguous)
-
-
-_ANCHORS: dict[tuple[torch.device, int], torch.Tensor] = {}
-_ANCHOR_ADDRESSES: dict[tuple[int, int], int] = {}
-
-
-def anchor(device: torch.device, width: int) -> torch.Tensor:
-    """The tensor the kernels address every element of `width` bytes on `device` from (one
-    element, kept): a table holds element offsets from it, so a launch knows its pointers'
-    alignment."""
-    if device.type == "cuda" and device.index is None:  # one anchor per device, however it is named
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, width)
-    if key not in _ANCHORS:
-        _ANCHORS[key] = torch.empty(1, dtype=BITS_TORCH[width], device=device)
-        _ANCHOR_ADDRESSES[(_index(device), width)] = _ANCHORS[key].data_ptr()
-    return _ANCHORS[key]
-
-
-def _index(device: torch.device) -> int:
-    """The device's number as `Tensor.get_device` gives it (-1: the CPU)."""
-    return -1 if device.type == "cpu" else int(device.index)
-
-
-def element_offset(address: int, device: int, width: int) -> int:
-    """Where the element of `width` bytes at `address` (on the device numbered `device`, as
-    `Tensor.get_device` numbers it) is, in elements from its width's anchor; the address must be a
-    whole number of elements from it."""
-    return _from(anchor_address(device, width), address, width)
-
-
-def anchor_address(device: int, width: int) -> int:
-    """The address of `anchor(·, width)` on the device numbered `device` as `Tensor.get_device`
-    numbers it (-1: the CPU)."""
-    base = _ANCHOR_ADDRESSES.get((device, width))
-    if base is None:
-        base = anchor(torch.device("cpu") if device < 0 else torch.device("cuda", device), width).data_ptr()
-    return base
-
-
-def _from(base: int, address: int, width: int) -> int:
-    """Elements of `width` bytes from `base` to `address`, a whole number of them."""
-    offset, rest = divmod(address - base, width)
-    if rest:
-        raise ValueError(f"address {address:#x} is not aligned to its {width}-byte elements")
-    return offset
-
-
-def as_2d(view: torch.Tensor) -> Strided2D | None:
-    """`view`'s elements as a `Strided2D`, or None when its dims do not merge into two."""
-    return strided(view.data_ptr(), view.shape, view.stride(), view.element_size(), view.get_device())
-
-
-@functools.lru_cache(maxsize=4096)
-def strided(
-    address: int, shape: tuple[int, ...], strides: tuple[int, ...], width: int, device: int
-) -> Strided2D | None:
-    """`as_2d` of the view at `address` on the device numbered `device` (`Tensor.get_device`): a
-    pure function of its arguments, kept for the views a round finds again every step."""
-    dims = [(size, stride) for size, stride in zip(shape, strides) if size != 1]
-    merged: list[tuple[int, int]] = []
-    for size, stride in dims:
-        if merged and merged[-1][1] == stride * size:
-            merged[-1] = (merged[-1][0] * size, stride)
-        else:
-            merged.append((size, stride))
-    if len(merged) > 2:
-        return None
-    merged = [(1, 0)] * (2 - len(merged)) + merged
-    (rows, row_stride), (cols, col_stride) = merged
-    if rows == 1:
-        row_stride = cols * col_stride
-    base = anchor_address(device, width)
-    return Strided2D(_from(base, address, width), cols, row_stride, col_stride, address % 16 == 0)
-
-
-def tiles(n: int) -> int:
-    return -(-n // TILE)
-
-
-def starts(counts: Iterable[int]) -> list[int]:
-    """Cumulative program starts of boxes of `counts` programs each (one more entry: the total)."""
-    return list(itertools.accumulate(counts, initial=0))
-
-
-class Upload:
-    """int64 values gathered on the host, then copied to the device in one transfer from pinned
-    memory (which does not wait for queued work, as a copy from pageable memory would).
-
-    Usage: `at = up.add(values)` (or `add_rows`) for each array; `dev = up.send(device)`; then
-    `dev[at]`."""
-
-    def __init__(self) -> None:
-        self._values: list[int] = []
-
-    def __len__(self) -> int:
-        """Values added so far."""
-        return len(self._values)
-
-    def add(self, values: Iterable[int]) -> slice:
-        first = len(self._values)
-        self._values.extend(values)
-        return slice(first, len(self._values))
-
-    def add_rows(self, rows: Iterable[list[int]]) -> slice:
-        return self.add(itertools.chain.from_iterable(rows))
-
-    def send(self, device: torch.device) -> torch.Tensor:
-        if device.type != "cuda":
-            return torch.from_numpy(np.array(self._values, dtype=np.int64))
-        values = array.array("q", self._values)  # (a third faster than a numpy array from a list)
-        host = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
-        ctypes.memmove(host.data_ptr(), values.buffer_info()[0], 8 * len(values))
-        return host.to(device, non_blocking=True)
 
 
 @triton.jit
@@ -298,12 +103,12 @@ def _at(row, first, start, local, anchor, FAST: tl.constexpr, ALIGN: tl.constexp
     if FAST:
         return anchor + tl.multiple_of(box, ALIGN) + start + local
     i = start + local.to(tl.int64)
-    if tl.load(row + first + BOX_CONTIGUOUS) != 0:
+    if tl.load(row + first + sparse_table.BOX_CONTIGUOUS) != 0:
         offsets = i
     else:
-        cols = tl.load(row + first + BOX_COLS)
-        offsets = (i // cols) * tl.load(row + first + BOX_ROW_STRIDE) + (i % cols) * tl.load(
-            row + first + BOX_COL_STRIDE
+        cols = tl.load(row + first + sparse_table.BOX_COLS)
+        offsets = (i // cols) * tl.load(row + first + sparse_table.BOX_ROW_STRIDE) + (i % cols) * tl.load(
+            row + first + sparse_table.BOX_COL_STRIDE
         )
     return anchor + box + offsets
 
@@ -415,10 +220,10 @@ def _diff_kernel(
 ):
     box, p = _box(firsts, boxes)  # part p of the box: `PART` elements
     row = table + box * COLUMNS
-    n = tl.load(row + SEND_N)
+    n = tl.load(row + sparse_table.SEND_N)
     start, local, _ = _tile(p, n, PART)
-    cur = _at(row, SEND_CUR, start, local, anchor, FAST, ALIGN)
-    base = _at(row, SEND_BASE, start, local, anchor, FAST, ALIGN)
+    cur = _at(row, sparse_table.SEND_CUR, start, local, anchor, FAST, ALIGN)
+    base = _at(row, sparse_table.SEND_BASE, start, local, anchor, FAST, ALIGN)
     if n - start >= PART:  # whole: unmasked loads, which vectorize
         differ = tl.load(cur) != tl.load(base)
     else:
@@ -426,10 +231,12 @@ def _diff_kernel(
         differ = (tl.load(cur, mask=inside, other=0) != tl.load(base, mask=inside, other=0)) & inside
     count = tl.sum(tl.sum(differ.to(tl.int32), axis=1), axis=0)
     word = tl.sum(differ.to(tl.uint32) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)
-    slot = tl.load(row + SEND_SLOT)
+    slot = tl.load(row + sparse_table.SEND_SLOT)
     tl.store(words + slot * (TILE // 32) + p * (PART // 32) + tl.arange(0, PART // 32), word.to(tl.int32, bitcast=True))
     tl.atomic_add(counts + slot + p // (TILE // PART), count.to(tl.int64), sem="relaxed")
-    tl.atomic_add(totals + tl.load(row + SEND_COUNT), count.to(tl.int64), sem="relaxed")  # a box may pass 2^31
+    tl.atomic_add(
+        totals + tl.load(row + sparse_table.SEND_COUNT), count.to(tl.int64), sem="relaxed"
+    )  # a box may pass 2^31
 
 
 @triton.jit
@@ -438,22 +245,22 @@ def _emit(
 ):
     """Compact's writes for the marks `hit` at tile offsets `local`: value (and index) at `at`,
     and the baseline when `update`."""
-    v = tl.load(_at(row, SEND_CUR, start, local, anchor, FAST, ALIGN), mask=hit)
+    v = tl.load(_at(row, sparse_table.SEND_CUR, start, local, anchor, FAST, ALIGN), mask=hit)
     if update:
-        tl.store(_at(row, SEND_BASE, start, local, anchor, FAST, ALIGN), v, mask=hit)
+        tl.store(_at(row, sparse_table.SEND_BASE, start, local, anchor, FAST, ALIGN), v, mask=hit)
     _emit_values(row, anchor, start, local, at, hit, v, kind, BLOCK)
 
 
 @triton.jit
 def _emit_values(row, anchor, start, local, at, hit, v, kind, BLOCK: tl.constexpr):
     """The marked values `v` (and their indices) at payload positions `at`."""
-    if kind >= NONE:
-        tl.store(anchor + tl.load(row + SEND_VALUES) + at, v, mask=hit)
-    if kind == INT32_INDEX:
-        tl.store(_ptr(row, SEND_INDEX, tl.int32) + at, start.to(tl.int32) + local, mask=hit)
-    if kind == UINT16_OFFSET:
+    if kind >= sparse_table.NONE:
+        tl.store(anchor + tl.load(row + sparse_table.SEND_VALUES) + at, v, mask=hit)
+    if kind == sparse_table.INT32_INDEX:
+        tl.store(_ptr(row, sparse_table.SEND_INDEX, tl.int32) + at, start.to(tl.int32) + local, mask=hit)
+    if kind == sparse_table.UINT16_OFFSET:
         tl.store(
-            _ptr(row, SEND_INDEX, tl.int16) + at,
+            _ptr(row, sparse_table.SEND_INDEX, tl.int16) + at,
             (((start % BLOCK).to(tl.int32) + local) & 0xFFFF).to(tl.int16),
             mask=hit,
         )
@@ -479,13 +286,13 @@ def _compact_kernel(
 ):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
-    n = tl.load(row + SEND_N)
-    slot = tl.load(row + SEND_SLOT)
+    n = tl.load(row + sparse_table.SEND_N)
+    slot = tl.load(row + sparse_table.SEND_SLOT)
     start, _, left = _tile(t, n, TILE)
     tile_start = tl.load(starts + slot + t) - tl.load(starts + slot)
-    kind = tl.load(row + SEND_INDEX_KIND)
-    update = tl.load(row + SEND_UPDATE) != 0
-    bitmap = _ptr(row, SEND_BITMAP_OUT, tl.int32) + t * (TILE // 32)
+    kind = tl.load(row + sparse_table.SEND_INDEX_KIND)
+    update = tl.load(row + sparse_table.SEND_UPDATE) != 0
+    bitmap = _ptr(row, sparse_table.SEND_BITMAP_OUT, tl.int32) + t * (TILE // 32)
     words += slot * (TILE // 32)
     if not BUSY:  # a few marks per word: visited `ROUNDS` per word at a time
         word = _words(words, t, left, TILE)
@@ -496,7 +303,7 @@ def _compact_kernel(
             at = tile_start + first[:, None] + g + r
             _emit(row, anchor, start, offsets, at, marked, kind, update, FAST, ALIGN, BLOCK)
             marks = _dropped(marks, ROUNDS)
-        if tl.load(row + SEND_BITMAP_OUT) != 0:
+        if tl.load(row + sparse_table.SEND_BITMAP_OUT) != 0:
             tl.store(bitmap + tl.arange(0, TILE // 32), word.to(tl.int32, bitcast=True), mask=left > 0)
     else:  # busy: every element of `SUB` words at a time
         whole = FAST & (n - start >= TILE)  # read whole, and the baseline written whole: vectorized
@@ -505,26 +312,27 @@ def _compact_kernel(
             hit, at = _marked(chunk)
             at += tile_start
             if whole:
-                v = tl.load(_at(row, SEND_CUR, start, local, anchor, FAST, ALIGN))
+                v = tl.load(_at(row, sparse_table.SEND_CUR, start, local, anchor, FAST, ALIGN))
                 if update:
-                    tl.store(_at(row, SEND_BASE, start, local, anchor, FAST, ALIGN), v)
+                    tl.store(_at(row, sparse_table.SEND_BASE, start, local, anchor, FAST, ALIGN), v)
                 _emit_values(row, anchor, start, local, at, hit, v, kind, BLOCK)
             else:
                 _emit(row, anchor, start, local, at, hit, kind, update, FAST, ALIGN, BLOCK)
-            if tl.load(row + SEND_BITMAP_OUT) != 0:
+            if tl.load(row + sparse_table.SEND_BITMAP_OUT) != 0:
                 ws = c + tl.arange(0, SUB)
                 tl.store(bitmap + ws, chunk.to(tl.int32, bitcast=True), mask=ws * 32 < n - start)
             tile_start += tl.sum(_popc(chunk).to(tl.int32), axis=0)
-    if (tl.load(row + SEND_BLOCKS_OUT) != 0) & (t % (BLOCK // TILE) == 0):
+    if (tl.load(row + sparse_table.SEND_BLOCKS_OUT) != 0) & (t % (BLOCK // TILE) == 0):
         tl.store(
-            _ptr(row, SEND_BLOCKS_OUT, tl.int32) + t // (BLOCK // TILE), tl.load(blocks + (slot + t) // (BLOCK // TILE))
+            _ptr(row, sparse_table.SEND_BLOCKS_OUT, tl.int32) + t // (BLOCK // TILE),
+            tl.load(blocks + (slot + t) // (BLOCK // TILE)),
         )
 
 
 @triton.jit
 def _raise(flags, row, guard, wrong):
     """Raise the box's flag when `wrong` (0 or 1), and with it the bucket's guard."""
-    tl.atomic_max(flags + tl.load(row + RECV_FLAG), wrong)
+    tl.atomic_max(flags + tl.load(row + sparse_table.RECV_FLAG), wrong)
     tl.atomic_max(guard, wrong, mask=wrong != 0)
 
 
@@ -532,10 +340,13 @@ def _raise(flags, row, guard, wrong):
 def _bitmap_counts_kernel(table, firsts, boxes, counts, flags, guard, TILE: tl.constexpr, COLUMNS: tl.constexpr):
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
-    n = tl.load(row + RECV_N)
+    n = tl.load(row + sparse_table.RECV_N)
     _, _, left = _tile(t, n, TILE)
-    words = _ptr(row, RECV_WORDS, tl.int32)
-    tl.store(counts + tl.load(row + RECV_FIRST) + t, tl.sum(_popc(_words(words, t, left, TILE)).to(tl.int32), axis=0))
+    words = _ptr(row, sparse_table.RECV_WORDS, tl.int32)
+    tl.store(
+        counts + tl.load(row + sparse_table.RECV_FIRST) + t,
+        tl.sum(_popc(_words(words, t, left, TILE)).to(tl.int32), axis=0),
+    )
     raw = tl.load(words + t * (TILE // 32) + tl.arange(0, TILE // 32), mask=left > 0, other=0).to(
         tl.uint32, bitcast=True
     )
@@ -549,11 +360,11 @@ def _scan_kernel(table, counts, starts, flags, guard, CHUNK: tl.constexpr, COLUM
     """One program per box: its `starts` = exclusive prefix sums of its counts (each clamped to
     the box's limit); flags the box when a count is out of range or they do not sum to `k`."""
     row = table + tl.program_id(0).to(tl.int64) * COLUMNS
-    m = tl.load(row + RECV_M)
-    first = tl.load(row + RECV_FIRST)
-    limit = tl.load(row + RECV_LIMIT).to(tl.int32)
-    if tl.load(row + RECV_COUNTS) != 0:  # noqa: SIM108 (a branch in the kernel: the pointers differ in type)
-        source = _ptr(row, RECV_COUNTS, tl.int32)
+    m = tl.load(row + sparse_table.RECV_M)
+    first = tl.load(row + sparse_table.RECV_FIRST)
+    limit = tl.load(row + sparse_table.RECV_LIMIT).to(tl.int32)
+    if tl.load(row + sparse_table.RECV_COUNTS) != 0:  # (a branch in the kernel: the pointers differ in type)
+        source = _ptr(row, sparse_table.RECV_COUNTS, tl.int32)
     else:
         source = counts + first
     carry = tl.zeros([], dtype=tl.int64)
@@ -565,7 +376,7 @@ def _scan_kernel(table, counts, starts, flags, guard, CHUNK: tl.constexpr, COLUM
         x = tl.minimum(tl.maximum(x, 0), limit).to(tl.int64)
         tl.store(starts + first + r, carry + tl.cumsum(x, axis=0) - x, mask=r < m)
         carry += tl.sum(x, axis=0)
-    _raise(flags, row, guard, wrong | (carry != tl.load(row + RECV_K)).to(tl.int32))
+    _raise(flags, row, guard, wrong | (carry != tl.load(row + sparse_table.RECV_K)).to(tl.int32))
 
 
 @triton.jit
@@ -588,12 +399,12 @@ def _expand_kernel(
         return
     box, t = _box(firsts, boxes)
     row = table + box * COLUMNS
-    n = tl.load(row + RECV_N)
+    n = tl.load(row + sparse_table.RECV_N)
     start, _, left = _tile(t, n, TILE)
-    words = _ptr(row, RECV_WORDS, tl.int32)
-    tile_start = tl.load(starts + tl.load(row + RECV_FIRST) + t)
-    k = tl.load(row + RECV_K)
-    values = anchor + tl.load(row + RECV_VALUES)
+    words = _ptr(row, sparse_table.RECV_WORDS, tl.int32)
+    tile_start = tl.load(starts + tl.load(row + sparse_table.RECV_FIRST) + t)
+    k = tl.load(row + sparse_table.RECV_K)
+    values = anchor + tl.load(row + sparse_table.RECV_VALUES)
     if not BUSY:  # a few marks per word: visited `ROUNDS` per word at a time
         marks = _words(words, t, left, TILE)
         first, rounds = _runs(marks)
@@ -602,7 +413,7 @@ def _expand_kernel(
             places = tile_start + first[:, None] + g + r
             marked = marked & (places < k)
             tl.store(
-                _at(row, RECV_DEST, start, offsets, anchor, FAST, ALIGN),
+                _at(row, sparse_table.RECV_DEST, start, offsets, anchor, FAST, ALIGN),
                 tl.load(values + places, mask=marked),
                 mask=marked,
             )
@@ -613,7 +424,11 @@ def _expand_kernel(
             hit, at = _marked(chunk)
             at += tile_start
             hit = hit & (at < k)
-            tl.store(_at(row, RECV_DEST, start, local, anchor, FAST, ALIGN), tl.load(values + at, mask=hit), mask=hit)
+            tl.store(
+                _at(row, sparse_table.RECV_DEST, start, local, anchor, FAST, ALIGN),
+                tl.load(values + at, mask=hit),
+                mask=hit,
+            )
             tile_start += tl.sum(_popc(chunk).to(tl.int32), axis=0)
 
 
@@ -621,11 +436,11 @@ def _expand_kernel(
 def _block_entries(row, b, starts, j, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Entries `j .. j + CHUNK` of wire block `b` of a box: (payload positions, mask, in-block
     offsets, the offsets one entry earlier or -1)."""
-    count = tl.minimum(tl.maximum(tl.load(_ptr(row, RECV_COUNTS, tl.int32) + b), 0), BLOCK)
+    count = tl.minimum(tl.maximum(tl.load(_ptr(row, sparse_table.RECV_COUNTS, tl.int32) + b), 0), BLOCK)
     r = j + tl.arange(0, CHUNK)
-    at = tl.load(starts + tl.load(row + RECV_FIRST) + b) + r
-    ok = (r < count) & (at < tl.load(row + RECV_K))
-    offsets = _ptr(row, RECV_OFFSETS, tl.int16)
+    at = tl.load(starts + tl.load(row + sparse_table.RECV_FIRST) + b) + r
+    ok = (r < count) & (at < tl.load(row + sparse_table.RECV_K))
+    offsets = _ptr(row, sparse_table.RECV_OFFSETS, tl.int16)
     off = tl.load(offsets + at, mask=ok, other=0).to(tl.int32) & 0xFFFF
     before = tl.load(offsets + at - 1, mask=ok & (r > 0), other=-1).to(tl.int32)
     return at, ok, off, tl.where(r > 0, before & 0xFFFF, -1)
@@ -633,7 +448,7 @@ def _block_entries(row, b, starts, j, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _block_count(row, b, BLOCK: tl.constexpr):
-    return tl.minimum(tl.maximum(tl.load(_ptr(row, RECV_COUNTS, tl.int32) + b), 0), BLOCK)
+    return tl.minimum(tl.maximum(tl.load(_ptr(row, sparse_table.RECV_COUNTS, tl.int32) + b), 0), BLOCK)
 
 
 @triton.jit
@@ -642,7 +457,7 @@ def _blocked_check_kernel(
 ):
     box, b = _box(firsts, boxes)
     row = table + box * COLUMNS
-    n = tl.load(row + RECV_N)
+    n = tl.load(row + sparse_table.RECV_N)
     wrong = tl.zeros([], dtype=tl.int32)
     for j in range(0, _block_count(row, b, BLOCK), CHUNK):
         _, ok, off, before = _block_entries(row, b, starts, j, CHUNK, BLOCK)
@@ -670,8 +485,8 @@ def _blocked_apply_kernel(
     row = table + box * COLUMNS
     for j in range(0, _block_count(row, b, BLOCK), CHUNK):
         at, ok, off, _ = _block_entries(row, b, starts, j, CHUNK, BLOCK)
-        v = tl.load(anchor + tl.load(row + RECV_VALUES) + at, mask=ok)
-        tl.store(_at(row, RECV_DEST, b * BLOCK, off, anchor, False, ALIGN), v, mask=ok)
+        v = tl.load(anchor + tl.load(row + sparse_table.RECV_VALUES) + at, mask=ok)
+        tl.store(_at(row, sparse_table.RECV_DEST, b * BLOCK, off, anchor, False, ALIGN), v, mask=ok)
 
 
 def _launch(kernel, total: int, args: tuple, warps: int = WARPS, **constexprs) -> None:
@@ -702,7 +517,7 @@ def diff(
     its `SEND_COUNT`."""
     at, fast = _width(key, words.device)
     args = (table, firsts, boxes, words, counts, totals, at)
-    _launch(_diff_kernel, total, args, **fast, TILE=TILE, PART=TILE // DIFF_PARTS, COLUMNS=SEND_COLUMNS)
+    _launch(_diff_kernel, total, args, **fast, TILE=TILE, PART=TILE // DIFF_PARTS, COLUMNS=sparse_table.SEND_COLUMNS)
 
 
 def compact(
@@ -719,10 +534,12 @@ def compact(
     """For each `SEND_*` row: the marked elements at their positions (`starts` of its slot, made
     relative to its first tile), their indices, the wire bitmap and wire block counts, and the
     baseline update, as its payload columns ask (values at element offset `SEND_VALUES` unless
-    `SEND_INDEX_KIND` is -1); `density`: the class of the rows' boxes (`sparse_fused.density`)."""
+    `SEND_INDEX_KIND` is -1); `density`: the class of the rows' boxes (`sparse_table.density`)."""
     at, fast = _width(key, words.device)
     args = (table, firsts, boxes, words, starts, blocks, at)
-    constexprs = dict(TILE=TILE, COLUMNS=SEND_COLUMNS, BLOCK=BLOCK, ROUNDS=ROUNDS, BUSY=density > 0, SUB=SUB)
+    constexprs = dict(
+        TILE=TILE, COLUMNS=sparse_table.SEND_COLUMNS, BLOCK=BLOCK, ROUNDS=ROUNDS, BUSY=density > 0, SUB=SUB
+    )
     _launch(_compact_kernel, total, args, COMPACT_WARPS[density], **fast, **constexprs)
 
 
@@ -738,7 +555,7 @@ def bitmap_counts(
     """Tile counts of each received bitmap (`RECV_*` rows) at its `first` in `counts`; flags stray
     bits (and raises `guard`)."""
     args = (table, firsts, boxes, counts, flags, guard)
-    _launch(_bitmap_counts_kernel, total, args, BITMAP_COUNTS_WARPS, TILE=TILE, COLUMNS=RECV_COLUMNS)
+    _launch(_bitmap_counts_kernel, total, args, BITMAP_COUNTS_WARPS, TILE=TILE, COLUMNS=sparse_table.RECV_COLUMNS)
 
 
 def scan(
@@ -751,7 +568,7 @@ def scan(
 ) -> None:
     """Starts from each row's counts (its `counts` column, or `counts` at its `first`); flags wrong
     counts (and raises `guard`)."""
-    _launch(_scan_kernel, boxes, (table, counts, starts, flags, guard), CHUNK=CHUNK, COLUMNS=RECV_COLUMNS)
+    _launch(_scan_kernel, boxes, (table, counts, starts, flags, guard), CHUNK=CHUNK, COLUMNS=sparse_table.RECV_COLUMNS)
 
 
 def expand(
@@ -765,10 +582,10 @@ def expand(
     guard: torch.Tensor,
 ) -> None:
     """Write each bitmap row's values into its marked elements, in order, unless `guard` is raised
-    (`density`: the class of the rows' boxes, `sparse_fused.density`)."""
+    (`density`: the class of the rows' boxes, `sparse_table.density`)."""
     at, fast = _width(key, starts.device)
     args = (table, firsts, boxes, starts, guard, at)
-    constexprs = dict(TILE=TILE, COLUMNS=RECV_COLUMNS, ROUNDS=ROUNDS, BUSY=density > 0, SUB=SUB)
+    constexprs = dict(TILE=TILE, COLUMNS=sparse_table.RECV_COLUMNS, ROUNDS=ROUNDS, BUSY=density > 0, SUB=SUB)
     _launch(_expand_kernel, total, args, EXPAND_WARPS[density], **fast, **constexprs)
 
 
@@ -783,7 +600,7 @@ def blocked_check(
 ) -> None:
     """Flag blocked rows whose offsets are not strictly increasing inside the box (and raise `guard`)."""
     args = (table, firsts, boxes, starts, flags, guard)
-    _launch(_blocked_check_kernel, total, args, CHUNK=CHUNK, BLOCK=BLOCK, COLUMNS=RECV_COLUMNS)
+    _launch(_blocked_check_kernel, total, args, CHUNK=CHUNK, BLOCK=BLOCK, COLUMNS=sparse_table.RECV_COLUMNS)
 
 
 def blocked_apply(
@@ -798,4 +615,4 @@ def blocked_apply(
     """Write each blocked row's values at its offsets, unless `guard` is raised."""
     at, fast = _width(key, starts.device)
     args = (table, firsts, boxes, starts, guard, at)
-    _launch(_blocked_apply_kernel, total, args, **fast, CHUNK=CHUNK, BLOCK=BLOCK, COLUMNS=RECV_COLUMNS)
+    _launch(_blocked_apply_kernel, total, args, **fast, CHUNK=CHUNK, BLOCK=BLOCK, COLUMNS=sparse_table.RECV_COLUMNS)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..config.lora import LoraSpec
 from .claim import GroupTag
 
 
@@ -37,10 +38,15 @@ class DescribeOptions:
     double_buffer: bool = False
     """Worker side: receive into shadow copies and switch the live weights once the whole round
     succeeded (`SyncConfig.double_buffer`)."""
+    lora: LoraSpec | None = None
+    """Worker side: the checkpoint is this LoRA adapter, bound to a LoRA slot of each engine
+    (`WeightSync.create(..., lora=...)`); None: model weights."""
 
     def __post_init__(self) -> None:
         if self.group is not None and not isinstance(self.group, GroupTag):
             raise TypeError(f"DescribeOptions.group must be a GroupTag or None, got {type(self.group).__name__}")
+        if self.lora is not None and not isinstance(self.lora, LoraSpec):
+            raise TypeError(f"DescribeOptions.lora must be a LoraSpec or None, got {type(self.lora).__name__}")
         if not isinstance(self.double_buffer, bool):
             raise TypeError(f"DescribeOptions.double_buffer must be True or False, got {self.double_buffer!r}")
         for name, entry in self.checkpoint.items():

@@ -1,15 +1,21 @@
 """The tensors a `rl_sync.rank.watch.Watch` reads each round, as aligned columns.
 
 Each distinct tensor has a slot: the names that read or write through it, and
-its data pointer, version counter and geometry as recorded. `moved()` reads
-every pointer and every version in C loops (`map` over the columns), and the
-geometry of only the slots whose pointer or version moved (and of inference
-tensors, which keep no version); a slot freed by a name bound elsewhere holds a
-shared empty tensor until a new tensor takes it, so no column is rebuilt when a
-few names change.
+its geometry (data pointer, shape, strides, dtype) as recorded. A slot freed by
+a name bound elsewhere holds a shared empty tensor until a new tensor takes it,
+so no column is rebuilt when a few names change. `moved()` says which slots'
+geometry differs from the one recorded, in one of two ways:
 
-    table = TensorTable()
-    slot = table.hold(weight, name_index=3)
+* `LayoutTable` (where `rl_sync.rank.native` is built): one C pass compares
+  every tensor's pointer, shape, strides, dtype and device with a row recorded
+  for it; values written in place cost nothing.
+* `VersionTable` (the Python pass): every data pointer and every version
+  counter in C loops (`map` over the columns), then the geometry of only the
+  slots whose pointer or version moved (and of inference tensors, which keep no
+  version).
+
+    table = tensor_table()
+    slot = table.hold(weight, name=3)
     table.reread([slot])
     moved = table.moved()        # slots whose geometry differs from the one recorded
 """
@@ -17,10 +23,14 @@ few names change.
 from __future__ import annotations
 
 import operator
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from itertools import compress, count
+from types import ModuleType
 
 import torch
+
+from . import native
 
 _BASE = torch._C.TensorBase
 COLUMNS = (_BASE.data_ptr, _BASE.size, _BASE.stride, operator.attrgetter("dtype"))
@@ -37,44 +47,43 @@ def geometries(tensors: Sequence[torch.Tensor]) -> list[tuple]:
     return list(zip(*(map(read, tensors) for read in COLUMNS)))
 
 
-class TensorTable:
-    """Distinct tensors and what was recorded of them (see the module docstring)."""
+def tensor_table() -> TensorTable:
+    """A `LayoutTable` where the C scan is built, else a `VersionTable`."""
+    scan = native.scan()
+    return VersionTable() if scan is None else LayoutTable(scan)
+
+
+class TensorTable(ABC):
+    """Distinct tensors and what was recorded of them (see the module docstring); a subclass
+    records what its `moved()` compares."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
-        self.versioned: list[torch.Tensor] = []
-        """`tensors`, with `_EMPTY` for an inference tensor (whose version cannot be read)."""
         self.names: list[set[int]] = []
-        self.pointers: list[int] = []
-        self.versions: list[int] = []
         self.geometry: list[tuple] = []
         self.place: dict[int, int] = {}
         """Slot of each tensor, by `id`."""
         self.free: list[int] = []
-        self.uncounted: set[int] = set()
-        """Slots of inference tensors: their geometry is read every round."""
 
     def hold(self, tensor: torch.Tensor, name: int) -> int:
-        """The slot of `tensor` (taken on first sight), now read through by name `name`; its
-        pointer, version and geometry are recorded by the next `reread` of it."""
+        """The slot of `tensor` (taken on first sight), now read through by name `name`; what is
+        recorded of it is recorded by the next `reread` of it."""
         slot = self.place.get(id(tensor))
         if slot is None:
             slot = self.free.pop() if self.free else self._grow()
             self.place[id(tensor)], self.tensors[slot] = slot, tensor
-            inference = tensor.is_inference()
-            self.versioned[slot] = _EMPTY if inference else tensor
-            (self.uncounted.add if inference else self.uncounted.discard)(slot)
+            self._took(slot, tensor)
         self.names[slot].add(name)
         return slot
 
     def _grow(self) -> int:
         self.tensors.append(_EMPTY)
-        self.versioned.append(_EMPTY)
         self.names.append(set())
-        self.pointers.append(0)
-        self.versions.append(0)
         self.geometry.append(())
         return len(self.tensors) - 1
+
+    def _took(self, slot: int, tensor: torch.Tensor) -> None:  # noqa: B027 (optional hook)
+        """Hook: `slot` holds `tensor` now (`_EMPTY`: it was freed)."""
 
     def release(self, tensor: torch.Tensor, name: int) -> None:
         """Name `name` no longer reads through `tensor`; a slot no name reads is freed."""
@@ -82,39 +91,102 @@ class TensorTable:
         self.names[slot].discard(name)
         if not self.names[slot]:
             del self.place[id(tensor)]
-            self.tensors[slot] = self.versioned[slot] = _EMPTY
-            self.uncounted.discard(slot)
+            self.tensors[slot] = _EMPTY
+            self._took(slot, _EMPTY)
             self.free.append(slot)
             self.reread([slot])
 
     def reread(self, slots: Iterable[int]) -> None:
-        """Record the pointer, version and geometry of `slots` as they are now."""
+        """Record `slots` as they are now."""
         slots = sorted(set(slots))
-        now = geometries([self.tensors[k] for k in slots])
-        for k, geometry, version in zip(slots, now, map(_VERSION, [self.versioned[k] for k in slots])):
-            self.geometry[k], self.pointers[k], self.versions[k] = geometry, geometry[0], version
+        for k, geometry in zip(slots, geometries([self.tensors[k] for k in slots])):
+            self.geometry[k] = geometry
+        self._record(slots)
+
+    @abstractmethod
+    def _record(self, slots: list[int]) -> None:
+        """Record what `moved()` compares of `slots`."""
 
     def slot_of(self, tensor: torch.Tensor) -> int:
         return self.place[id(tensor)]
 
+    @abstractmethod
     def moved(self) -> list[int]:
-        """Slots whose geometry differs from the one recorded. A version that moved with the
-        geometry as recorded (values written in place) is taken as seen; one whose geometry
-        moved keeps its old version, so it is seen again until it is recorded anew."""
+        """Slots whose geometry differs from the one recorded; a slot whose geometry moved is
+        seen again until it is recorded anew."""
+
+    def _differs(self, order: list[int]) -> list[int]:
+        """The slots of `order` whose geometry differs from the one recorded."""
+        now = geometries([self.tensors[k] for k in order])
+        return list(compress(order, map(operator.ne, now, [self.geometry[k] for k in order])))
+
+
+class LayoutTable(TensorTable):
+    """Rows of every tensor's layout, compared in one C pass (`rl_sync.rank.native`)."""
+
+    def __init__(self, scan: ModuleType) -> None:
+        super().__init__()
+        self.scan = scan
+        self.rows = torch.empty(0, native.ROW, dtype=torch.int64)
+        self.unrecorded: set[int] = set()
+        """Slots whose layout the scan does not compare (`native.UNRECORDED`): compared here."""
+
+    def _grow(self) -> int:
+        slot = super()._grow()
+        if slot == len(self.rows):
+            self.rows = torch.cat([self.rows, torch.zeros(max(slot, 64), native.ROW, dtype=torch.int64)])
+        return slot
+
+    def _record(self, slots: list[int]) -> None:
+        self.scan.record(self.tensors, self.rows, slots)
+        unrecorded = (self.rows[torch.tensor(slots, dtype=torch.int64), 1] == native.UNRECORDED).tolist()
+        self.unrecorded.difference_update(slots)
+        self.unrecorded.update(compress(slots, unrecorded))
+
+    def moved(self) -> list[int]:
+        moved = self.scan.moved(self.tensors, self.rows)
+        if self.unrecorded:
+            moved = sorted(set(moved).union(self._differs(sorted(self.unrecorded))))
+        return moved
+
+
+class VersionTable(TensorTable):
+    """Pointer and version columns read in Python's C loops (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.versioned: list[torch.Tensor] = []
+        """`tensors`, with `_EMPTY` for an inference tensor (whose version cannot be read)."""
+        self.pointers: list[int] = []
+        self.versions: list[int] = []
+        self.uncounted: set[int] = set()
+        """Slots of inference tensors: their geometry is read every round."""
+
+    def _grow(self) -> int:
+        self.versioned.append(_EMPTY)
+        self.pointers.append(0)
+        self.versions.append(0)
+        return super()._grow()
+
+    def _took(self, slot: int, tensor: torch.Tensor) -> None:
+        inference = tensor.is_inference()
+        self.versioned[slot] = _EMPTY if inference else tensor
+        (self.uncounted.add if inference else self.uncounted.discard)(slot)
+
+    def _record(self, slots: list[int]) -> None:
+        for k, version in zip(slots, map(_VERSION, [self.versioned[k] for k in slots])):
+            self.pointers[k], self.versions[k] = self.geometry[k][0], version
+
+    def moved(self) -> list[int]:
+        """A version that moved with the geometry as recorded (values written in place) is taken
+        as seen; one whose geometry moved keeps its old version."""
         pointers = list(map(_POINTER, self.tensors))
         versions = list(map(_VERSION, self.versioned))
         repointed = [] if pointers == self.pointers else _unequal(pointers, self.pointers)
         written = [] if versions == self.versions else _unequal(versions, self.versions)
         if not (repointed or written or self.uncounted):
             return []
-        if len(written) == len(self.tensors):  # (every tensor written: an optimizer step)
-            tensors, recorded, order = self.tensors, self.geometry, written
-        else:
-            order = sorted(set(repointed).union(written, self.uncounted))
-            tensors = list(map(self.tensors.__getitem__, order))
-            recorded, pointers = list(map(self.geometry.__getitem__, order)), list(map(pointers.__getitem__, order))
-        now = zip(pointers, *(map(read, tensors) for read in COLUMNS[1:]))
-        moved = list(compress(order, map(operator.ne, now, recorded)))
+        moved = self._differs(sorted(set(repointed).union(written, self.uncounted)))
         if written:
             kept = [self.versions[k] for k in moved]
             self.versions = versions

@@ -11,24 +11,26 @@ side is resolved, each name's value, the objects it was resolved through
 it reads or writes through; each round, `changed(mapping)` says which names
 changed, for the cost of
 
-* identity passes over the mapping's keys, values and links (C loops, tens of
-  nanoseconds a name);
-* one pass reading each distinct tensor's data pointer, and one reading its
-  version counter (`Tensor._version`, moved by every in-place op, those that
-  change shape or strides included) (`rl_sync.rank.tensors`);
-* the geometry (address, shape, strides, dtype) of only the tensors
-  whose pointer or version moved, and of inference tensors (no version).
+* identity passes over the mapping's keys, values and links;
+* one pass comparing each distinct tensor's data pointer, shape, strides, dtype
+  and device with what was recorded (`rl_sync.rank.tensors`).
 
-rl-sync reads and writes through aliases with version counters of their own
-(`Tensor.data`), so its own writes move no version; a trainer's optimizer
-moves every version each step, so a trainer checks its shards' geometry each
-round after one. `resolve(changed)` resolves the changed names again: a
+Both run in C loops of `rl_sync.rank.native` (a few nanoseconds a name for
+identities, tens for a tensor) where it is built; else in Python's C loops
+(`map`: tens of nanoseconds a name), and the tensor pass reads each data pointer
+and version counter (`Tensor._version`, moved by every in-place op, those that
+change shape or strides included), then the geometry of only the tensors whose
+pointer or version moved, and of inference tensors (no version). rl-sync reads
+and writes through aliases with version counters of their own (`Tensor.data`),
+so its own writes move no version; a trainer's optimizer moves every version
+each step, so the Python pass reads a trainer's shards' geometry each round
+after one. `resolve(changed)` resolves the changed names again: a
 replaced value afresh, a moved tensor as it is now, a view whose parent moved
 or was replaced cut again at the same place of the new one (which must have the
 parent's shape, strides, dtype and device), else a `ValueError` naming the side,
-rank and tensor. Not noticed: `.data =` giving a tensor another shape, strides
-or dtype over the same memory at the same address (no op runs, so no version
-moves); such a tensor is read or written where it was.
+rank and tensor. Not noticed by the Python pass: `.data =` giving a tensor
+another shape, strides or dtype over the same memory at the same address (no op
+runs, so no version moves); such a tensor is read or written where it was.
 
 Typical use (what `TrainerRank` and `WorkerRank` do)::
 
@@ -50,7 +52,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ..storage import Slot
-from .tensors import TensorTable, geometries
+from . import native
+from .tensors import geometries, tensor_table
 
 
 class Link(NamedTuple):
@@ -113,14 +116,19 @@ class Watch:
         self.keys = list(self.bound)
         self.index = {name: i for i, name in enumerate(self.keys)}
         self.values = [b.value for b in self.bound.values()]
-        self.table = TensorTable()
+        scan = native.scan()
+        self.differ: Callable[[list, list], list[int]] = _differ if scan is None else scan.differ
+        self.held_moved = None if scan is None else scan.held_moved
+        self.table = tensor_table()
         slots = [self.table.hold(t, i) for i, b in enumerate(self.bound.values()) for t in b.tensors()]
         self.table.reread(slots)
         self._link_columns()
 
     def _link_columns(self) -> None:
         links = [(i, link) for i, b in enumerate(self.bound.values()) for link in b.links]
-        self.links = [_Links.of([(i, k) for i, k in links if k.item == item], item) for item in (True, False)]
+        self.links = [
+            _Links.of([(i, k) for i, k in links if k.item == item], item, self.held_moved) for item in (True, False)
+        ]
         self.link_at: dict[int, list[int]] = {}
         """Positions of each name's links in their columns, in its `links` order."""
         for column in self.links:
@@ -132,10 +140,10 @@ class Watch:
         None when `mapping` holds other names."""
         if len(mapping) != len(self.keys):
             return None
-        if not all(map(operator.is_, mapping, self.keys)) and list(mapping) != self.keys:
+        keys = list(mapping)
+        if self.differ(keys, self.keys) and keys != self.keys:
             return None  # (the same names as other string objects compare equal)
-        same = all(map(operator.is_, mapping.values(), self.values))
-        changed = set() if same else set(_differ(list(mapping.values()), self.values))
+        changed = set(self.differ(list(mapping.values()), self.values))
         for links in self.links:
             changed.update(links.moved())
         for slot in self.table.moved():
@@ -254,17 +262,19 @@ class _Links(NamedTuple):
     holders: list
     keys: list[str]
     held: list
-    get: Callable[[Any, str], Any]
+    item: bool
+    held_moved: Callable[[list, list, list, bool], list[int]] | None
+    """The C pass (`rl_sync.rank.native`), or None: Python's C loops."""
 
     @classmethod
-    def of(cls, links: list[tuple[int, Link]], item: bool) -> _Links:
-        get = operator.getitem if item else getattr
+    def of(cls, links: list[tuple[int, Link]], item: bool, held_moved) -> _Links:
         return cls(
             [i for i, _ in links],
             [k.holder for _, k in links],
             [k.key for _, k in links],
             [k.held for _, k in links],
-            get,
+            item,
+            held_moved,
         )
 
     def set(self, position: int, link: Link) -> None:
@@ -272,10 +282,13 @@ class _Links(NamedTuple):
 
     def moved(self) -> list[int]:
         """The names whose link holds another object now (or none: a missing key or attribute)."""
+        if self.held_moved is not None:
+            return [self.names[i] for i in self.held_moved(self.holders, self.keys, self.held, self.item)]
+        get = operator.getitem if self.item else getattr
         try:
-            now = list(map(self.get, self.holders, self.keys))
+            now = list(map(get, self.holders, self.keys))
         except (KeyError, AttributeError):
-            now = [_get_or_none(self.get, h, k) for h, k in zip(self.holders, self.keys)]
+            now = [_get_or_none(get, h, k) for h, k in zip(self.holders, self.keys)]
         return list(compress(self.names, map(operator.is_not, now, self.held)))
 
 

@@ -35,6 +35,9 @@ memory behind a storage whose names the engine lists in
 `rl_sync_swappable()` (`rl_sync.rank.shadow`). A staged round
 (`WeightSync.stage`) runs on a thread of its own (`rl_sync.rank.background`)
 while the process serves other calls, and waits for its commit.
+
+A class that takes LoRA rounds (the group's `DescribeOptions.lora`: bind the adapter to
+LoRA slots, `actors.vllm`) sets `rl_sync_takes_lora = True`; any other refuses such a group.
 """
 
 from __future__ import annotations
@@ -111,6 +114,11 @@ class WorkerRank(Participant):
             if destinations is None:
                 raise TypeError(
                     f"{type(self).__name__} must define rl_sync_destinations(checkpoint) -> {{name: Destination}}"
+                )
+            if options.lora is not None and not getattr(self, "rl_sync_takes_lora", False):
+                raise ValueError(
+                    f"worker rank {rank}: {type(self).__name__} takes no LoRA rounds (a LoRA group writes the "
+                    "adapter into vLLM's LoRA slots: its workers are vLLM engine ranks, actors.vllm)"
                 )
             checkpoint = {n: (getattr(torch, d), tuple(s)) for n, (d, s) in options.checkpoint.items()}
             mapping = destinations(checkpoint)

@@ -56,10 +56,11 @@ from typing import Literal
 import torch
 
 from ..wire.dtypes import dtype_name
+from ..wire.messages import check_transport
 from .base import Ops, Pending, Transport
 from .cuda_memory import Backing, IpcUnavailable, MappedRange, backings, buffer_id, export_fd, extent_bytes, map_fds
 from .fd_passing import FdOffer, receive_fds
-from .registry import check_name, join
+from .registry import join
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class IpcRendezvous:
     """That transport's rendezvous message, encoded (`rl_sync.wire.codec`)."""
 
     def __post_init__(self) -> None:
-        check_name(self.group)
+        check_transport(self.group)
         if self.group == "cuda_ipc":
             raise ValueError("IpcRendezvous.group must name the trainers' own transport, not 'cuda_ipc'")
 

@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from ..wire.codec import decode
+from ..wire.messages import InitInfo, check_transport
 from .base import Transport
-
-if TYPE_CHECKING:
-    from ..wire.messages import InitInfo
 
 
 class Joinable(Protocol):
@@ -57,18 +55,12 @@ TRANSPORTS = {
     "local": ("rl_sync.transport.local", "LocalTransport"),
     "cuda_ipc": ("rl_sync.transport.cuda_ipc", "IpcTransport"),
 }
-"""Name -> (module, class)."""
-
-
-def check_name(name: str) -> None:
-    """A `ValueError` listing the known names unless `name` is registered."""
-    if name not in TRANSPORTS:
-        raise ValueError(f"unknown transport {name!r}; known transports: {', '.join(sorted(TRANSPORTS))}")
+"""Name -> (module, class), one entry for each of `rl_sync.wire.messages.TRANSPORT_NAMES`."""
 
 
 def transport_class(name: str) -> Joinable:
     """The class of transport `name`; a `ValueError` listing the known names otherwise."""
-    check_name(name)
+    check_transport(name)
     module, cls = TRANSPORTS[name]
     return getattr(importlib.import_module(module), cls)
 

@@ -47,6 +47,24 @@ def engine_rank() -> EngineRank:
     return EngineRank(group.rank_in_group, group.world_size, exchange)
 
 
+def engine_rank_of(vllm_config, side_rank: int, side_size: int) -> EngineRank:
+    """This process's `engine_rank()`, checked against worker `side_rank` of `side_size` (see
+    the module docstring); `ValueError` for a pipeline-parallel engine or workers out of order."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError(
+            f"vLLM worker {side_rank}: pipeline parallel engines (size "
+            f"{parallel.pipeline_parallel_size}) are not supported; use tensor parallelism"
+        )
+    where = engine_rank()
+    if side_size % where.size or side_rank % where.size != where.rank:
+        raise ValueError(
+            f"vLLM worker {side_rank} of {side_size} is TP rank {where.rank} of {where.size}; pass "
+            "the workers engine by engine, each engine's ranks in tensor-parallel order"
+        )
+    return where
+
+
 class VllmDestinations:
     """Destinations in one vLLM rank's live model and the processing after each round."""
 
@@ -71,18 +89,7 @@ class VllmDestinations:
         """Resolve every checkpoint name (collective over the engine's ranks; see the module
         docstring for how side ranks map to engines). `sharded[name]`: the dims a fused tensor is
         never cut along (`rl_sync.planning.parts.uncuttable_dims`)."""
-        parallel = self.vllm_config.parallel_config
-        if parallel.pipeline_parallel_size != 1:
-            raise ValueError(
-                f"vLLM worker {side_rank}: pipeline parallel engines (size "
-                f"{parallel.pipeline_parallel_size}) are not supported; use tensor parallelism"
-            )
-        where = engine_rank()
-        if side_size % where.size or side_rank % where.size != where.rank:
-            raise ValueError(
-                f"vLLM worker {side_rank} of {side_size} is TP rank {where.rank} of {where.size}; pass "
-                "the workers engine by engine, each engine's ranks in tensor-parallel order"
-            )
+        where = engine_rank_of(self.vllm_config, side_rank, side_size)
         with self._context():
             self.binding = VllmBinding.build(
                 self.model,

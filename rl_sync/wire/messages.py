@@ -1,8 +1,8 @@
 """Wire types between the coordinator and the ranks (encoded with `rl_sync.wire.codec`).
 
 Init: each rank reports its tensors (`RankReport`), the coordinator answers
-with `InitInfo` (which carries its transport's own rendezvous message,
-`rl_sync.transport.registry`) plus the shared plan message (`PlanInfo`). Per round:
+with `InitInfo` (which names a transport of `TRANSPORT_NAMES` and carries its own
+rendezvous message, decoded by `rl_sync.transport.registry`) plus the shared plan message (`PlanInfo`). Per round:
 `RoundInfo` (a version, a mode and optionally a subset of names; never
 layouts) goes out and `RankStats` comes back.
 """
@@ -14,7 +14,6 @@ from typing import Literal
 
 from ..config.sync import BaselineDevice, Integrity, Mode, check_seconds
 from ..rendezvous.auth import check_secret
-from ..transport.registry import check_name
 from .plan_info import LayoutInfo
 
 TransportName = Literal["gloo", "nccl", "local"]
@@ -24,6 +23,15 @@ WriteMode = Literal["direct", "reload", "fallback"]
 """How a worker writes one tensor (`RankReport.modes`)."""
 Role = Literal["trainer", "worker", "both"]
 """What a rank does in a round: sends (a trainer), receives (a worker), or both (colocated)."""
+TRANSPORT_NAMES = ("cuda_ipc", "gloo", "local", "nccl")
+"""Every transport a rank can join (`rl_sync.transport.registry.TRANSPORTS` maps each to its class),
+sorted: the wire checks a name without importing a transport."""
+
+
+def check_transport(name: str) -> None:
+    """A `ValueError` listing the known names unless `name` is one of `TRANSPORT_NAMES`."""
+    if name not in TRANSPORT_NAMES:
+        raise ValueError(f"unknown transport {name!r}; known transports: {', '.join(TRANSPORT_NAMES)}")
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ class InitInfo:
     num_trainers: int
     worker_ranks: tuple[int, ...]
     transport: str
-    """A registered transport's name (`rl_sync.transport.registry.TRANSPORTS`)."""
+    """One of `TRANSPORT_NAMES`."""
     rendezvous: bytes
     """That transport's own rendezvous message, encoded (`rl_sync.wire.codec`); joining decodes it
     as the type the name selects."""
@@ -92,7 +100,7 @@ class InitInfo:
         if not self.worker_ranks or not all(0 <= r < self.world_size for r in self.worker_ranks):
             raise ValueError(f"InitInfo: worker ranks {self.worker_ranks} must be non-empty and inside the group")
         check_seconds("InitInfo.timeout_s", self.timeout_s)
-        check_name(self.transport)
+        check_transport(self.transport)
         if self.integrity not in ("off", "checksum", "keyed"):
             raise ValueError(f"InitInfo.integrity must be 'off', 'checksum' or 'keyed', got {self.integrity!r}")
         check_secret(self.secret)

@@ -13,11 +13,11 @@ checkpoint through vLLM's own loader (`sweep`). An architecture is *supported*
 when it binds with no fallback and every parameter matches on both ranks.
 
 Run it (92 candidates took 19 minutes on the shared 2-core machine, 3 to 12 s
-an architecture once its checkpoint is written) and regenerate the README's
-support table from what it recorded::
+an architecture once its checkpoint is written) and regenerate the support
+table in `docs/architectures.md` from what it recorded::
 
     python -m tests.distributed.arch_sweep --run docs/architectures.json
-    python -m tests.distributed.arch_sweep --table docs/architectures.json README.md
+    python -m tests.distributed.arch_sweep --table docs/architectures.json docs/architectures.md
 
 `tests/distributed/test_arch_sweep.py` runs a representative subset in the
 default run and every architecture recorded as supported under `slow`;
@@ -312,7 +312,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.distributed.arch_sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--run", metavar="RESULTS", help="sweep every candidate, writing the outcomes here (JSON)")
     parser.add_argument("--only", nargs="*", default=None, help="architectures to sweep (default: every candidate)")
-    parser.add_argument("--table", nargs=2, metavar=("RESULTS", "README"), help="regenerate README's table")
+    parser.add_argument("--table", nargs=2, metavar=("RESULTS", "PAGE"), help="regenerate the table in PAGE")
     args = parser.parse_args(argv)
     if args.run:
         import tempfile

@@ -1,12 +1,12 @@
-"""The README's table of vLLM architectures, generated from the sweep's recorded results.
+"""The table of vLLM architectures in `docs/architectures.md`, generated from the sweep's recorded results.
 
 `tests.distributed.arch_sweep --run` records one outcome per architecture (JSON);
-`write_table` turns them into the markdown between two markers of the README, so
+`write_table` turns them into the markdown between two markers of that page, so
 the table always says what the last sweep saw.
 
 Typical use::
 
-    write_table("docs/architectures.json", "README.md")
+    write_table("docs/architectures.json", "docs/architectures.md")
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _row(outcome: dict) -> str:
 
 
 def table(results: dict[str, dict]) -> str:
-    """The README's support table (markdown) of recorded sweep results."""
+    """The support table (markdown) of recorded sweep results."""
     order = list(STATUS)
     rows = sorted(results.values(), key=lambda o: (order.index(o["status"]), o["architecture"]))
     counts = ", ".join(f"{sum(o['status'] == s for o in rows)} {STATUS[s].strip('*')}" for s in order)
@@ -56,15 +56,15 @@ def table(results: dict[str, dict]) -> str:
     )
 
 
-def write_table(results_path: str, readme: str) -> None:
-    """Replace what lies between `TABLE_START` and `TABLE_END` in `readme` with `table(...)`."""
+def write_table(results_path: str, page: str) -> None:
+    """Replace what lies between `TABLE_START` and `TABLE_END` in `page` with `table(...)`."""
     with open(results_path) as f:
         results = json.load(f)
-    with open(readme) as f:
+    with open(page) as f:
         text = f.read()
     if text.count(TABLE_START) != 1 or text.count(TABLE_END) != 1:
-        raise ValueError(f"{readme} must hold {TABLE_START!r} and {TABLE_END!r} once each, around the table")
+        raise ValueError(f"{page} must hold {TABLE_START!r} and {TABLE_END!r} once each, around the table")
     head, rest = text.split(TABLE_START, 1)
     _, tail = rest.split(TABLE_END, 1)
-    with open(readme, "w") as f:
+    with open(page, "w") as f:
         f.write(f"{head}{TABLE_START}\n{table(results)}\n{TABLE_END}{tail}")

@@ -82,7 +82,14 @@ def _raise_one_amax(actor) -> None:
             local[0, 0] = 4.0
 
 
-@pytest.mark.parametrize("family, par", [("llama", Parallel(tp=2)), ("qwen3_moe", Parallel(engines=2, tp=2, ep=True))])
+@pytest.mark.parametrize(
+    "family, par",
+    [
+        # dense FP8 at TP2 (2 min on a 2-core machine); the MoE case covers the same writes, relayed
+        pytest.param("llama", Parallel(tp=2), marks=pytest.mark.slow),
+        ("qwen3_moe", Parallel(engines=2, tp=2, ep=True)),
+    ],
+)
 def test_fsdp2_bf16_trainers_into_the_fp8_engine(ray_session, family, par):
     """qwen3_moe: two engine replicas, relayed (`SyncConfig.relay`): FP8 values and scales are
     forwarded by the first replica's workers, dense and sparse."""

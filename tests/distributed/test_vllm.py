@@ -283,7 +283,13 @@ def _norm_address(rank) -> int:
     return dict(model.named_parameters())["model.norm.weight"].data_ptr()
 
 
-@pytest.mark.parametrize("family, modes", [("qwen2", ["m2n", "sparse", "sparse"]), ("qwen3_moe", ["m2n", "m2n"])])
+@pytest.mark.parametrize(
+    "family, modes",
+    [
+        ("qwen2", ["m2n", "sparse", "sparse"]),
+        pytest.param("qwen3_moe", ["m2n", "m2n"], marks=pytest.mark.slow),  # 30 s: CI's 25 minutes
+    ],
+)
 def test_staged_rounds_arrive_while_the_engine_generates_then_match_a_fresh_engine(
     references, tp2, tmp_path, family, modes
 ):
@@ -351,6 +357,7 @@ def test_an_engine_joining_a_live_group_catches_up_from_a_peer_then_generates_li
         POOL.give_back(Trainer, trainers)
 
 
+@pytest.mark.slow  # 2 min; test_vllm_trainer_api.py drives the same backend through vLLM's calls
 def test_engine_service_driven_through_vllms_weight_transfer_calls(references, tmp_path):
     """rl-sync as vLLM's `rl_sync` weight-transfer backend: the engine's workers are vLLM's own
     processes, reached only through `init_weight_transfer_engine` / `update_weights` (double

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from .vllm_group import SMALL, build, differing, join, random_model, run_ranks, snapshot, write_round
@@ -215,6 +216,7 @@ def _rank(rank: int, port: int, queue, root: str) -> None:
         queue.put((rank, name, differing(got, want), fallbacks, len(want), disagree))
 
 
+@pytest.mark.slow  # 80 s; test_arch_sweep.py checks its subset parameter by parameter against vLLM's load
 def test_every_parameter_equals_what_vllms_loader_loads(tmp_path):
     results = run_ranks(_rank, (str(tmp_path),), expected=2 * len(RUNS), timeout_s=420)
     for rank, name, differ, fallbacks, checked, disagree in results:

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rl_sync.engine import sparse_codec, sparse_cuda
-from rl_sync.engine.sparse_fused import density as density_class
+from rl_sync.engine.sparse_table import density as density_class
 from rl_sync.sparse.encodings import BITMAP, BLOCKED, DENSE, INDICES, encoded_nbytes
 
 pytestmark = pytest.mark.usefixtures("sparse_kernels")  # each test with the busy launches in CUDA, then Triton

@@ -16,8 +16,8 @@ from actors.cli import main
 from rl_sync.config.load import MAX_CONFIG_BYTES, MAX_DEPTH, load_config
 from rl_sync.config.sync import MAX_BUCKET_BYTES
 from rl_sync.models.config import MAX_COUNT, MAX_DIM
+from rl_sync.models.plan_report import MAX_TRANSFERS, PlanReportConfig
 from rl_sync.planning.layout import MAX_MESH_RANKS
-from rl_sync.planning.report import MAX_TRANSFERS, PlanReportConfig
 
 PLAN = Path(__file__).parents[2] / "configs" / "plan_dense_8b.yaml"
 FIELDS = {

@@ -10,7 +10,7 @@ import pytest
 
 from actors.cli import main
 from rl_sync.config.load import load_config, parse_overrides
-from rl_sync.planning.report import PlanReportConfig
+from rl_sync.models.plan_report import PlanReportConfig
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 

@@ -19,6 +19,8 @@ from rl_sync.wire.messages import RoundInfo
 
 WHOLE = Layout.replicated(Mesh((1,)))
 
+pytestmark = pytest.mark.usefixtures("each_scan")
+
 
 class Held(WorkerRank):
     """A worker whose destinations are a dict it keeps (as `actors.ready.InferenceWorker`)."""

@@ -10,8 +10,9 @@ import torch
 
 from rl_sync.transport.base import Transport
 from rl_sync.transport.local import LocalRendezvous
-from rl_sync.transport.registry import TRANSPORTS, check_name, transport_class
+from rl_sync.transport.registry import TRANSPORTS, transport_class
 from rl_sync.wire.codec import encode
+from rl_sync.wire.messages import TRANSPORT_NAMES, check_transport
 
 from .test_transport_messages import init_info
 
@@ -38,8 +39,11 @@ def test_a_one_rank_group_joins_the_local_transport():
     assert (joined.rank, joined.world_size) == (0, 1)
 
 
-@pytest.mark.parametrize("lookup", [transport_class, check_name])
+@pytest.mark.parametrize("lookup", [transport_class, check_transport])
 def test_an_unknown_transport_names_the_known_ones(lookup):
     with pytest.raises(ValueError, match=r"^unknown transport 'ucx'; known transports: cuda_ipc, gloo, local, nccl$"):
         lookup("ucx")
-    assert set(TRANSPORTS) == {"cuda_ipc", "gloo", "local", "nccl"}
+
+
+def test_the_registry_holds_every_name_the_wire_accepts_and_no_other():
+    assert sorted(TRANSPORTS) == list(TRANSPORT_NAMES)

@@ -12,8 +12,7 @@ import warnings
 import pytest
 import torch
 
-from rl_sync.engine import sparse_cuda
-from rl_sync.engine import sparse_triton as kernels
+from rl_sync.engine import sparse_cuda, sparse_table
 
 CUDA = torch.device("cuda", 0)
 
@@ -38,7 +37,7 @@ def test_the_cuda_source_ships_with_the_package_and_reads_only_constants_defined
     used = set(re.findall(r"\b(?:SEND_[A-Z_]+|RECV_[A-Z_]+|INT32_INDEX|UINT16_OFFSET|NO_INDEX|BLOCK)\b", source))
     macros = dict(m[2:].split("=") for m in sparse_cuda._macros())
     assert used and used <= set(macros)
-    assert macros["SEND_COLUMNS"] == str(kernels.SEND_COLUMNS) and macros["RECV_K"] == str(kernels.RECV_K.value)
+    assert macros["SEND_COLUMNS"] == str(sparse_table.SEND_COLUMNS) and macros["RECV_K"] == str(sparse_table.RECV_K)
     assert macros["UINT16_OFFSET"] == "2" and macros["BLOCK"] == str(1 << 16)
     placing = set(re.findall(r"\b(?:CODE_[A-Z]+|ALIGN|MAX_INDEX|BUSY|BUSIER)\b", source))
     assert placing <= set(macros) and len(placing) == 8
@@ -65,6 +64,7 @@ def test_a_source_that_does_not_compile_warns_once_and_leaves_triton_in_place(mo
         sparse_cuda._source_compiles.cache_clear()
 
 
+@pytest.mark.slow  # 1 min of NVRTC on a 2-core machine; the GPU tests compile and run it on the H200
 def test_the_cuda_source_compiles_for_an_h200_without_a_warning_and_names_every_kernel():
     """NVRTC (the `nvrtc` extra) builds the file as `sparse_cuda` does, for sm_90, on this machine:
     a kernel that no longer compiles, or a template `sparse_cuda` names that the file lacks, fails

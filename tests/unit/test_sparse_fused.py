@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from rl_sync.engine import sparse_codec, sparse_fused, sparse_receiver
+from rl_sync.engine import sparse_codec, sparse_fused, sparse_launch, sparse_receiver, sparse_table, sparse_triton
 from rl_sync.engine.sparse_codec import overlapping
 
 
@@ -89,13 +89,11 @@ def test_geometry_gives_each_box_whole_blocks_of_tile_slots_and_leaves_out_what_
     n = 70_000  # two wire blocks of 65,536 elements
     pairs = _pairs(2, n) + [(torch.zeros(8, dtype=torch.float32), torch.zeros(8, dtype=torch.float64))]
     made = sparse_fused.geometry(pairs, [0, 1, 2], [False] * 3)
-    per_box = 2 * (65_536 // sparse_fused.kernels.TILE)
+    per_box = 2 * (65_536 // sparse_table.TILE)
     assert sorted(made.boxes) == [0, 1]  # dtypes differ: box 2 takes the torch path
     assert [made.boxes[i].slot for i in (0, 1)] == [0, per_box]
     assert made.slots == 2 * per_box
-    assert [launch.total for launch in made.diff] == [
-        2 * sparse_fused.kernels.tiles(n) * sparse_fused.kernels.DIFF_PARTS
-    ]
+    assert [launch.total for launch in made.diff] == [2 * sparse_table.tiles(n) * sparse_triton.DIFF_PARTS]
 
 
 def test_a_source_and_baseline_of_different_shapes_never_take_the_fused_path():
@@ -121,7 +119,7 @@ def test_launches_take_the_cuda_kernels_only_on_the_vectorized_path_and_expand_o
     from rl_sync.engine import sparse_cuda
     from rl_sync.engine import sparse_triton as kernels
 
-    pick = sparse_fused._kernel
+    pick = sparse_launch.kernel
     assert pick("diff", (2, True), None, True) is sparse_cuda.diff
     assert pick("compact", (2, True), 1, True) is sparse_cuda.compact
     assert pick("expand", (8, True), 2, True) is sparse_cuda.expand
@@ -158,9 +156,9 @@ def test_a_bucket_geometry_records_which_diff_it_cuts_its_tiles_for(monkeypatch)
         made = sparse_fused.geometry(pairs, [0, 1, 2], [False] * 3)
         programs[cuda] = {launch.key[1]: launch.total for launch in made.diff}
         assert sparse_fused.geometry(pairs, [0, 1, 2], [False] * 3) is made
-    tiles = kernels.tiles(40_000)
-    assert programs[True] == {True: 2 * tiles * sparse_cuda.DIFF_PARTS, False: kernels.tiles(20_000) * 8}
-    assert programs[False] == {True: 2 * tiles * kernels.DIFF_PARTS, False: kernels.tiles(20_000) * 8}
+    tiles = sparse_table.tiles(40_000)
+    assert programs[True] == {True: 2 * tiles * sparse_cuda.DIFF_PARTS, False: sparse_table.tiles(20_000) * 8}
+    assert programs[False] == {True: 2 * tiles * kernels.DIFF_PARTS, False: sparse_table.tiles(20_000) * 8}
 
 
 def test_a_receiver_checks_every_row_in_one_cuda_launch_or_in_tritons_two(monkeypatch):
@@ -199,7 +197,7 @@ def test_a_receiver_checks_every_row_in_one_cuda_launch_or_in_tritons_two(monkey
             assert names == ["bitmap_counts", "scan", "blocked_check", "expand", "blocked_apply"]
         if cuda:
             _, firsts, rows, programs, counts, starts, *_, done = launched[0][1]
-            tiles = [kernels.tiles(40_000), 1, kernels.tiles(20_000)]
+            tiles = [sparse_table.tiles(40_000), 1, sparse_table.tiles(20_000)]
             per = sparse_cuda.STARTS_WARPS  # tiles a program (a warp each)
             each = [-(-tiles[0] // per), 1, -(-tiles[2] // per)]
             assert (firsts.tolist(), rows, programs) == ([0, each[0], each[0] + 1, sum(each)], 3, sum(each))
@@ -242,10 +240,10 @@ def test_a_receiver_writes_each_key_in_turn_its_expands_by_density_then_its_bloc
     assert received.commit() == []
     bf16, fp32, blocks = (2, True), (4, True), -(-70_000 // 65_536)
     assert writes == [
-        ("expand", bf16, 1, kernels.tiles(40_000)),
-        ("expand", bf16, 2, kernels.tiles(40_000)),
+        ("expand", bf16, 1, sparse_table.tiles(40_000)),
+        ("expand", bf16, 2, sparse_table.tiles(40_000)),
         ("apply", bf16, None, blocks),
-        ("expand", fp32, 2, kernels.tiles(20_000)),
+        ("expand", fp32, 2, sparse_table.tiles(20_000)),
         ("apply", fp32, None, blocks),
     ]
 
@@ -277,11 +275,12 @@ def test_a_sender_compacts_the_boxes_encoded_so_far_once_they_hold_a_share_of_th
     """`encode` launches `compact` for the boxes it has encoded once they hold a `FLUSHES`-th of the
     bucket's tiles (the first time a `FIRST_FLUSH`-th: the device waits for that one); `complete`
     launches the rest: every box once, in the order encoded."""
-    from rl_sync.engine import sparse_triton as kernels
     from rl_sync.sparse.encodings import BITMAP, encoded_nbytes
 
     launched = []
-    found = _busy_sender(monkeypatch, False, lambda table, *args: launched.append(table.view(-1, kernels.SEND_COLUMNS)))
+    found = _busy_sender(
+        monkeypatch, False, lambda table, *args: launched.append(table.view(-1, sparse_table.SEND_COLUMNS))
+    )
     assert found.counts == [BUSY_K] * 7
     per_launch = []
     for i in range(7):
@@ -289,7 +288,7 @@ def test_a_sender_compacts_the_boxes_encoded_so_far_once_they_hold_a_share_of_th
         per_launch.append(len(launched))
     assert per_launch == [1, 1, 2, 2, 3, 3, 4]  # 21 tiles: the first once 2 (an eighth) wait, then 5 (a quarter)
     found.finish()
-    assert [table[:, kernels.SEND_COUNT.value].tolist() for table in launched] == [[0], [1, 2], [3, 4], [5, 6]]
+    assert [table[:, sparse_table.SEND_COUNT].tolist() for table in launched] == [[0], [1, 2], [3, 4], [5, 6]]
 
 
 def test_rounds_of_a_bucket_reuse_its_scratch_lent_to_one_sender_at_a_time(monkeypatch):
@@ -352,7 +351,6 @@ def test_a_receiver_carries_few_rows_inline_and_uploads_many(monkeypatch):
     address: the flags, the guard and the counters in the flags' buffer, the counts and positions in
     one allocation."""
     from rl_sync.engine import sparse_cuda
-    from rl_sync.engine import sparse_triton as kernels
     from rl_sync.sparse.encodings import BITMAP, encoded_nbytes
 
     monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
@@ -361,8 +359,10 @@ def test_a_receiver_carries_few_rows_inline_and_uploads_many(monkeypatch):
     monkeypatch.setattr(sparse_cuda, "starts", lambda *a: launched.append(("starts", a)))
     monkeypatch.setattr(sparse_cuda, "expand", lambda *a: launched.append(("expand", a)))
     n, k = 40_000, 5_000  # busy
-    many = sparse_cuda.INLINE_VALUES // kernels.RECV_COLUMNS
-    assert sparse_cuda.fits_inline(3, kernels.RECV_COLUMNS) and not sparse_cuda.fits_inline(many, kernels.RECV_COLUMNS)
+    many = sparse_cuda.INLINE_VALUES // sparse_table.RECV_COLUMNS
+    assert sparse_cuda.fits_inline(3, sparse_table.RECV_COLUMNS) and not sparse_cuda.fits_inline(
+        many, sparse_table.RECV_COLUMNS
+    )
     for boxes in (3, many):
         launched.clear()
         received = sparse_codec.BucketReceiver(torch.device("cpu"), boxes)
@@ -374,14 +374,14 @@ def test_a_receiver_carries_few_rows_inline_and_uploads_many(monkeypatch):
         table, firsts, rows, *_, done = checks
         assert rows == boxes and writes[:3] == (table, writes[1], boxes)
         if boxes == 3:
-            each = -(-kernels.tiles(n) // sparse_cuda.STARTS_WARPS)
-            assert len(table) == 3 * kernels.RECV_COLUMNS and firsts == [0, each, 2 * each, 3 * each]
-            assert writes[1] == [0, kernels.tiles(n), 2 * kernels.tiles(n), 3 * kernels.tiles(n)]
+            each = -(-sparse_table.tiles(n) // sparse_cuda.STARTS_WARPS)
+            assert len(table) == 3 * sparse_table.RECV_COLUMNS and firsts == [0, each, 2 * each, 3 * each]
+            assert writes[1] == [0, sparse_table.tiles(n), 2 * sparse_table.tiles(n), 3 * sparse_table.tiles(n)]
             counts, starts, flags, guard = checks[4:8]  # by address: the flags' buffer, one allocation
             counters, _ = sparse_codec.flags_layout(boxes)
             at = received.flags.data_ptr()
             assert [flags.data_ptr(), guard.data_ptr(), done.data_ptr()] == [at, at + 4 * boxes, at + 4 * counters]
-            assert counts.data_ptr() == starts.data_ptr() + 8 * 3 * kernels.tiles(n)
+            assert counts.data_ptr() == starts.data_ptr() + 8 * 3 * sparse_table.tiles(n)
         else:
             assert all(isinstance(t, torch.Tensor) for t in (table, firsts, writes[1]))
 
@@ -391,7 +391,6 @@ def test_a_bucket_of_blocked_rows_is_checked_and_written_in_cuda_with_its_table_
     `blocked_check` and written by `blocked_apply`, all CUDA launches: a few rows' table rides
     inline in each (no upload), strided destinations included."""
     from rl_sync.engine import sparse_cuda
-    from rl_sync.engine import sparse_triton as kernels
     from rl_sync.sparse.encodings import BLOCKED, encoded_nbytes
 
     monkeypatch.setattr(sparse_codec, "_on_kernel_device", lambda t: True)  # these CPU tensors "on a GPU"
@@ -409,7 +408,7 @@ def test_a_bucket_of_blocked_rows_is_checked_and_written_in_cuda_with_its_table_
     assert received.commit() == []
     assert [name for name, _ in launched] == ["starts", "blocked_check", "blocked_apply", "blocked_apply"]
     for name, (table, firsts, boxes, *_) in launched:
-        assert len(table) == 3 * kernels.RECV_COLUMNS and not isinstance(table, torch.Tensor), name
+        assert len(table) == 3 * sparse_table.RECV_COLUMNS and not isinstance(table, torch.Tensor), name
         assert boxes == 3 and isinstance(firsts, list), name
     blocks = -(-n // 65_536)  # a program a wire block
     (_, checks), (_, blocked), *writes = launched
@@ -426,7 +425,6 @@ def test_a_bucket_of_blocked_rows_is_checked_and_written_in_cuda_with_its_table_
 def test_a_sender_carries_a_flush_of_few_busy_rows_inline(monkeypatch):
     """With the CUDA kernels, each `compact` launch passes its rows and program starts as host
     values: the same rows, in the order encoded, as an uploaded table would hold."""
-    from rl_sync.engine import sparse_triton as kernels
     from rl_sync.sparse.encodings import BITMAP, encoded_nbytes
 
     launched = []
@@ -434,7 +432,7 @@ def test_a_sender_carries_a_flush_of_few_busy_rows_inline(monkeypatch):
     for i in range(7):
         found.encode(i, BITMAP, torch.zeros(encoded_nbytes(BITMAP, BUSY_N, BUSY_K, 2), dtype=torch.uint8))
     found.finish()
-    columns, count = kernels.SEND_COLUMNS, kernels.SEND_COUNT.value
+    columns, count = sparse_table.SEND_COLUMNS, sparse_table.SEND_COUNT
     assert [table[count::columns] for table, _ in launched] == [[0], [1, 2], [3, 4], [5, 6]]
     assert [firsts for _, firsts in launched] == [[0, 3]] + [[0, 3, 6]] * 3
 
@@ -465,7 +463,7 @@ def test_a_message_refused_at_its_second_box_leaves_nothing_of_its_first(monkeyp
     fused = received._fused
     received.prepare()
     table = fused._checks[0][1][0]  # (the checks' table: one row)
-    assert fused.boxes == 1 and len(table) == sparse_fused.kernels.RECV_COLUMNS
+    assert fused.boxes == 1 and len(table) == sparse_table.RECV_COLUMNS
     assert table[10] == 2 and fused._entries == 1 and list(received._added) == [0, 0, 1]
 
 

@@ -26,11 +26,11 @@ import torch
 from rl_sync.bind.binder import Binder
 from rl_sync.config.load import load_config
 from rl_sync.models.config import Family, ModelConfig, Parallel
+from rl_sync.models.plan_report import PlanReportConfig
 from rl_sync.models.synthetic import TrainerParallel, checkpoint_tensors, model_specs
 from rl_sync.models.tp_model import TPModel
 from rl_sync.planning.layout import Box
 from rl_sync.planning.quant import scale_name
-from rl_sync.planning.report import PlanReportConfig
 from rl_sync.wire.dtypes import itemsize
 
 
@@ -218,7 +218,7 @@ ANCHORS = {  # config: (tensors, GB into each worker)
 @pytest.mark.parametrize("name", list(ANCHORS))
 def test_anchor_configs_keep_their_bytes_per_worker(name):
     """What every worker of a published plan config receives (its boxes' bytes): a layout change
-    moves these figures and the predictions in README.md / docs/benchmarks.md."""
+    moves these figures and the predictions in docs/benchmarks.md."""
     cfg = load_config(CONFIGS / f"{name}.yaml", PlanReportConfig)
     specs = model_specs(cfg.model, cfg.trainer, cfg.inference)
     groups = Counter((s.dst, s.shape, s.dtype) for s in specs)

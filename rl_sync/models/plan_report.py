@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 from ..config.sync import MAX_BUCKET_BYTES, check_int
-from ..models.config import ModelConfig, Parallel
-from ..models.synthetic import TrainerParallel, model_specs
+from ..planning.plan import PlanStats, plan_model
+from ..planning.schedule import Schedule, build_schedule
+from ..planning.simulate import LinkModel, Prediction, predict
 from ..wire.codec import decode, encode
 from ..wire.plan_info import PlanInfo
-from .plan import PlanStats, plan_model
-from .schedule import Schedule, build_schedule
-from .simulate import LinkModel, Prediction, predict
+from .config import ModelConfig, Parallel
+from .synthetic import TrainerParallel, model_specs
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,72 @@
+"""PEFT LoRA adapter tensors by the names PEFT saves them under: what a LoRA group carries.
+
+PEFT names a parameter of adapter `default` `...q_proj.lora_A.default.weight` in the model
+and saves it as `base_model.model.<module>.lora_A.weight` (`save_pretrained`); rl-sync's
+checkpoint names are the saved ones, so a vLLM rank maps them exactly as vLLM maps a
+saved adapter. Trainers expose the adapter only: the frozen base is never sent.
+
+Typical use (a trainer actor with a PEFT model under FSDP2)::
+
+    def rl_sync_sources(self):
+        return adapter_sources(self.peft_model)          # {saved name: DTensor}
+
+    parse_adapter_name("base_model.model.model.layers.0.mlp.up_proj.lora_B.weight")
+    # AdapterTensor(module='model.layers.0.mlp.up_proj', matrix='B')
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple
+
+PREFIX = "base_model.model."
+"""What PEFT puts before the base model's module names."""
+_SAVED = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<matrix>[AB])\.weight$")
+
+
+class AdapterTensor(NamedTuple):
+    """One adapter tensor: the base model's module it adapts, and which of its two matrices."""
+
+    module: str
+    matrix: Literal["A", "B"]
+
+
+def parse_adapter_name(name: str) -> AdapterTensor:
+    """The module and matrix of a saved adapter tensor name; `ValueError` for anything else."""
+    found = _SAVED.match(name)
+    if found is None:
+        raise ValueError(
+            f"tensor {name!r} is no LoRA adapter tensor: a LoRA group carries PEFT's saved names only, "
+            f"'{PREFIX}<module>.lora_A.weight' and '{PREFIX}<module>.lora_B.weight' (expose the "
+            "adapter with rl_sync.lora.adapter_sources, never the base weights)"
+        )
+    matrix: Literal["A", "B"] = "A" if found["matrix"] == "A" else "B"
+    return AdapterTensor(found["module"], matrix)
+
+
+def saved_name(parameter: str, adapter: str) -> str | None:
+    """The saved name of model parameter `parameter` if it belongs to `adapter`'s lora_A or
+    lora_B, else None (base weights, other adapters)."""
+    for matrix in ("lora_A", "lora_B"):
+        infix = f".{matrix}.{adapter}."
+        if infix in parameter and parameter.endswith(".weight"):
+            saved = parameter.replace(infix, f".{matrix}.")
+            return saved if saved.startswith(PREFIX) else PREFIX + saved
+    return None
+
+
+def adapter_sources(model: Any, adapter: str = "default") -> dict[str, Any]:
+    """`{saved name: parameter}` of `adapter`'s matrices in a PEFT model (DTensors under FSDP2);
+    `ValueError` naming the model's adapters when it has no `adapter`."""
+    configs: Mapping[str, Any] = getattr(model, "peft_config", {})
+    if adapter not in configs:
+        raise ValueError(f"unknown adapter {adapter!r}: the PEFT model has {sorted(configs) or 'none'}")
+    out = {}
+    for parameter, tensor in model.named_parameters():
+        saved = saved_name(parameter, adapter)
+        if saved is not None:
+            out[saved] = tensor
+    if not out:
+        raise ValueError(f"adapter {adapter!r} has no lora_A / lora_B weights in the model")
+    return out

@@ -1,0 +1,79 @@
+"""The C scan of `rl_sync.rank.native`: what it reports, and how it refuses bad arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_sync.rank import native
+
+
+@pytest.fixture(scope="module")
+def scan():
+    module = native.scan()
+    assert module is not None, "the C scan builds and loads on this machine"
+    return module
+
+
+def _rows(scan, tensors: list[torch.Tensor]) -> torch.Tensor:
+    rows = torch.zeros(len(tensors), native.ROW, dtype=torch.int64)
+    scan.record(tensors, rows, list(range(len(tensors))))
+    return rows
+
+
+def test_every_change_of_layout_is_reported_and_values_written_in_place_are_not(scan):
+    tensors = [torch.zeros(4, 3) for _ in range(7)]
+    with torch.inference_mode():
+        tensors.append(torch.zeros(2))
+    rows = _rows(scan, tensors)
+    with torch.inference_mode():
+        for t in tensors:
+            t.add_(1)  # values written in place (an inference tensor too)
+    assert scan.moved(tensors, rows) == []
+    tensors[1].data = torch.zeros(4, 3)  # new storage
+    tensors[2].t_()  # strides and shape
+    tensors[3].data = tensors[3].data.view(torch.int32)  # dtype, same memory
+    tensors[4].untyped_storage().resize_(0)  # storage freed
+    tensors[5].data = tensors[5].data[1:]  # same storage, another offset
+    assert scan.moved(tensors, rows) == [1, 2, 3, 4, 5]
+    scan.record(tensors, rows, [1, 2])
+    assert scan.moved(tensors, rows) == [3, 4, 5], "what is recorded anew is no longer reported"
+
+
+def test_more_than_four_dims_are_not_recorded(scan):
+    tensors = [torch.zeros(1, 2, 1, 2, 1), torch.zeros(1, 2, 1, 2)]
+    rows = _rows(scan, tensors)
+    assert rows[:, 1].tolist()[0] == native.UNRECORDED and rows[1, 1] != native.UNRECORDED
+    tensors[0].data = torch.zeros(3)
+    assert scan.moved(tensors, rows) == []
+
+
+def test_identities_and_held_objects(scan):
+    a, b = [object() for _ in range(4)], []
+    b[:] = a
+    b[2] = object()
+    assert scan.differ(a, b) == [2]
+    holders = [{"k": a[0]}, {}, {"k": a[2]}]
+    assert scan.held_moved(holders, ["k", "k", "k"], [a[0], a[1], a[3]], True) == [1, 2]
+
+    class Box:
+        k = a[0]
+
+    assert scan.held_moved([Box(), object()], ["k", "k"], [a[0], a[0]], False) == [1]
+
+
+def test_bad_arguments_are_refused_saying_what_was_expected(scan):
+    rows = torch.zeros(1, native.ROW, dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"^tensors must be a list, got tuple$"):
+        scan.moved((torch.zeros(1),), rows)
+    with pytest.raises(TypeError, match=r"^an item of tensors is a int, not a tensor$"):
+        scan.moved([3], rows)
+    rows_expected = r"^rows must be a contiguous CPU int64 tensor of at least 2 rows of 10 words$"
+    with pytest.raises(ValueError, match=rows_expected):
+        scan.moved([torch.zeros(1), torch.zeros(1)], rows)
+    with pytest.raises(IndexError, match=r"^slot 4 is outside the 1 tensors$"):
+        scan.record([torch.zeros(1)], rows, [4])
+    with pytest.raises(ValueError, match=r"^differ: lists of 1 and 2 items$"):
+        scan.differ([1], [1, 2])
+    with pytest.raises(TypeError, match="unhashable"):  # (only a missing key or attribute counts as moved)
+        scan.held_moved([{}], [["unhashable"]], [None], True)
