@@ -27,7 +27,7 @@ import time
 import ray
 from rich.console import Console
 from rich.table import Table
-from staged_bench import _config, _engine, _sync, arguments, defaults, placement, start_trainers, write_checkpoint
+from staged_bench import _config, _engine, _sync, defaults, parser_of, placement, start_trainers, write_checkpoint
 
 
 def _seconds(call) -> float:
@@ -86,7 +86,7 @@ def show(args, result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = arguments(__doc__)
+    parser = parser_of(__doc__)
     defaults(parser, args := parser.parse_args(argv))
     show(args, run(args))
     return 0

@@ -207,8 +207,8 @@ def defaults(parser: argparse.ArgumentParser, args) -> None:
     )
 
 
-def arguments(doc: str | None) -> argparse.ArgumentParser:
-    """The options this benchmark shares with `elastic_bench.py`."""
+def parser_of(doc: str | None) -> argparse.ArgumentParser:
+    """The arguments this benchmark shares with `elastic_bench.py` (model, rounds, placement)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
@@ -219,7 +219,7 @@ def arguments(doc: str | None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = arguments(__doc__)
+    parser = parser_of(__doc__)
     parser.add_argument("--cuda-graphs", action="store_true", help="GPU: leave vLLM's CUDA graphs on")
     parser.add_argument("--colocate", action="store_true", help="GPU: trainer i and engine rank i share GPU i")
     parser.add_argument("--prompts", type=int, default=None, help="default: 4 on CPUs, 64 on GPUs")
