@@ -117,10 +117,10 @@ def test_staged_rounds_through_cuda_ipc_land_in_the_shadows_until_the_commit(gpu
     try:
         sync = WeightSync.create(trainers, workers, SyncConfig(double_buffer=True, **CONFIG))
         assert sync.summary.cuda_ipc
-        assert pushed(ray, sync, trainers, workers, 1) == "m2n"
-        for version, mode in ((2, "m2n"), (3, "sparse")):  # (the first sparse request runs dense)
+        assert pushed(ray, sync, trainers, workers, 1) == "m2n", "the first sparse request runs dense"
+        for version, mode in ((2, "m2n"), (3, "sparse")):  # a dense staged round, then a sparse one
             set_versions(ray, trainers, version)
-            staged = sync.stage(mode="sparse")
+            staged = sync.stage(mode=mode)
             check(ray, workers, 1, version - 1)
             assert sync.versions() == [version - 1], "the worker serves the version it holds in full"
             stats = staged.commit()
