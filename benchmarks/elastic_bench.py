@@ -37,7 +37,7 @@ def _seconds(call) -> float:
 
 
 def run(args) -> dict:
-    config, options = _config(args.layers), placement(args)
+    config, options = _config(args.layers, args.device), placement(args)
     trainers = start_trainers(args, config, options)
     state = ray.get([t.full_state.remote() for t in trainers])[0]
     path = write_checkpoint(tempfile.mkdtemp(prefix="rl-sync-elastic-"), config, state)

@@ -50,13 +50,23 @@ from rl_sync.vllm.checkpoint import write_checkpoint
 GPU_LLM_KWARGS = dict(
     skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=1024, seed=0
 )
+PROMPT_TOKENS = 8
 ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
-def _config(layers: int) -> dict:
+def _llm_kwargs(device: str, cuda_graphs: bool) -> dict:
+    """The engine's arguments: `vllm_bench`'s on CPUs; on GPUs room for the longer generations."""
+    return {**GPU_LLM_KWARGS, "enforce_eager": not cuda_graphs} if device == "cuda" else dict(LLM_KWARGS)
+
+
+def _config(layers: int, device: str) -> dict:
+    """The model's config: Qwen2-0.5B shapes with as many positions as the engine serves (vLLM
+    refuses a `max_model_len` over them; rotary positions, so the weights are the same)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model("qwen2", **QWEN2_05B, num_hidden_layers=layers).to_dict()
+    positions = _llm_kwargs(device, cuda_graphs=False)["max_model_len"]
+    shapes = {**QWEN2_05B, "max_position_embeddings": positions}
+    config = AutoConfig.for_model("qwen2", **shapes, num_hidden_layers=layers).to_dict()
     config.update(architectures=["Qwen2ForCausalLM"], torch_dtype="bfloat16")
     return config
 
@@ -81,9 +91,14 @@ def placement(args) -> list[dict]:
 
 
 def _engine(path: str, tp: int, device: str, cuda_graphs: bool, options: list[dict]) -> VllmEngine:
-    kwargs = {**GPU_LLM_KWARGS, "enforce_eager": not cuda_graphs} if device == "cuda" else dict(LLM_KWARGS)
     return VllmEngine.launch(
-        path, tp=tp, llm_kwargs=kwargs, host="127.0.0.1", env=ENV, actor_options=options[:tp], timeout_s=900
+        path,
+        tp=tp,
+        llm_kwargs=_llm_kwargs(device, cuda_graphs),
+        host="127.0.0.1",
+        env=ENV,
+        actor_options=options[:tp],
+        timeout_s=900,
     )
 
 
@@ -141,7 +156,7 @@ def measure(engine: VllmEngine, trainers, rounds: int, prompts: list[list[int]],
 
 
 def run(args) -> tuple[dict, int]:
-    config, options = _config(args.layers), placement(args)
+    config, options = _config(args.layers, args.device), placement(args)
     trainers = start_trainers(args, config, options)
     state = ray.get([t.full_state.remote() for t in trainers])[0]
     params = sum(v.numel() for v in state.values())
@@ -149,7 +164,7 @@ def run(args) -> tuple[dict, int]:
     del state
     engine = _engine(path, args.tp, args.device, args.cuda_graphs, options)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 1000, (8,), generator=gen).tolist() for _ in range(args.prompts)]
+    prompts = [torch.randint(0, 1000, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(args.prompts)]
     try:
         return measure(engine, trainers, args.rounds, prompts, args.tokens), params
     finally:
@@ -225,9 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=None, help="default: 4 on CPUs, 64 on GPUs")
     parser.add_argument("--tokens", type=int, default=None, help="default: 64 on CPUs, 512 on GPUs")
     args = parser.parse_args(argv)
-    defaults(parser, args)
     args.prompts = args.prompts or (64 if args.device == "cuda" else 4)
     args.tokens = args.tokens or (512 if args.device == "cuda" else 64)
+    positions = _llm_kwargs(args.device, args.cuda_graphs)["max_model_len"]
+    if PROMPT_TOKENS + args.tokens > positions:
+        parser.error(
+            f"--tokens {args.tokens}: the engine serves {positions} positions on {args.device}, "
+            f"{PROMPT_TOKENS}-token prompts leave room for {positions - PROMPT_TOKENS} tokens"
+        )
+    defaults(parser, args)
     result, params = run(args)
     show(args, result, params)
     return 0
