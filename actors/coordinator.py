@@ -571,18 +571,26 @@ class Coordinator:
             for r in gather(self.ranks, lambda m: m.run(blob, version, self.reply), self.budget.left(step), what)
         ]
         if self.ipc:
-            gather(self.workers, lambda m: m.ipc_end(version, names, self.reply), self.budget.left(step), what)
-            results += [
-                replace(
-                    results[r],
-                    rank=r,
-                    role="worker",
-                    sent_bytes=0,
-                    received_bytes=results[r].received_bytes + results[r].local_bytes,
-                )
-                for r in self.worker_ranks
-            ]
+            results = self._ipc_end(version, names, results, what)
         return results, self._commit(version, what) if self.config.double_buffer else 0.0
+
+    def _ipc_end(
+        self, version: int, names: tuple[str, ...] | None, results: list[RankStats], what: str
+    ) -> list[RankStats]:
+        """Close a colocated round on every worker once its trainers wrote it; `results` (the
+        trainers') with each worker's statistics added (what its trainer wrote into it)."""
+        step = self.config.round_timeout_s + 5
+        gather(self.workers, lambda m: m.ipc_end(version, names, self.reply), self.budget.left(step), what)
+        return results + [
+            replace(
+                results[r],
+                rank=r,
+                role="worker",
+                sent_bytes=0,
+                received_bytes=results[r].received_bytes + results[r].local_bytes,
+            )
+            for r in self.worker_ranks
+        ]
 
     def _ipc_begin(self, version: int, what: str) -> bool:
         """Open the round on every colocated worker; a worker whose memory moved since its export

@@ -4,7 +4,10 @@
 the group is broken, the mode and tensors decided), then starts it: trainers
 send as in any round, and every worker receives into its shadow copies on a
 thread of its own (`rl_sync.rank.background`), answering at once, so the
-engines keep generating with the version they hold. `StagedRound.commit()`
+engines keep generating with the version they hold (in a colocated group, the
+trainers write the workers' shadows through CUDA IPC themselves, the workers
+only opening the round, `_ipc_begin`, and closing it at the commit,
+`_ipc_end`). `StagedRound.commit()`
 then waits for every rank to finish the transfer and commits the round on
 every worker in one step (`Coordinator._commit`: a swap of the memory behind
 each storage where the engine allows, a copy otherwise), which is all the
@@ -84,11 +87,6 @@ def stage(
             "stage: a staged round lands in the workers' shadow copies while they serve, which only a "
             "double-buffered group keeps; create the group with SyncConfig(double_buffer=True)"
         )
-    if c.ipc:
-        raise ValueError(
-            "stage: the trainers write into their colocated workers' memory themselves (CUDA IPC), so "
-            "there is no transfer to run while the engines serve; use push()"
-        )
     round_ = c._open_round(version, names, mode, "stage")
     receivers = [m for m in c.ranks if any(m is w for w in c.workers)]
     senders = [m for m in c.ranks if all(m is not w for w in receivers)]
@@ -147,9 +145,11 @@ def commit(c: Coordinator, version: int, token: str | None) -> RoundStats:
             raise failed(what, failures, len(staged.senders), timeout)
         left = c.budget.left(c.config.round_timeout_s)
         received = gather(staged.receivers, lambda m: m.staged(version, left, c.reply), c.budget.left(step), what)
+        results = [decode(RankStats, r) for r in sent + received]
+        if c.ipc:
+            results = c._ipc_end(version, round_.names, results, what)
         commit_seconds = c._commit(version, what)
     except SyncError:
         c.broken = f"round {version}"
         raise
-    results = [decode(RankStats, r) for r in sent + received]
     return c._close_round(round_, results, commit_seconds, fence, seconds=max(r.seconds for r in results))

@@ -27,7 +27,7 @@ import time
 import ray
 from rich.console import Console
 from rich.table import Table
-from staged_bench import HFTrainer, _config, _engine, _sync, defaults, free_init_url, parser_of, write_checkpoint
+from staged_bench import _config, _engine, _sync, defaults, parser_of, placement, start_trainers, write_checkpoint
 
 
 def _seconds(call) -> float:
@@ -37,18 +37,16 @@ def _seconds(call) -> float:
 
 
 def run(args) -> dict:
-    config = _config(args.layers)
-    Trainer = ray.remote(num_cpus=0.1, num_gpus=1 if args.device == "cuda" else 0)(HFTrainer)
-    url = free_init_url("127.0.0.1")
-    trainers = [Trainer.remote(i, args.trainers, config, url, device=args.device) for i in range(args.trainers)]
+    config, options = _config(args.layers, args.device), placement(args)
+    trainers = start_trainers(args, config, options)
     state = ray.get([t.full_state.remote() for t in trainers])[0]
     path = write_checkpoint(tempfile.mkdtemp(prefix="rl-sync-elastic-"), config, state)
     del state
-    engines = [_engine(path, args.tp, args.device, cuda_graphs=False)]
+    engines = [_engine(path, args.tp, args.device, cuda_graphs=False, options=options)]
     try:
         sync = _sync(trainers, engines[0], double_buffer=False)
         sync.push()  # the first round compiles
-        engines.append(_engine(path, args.tp, args.device, cuda_graphs=False))
+        engines.append(_engine(path, args.tp, args.device, cuda_graphs=False, options=options))
         out: dict[str, list] = {"one": [], "join": [], "two": [], "leave": [], "caught_up": []}
         for _ in range(args.rounds):
             out["one"].append(sync.push().seconds)
@@ -62,7 +60,7 @@ def run(args) -> dict:
         for engine in engines:
             engine.shutdown()
         for t in trainers:
-            ray.kill(t)  # type: ignore[arg-type]  # Ray's ActorProxy
+            ray.kill(t)
 
 
 def show(args, result: dict) -> None:
@@ -88,7 +86,8 @@ def show(args, result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    defaults(args := parser_of(__doc__).parse_args(argv))
+    parser = parser_of(__doc__)
+    defaults(parser, args := parser.parse_args(argv))
     show(args, run(args))
     return 0
 

@@ -15,11 +15,14 @@ engine (its TP ranks as Ray actors, external launcher). Every round moves the sa
   transfer the generation outlasted less).
 
 The same script runs on CPUs (vLLM's CPU build; defaults: 2 trainers, TP2) and on GPUs
-(`--device cuda`: a trainer and each engine rank on a GPU of their own, NCCL, so 1 + TP GPUs;
+(`--device cuda`, vLLM's CUDA build: a trainer and each engine rank on a GPU of their own,
+NCCL, so 1 + TP GPUs; or `--colocate`: trainer i and engine rank i share GPU i, so TP GPUs and
+as many trainers, and the trainers write the engine's shadows themselves through CUDA IPC;
 `--cuda-graphs` leaves vLLM's CUDA graphs on, which capture the weights' addresses, so commits
-copy instead of swapping). Prints one table; medians of `--rounds`.
+copy instead of swapping, as they do under CUDA IPC). Prints one table; medians of `--rounds`.
 
     python benchmarks/staged_bench.py [--layers 12] [--rounds 3] [--tp 2] [--device cpu]
+    python benchmarks/staged_bench.py --device cuda --colocate        # one GPU: TP1, one trainer
 """
 
 from __future__ import annotations
@@ -47,23 +50,65 @@ from rl_sync.vllm.checkpoint import write_checkpoint
 GPU_LLM_KWARGS = dict(
     skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=1024, seed=0
 )
+PROMPT_TOKENS = 8
 ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
-def _config(layers: int) -> dict:
+def _llm_kwargs(device: str, cuda_graphs: bool) -> dict:
+    """The engine's arguments: `vllm_bench`'s on CPUs; on GPUs room for the longer generations."""
+    return {**GPU_LLM_KWARGS, "enforce_eager": not cuda_graphs} if device == "cuda" else dict(LLM_KWARGS)
+
+
+def _config(layers: int, device: str) -> dict:
+    """The model's config: Qwen2-0.5B shapes with as many positions as the engine serves (vLLM
+    refuses a `max_model_len` over them; rotary positions, so the weights are the same)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model("qwen2", **QWEN2_05B, num_hidden_layers=layers).to_dict()
+    positions = _llm_kwargs(device, cuda_graphs=False)["max_model_len"]
+    shapes = {**QWEN2_05B, "max_position_embeddings": positions}
+    config = AutoConfig.for_model("qwen2", **shapes, num_hidden_layers=layers).to_dict()
     config.update(architectures=["Qwen2ForCausalLM"], torch_dtype="bfloat16")
     return config
 
 
-def _engine(path: str, tp: int, device: str, cuda_graphs: bool) -> VllmEngine:
-    options: dict[str, float] = {"num_gpus": 1, "num_cpus": 1} if device == "cuda" else {"num_cpus": 0.1}
-    kwargs = {**GPU_LLM_KWARGS, "enforce_eager": not cuda_graphs} if device == "cuda" else dict(LLM_KWARGS)
+def placement(args) -> list[dict]:
+    """Ray options of trainer i and engine rank i: a share of a CPU; on GPUs a GPU each, or with
+    `--colocate` half of GPU i each (one placement-group bundle per pair: CUDA IPC between them)."""
+    count = max(args.trainers, args.tp)
+    if args.device != "cuda":
+        return [{"num_cpus": 0.1}] * count
+    if not args.colocate:
+        return [{"num_gpus": 1, "num_cpus": 1}] * count
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group([{"GPU": 1, "CPU": 2}] * args.tp, strategy="PACK")
+    ray.get(group.ready(), timeout=300)
+    return [
+        {"num_gpus": 0.5, "num_cpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(group, i)}
+        for i in range(args.tp)
+    ]
+
+
+def _engine(path: str, tp: int, device: str, cuda_graphs: bool, options: list[dict]) -> VllmEngine:
     return VllmEngine.launch(
-        path, tp=tp, llm_kwargs=kwargs, host="127.0.0.1", env=ENV, actor_options=[options] * tp, timeout_s=900
+        path,
+        tp=tp,
+        llm_kwargs=_llm_kwargs(device, cuda_graphs),
+        host="127.0.0.1",
+        env=ENV,
+        actor_options=options[:tp],
+        timeout_s=900,
     )
+
+
+def start_trainers(args, config: dict, options: list[dict]) -> list:
+    """`args.trainers` FSDP2 trainers of `config` (`HFTrainer`), placed by `options`."""
+    url = free_init_url("127.0.0.1")
+    return [
+        ray.remote(HFTrainer).options(**options[i]).remote(i, args.trainers, config, url, device=args.device)
+        for i in range(args.trainers)
+    ]
 
 
 def _generate(engine: VllmEngine, prompts: list[list[int]], tokens: int) -> float:
@@ -111,23 +156,21 @@ def measure(engine: VllmEngine, trainers, rounds: int, prompts: list[list[int]],
 
 
 def run(args) -> tuple[dict, int]:
-    config = _config(args.layers)
-    Trainer = ray.remote(num_cpus=0.1, num_gpus=1 if args.device == "cuda" else 0)(HFTrainer)
-    url = free_init_url("127.0.0.1")
-    trainers = [Trainer.remote(i, args.trainers, config, url, device=args.device) for i in range(args.trainers)]
+    config, options = _config(args.layers, args.device), placement(args)
+    trainers = start_trainers(args, config, options)
     state = ray.get([t.full_state.remote() for t in trainers])[0]
     params = sum(v.numel() for v in state.values())
     path = write_checkpoint(tempfile.mkdtemp(prefix="rl-sync-staged-"), config, state)
     del state
-    engine = _engine(path, args.tp, args.device, args.cuda_graphs)
+    engine = _engine(path, args.tp, args.device, args.cuda_graphs, options)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 1000, (8,), generator=gen).tolist() for _ in range(args.prompts)]
+    prompts = [torch.randint(0, 1000, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(args.prompts)]
     try:
         return measure(engine, trainers, args.rounds, prompts, args.tokens), params
     finally:
         engine.shutdown()
         for t in trainers:
-            ray.kill(t)  # type: ignore[arg-type]  # Ray's ActorProxy
+            ray.kill(t)
 
 
 def _median(values: list[float]) -> float:
@@ -136,7 +179,8 @@ def _median(values: list[float]) -> float:
 
 def show(args, result: dict, params: int) -> None:
     table = Table(
-        title=f"vLLM TP{args.tp} ({args.device}{', CUDA graphs' if args.cuda_graphs else ''}), Qwen2-0.5B shapes x "
+        title=f"vLLM TP{args.tp} ({args.device}{', CUDA graphs' if args.cuda_graphs else ''}"
+        f"{', colocated: CUDA IPC' if args.colocate else ''}), Qwen2-0.5B shapes x "
         f"{args.layers} layers ({params / 1e6:.0f}M parameters), {args.trainers} FSDP2 trainers; "
         f"{args.prompts} prompts x {args.tokens} tokens; medians of {args.rounds}"
     )
@@ -158,11 +202,17 @@ def show(args, result: dict, params: int) -> None:
     print({k: [round(v, 4) for v in values] for k, values in result.items()})
 
 
-def defaults(args) -> None:
-    """Fill in what depends on the device (TP size, trainers), then start Ray on loopback."""
+def defaults(parser: argparse.ArgumentParser, args) -> None:
+    """Fill in what depends on the device (TP size, trainers), check `--colocate`, then start Ray
+    on loopback."""
     gpu = args.device == "cuda"
     args.tp = args.tp or (1 if gpu else 2)
-    args.trainers = args.trainers or (1 if gpu else 2)
+    args.trainers = args.trainers or (args.tp if getattr(args, "colocate", False) else 1 if gpu else 2)
+    if getattr(args, "colocate", False) and not (gpu and args.trainers == args.tp):
+        parser.error(
+            f"--colocate puts trainer i and engine rank i on GPU i: it needs --device cuda and as many "
+            f"trainers as engine ranks (got --device {args.device}, {args.trainers} trainers, TP{args.tp})"
+        )
     ray.init(
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
@@ -186,12 +236,19 @@ def parser_of(doc: str | None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = parser_of(__doc__)
     parser.add_argument("--cuda-graphs", action="store_true", help="GPU: leave vLLM's CUDA graphs on")
+    parser.add_argument("--colocate", action="store_true", help="GPU: trainer i and engine rank i share GPU i")
     parser.add_argument("--prompts", type=int, default=None, help="default: 4 on CPUs, 64 on GPUs")
     parser.add_argument("--tokens", type=int, default=None, help="default: 64 on CPUs, 512 on GPUs")
     args = parser.parse_args(argv)
-    defaults(args)
     args.prompts = args.prompts or (64 if args.device == "cuda" else 4)
     args.tokens = args.tokens or (512 if args.device == "cuda" else 64)
+    positions = _llm_kwargs(args.device, args.cuda_graphs)["max_model_len"]
+    if PROMPT_TOKENS + args.tokens > positions:
+        parser.error(
+            f"--tokens {args.tokens}: the engine serves {positions} positions on {args.device}, "
+            f"{PROMPT_TOKENS}-token prompts leave room for {positions - PROMPT_TOKENS} tokens"
+        )
+    defaults(parser, args)
     result, params = run(args)
     show(args, result, params)
     return 0

@@ -174,8 +174,7 @@ class WorkerRank(Participant):
 
     def _rl_sync_before_round(self, round_info: RoundInfo) -> None:
         super()._rl_sync_before_round(round_info)
-        kept = self._rl_sync_kept
-        buffered = kept is not None and kept.shadow is not None
+        kept, buffered = self._rl_sync_kept, self._rl_sync_buffered()
         self._rl_sync_follow(lambda rebound: None if buffered else _unfilled(round_info, rebound))
         if kept is not None and kept.shadow is not None:
             kept.shadow.prepare(round_info.mode in DENSE_MODES and round_info.names is None)
@@ -241,7 +240,7 @@ class WorkerRank(Participant):
         serves other calls meanwhile, the live weights stay as they are until `_rl_sync_commit`.
         `answer(run)` runs the round and passes its result on (a vLLM service rank's store)."""
         rank = self._rl_sync_worker_rank()
-        if self._rl_sync_kept is None or self._rl_sync_kept.shadow is None:
+        if not self._rl_sync_buffered():
             raise ValueError(
                 f"worker rank {rank}: a staged round lands in shadow copies, which only a double-buffered "
                 "group keeps; create the group with SyncConfig(double_buffer=True)"
@@ -367,7 +366,9 @@ class WorkerRank(Participant):
         wake): the trainer must map it before writing, and the round must be full (what the new
         memory holds is the engine's)."""
         rebound = self._rl_sync_follow(lambda rebound: None)
-        self._rl_sync_version = self._rl_sync_written = None
+        self._rl_sync_written = None
+        if not self._rl_sync_buffered():
+            self._rl_sync_version = None  # (double buffered, the trainer writes the shadows)
         assert self._rl_sync_ipc is not None  # colocated rounds run on an export
         fresh = None
         if rebound or self._rl_sync_ipc.moved():
@@ -376,10 +377,19 @@ class WorkerRank(Participant):
         return fresh
 
     def _rl_sync_ipc_end(self, version: int, names: tuple[str, ...] | None = None) -> None:
+        """Close a colocated round: this worker's later work waits for the trainer's writes; the
+        live weights hold `version` (written, not recorded), or, double buffered, the shadows do
+        until `_rl_sync_commit`."""
         assert self._rl_sync_ipc is not None  # colocated rounds run on an export
         self._rl_sync_ipc.end()
-        self._rl_sync_updated(names)
-        self._rl_sync_written = version
+        self._rl_sync_round_names = names
+        if not self._rl_sync_buffered():
+            self._rl_sync_updated(names)
+            self._rl_sync_written = version
+
+    def _rl_sync_buffered(self) -> bool:
+        """Whether rounds land in shadows (double buffering)."""
+        return self._rl_sync_kept is not None and self._rl_sync_kept.shadow is not None
 
 
 def _unfilled(round_info: RoundInfo, rebound: dict[str, str]) -> str | None:

@@ -106,6 +106,14 @@ def _restarted(actor, *args, timeout_s: float = 60.0) -> None:
             time.sleep(0.5)
 
 
+def _join_fails(sync, engine: list, dying, failed: str) -> None:
+    """`engine` fails to join: `dying` (told to die) dies during the join, and the error says
+    `failed` (a regex) then that it died."""
+    _tell(dying, die=True)
+    with pytest.raises(SyncError, match=rf"^{failed}: {DIED}"):
+        sync.add_engine(engine)
+
+
 def _replace_w(actor) -> None:
     """The engine puts a new tensor, of the same layout, where it keeps `w` (holding other values)."""
     bound = actor.held["w"]
@@ -209,12 +217,12 @@ def test_joins_that_fail_leave_the_group_as_it_was(group):
 
 def test_a_peer_dying_during_the_catch_up_breaks_the_group_and_the_next_push_repairs_it(group):
     sync, trainers, first, second = group
-    _tell(first[0], die=True)
-    with pytest.raises(
-        SyncError,
-        match=r"^add_engine \(catch-up to version 1\) failed on [1-4] of 4 members:\n  worker 0 \(rank 2\): " + DIED,
-    ):
-        sync.add_engine(second)
+    _join_fails(
+        sync,
+        second,
+        first[0],
+        r"add_engine \(catch-up to version 1\) failed on [1-4] of 4 members:\n  worker 0 \(rank 2\)",
+    )
     _check(first[1:], 1, engines=1, first=1)  # the first engine's other rank serves version 1
     _step(trainers, 2)
     assert sync.push().version == 2  # Ray restarted worker 0: the repair binds it anew, a full round
@@ -229,12 +237,7 @@ def test_a_trainer_dying_during_a_join_releases_the_engine_and_the_next_push_rep
     engine is released, the first engine serves the version it holds, and the next push repairs
     the group as it was (Ray restarted the trainer)."""
     sync, trainers, first, second = group
-    _tell(trainers[0], die=True)
-    with pytest.raises(
-        SyncError,
-        match=r"^regroup \(switch\) failed on 1 of 6 members:\n  trainer 0 \(rank 0\): " + DIED,
-    ):
-        sync.add_engine(second)
+    _join_fails(sync, second, trainers[0], r"regroup \(switch\) failed on 1 of 6 members:\n  trainer 0 \(rank 0\)")
     _check(first, 1, engines=1)
     assert sync.versions() == [1, 1]
     _restarted(trainers[0], 0, 2, trainer_build(replicas(1)))

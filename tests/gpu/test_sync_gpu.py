@@ -103,3 +103,30 @@ def test_a_colocated_worker_that_rebuilt_or_moved_weights_exports_anew_and_gets_
         sync.close()
     finally:
         release(ray, pg, trainers + workers)
+
+
+def test_staged_rounds_through_cuda_ipc_land_in_the_shadows_until_the_commit(gpu_ray):
+    """Colocated and double buffered: the trainer writes the worker's shadows itself while the
+    worker serves the version it holds; the commit copies them in (another process maps them:
+    no swap)."""
+    from actors import WeightSync
+    from rl_sync.config.sync import SyncConfig
+
+    ray = gpu_ray
+    pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True)
+    try:
+        sync = WeightSync.create(trainers, workers, SyncConfig(double_buffer=True, **CONFIG))
+        assert sync.summary.cuda_ipc
+        assert pushed(ray, sync, trainers, workers, 1) == "m2n", "the first sparse request runs dense"
+        for version, mode in ((2, "m2n"), (3, "sparse")):  # a dense staged round, then a sparse one
+            set_versions(ray, trainers, version)
+            staged = sync.stage(mode=mode)
+            check(ray, workers, 1, version - 1)
+            assert sync.versions() == [version - 1], "the worker serves the version it holds in full"
+            stats = staged.commit()
+            assert (stats.version, stats.mode) == (version, mode) and stats.commit_seconds > 0
+            check(ray, workers, 1, version)
+            assert sync.versions() == [version]
+        sync.close()
+    finally:
+        release(ray, pg, trainers + workers)
