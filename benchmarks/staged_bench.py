@@ -20,9 +20,13 @@ NCCL, so 1 + TP GPUs; or `--colocate`: trainer i and engine rank i share GPU i, 
 as many trainers, and the trainers write the engine's shadows themselves through CUDA IPC;
 `--cuda-graphs` leaves vLLM's CUDA graphs on, which capture the weights' addresses, so commits
 copy instead of swapping, as they do under CUDA IPC). Prints one table; medians of `--rounds`.
+`--profile` then runs `--rounds` more staged rounds with timers around the parts of a commit
+inside the actors (`round_profile.py`: the shadows made live, fallbacks, vLLM's hook, the
+version recorded) and prints, per actor, each part's time and the median commit's timeline.
 
     python benchmarks/staged_bench.py [--layers 12] [--rounds 3] [--tp 2] [--device cpu]
     python benchmarks/staged_bench.py --device cuda --colocate        # one GPU: TP1, one trainer
+    python benchmarks/staged_bench.py --layers 4 --rounds 2 --profile  # where a commit's time goes
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import tempfile
 import time
 
 import ray
+import round_profile
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -130,8 +135,9 @@ def _sync(trainers, engine: VllmEngine, double_buffer: bool) -> WeightSync:
     return WeightSync.create(trainers, engine.ranks, config, progress=False)
 
 
-def measure(engine: VllmEngine, trainers, rounds: int, prompts: list[list[int]], tokens: int) -> dict:
-    """The figures of the module docstring, each a list of `rounds` values."""
+def measure(engine: VllmEngine, trainers, rounds: int, prompts: list[list[int]], tokens: int, profile: bool) -> dict:
+    """The figures of the module docstring, each a list of `rounds` values; with `profile`, then
+    the parts of `rounds` more commits (`profile_commits`)."""
     generated = len(prompts) * tokens
     _generate(engine, prompts, tokens)  # warm
     idle = [generated / _generate(engine, prompts, tokens) for _ in range(rounds)]
@@ -151,8 +157,26 @@ def measure(engine: VllmEngine, trainers, rounds: int, prompts: list[list[int]],
         out["commit_call"].append(time.perf_counter() - start)
         out["transfer"].append(stats.seconds)
         out["commit"].append(stats.commit_seconds)
+    if profile:
+        profile_commits(sync, engine, trainers, rounds, lambda: _generate(engine, prompts, tokens))
     sync.close()
     return out
+
+
+def profile_commits(sync: WeightSync, engine: VllmEngine, trainers, rounds: int, generate) -> None:
+    """`rounds` staged rounds, each staged and generated beside, then its commit timed inside
+    the actors (`round_profile`); prints each part's time per actor and the median commit's
+    timeline."""
+    actors = {f"trainer {i}": t for i, t in enumerate(trainers)}
+    actors.update({f"engine rank {i}": r for i, r in enumerate(engine.ranks)})
+
+    def staged():
+        round_ = sync.stage()
+        generate()
+        return round_
+
+    calls = round_profile.timed_calls(actors, rounds, lambda round_: round_.commit().commit_seconds, staged)
+    round_profile.report(calls, "StagedRound.commit()", what="commit step", nested=4)
 
 
 def run(args) -> tuple[dict, int]:
@@ -166,7 +190,7 @@ def run(args) -> tuple[dict, int]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(args.prompts)]
     try:
-        return measure(engine, trainers, args.rounds, prompts, args.tokens), params
+        return measure(engine, trainers, args.rounds, prompts, args.tokens, args.profile), params
     finally:
         engine.shutdown()
         for t in trainers:
@@ -239,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--colocate", action="store_true", help="GPU: trainer i and engine rank i share GPU i")
     parser.add_argument("--prompts", type=int, default=None, help="default: 4 on CPUs, 64 on GPUs")
     parser.add_argument("--tokens", type=int, default=None, help="default: 64 on CPUs, 512 on GPUs")
+    parser.add_argument("--profile", action="store_true", help="then time the parts of more commits inside the actors")
     args = parser.parse_args(argv)
     args.prompts = args.prompts or (64 if args.device == "cuda" else 4)
     args.tokens = args.tokens or (512 if args.device == "cuda" else 64)
@@ -249,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{PROMPT_TOKENS}-token prompts leave room for {positions - PROMPT_TOKENS} tokens"
         )
     defaults(parser, args)
+    ray.cloudpickle.register_pickle_by_value(round_profile)
     result, params = run(args)
     show(args, result, params)
     return 0

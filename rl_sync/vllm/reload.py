@@ -275,10 +275,15 @@ class Processor:
                 reprocess(module, self.buffers[module])
             else:
                 install(module, twin, swap)
+        self.process_attention()
+        return len(touched)
+
+    def process_attention(self) -> None:
+        """vLLM's processing of the attention layers, after every other module's (they may derive
+        state from other modules' weights)."""
         for layer in self.attention:
             # vLLM's attention method: torch types nn.Module.__getattr__ as Tensor | Module
             layer.process_weights_after_loading(self.dtype)  # type: ignore[operator]
-        return len(touched)
 
     def load_fallbacks(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Whole tensors through vLLM's own loader and layerwise reload, for their modules."""
