@@ -99,7 +99,7 @@ def test_a_replacement_worker_joins_and_catches_up(group):
 
 def test_double_buffered_workers_never_expose_a_partial_round(group):
     trainers, workers = group
-    sync = WeightSync.create(trainers, workers, loopback_config(round_timeout_s=5.0, double_buffer=True))
+    sync = WeightSync.create(trainers, workers, loopback_config(round_timeout_s=15.0, double_buffer=True))
     _step(trainers, 1)
     sync.push()
     _check(workers, 1)
