@@ -69,6 +69,10 @@ class Budget:
         finally:
             self._deadline = None
 
+    def seconds(self) -> float | None:
+        """The budget of the call in progress (None: none given)."""
+        return None if self._deadline is None else self._deadline[1]
+
     def left(self, step_s: float, at_least: float | None = None) -> float:
         """A step's timeout: `step_s`, cut to what the call's budget has left. When nothing is
         left, `SyncError` (or `at_least`, for a step that must run anyway, such as a close)."""

@@ -26,7 +26,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
-from itertools import accumulate
 
 import ray
 import torch
@@ -54,12 +53,14 @@ from rl_sync.wire.messages import InitInfo, RankReport, RankStats, RoundInfo
 from rl_sync.wire.plan_info import PlanInfo
 from rl_sync.wire.stats import RoundStats, SyncSummary
 
+from . import colocated
 from .calls import Budget, SyncError
 from .elastic import Formed, add_engine, remove_engine
 from .fence import Fence
 from .group import Membership
 from .members import Member, ServiceMember, collect, failed, gather, leave
 from .metrics import RoundMetrics
+from .records import Recording
 from .staging import OpenRound, Staged, commit, stage, unstage
 
 
@@ -108,6 +109,10 @@ class Coordinator:
         """Bounds every wait of the driver call in progress (`SyncConfig.push_budget_s`)."""
         self.staged: Staged | None = None
         """The round `stage` started and `commit` has not committed (`actors.staging`)."""
+        self.tickets = 0
+        """The last colocated round's ticket (`actors.colocated.next_ticket`)."""
+        self.recording = Recording()
+        """The workers told to record the last version, their answers not yet read."""
         self.tag = GroupTag(token or uuid.uuid4().hex[:12], config.name, ray.get_runtime_context().current_actor)
         """Names this group to its ranks (`token`: the driver's, so it can release them should this
         actor die): an actor belongs to one live group at a time."""
@@ -397,9 +402,16 @@ class Coordinator:
     def _push(
         self, version: int | None, asked_names: list[str] | None, asked_mode: str | None, fence: Fence | None
     ) -> RoundStats:
-        round_ = self._open_round(version, asked_names, asked_mode)
+        round_ = self._open_round(version, asked_names, asked_mode, paired=True)
         try:
-            results, commit_seconds = self._run_round(round_.blob, round_.version, round_.names, round_.what)
+            results = self._run_round(round_)
+            if results is None:  # a colocated worker's memory moved: mapped anew, every tensor again
+                self.refresh.memory_moved()
+                round_ = replace(self._open_round(version, asked_names, asked_mode, paired=True), start=round_.start)
+                results = self._run_round(round_)
+            if results is None:
+                raise SyncError(f"{round_.what}: a colocated worker's memory moved again while the round ran anew")
+            commit_seconds = self._commit(round_.version, round_.what) if self.config.double_buffer else 0.0
         except SyncError:
             self.broken = f"round {round_.version}"
             raise
@@ -411,7 +423,7 @@ class Coordinator:
         if token is None:
             return None
         fence = Fence(token)
-        if fence.abandoned():
+        if not fence.fresh(self.budget.seconds()) and fence.abandoned():
             fence.settle()
             raise SyncError(
                 f"{what}: the driver gave up on this call before it started (its timeout_s ran out while the "
@@ -437,20 +449,31 @@ class Coordinator:
 
     def record_on(self, members: Sequence[Member], version: int) -> None:
         """`members` (workers) record `version`, which they hold. They already hold it, so one that
-        does not record it only reports no version, and the next push repairs the group."""
-        step = self.config.round_timeout_s + 5
-        answers, failures = collect(members, lambda m: m.record(version), self.budget.left(step, at_least=1.0))
-        firsts = accumulate((m.size for m in members), initial=0)
-        refused = [m for m, first in zip(members, firsts) if answers[first] is False]
-        if failures or refused:
-            labels = [m.label for m, _ in failures] + [m.label for m in refused]
-            self.broken = f"version {version} not recorded by {', '.join(labels)}"
+        does not record it only reports no version, and the next push repairs the group: the calls
+        are sent and not waited for (`actors.records`); `settled` reads their answers."""
+        self.settled()
+        self.recording.send(members, version)
+
+    def settled(self) -> None:
+        """Read the answers of the last version the workers were told to record; the group is
+        broken where one did not record it. Called before the group's state is relied on."""
+        why = self.recording.settle(self.budget.left(self.config.round_timeout_s + 5, at_least=1.0))
+        if why is not None and self.broken is None:
+            self.broken = why
 
     def _open_round(
-        self, version: int | None, asked_names: list[str] | None, asked_mode: str | None, what: str = "push"
+        self,
+        version: int | None,
+        asked_names: list[str] | None,
+        asked_mode: str | None,
+        what: str = "push",
+        paired: bool = False,
     ) -> OpenRound:
         """Check the push (`what`: the driver's call), repair first if the group is broken, and
-        decide the round (version, mode, tensors, why); nothing is sent yet."""
+        decide the round (version, mode, tensors, why); nothing is sent yet, except, in a colocated
+        group whose round cannot be `paired` (`actors.colocated.one_step`), the workers' opening of
+        it."""
+        self.settled()
         self._check_push(version, self._plan_names(asked_names), asked_mode)  # a refused push repairs nothing
         self._check_unstaged(what)
         if self.broken is not None:
@@ -461,7 +484,8 @@ class Coordinator:
         version, mode = self._check_push(version, planned, asked_mode)
         mode, reason = self.refresh.round_mode(mode)
         start = time.perf_counter()
-        if self.ipc and self._ipc_begin(version, f"round {version} (CUDA IPC)"):
+        ticket, paired = colocated.next_ticket(self), paired and colocated.one_step(self)
+        if self.ipc and not paired and colocated.begin(self, version, ticket, f"round {version} (CUDA IPC)"):
             self.refresh.memory_moved()
         full = self.refresh.full_round(mode)
         if full is not None:
@@ -476,8 +500,8 @@ class Coordinator:
         except SyncError:
             self.broken = f"round {version}"  # (colocated workers may have opened it)
             raise
-        blob = encode(RoundInfo(version, mode, names, timeout, self.refresh.baselines))
-        return OpenRound(version, mode, names, reason, dense_bytes, start, blob)
+        blob = encode(RoundInfo(version, mode, names, timeout, self.refresh.baselines, ticket))
+        return OpenRound(version, mode, names, reason, dense_bytes, start, blob, paired)
 
     def _close_round(
         self,
@@ -559,59 +583,23 @@ class Coordinator:
         subset = sum(plan.specs[plan.index[n]].nbytes for n in names)
         return plan.stats.total_bytes * subset // max(1, plan.stats.broadcast_recv_bytes)
 
-    def _run_round(
-        self, blob: bytes, version: int, names: tuple[str, ...] | None, what: str
-    ) -> tuple[list[RankStats], float]:
-        """The round's steps, each bounded by the round timeout (plus 5 s for the ranks to report)
-        and by what the push's budget has left; returns the ranks' statistics and the seconds the
-        commit took (double buffering)."""
+    def _run_round(self, round_: OpenRound) -> list[RankStats] | None:
+        """The round on every rank (colocated: the workers' sides at the same time when it is
+        `paired`, else around the trainers'), bounded by the round timeout (plus 5 s for the ranks
+        to report) and by what the push's budget has left; the ranks' statistics, or None when a
+        paired round found a worker's memory moved (`actors.colocated`)."""
+        if round_.paired:
+            return colocated.paired_round(self, round_)
         step = self.config.round_timeout_s + 5
         results = [
             decode(RankStats, r)
-            for r in gather(self.ranks, lambda m: m.run(blob, version, self.reply), self.budget.left(step), what)
+            for r in gather(
+                self.ranks, lambda m: m.run(round_.blob, round_.version, self.reply), self.budget.left(step), round_.what
+            )
         ]
         if self.ipc:
-            results = self._ipc_end(version, names, results, what)
-        return results, self._commit(version, what) if self.config.double_buffer else 0.0
-
-    def _ipc_end(
-        self, version: int, names: tuple[str, ...] | None, results: list[RankStats], what: str
-    ) -> list[RankStats]:
-        """Close a colocated round on every worker once its trainers wrote it; `results` (the
-        trainers') with each worker's statistics added (what its trainer wrote into it)."""
-        step = self.config.round_timeout_s + 5
-        gather(self.workers, lambda m: m.ipc_end(version, names, self.reply), self.budget.left(step), what)
-        return results + [
-            replace(
-                results[r],
-                rank=r,
-                role="worker",
-                sent_bytes=0,
-                received_bytes=results[r].received_bytes + results[r].local_bytes,
-            )
-            for r in self.worker_ranks
-        ]
-
-    def _ipc_begin(self, version: int, what: str) -> bool:
-        """Open the round on every colocated worker; a worker whose memory moved since its export
-        answers a new one, which its trainer maps before any write. True if any moved."""
-        step = self.config.round_timeout_s + 5
-        try:
-            fresh = gather(self.workers, lambda m: m.ipc_begin(version, self.reply), self.budget.left(step), what)
-            moved = {rank: export for rank, export in zip(self.worker_ranks, fresh) if export is not None}
-            if moved:
-                firsts = self._rank_firsts()
-                owner = {firsts[id(m)]: m for m in self.ranks}
-                gather(
-                    [owner[r] for r in moved],
-                    lambda m: m.ipc_remap(moved[firsts[id(m)]]),
-                    self.budget.left(step),
-                    f"{what}: mapping moved worker memory",
-                )
-        except SyncError:
-            self.broken = what
-            raise
-        return bool(moved)
+            results = colocated.end(self, round_.version, round_.names, results, round_.what)
+        return results
 
     def push_patches(
         self, patches: list, version: int | None, budget_s: float | None = None, fence: str | None = None
@@ -629,6 +617,7 @@ class Coordinator:
 
     def _push_patches(self, patches: list, version: int | None, fence: Fence | None) -> int:
         self._check_patches(patches)
+        self.settled()
         if self.refresh.needs_full_round or self.broken is not None:
             raise ValueError(
                 "push_patches: the workers do not hold a full copy of the weights yet (no full round "
@@ -702,11 +691,13 @@ class Coordinator:
 
     def close(self) -> None:
         """Release every rank's transport and the rendezvous store."""
+        self.settled()
         self._close_ranks(abort=self.broken is not None)
 
     def _close_ranks(self, abort: bool) -> None:
         """Every member leaves the group (`actors.members.leave`), bounded by `init_timeout_s`; the
         rendezvous store goes with it."""
+        self.settled()  # (what the workers answered before they leave)
         self.staged = None
         timeout = self.budget.left(self.config.init_timeout_s, at_least=1.0)
         leave(self.ranks + self.workers, abort, self.reply, self.tag.token, timeout)

@@ -79,6 +79,7 @@ class Formed:
 def _check_live(c: Coordinator, what: str, handles: Sequence) -> None:
     """Refuse what an engine cannot join or leave (see the module docstring), naming it."""
     c._check_unstaged(what)
+    c.settled()
     if c.broken is not None:
         raise ValueError(f"{what}: the group is broken by an earlier failure ({c.broken}); push() repairs it first")
     if c.ipc:

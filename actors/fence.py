@@ -9,7 +9,13 @@ driver is stopped, so exactly one claim lands: a round the driver reported as
 not applied is never recorded later, and a driver that gave up just after the
 commit learns that its version was applied. The coordinator also refuses a
 call whose fence was abandoned before it started (it was queued behind a
-stalled call, or its process was stopped).
+stalled call, or its process was stopped); a token carries the time the driver
+made it, so a call that starts within half its budget of that (by the two
+hosts' clocks) skips asking: its driver waits at least its whole budget before
+it gives up, and a call it gave up on all the same is still refused at its
+commit. A driver forgets the claim of a call it was answered off its own path
+(`Settler`: a thread of its own), so a push waits for no store round trip after
+its answer.
 
 Typical use::
 
@@ -20,14 +26,21 @@ Typical use::
     fence.settle()                                   # answered: the claim is no longer needed
 
     fence = Fence(token)                             # the coordinator
+    if not fence.fresh(budget_s) and fence.abandoned(): ...   # refuse the call
     if not fence.commit(): ...                       # the driver gave up: record nothing
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+import time
 import uuid
 
 from ray.experimental import internal_kv
+
+log = logging.getLogger("rl_sync")
 
 NAMESPACE = "rl_sync_fence"
 COMMIT, ABANDON = b"commit", b"abandon"
@@ -41,7 +54,17 @@ class Fence:
 
     @classmethod
     def new(cls) -> Fence:
-        return cls(uuid.uuid4().hex)
+        return cls(f"{uuid.uuid4().hex}-{time.time_ns()}")
+
+    def fresh(self, budget_s: float | None) -> bool:
+        """Whether the call started within half of its budget after its driver made the fence, so
+        its driver cannot have given up on it yet (it waits at least `budget_s`); False when the
+        token holds no time, the call has no budget, or the clocks disagree by over a second."""
+        made = self.token.rpartition("-")[2]
+        if budget_s is None or not made.isdigit():
+            return False
+        age = time.time() - int(made) / 1e9
+        return -1.0 < age < budget_s / 2
 
     def _claim(self, side: bytes) -> bool:
         """Claim the call for `side`; True when this claim landed first."""
@@ -64,3 +87,34 @@ class Fence:
         """Forget the claim: the call is answered (the driver), or was refused as abandoned (the
         coordinator, which never asks about it again)."""
         internal_kv._internal_kv_del(self.token, namespace=NAMESPACE)
+
+
+class Settler:
+    """Forgets the fences of answered calls on a thread of its own, off the driver's path.
+
+    `later(fence)` queues a fence; `close(timeout_s)` waits that long at most for those queued
+    to be forgotten, then ends the thread (a fence left over only keeps a few bytes in the GCS)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def later(self, fence: Fence) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rl-sync-fence-settler", daemon=True)
+            self._thread.start()
+        self._queue.put(fence)
+
+    def close(self, timeout_s: float) -> None:
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    def _run(self) -> None:
+        while (fence := self._queue.get()) is not None:
+            try:
+                fence.settle()
+            except Exception as exc:  # (the GCS gone: nothing to forget there)
+                log.debug("rl-sync: fence %s not forgotten: %s", fence.token, exc)

@@ -6,8 +6,8 @@ send as in any round, and every worker receives into its shadow copies on a
 thread of its own (`rl_sync.rank.background`), answering at once, so the
 engines keep generating with the version they hold (in a colocated group, the
 trainers write the workers' shadows through CUDA IPC themselves, the workers
-only opening the round, `_ipc_begin`, and closing it at the commit,
-`_ipc_end`). `StagedRound.commit()`
+only opening the round, `actors.colocated.begin`, and closing it at the commit,
+`actors.colocated.end`). `StagedRound.commit()`
 then waits for every rank to finish the transfer and commits the round on
 every worker in one step (`Coordinator._commit`: a swap of the memory behind
 each storage where the engine allows, a copy otherwise), which is all the
@@ -35,6 +35,7 @@ from rl_sync.wire.codec import decode
 from rl_sync.wire.messages import RankStats
 from rl_sync.wire.stats import RoundStats
 
+from . import colocated
 from .calls import SyncError
 from .fence import Fence
 from .members import Member, collect, failed, gather
@@ -56,6 +57,9 @@ class OpenRound:
     """`time.perf_counter()` when it opened."""
     blob: bytes
     """Its `RoundInfo`, as every rank gets it."""
+    paired: bool = False
+    """A colocated round whose workers take their side in one call, at the same time as the
+    trainers (`actors.colocated.paired_round`); else they opened it already, if colocated."""
 
     @property
     def what(self) -> str:
@@ -147,7 +151,7 @@ def commit(c: Coordinator, version: int, token: str | None) -> RoundStats:
         received = gather(staged.receivers, lambda m: m.staged(version, left, c.reply), c.budget.left(step), what)
         results = [decode(RankStats, r) for r in sent + received]
         if c.ipc:
-            results = c._ipc_end(version, round_.names, results, what)
+            results = colocated.end(c, version, round_.names, results, what)
         commit_seconds = c._commit(version, what)
     except SyncError:
         c.broken = f"round {version}"

@@ -44,7 +44,7 @@ from rl_sync.wire.stats import RoundStats, SyncSummary
 
 from .calls import SyncError, failure_reason, remote_text
 from .coordinator import Coordinator
-from .fence import Fence
+from .fence import Fence, Settler
 from .group import Membership
 from .hooks import check_hooks
 from .members import leave
@@ -138,6 +138,8 @@ class WeightSync:
         self._abandoned: list[Fence] = []
         """Fences of calls the driver gave up on: the coordinator may yet refuse them (`settle`s
         each it sees); `close` forgets the rest."""
+        self._settler = Settler()
+        """Forgets the fences of answered calls off the driver's path."""
 
     def _open(self):
         """The coordinator, unless the group was closed."""
@@ -278,7 +280,7 @@ class WeightSync:
             if claims == [True]:
                 self._abandoned.append(fence)  # the coordinator settles it, should it ever reach the call
             else:
-                fence.settle()
+                self._settler.later(fence)
 
     def push_patches(self, patches, version: int | None = None, *, timeout_s: float | None = None) -> int:
         """Drop-in for vLLM's sparse patches: `SparseWeightPatch(name, indices, values)` with flat
@@ -396,7 +398,8 @@ class WeightSync:
         finally:
             ray.kill(self.coordinator)
             for fence in self._abandoned:  # the coordinator is gone: no call of it can be recorded now
-                fence.settle()
+                self._settler.later(fence)
+            self._settler.close(timeout)
 
 
 class StagedRound:

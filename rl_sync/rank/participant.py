@@ -19,15 +19,18 @@ from types import MappingProxyType
 
 import torch
 
+from ..engine.runner import Counters
 from ..engine.session import RankSession
 from ..engine.sources import Entries
 from ..transport.cuda_ipc import IpcExport, IpcTransport, device_uuid
+from ..transport.doorbell import FAILED, SKIPPED, WRITTEN
 from ..transport.nccl import new_unique_id
 from ..wire.codec import decode, encode
 from ..wire.messages import InitInfo, RankReport, RankStats, RoundInfo, WriteMode
 from ..wire.plan_info import PlanInfo
 from .address import interface_address
 from .claim import Claim, GroupTag
+from .pairing import Pair
 from .side import DescribeOptions, Side
 
 _NONE: Mapping = MappingProxyType({})
@@ -168,17 +171,29 @@ class Participant:
         transport.remap(decode(IpcExport, ipc))
 
     def _rl_sync_run(self, round_blob: bytes) -> bytes:
+        """Run one round; in a colocated round (`RoundInfo.ticket`), first wait for the colocated
+        worker and agree with the other trainers (`rl_sync.rank.pairing`), and tell the worker how
+        the round ended, whatever happens."""
         session = self._rl_sync_session
         if session is None:
             raise RuntimeError("rl-sync: this process has not joined a sync group")
+        round_info = decode(RoundInfo, round_blob)
+        pair, ended = Pair.of(session.joined, round_info), FAILED
         try:
-            round_info = decode(RoundInfo, round_blob)
             self._rl_sync_before_round(round_info)
             sources, dests = self._rl_sync_endpoints("trainer"), self._rl_sync_endpoints("worker")
+            if pair is not None and not pair.agreed():
+                ended = SKIPPED
+                return encode(session.stats(round_info, Counters(), 0.0))
+            stats = session.run(round_info, sources, dests)
+            ended = WRITTEN
         except Exception:
             session.transport.abort()  # the peers fail at once instead of waiting out the round
             raise
-        return encode(self._rl_sync_after_round(round_info, session.run(round_info, sources, dests)))
+        finally:
+            if pair is not None:
+                pair.ring(ended)
+        return encode(self._rl_sync_after_round(round_info, stats))
 
     def _rl_sync_before_round(self, round_info: RoundInfo) -> None:
         """Hook: a worker marks itself in flight."""

@@ -11,12 +11,18 @@ Order (the coordinator's contract, the same on every rank of a group):
 `_rl_sync_ping` (before a repair), `_rl_sync_describe` for each side the rank
 plays, `_rl_sync_nccl_ids` (trainer 0, NCCL only), `_rl_sync_ipc_export`
 (workers, colocated CUDA IPC only: each export is its trainer's `cuda_ipc`
-rendezvous message), `_rl_sync_connect`; then per round
-`_rl_sync_ipc_begin` (IPC only; a worker whose memory moved answers a new
-export, which its trainer maps with `_rl_sync_ipc_remap` before the round),
-`_rl_sync_run`, `_rl_sync_ipc_end` (IPC only),
-`_rl_sync_commit` (double buffering only) and, on workers, once the
-coordinator decided the round counts, `_rl_sync_record`; or, for a staged
+rendezvous message), `_rl_sync_connect`; then per round `_rl_sync_run` on
+the group's ranks, in a colocated (CUDA IPC) group at the same time as
+`_rl_sync_ipc_round` on every worker (its `_rl_sync_ipc_begin`, a wait for its
+trainer's writes on their shared page, `rl_sync.transport.doorbell`, and its
+`_rl_sync_ipc_end`; a worker whose memory moved answers a new export instead,
+every trainer skips the round, and the coordinator has each map the new one
+with `_rl_sync_ipc_remap` and runs the round again), or, for an engine
+service's workers, `_rl_sync_ipc_begin` before `_rl_sync_run` and
+`_rl_sync_ipc_end` after it; `_rl_sync_commit` (double buffering only) and, on
+workers, once the coordinator decided the round counts, `_rl_sync_record`
+(the coordinator does not wait for its answer, only for its next call's: a
+worker takes its calls in order); or, for a staged
 round (workers only, double buffering), `_rl_sync_stage` (returns once the
 round runs on a thread of its own), `_rl_sync_staged` (waits for it),
 `_rl_sync_commit` and `_rl_sync_record`; `_rl_sync_version_of`,
@@ -68,7 +74,11 @@ class SyncRank(Protocol):
 
     def _rl_sync_ipc_export(self, device: str, timeout_s: float = 120.0) -> bytes: ...
 
-    def _rl_sync_ipc_begin(self) -> bytes | None: ...
+    def _rl_sync_ipc_begin(self, ticket: int = 0) -> bytes | None: ...
+
+    def _rl_sync_ipc_round(
+        self, version: int, names: tuple[str, ...] | None, ticket: int, timeout_s: float
+    ) -> bytes | None: ...
 
     def _rl_sync_ipc_remap(self, ipc: bytes) -> None: ...
 

@@ -55,6 +55,7 @@ from ..engine.sources import Entries
 from ..planning.quant import is_scale_name, scale_name, scaled_name
 from ..sparse.encodings import INDICES
 from ..transport.cuda_ipc import WorkerExport
+from ..transport.doorbell import FAILED, MOVED, SKIPPED, WRITTEN
 from ..wire.codec import decode, encode
 from ..wire.messages import RankStats, RoundInfo, WriteMode
 from ..wire.plan_info import PlanInfo
@@ -359,22 +360,50 @@ class WorkerRank(Participant):
             self._rl_sync_ipc.close()
         self._rl_sync_ipc = None
 
-    def _rl_sync_ipc_begin(self) -> bytes | None:
-        """Open a colocated round: the trainer may write once this returns. Returns a new export
-        when the memory behind the bound weights moved since the last one (a weight the engine
-        replaced or moved, bound anew; memory released and re-allocated by an engine's sleep and
-        wake): the trainer must map it before writing, and the round must be full (what the new
-        memory holds is the engine's)."""
-        rebound = self._rl_sync_follow(lambda rebound: None)
+    def _rl_sync_ipc_begin(self, ticket: int) -> bytes | None:
+        """Open colocated round `ticket`: check the bindings, then tell the trainer, on the pair's
+        page (`rl_sync.transport.doorbell`), that it may write. Returns a new export instead when
+        the memory behind the bound weights moved since the last one (a weight the engine replaced
+        or moved, bound anew; memory released and re-allocated by an engine's sleep and wake):
+        the page then says `MOVED`, so the trainer writes nothing; it must map the new export,
+        and the round must be full (what the new memory holds is the engine's). A check that
+        fails says `FAILED` and raises."""
+        ipc = self._rl_sync_ipc
+        assert ipc is not None  # colocated rounds run on an export
+        try:
+            moved = self._rl_sync_follow(lambda rebound: None) or ipc.moved()
+        except BaseException:
+            ipc.refuse(ticket, FAILED)
+            raise
         self._rl_sync_written = None
         if not self._rl_sync_buffered():
             self._rl_sync_version = None  # (double buffered, the trainer writes the shadows)
-        assert self._rl_sync_ipc is not None  # colocated rounds run on an export
-        fresh = None
-        if rebound or self._rl_sync_ipc.moved():
-            fresh = self._rl_sync_ipc_export(str(self._rl_sync_ipc.device), self._rl_sync_ipc_timeout)
-        self._rl_sync_ipc.begin()
-        return fresh
+        if moved:
+            ipc.refuse(ticket, MOVED)
+            return self._rl_sync_ipc_export(str(ipc.device), self._rl_sync_ipc_timeout)
+        ipc.begin(ticket)
+        return None
+
+    def _rl_sync_ipc_round(
+        self, version: int, names: tuple[str, ...] | None, ticket: int, timeout_s: float
+    ) -> bytes | None:
+        """A whole colocated round on this side, run at the same time as the trainer's: open it
+        (`_rl_sync_ipc_begin`; a new export when the memory moved, and nothing more), wait within
+        `timeout_s` seconds for the trainer's word on the pair's page, and end it
+        (`_rl_sync_ipc_end`) once the trainer wrote. When every trainer skipped the round
+        (another worker's memory moved), the live weights still hold the version they held."""
+        deadline = time.monotonic() + timeout_s
+        held = self._rl_sync_version
+        fresh = self._rl_sync_ipc_begin(ticket)
+        if fresh is not None:
+            return fresh
+        assert self._rl_sync_ipc is not None  # (begun above)
+        ended = self._rl_sync_ipc.await_trainer(ticket, deadline)
+        if ended == WRITTEN:
+            self._rl_sync_ipc_end(version, names)
+        elif ended == SKIPPED and not self._rl_sync_buffered():
+            self._rl_sync_version = held
+        return None
 
     def _rl_sync_ipc_end(self, version: int, names: tuple[str, ...] | None = None) -> None:
         """Close a colocated round: this worker's later work waits for the trainer's writes; the

@@ -18,10 +18,16 @@ rebuilds every destination as a strided view, so the engine writes straight
 into the worker's live parameters, fused slots included. Memory no other
 process can map raises `IpcUnavailable` with the reason at export.
 
-Two interprocess CUDA events order the handover: the worker records `ready`
-after its last read of the old weights; the trainer's stream waits on it
-before writing and records `done` after; the worker's stream waits on `done`
-before it reads again.
+Two interprocess CUDA events order the handover on the device: the worker
+records `ready` after its last read of the old weights; the trainer's stream
+waits on it before writing and records `done` after; the worker's stream waits
+on `done` before it reads again. A shared page orders the host steps
+(`rl_sync.transport.doorbell`): the worker rings it once it checked its
+bindings and recorded `ready` (or found its memory moved, or failed), the
+trainer waits for that before writing and rings it once it recorded `done` (or
+skipped the round), so both sides of a round may start at once. The page's
+descriptor is the first the worker's offer hands over
+(`rl_sync.transport.fd_passing`), before those of its VMM mappings.
 
 Memory released and re-allocated between rounds (an engine's sleep and wake)
 keeps its addresses but not its identity: `WorkerExport.moved()` compares
@@ -30,9 +36,10 @@ the worker then exports again and its trainer maps the new export
 (`IpcTransport.remap`), closing the old mapping.
 
 Ordering contract: the group's (all ranks, same order); per colocated pair, a
-round is the worker's `begin`, then the trainer's `begin_round`, writes and
-`end_round`, then the worker's `end`. The worker is no rank of the group: the
-coordinator calls its side between the trainers' steps.
+round is the worker's `begin` (ringing the page), then the trainer's
+`begin_round`, writes and `end_round` (ringing it), then the worker's `end`.
+The worker is no rank of the group: the coordinator calls its side at the same
+time as the trainers' round, or between the trainers' steps.
 
 Typical use::
 
@@ -41,7 +48,10 @@ Typical use::
     t = join("cuda_ipc", encode(rendezvous), info, bind_host=host, device=device,
              broadcast_ranks=ranks)                                            # trainer, at init
     t.destinations()["model.layers.0.mlp.down_proj.weight"]
-    exported.begin(); t.begin_round(); ...; t.end_round(); exported.end()     # a round
+    exported.begin(ticket)                             # worker: ring READY
+    t.await_worker(ticket, deadline); t.begin_round(); ...; t.end_round()
+    t.written(ticket)                                  # trainer: ring WRITTEN
+    exported.await_trainer(ticket, deadline); exported.end()     # worker
     t.close(); exported.close()
 """
 
@@ -59,6 +69,7 @@ from ..wire.dtypes import dtype_name
 from ..wire.messages import check_transport
 from .base import Ops, Pending, Transport
 from .cuda_memory import Backing, IpcUnavailable, MappedRange, backings, buffer_id, export_fd, extent_bytes, map_fds
+from .doorbell import READY, TRAINER, WORKER, Doorbell
 from .fd_passing import FdOffer, receive_fds
 from .registry import join
 
@@ -95,9 +106,9 @@ class IpcExport:
     tensors: tuple[IpcTensor, ...]
     ready_event: bytes
     done_event: bytes
-    fd_path: str = ""
-    """The worker's descriptor offer (VMM regions only)."""
-    fd_token: bytes = field(default=b"", repr=False)
+    fd_path: str
+    """The worker's descriptor offer: its doorbell page, then its VMM mappings' descriptors."""
+    fd_token: bytes = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -167,21 +178,24 @@ def _swappable(exported: list[Backing], device: torch.device) -> list[Backing]:
 
 
 class WorkerExport:
-    """The worker side: the export message, the two events it shares, and the descriptor offer."""
+    """The worker side: the export message, the two events and the doorbell it shares, and the
+    descriptor offer."""
 
     def __init__(self, views: Mapping[str, torch.Tensor], device: torch.device, timeout_s: float):
         device = torch.device(device)
         torch.cuda.synchronize(device)
         regions, where = _regions(views)
         self.watched = _swappable([b for region in regions for b in region], device)
-        fds: list[int] = []
+        self.bell = Doorbell.create()
+        fds: list[int] = [os.dup(self.bell.fd)]
         try:
             exported = tuple(self._region(region, fds) for region in regions)
         except BaseException:
             for fd in fds:
                 os.close(fd)
+            self.bell.close()
             raise
-        self.offer = FdOffer(fds, timeout_s) if fds else None
+        self.offer = FdOffer(fds, timeout_s)
         self.ready = torch.cuda.Event(interprocess=True)
         self.done = torch.cuda.Event(interprocess=True)
         self.ready.record(torch.cuda.current_stream(device))
@@ -197,8 +211,8 @@ class WorkerExport:
             tensors,
             bytes(self.ready.ipc_handle()),
             bytes(self.done.ipc_handle()),
-            self.offer.path if self.offer else "",
-            self.offer.token if self.offer else b"",
+            self.offer.path,
+            self.offer.token,
         )
 
     @staticmethod
@@ -215,18 +229,28 @@ class WorkerExport:
         re-allocated) since the export."""
         return any(buffer_id(b.base) != b.buffer_id for b in self.watched)
 
-    def begin(self) -> None:
-        """Mark that every read of the old weights issued so far precedes the writes."""
+    def begin(self, ticket: int) -> None:
+        """Mark that every read of the old weights issued so far precedes the writes, and tell the
+        trainer it may write round `ticket`."""
         self.ready.record(torch.cuda.current_stream(self.device))
+        self.bell.ring(WORKER, ticket, READY)
+
+    def refuse(self, ticket: int, state: int) -> None:
+        """Tell the trainer to write nothing in round `ticket`: `MOVED` or `FAILED`."""
+        self.bell.ring(WORKER, ticket, state)
+
+    def await_trainer(self, ticket: int, deadline: float) -> int:
+        """The trainer's state once it is done with round `ticket` (`rl_sync.transport.doorbell`)."""
+        return self.bell.wait(TRAINER, ticket, deadline)
 
     def end(self) -> None:
         """Make this worker's later work wait for the trainer's writes."""
         torch.cuda.current_stream(self.device).wait_event(self.done)
 
     def close(self) -> None:
-        """Withdraw descriptors the trainer has not taken."""
-        if self.offer is not None:
-            self.offer.close()
+        """Withdraw descriptors the trainer has not taken, and unmap the doorbell."""
+        self.offer.close()
+        self.bell.close()
 
 
 class MappedDestinations:
@@ -243,6 +267,7 @@ class MappedDestinations:
         """Pointers of the legacy allocations opened from their `cudaIpcMemHandle`."""
         self.ranges: list[MappedRange] = []
         """VMM allocations imported and mapped."""
+        self.bell: Doorbell | None = None
         try:
             bases = self._map(export, timeout_s)
         except BaseException:
@@ -253,8 +278,13 @@ class MappedDestinations:
         self.done = torch.cuda.Event.from_ipc_handle(device, export.done_event)
 
     def _map(self, export: IpcExport, timeout_s: float) -> list[torch.Tensor]:
-        count = sum(len(r.chunks) for r in export.regions)
-        fds = receive_fds(export.fd_path, export.fd_token, count, timeout_s) if count else []
+        fds = receive_fds(export.fd_path, export.fd_token, 1 + sum(len(r.chunks) for r in export.regions), timeout_s)
+        try:
+            self.bell = Doorbell.attach(fds.pop(0), TRAINER)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
         bases = []
         for region in export.regions:
             if region.kind == "legacy":
@@ -279,9 +309,11 @@ class MappedDestinations:
         self.done.record(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
-        """Close every opened handle and unmap every mapped range (idempotent)."""
+        """Close every opened handle and unmap every mapped range and the doorbell (idempotent)."""
         torch.cuda.synchronize(self.device)
         self.views = {}
+        if self.bell is not None:
+            self.bell.close()
         while self.opened:
             _runtime().ipcCloseMemHandle(self.opened.pop())
         while self.ranges:
@@ -340,6 +372,19 @@ class IpcTransport(Transport):
 
     def destinations(self) -> Mapping[str, torch.Tensor]:
         return {} if self.mapped is None else self.mapped.views
+
+    def await_worker(self, ticket: int, deadline: float) -> int:
+        """The worker's state once it opened round `ticket`: `READY` to write, or `MOVED` / `FAILED`
+        (`rl_sync.transport.doorbell`)."""
+        bell = self._mapping().bell
+        assert bell is not None  # mapped with its export
+        return bell.wait(WORKER, ticket, deadline)
+
+    def ring(self, ticket: int, state: int) -> None:
+        """Tell the worker this rank is done with round `ticket`: `WRITTEN`, `SKIPPED` or `FAILED`."""
+        bell = self._mapping().bell
+        assert bell is not None  # mapped with its export
+        bell.ring(TRAINER, ticket, state)
 
     def begin_round(self) -> None:
         self._mapping().before_writes()

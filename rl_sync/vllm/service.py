@@ -90,13 +90,14 @@ class RoundRequest:
 class IpcRequest:
     """A step of a colocated round (`rl_sync.transport.cuda_ipc`): export the memory behind the
     rank's destinations (its descriptors wait `timeout_s` seconds to be taken), open round
-    `version`, or end it (`names`: the tensors it wrote, None for all); `version` keys the answer
-    (0 for an export)."""
+    `version` (its `ticket`, `RoundInfo.ticket`), or end it (`names`: the tensors it wrote, None
+    for all); `version` keys the answer (0 for an export)."""
 
     version: int
     names: tuple[str, ...] | None
     timeout_s: float
     reply: Rendezvous
+    ticket: int = 0
 
 
 @dataclass(frozen=True)

@@ -116,10 +116,16 @@ class RoundInfo:
     timeout_s: float
     baseline: bool
     """Trainers keep per-tensor baselines (the last synced values) up to date this round."""
+    ticket: int = 0
+    """A colocated round's number, larger than any earlier round's of the group: each colocated
+    pair meets on it (`rl_sync.transport.doorbell`), and every trainer first agrees with the others
+    whether all may write. 0: no colocated pair takes part."""
 
     def __post_init__(self) -> None:
         if self.version <= 0:
             raise ValueError(f"RoundInfo.version must be > 0, got {self.version}")
+        if self.ticket < 0:
+            raise ValueError(f"RoundInfo.ticket must be >= 0, got {self.ticket}")
         check_seconds("RoundInfo.timeout_s", self.timeout_s)
 
 

@@ -22,6 +22,8 @@ EXPORT = IpcExport(
     (IpcTensor("w", 0, 0, (4, 2), (2, 1), "bfloat16"),),
     b"r" * 64,
     b"d" * 64,
+    "/tmp/rl-sync-fds-x/s",
+    b"t" * 32,
 )
 GLOO = GlooRendezvous("127.0.0.1", 29500)
 NCCL = NcclRendezvous(tuple(range(128)), tuple(255 - x for x in range(128)))
