@@ -13,7 +13,10 @@ Round: start the ranks together, wait for all within the round timeout, and
 record the version only when every rank finished (double buffering: and
 switched its live weights) and the driver still waits for the answer: the
 coordinator claims the call's fence (`actors.fence`) and only then tells the
-workers to record it, so no version is recorded anywhere else or later. Each
+workers to record it, so no version is recorded anywhere else or later; it
+answers the driver first and does both on a thread of its own, whose outcome
+every later call reads before anything else (`actors.records`). A colocated
+round runs on every trainer and every worker at once (`actors.colocated`). Each
 driver call gives the coordinator a time budget (`actors.calls.Budget`) that
 bounds all its waits together. Any failure becomes a `SyncError` naming the
 ranks, the round and (from the ranks' own errors) the bucket and tensors.
@@ -431,13 +434,14 @@ class Coordinator:
             )
         return fence
 
-    def _record(self, version: int, fence: Fence | None, what: str) -> None:
-        """The one place a version is decided, once every rank finished `what`: claim the call's
+    def _record(self, version: int, fence: Fence | None) -> None:
+        """The one place a version is decided, once every rank finished its round: claim the call's
         fence (refused when the driver gave up on it: nothing is recorded and the version stays
-        free), then every worker records it (`record_on`)."""
-        self.claim(fence, f"{what} finished after the driver gave up on it; version {version} is not recorded")
-        self.version = version
-        self.record_on(self.workers, version)
+        free), then every worker records it; both off the driver's path (`actors.records`), read
+        by the next call (`settled`)."""
+        self.settled()
+        previous, self.version = self.version, version
+        self.recording.commit(fence, self.workers, version, previous)
 
     @staticmethod
     def claim(fence: Fence | None, refused: str) -> None:
@@ -455,11 +459,14 @@ class Coordinator:
         self.recording.send(members, version)
 
     def settled(self) -> None:
-        """Read the answers of the last version the workers were told to record; the group is
-        broken where one did not record it. Called before the group's state is relied on."""
-        why = self.recording.settle(self.budget.left(self.config.round_timeout_s + 5, at_least=1.0))
-        if why is not None and self.broken is None:
-            self.broken = why
+        """What came of the last version decided (`actors.records`): the version stays the one
+        before when the driver gave up first, and the group is broken where a worker did not
+        record it. Called first by every call that relies on the group's state."""
+        settled = self.recording.settle(self.budget.left(self.config.round_timeout_s + 5, at_least=1.0))
+        if settled.version is not None:
+            self.version = settled.version
+        if settled.broken is not None and self.broken is None:
+            self.broken = settled.broken
 
     def _open_round(
         self,
@@ -514,7 +521,7 @@ class Coordinator:
         """Record a round every rank finished (and committed) unless its driver gave up on it
         (`_record`); `seconds`: its time where it is not the wall time since it opened (a staged
         round's)."""
-        self._record(round_.version, fence, round_.what)
+        self._record(round_.version, fence)
         first = self.refresh.finished(round_.mode, every_tensor=round_.names is None)
         took = time.perf_counter() - round_.start if seconds is None else seconds
         stats = RoundStats(round_.version, round_.mode, took, tuple(results), round_.reason, commit_seconds)
@@ -647,7 +654,7 @@ class Coordinator:
         except SyncError:
             self.broken = f"patches {version}"
             raise
-        self._record(version, fence, f"patches {version}")
+        self._record(version, fence)
         return version
 
     def _check_patches(self, patches: list) -> None:
@@ -679,6 +686,7 @@ class Coordinator:
     def versions(self) -> list[int | None]:
         """The version each worker-side rank's live weights fully hold; None: torn, in flight,
         never synced, or not answering."""
+        self.settled()
         refs = [m.versions() for m in self.workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.init_timeout_s)
         out: list[int | None] = []
