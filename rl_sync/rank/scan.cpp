@@ -3,6 +3,10 @@
 // bind(torch.Tensor)              the type every tensor argument must be (called once, at load)
 // impl_address(tensor)            the TensorImpl address read off `tensor` (its `_cdata`)
 // differ(a, b)                    positions i where a[i] is not b[i]
+// mapping_differ(mapping, keys, values)
+//                                 for a dict whose keys are `keys`, in order (the same objects or
+//                                 equal ones), the positions i where its i-th value is not values[i];
+//                                 None when it holds other keys (another count, order or names)
 // held_moved(holders, keys, held, item)
 //                                 positions i where holders[i][keys[i]] (item) or
 //                                 getattr(holders[i], keys[i]) is not held[i] (missing: moved)
@@ -167,6 +171,56 @@ PyObject* differ(PyObject*, PyObject* args) {
   return out;
 }
 
+// Whether dict key `key` is `want` or equal to it (1, 0, or -1 with an exception set); both are
+// held while a comparison that is not of two str objects runs Python code.
+int same_key(PyObject* key, PyObject* want) {
+  if (key == want) {
+    return 1;
+  }
+  if (PyUnicode_CheckExact(key) && PyUnicode_CheckExact(want)) {
+    return PyUnicode_Compare(key, want) == 0 ? 1 : (PyErr_Occurred() ? -1 : 0);
+  }
+  Py_INCREF(key);
+  Py_INCREF(want);
+  const int equal = PyObject_RichCompareBool(key, want, Py_EQ);
+  Py_DECREF(key);
+  Py_DECREF(want);
+  return equal;
+}
+
+PyObject* mapping_differ(PyObject*, PyObject* args) {
+  PyObject *mapping, *keys, *values;
+  if (!PyArg_ParseTuple(args, "O!OO", &PyDict_Type, &mapping, &keys, &values) || !is_list(keys, "keys") ||
+      !is_list(values, "values") || !same_length(keys, values, "mapping_differ")) {
+    return nullptr;
+  }
+  if (PyDict_GET_SIZE(mapping) != PyList_GET_SIZE(keys)) {
+    Py_RETURN_NONE;
+  }
+  PyObject* out = PyList_New(0);
+  Py_ssize_t pos = 0, i = 0;
+  PyObject *key, *value;
+  while (out != nullptr && i < PyList_GET_SIZE(keys) && PyDict_Next(mapping, &pos, &key, &value)) {
+    const int same = same_key(key, PyList_GET_ITEM(keys, i));
+    if (same <= 0) {
+      Py_CLEAR(out);
+      if (same == 0) {
+        Py_RETURN_NONE;
+      }
+      break;
+    }
+    if (value != PyList_GET_ITEM(values, i) && !append_index(out, i)) {
+      Py_CLEAR(out);
+    }
+    ++i;
+  }
+  if (out != nullptr && i != PyList_GET_SIZE(keys)) {  // (changed under a comparison)
+    Py_CLEAR(out);
+    Py_RETURN_NONE;
+  }
+  return out;
+}
+
 PyObject* held_moved(PyObject*, PyObject* args) {
   PyObject *holders, *keys, *held;
   int item;
@@ -260,6 +314,7 @@ PyMethodDef methods[] = {
     {"bind", bind, METH_O, "Take torch.Tensor as the type every tensor argument must be."},
     {"impl_address", impl_address, METH_O, "The TensorImpl address read off a tensor (its _cdata)."},
     {"differ", differ, METH_VARARGS, "Positions where a[i] is not b[i]."},
+    {"mapping_differ", mapping_differ, METH_VARARGS, "Positions where a dict's i-th value is not values[i]."},
     {"held_moved", held_moved, METH_VARARGS, "Positions where holders[i][keys[i]] is not held[i]."},
     {"record", record, METH_VARARGS, "Record the layout of tensors[k] in rows[k] for each k in slots."},
     {"moved", moved, METH_VARARGS, "Positions whose tensor's layout differs from its row."},

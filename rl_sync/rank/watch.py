@@ -118,6 +118,7 @@ class Watch:
         self.values = [b.value for b in self.bound.values()]
         scan = native.scan()
         self.differ: Callable[[list, list], list[int]] = _differ if scan is None else scan.differ
+        self.mapping_differ = None if scan is None else scan.mapping_differ
         self.held_moved = None if scan is None else scan.held_moved
         self.table = tensor_table()
         slots = [self.table.hold(t, i) for i, b in enumerate(self.bound.values()) for t in b.tensors()]
@@ -138,17 +139,27 @@ class Watch:
     def changed(self, mapping: Mapping) -> list[int] | None:
         """Indices (in the order resolved) of the names that changed since they were resolved;
         None when `mapping` holds other names."""
-        if len(mapping) != len(self.keys):
+        values = self._values_changed(mapping)
+        if values is None:
             return None
-        keys = list(mapping)
-        if self.differ(keys, self.keys) and keys != self.keys:
-            return None  # (the same names as other string objects compare equal)
-        changed = set(self.differ(list(mapping.values()), self.values))
+        changed = set(values)
         for links in self.links:
             changed.update(links.moved())
         for slot in self.table.moved():
             changed.update(self.table.names[slot])
         return sorted(changed)
+
+    def _values_changed(self, mapping: Mapping) -> list[int] | None:
+        """Indices of the names whose value is another object; None when `mapping` holds other
+        names (or the same in another order). A dict is walked in one C pass where it is built."""
+        if self.mapping_differ is not None and type(mapping) is dict:
+            return self.mapping_differ(mapping, self.keys, self.values)
+        if len(mapping) != len(self.keys):
+            return None
+        keys = list(mapping)
+        if self.differ(keys, self.keys) and keys != self.keys:
+            return None  # (the same names as other string objects compare equal)
+        return self.differ(list(mapping.values()), self.values)
 
     def resolve(self, mapping: Mapping, changed: Sequence[int]) -> dict[str, Rebound]:
         """The changed names resolved again (see the module docstring), not yet recorded."""

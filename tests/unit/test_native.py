@@ -77,3 +77,20 @@ def test_bad_arguments_are_refused_saying_what_was_expected(scan):
         scan.differ([1], [1, 2])
     with pytest.raises(TypeError, match="unhashable"):  # (only a missing key or attribute counts as moved)
         scan.held_moved([{}], [["unhashable"]], [None], True)
+
+
+def test_a_dict_is_compared_with_its_names_and_values_in_one_pass(scan):
+    values = [object() for _ in range(4)]
+    names = [f"w.{i}" for i in range(4)]
+    mapping = dict(zip(names, values))
+    assert scan.mapping_differ(mapping, names, values) == []
+    mapping["w.2"] = object()
+    assert scan.mapping_differ(mapping, names, values) == [2]
+    assert scan.mapping_differ(mapping, ["".join(["w.", str(i)]) for i in range(4)], values) == [2], "equal names"
+    assert scan.mapping_differ(dict(reversed(list(mapping.items()))), names, values) is None, "another order"
+    assert scan.mapping_differ({**mapping, "w.4": None}, names, values) is None, "another count"
+    assert scan.mapping_differ(dict(zip(["w.0", "w.1", "x", "w.3"], values)), names, values) is None, "another name"
+    with pytest.raises(TypeError, match=r"must be dict, not list"):
+        scan.mapping_differ([], names, values)
+    with pytest.raises(ValueError, match=r"^mapping_differ: lists of 4 and 3 items$"):
+        scan.mapping_differ(mapping, names, values[:3])
