@@ -598,12 +598,8 @@ class Coordinator:
         if round_.paired:
             return colocated.paired_round(self, round_)
         step = self.config.round_timeout_s + 5
-        results = [
-            decode(RankStats, r)
-            for r in gather(
-                self.ranks, lambda m: m.run(round_.blob, round_.version, self.reply), self.budget.left(step), round_.what
-            )
-        ]
+        run = lambda m: m.run(round_.blob, round_.version, self.reply)  # noqa: E731
+        results = [decode(RankStats, r) for r in gather(self.ranks, run, self.budget.left(step), round_.what)]
         if self.ipc:
             results = colocated.end(self, round_.version, round_.names, results, round_.what)
         return results

@@ -124,7 +124,9 @@ class Doorbell:
         """`side`'s state for round `ticket`, or None while its word names an earlier round."""
         word = _WORD.unpack_from(self._page, _OFFSETS[side])[0]
         if word >> 4 > ticket:
-            raise RuntimeError(f"the {side}'s doorbell names ticket {word >> 4}, after ticket {ticket}: a later round ran")
+            raise RuntimeError(
+                f"the {side}'s doorbell names ticket {word >> 4}, after ticket {ticket}: a later round ran"
+            )
         return word & 15 if word >> 4 == ticket else None
 
     def wait(self, side: Side, ticket: int, deadline: float) -> int:

@@ -1,8 +1,8 @@
 """vLLM's decoder architectures bound from FSDP2 trainers' names into TP2 (`arch_sweep`).
 
-The default run binds a representative subset (`arch_sweep.SUBSET`: fused in the
-checkpoint, transposed, tied, MoE with shared experts, MLA, vLLM's transformers
-backend); `slow` binds every architecture the recorded sweep
+The default run binds a representative subset (`arch_sweep.SUBSET`: heads regrouped,
+tied, MoE with shared experts, MLA, vLLM's transformers backend; fused in the checkpoint
+and transposed weights are `test_vllm.py`'s); `slow` binds every architecture the recorded sweep
 (`docs/architectures.json`) found supported. Each must bind with no fallback and
 hold, in every parameter on both ranks, exactly what vLLM's own loader loads. The
 table in `docs/architectures.md` must be the one generated from the recorded sweep."""

@@ -81,7 +81,8 @@ def test_a_wait_ends_once_the_peer_process_is_gone():
     child.join(20)
     try:
         start = time.monotonic()
-        with pytest.raises(ConnectionError, match=rf"^colocated round ticket 2: the trainer \(process {child.pid}\) is gone$"):
+        gone = rf"^colocated round ticket 2: the trainer \(process {child.pid}\) is gone$"
+        with pytest.raises(ConnectionError, match=gone):
             bell.wait(TRAINER, 2, start + 20)
         assert time.monotonic() - start < 5, "the peer's death ends the wait, not the deadline"
     finally:
@@ -106,7 +107,8 @@ def test_words_name_their_ticket_and_side():
 def test_a_descriptor_of_another_size_is_refused():
     fd = os.memfd_create("not-a-doorbell")
     os.ftruncate(fd, PAGE * 2)
-    with pytest.raises(ValueError, match=rf"^a doorbell page is {PAGE} bytes; the descriptor received holds {PAGE * 2}$"):
+    refused = rf"^a doorbell page is {PAGE} bytes; the descriptor received holds {PAGE * 2}$"
+    with pytest.raises(ValueError, match=refused):
         Doorbell.attach(fd, TRAINER)
 
 
@@ -136,5 +138,5 @@ def test_a_group_of_one_agrees_with_itself():
     class One:
         world_size, rank = 1, 0
 
-    assert agree(One(), True, time.monotonic() + 1) is True  # type: ignore[arg-type]
-    assert agree(One(), False, time.monotonic() + 1) is False  # type: ignore[arg-type]
+    assert agree(One(), True, time.monotonic() + 1) is True
+    assert agree(One(), False, time.monotonic() + 1) is False
