@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import time
 
 import pytest
 
 from rl_sync.rank.pairing import agree
-from rl_sync.rendezvous import StoreServer, new_secret
 from rl_sync.transport.doorbell import (
     FAILED,
     MOVED,
@@ -112,26 +110,18 @@ def test_a_descriptor_of_another_size_is_refused():
         Doorbell.attach(fd, TRAINER)
 
 
-def test_trainers_agree_only_when_every_one_says_go():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    secret = new_secret()
-    server = StoreServer(sock, secret)
-    try:
-        groups = in_threads(
-            lambda r: GlooTransport(
-                r, 3, "127.0.0.1", server.port, secret, bind_host="127.0.0.1", prefix="a", timeout_s=20
-            ),
-            3,
-        )
-        for votes in ([True, True, True], [True, False, True], [False, False, False]):
-            out = in_threads(lambda r: agree(groups[r], votes[r], time.monotonic() + 20), 3)
-            assert out == [all(votes)] * 3, votes
-        for g in groups:
-            g.close()
-    finally:
-        server.close()
+def test_trainers_agree_only_when_every_one_says_go(served):
+    server, secret = served
+
+    def join(r: int) -> GlooTransport:
+        return GlooTransport(r, 3, "127.0.0.1", server.port, secret, bind_host="127.0.0.1", prefix="a", timeout_s=20)
+
+    groups = in_threads(join, 3)
+    for votes in ([True, True, True], [True, False, True], [False, False, False]):
+        out = in_threads(lambda r: agree(groups[r], votes[r], time.monotonic() + 20), 3)
+        assert out == [all(votes)] * 3, votes
+    for g in groups:
+        g.close()
 
 
 def test_a_group_of_one_agrees_with_itself():

@@ -11,20 +11,9 @@ import torch
 import torch.distributed as dist
 
 from rl_sync.engine.runner import deadline_in
-from rl_sync.rendezvous import AuthError, MemberStore, StoreServer, new_secret
+from rl_sync.rendezvous import AuthError, MemberStore, new_secret
 from rl_sync.rendezvous.auth import MAX_FRAME, Sealer
 from rl_sync.transport.gloo import GlooTransport
-
-
-@pytest.fixture
-def served():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    secret = new_secret()
-    server = StoreServer(sock, secret)
-    yield server, secret
-    server.close()
 
 
 def in_threads(fn, n: int) -> list:

@@ -3,12 +3,10 @@ answer the steps of colocated rounds."""
 
 from __future__ import annotations
 
-import socket
 from dataclasses import replace
 
 import pytest
 
-from rl_sync.rendezvous import StoreServer, new_secret
 from rl_sync.vllm import service
 from rl_sync.vllm.driver import ServiceDriver
 from rl_sync.vllm.service import ERROR, DescribeRequest, IpcRequest, Rendezvous, reply_key, store_client, unpack
@@ -17,14 +15,9 @@ from rl_sync.wire.failure import RankFailure, RemoteTraceback
 
 
 @pytest.fixture
-def reply():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    secret = new_secret()
-    server = StoreServer(sock, secret)
-    yield Rendezvous("127.0.0.1", sock.getsockname()[1], "g", 2.0, secret)
-    server.close()
+def reply(served):
+    server, secret = served
+    return Rendezvous("127.0.0.1", server.port, "g", 2.0, secret)
 
 
 def _failure(exc: Exception) -> bytes:
