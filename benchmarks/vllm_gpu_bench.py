@@ -24,6 +24,7 @@ receives, those bytes, and the peak GPU memory each side allocates beyond what i
 method started (bind-time buffers included).
 
     python benchmarks/vllm_gpu_bench.py [--repeat 5] [--engines bf16,fp8,block_fp8]
+                                        [--methods rl-sync,ipc,gather]
 """
 
 from __future__ import annotations
@@ -194,13 +195,19 @@ def gather_rows(trainer, engine: VllmEngine) -> dict:
     return measured(trainer, rank, run)
 
 
-def bench_engine(kind: str, trainer, repeat: int, workdir: str) -> dict[str, dict]:
+METHODS = ("rl-sync", "ipc", "gather")
+
+
+def bench_engine(kind: str, trainer, repeat: int, workdir: str, methods: set[str]) -> dict[str, dict]:
+    """The rows of `methods` (of `METHODS`) into a fresh engine of `kind`; vLLM's own ways in only
+    where they can feed it (not block FP8)."""
     engine = start_engine(write_config(f"{workdir}/{kind}", kind == "block_fp8"), ENGINES[kind])
     try:
-        rows = {"rl-sync": rl_sync_rows(trainer, engine, repeat)}
-        if kind != "block_fp8":
+        rows = {"rl-sync": rl_sync_rows(trainer, engine, repeat)} if "rl-sync" in methods else {}
+        if kind != "block_fp8" and "ipc" in methods:
             rows["vLLM ipc"] = ipc_rows(trainer, engine, repeat, packed=False)
             rows["vLLM ipc, packed"] = ipc_rows(trainer, engine, repeat, packed=True)
+        if kind != "block_fp8" and "gather" in methods:
             rows["gather + load_weights"] = gather_rows(trainer, engine)
         return rows
     finally:
@@ -211,7 +218,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--engines", default="bf16,fp8,block_fp8", help=f"comma-separated: {', '.join(ENGINES)}")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated: {', '.join(METHODS)}")
     args = parser.parse_args()
+    methods = set(args.methods.split(","))
+    if not methods <= set(METHODS):
+        parser.error(f"--methods: {sorted(methods - set(METHODS))} are not among {', '.join(METHODS)}")
     start_ray()
     specs = specs_8b()
     total = sum(s.nbytes for s in specs)
@@ -222,7 +233,7 @@ def main() -> None:
     results = {"floor": {"s": floor, "bytes": total, "trainer_extra": 0, "engine_extra": 0}}
     with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
         for kind in args.engines.split(","):
-            for method, row in bench_engine(kind, trainer, args.repeat, workdir).items():
+            for method, row in bench_engine(kind, trainer, args.repeat, workdir, methods).items():
                 results[f"{kind}: {method}"] = row
     rows = [
         [
