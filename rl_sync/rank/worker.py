@@ -362,12 +362,13 @@ class WorkerRank(Participant):
 
     def _rl_sync_ipc_begin(self, ticket: int) -> bytes | None:
         """Open colocated round `ticket`: check the bindings, then tell the trainer, on the pair's
-        page (`rl_sync.transport.doorbell`), that it may write. Returns a new export instead when
-        the memory behind the bound weights moved since the last one (a weight the engine replaced
-        or moved, bound anew; memory released and re-allocated by an engine's sleep and wake):
-        the page then says `MOVED`, so the trainer writes nothing; it must map the new export,
-        and the round must be full (what the new memory holds is the engine's). A check that
-        fails says `FAILED` and raises."""
+        page (`rl_sync.transport.doorbell`), that it may write. Returns a new export when the
+        memory behind the bound weights moved since the last one (a weight the engine replaced or
+        moved, bound anew; memory released and re-allocated by an engine's sleep and wake): the
+        old page then says `MOVED`, so a trainer waiting on it writes nothing, and the new export
+        is opened for `ticket` (what a trainer that maps it before its round waits for); the round
+        must be full (what the new memory holds is the engine's). A check that fails says
+        `FAILED` and raises."""
         ipc = self._rl_sync_ipc
         assert ipc is not None  # colocated rounds run on an export
         try:
@@ -378,11 +379,13 @@ class WorkerRank(Participant):
         self._rl_sync_written = None
         if not self._rl_sync_buffered():
             self._rl_sync_version = None  # (double buffered, the trainer writes the shadows)
+        fresh = None
         if moved:
             ipc.refuse(ticket, MOVED)
-            return self._rl_sync_ipc_export(str(ipc.device), self._rl_sync_ipc_timeout)
-        ipc.begin(ticket)
-        return None
+            fresh = self._rl_sync_ipc_export(str(ipc.device), self._rl_sync_ipc_timeout)
+        assert self._rl_sync_ipc is not None  # (the new export, if any)
+        self._rl_sync_ipc.begin(ticket)
+        return fresh
 
     def _rl_sync_ipc_round(
         self, version: int, names: tuple[str, ...] | None, ticket: int, timeout_s: float

@@ -130,3 +130,27 @@ def test_staged_rounds_through_cuda_ipc_land_in_the_shadows_until_the_commit(gpu
         sync.close()
     finally:
         release(ray, pg, trainers + workers)
+
+
+def test_a_staged_round_after_the_worker_rebuilt_weights_maps_its_new_export_and_carries_every_tensor(gpu_ray):
+    """A staged round opens on the workers before the trainers write, one call at a time (not in
+    one step with the trainers'): a worker that rebuilt or moved weights answers a new export,
+    opened for the round, which its trainer maps before writing; the round carries every tensor."""
+    from actors import WeightSync
+    from rl_sync.config.sync import SyncConfig
+
+    ray = gpu_ray
+    pg, trainers, workers = pairs(ray, 0.5, 1, same_gpu=True)
+    try:
+        sync = WeightSync.create(trainers, workers, SyncConfig(double_buffer=True, **CONFIG))
+        assert pushed(ray, sync, trainers, workers, 1) == "m2n"
+        ray.get(workers[0].call.remote(_rebuild_and_move))
+        for version, ran in ((2, "m2n"), (3, "sparse")):  # the first after the move carries every tensor
+            set_versions(ray, trainers, version)
+            stats = sync.stage(mode="sparse").commit()
+            assert (stats.version, stats.mode) == (version, ran)
+            check(ray, workers, 1, version)
+            assert sync.versions() == [version]
+        sync.close()
+    finally:
+        release(ray, pg, trainers + workers)
