@@ -11,7 +11,7 @@ from rl_sync.engine.runner import deadline_in
 from rl_sync.transport.digest import Digester, DigestTransport, IntegrityError
 from rl_sync.transport.nh import nh_compress, nh_key
 
-from .test_rendezvous import in_threads, served  # noqa: F401  (fixture)
+from .test_rendezvous import in_threads
 
 
 def nh_reference(data: bytes, key: list[int]) -> list[int]:
@@ -63,7 +63,7 @@ def test_tags_bind_key_peers_sequence_and_every_byte():
     ).tag(0, 1, 0, bufs, D), "a checksum needs no secret"
 
 
-def test_a_flipped_byte_fails_the_bucket_naming_the_sender(served):  # noqa: F811
+def test_a_flipped_byte_fails_the_bucket_naming_the_sender(served):
     from rl_sync.transport.gloo import GlooTransport
 
     server, secret = served
