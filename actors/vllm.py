@@ -27,7 +27,10 @@ Typical use::
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import secrets
 import socket
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -132,19 +135,31 @@ def completions(llm, prompts: Sequence[Sequence[int]], sampling: dict[str, Any],
     return out
 
 
-def _name_groups_after(port: int) -> None:
-    """Number this process's next vLLM process groups from `port`, the engine's rendezvous port.
+def _name_groups(launch: int) -> None:
+    """Number this process's next vLLM process groups from `launch`, the number the engine's rank 0
+    drew for this start (`VllmRankActor.rendezvous`).
 
     vLLM's CPU build backs a tensor- or pipeline-parallel group with shared memory named after
     the init method and the group's per-process number ("tp:0"). Under the external launcher the
-    init method is always `env://`, so two TP engines on one host, or one started after a killed
-    one left its segments behind, would open the same names and fail ("create shm in SHMManager
-    failed. errno: 17"). Every rank of an engine shares the port and no other live engine on the
-    host holds it, so the names agree within an engine and differ between engines."""
+    init method is always `env://`, so two TP engines on one host, or one started where an earlier
+    one left its segments behind (killed, or stopped by a restart whose segments outlived it),
+    would open the same names and fail ("create shm in SHMManager failed. errno: 17"). Every rank
+    of an engine gets the same number, and each start draws a new one (the rendezvous port alone
+    repeats once the operating system hands it out again), so the names agree within an engine and
+    differ between engines and starts."""
     from vllm.distributed import parallel_state
 
     for kind in ("tp", "pp"):
-        parallel_state._group_name_counter[kind] = port
+        parallel_state._group_name_counter[kind] = launch
+
+
+def _forget_groups(launch: int) -> None:
+    """Remove the shared memory of the process groups named after `launch` (`_name_groups`), once
+    every rank released them: vLLM's CPU build leaves a 4 MiB segment per rank of each group in
+    `/dev/shm` when an engine stops. The number is this start's alone, so nothing else matches."""
+    for path in glob.glob(f"/dev/shm/*:{launch}-*cpushm_*"):
+        with contextlib.suppress(FileNotFoundError):  # (another rank of the engine removed it)
+            os.unlink(path)
 
 
 def _listen(host: str) -> socket.socket:
@@ -175,9 +190,12 @@ class VllmRankActor(VllmWorkerMixin):
         self.host = host or ray.util.get_node_ip_address()
         os.environ.update(env or {})
         self._store: TCPStore | None = None
+        self._launch: int | None = None
+        """The number the current start's process groups are named after (`_name_groups`)."""
 
-    def rendezvous(self) -> tuple[str, int]:
-        """Rank 0: open a fresh meeting point for the engine's ranks (one per `start`)."""
+    def rendezvous(self) -> tuple[str, int, int]:
+        """Rank 0: open a fresh meeting point for the engine's ranks (one per `start`): its host and
+        port, and a number drawn for this start that names its process groups (`_name_groups`)."""
         import torch.distributed as dist
 
         sock = _listen(self.host)
@@ -191,7 +209,7 @@ class VllmRankActor(VllmWorkerMixin):
             master_listen_fd=sock.fileno(),
         )
         sock.detach()
-        return self.host, self._store.port
+        return self.host, self._store.port, secrets.randbits(30)
 
     def stop(self) -> None:
         """Release this rank's engine and its distributed state (every rank at once); `start`
@@ -201,8 +219,11 @@ class VllmRankActor(VllmWorkerMixin):
         self._rl_sync_close(abort=True)
         self.llm = None
         cleanup_dist_env_and_memory()
+        if self._launch is not None:
+            _forget_groups(self._launch)
+            self._launch = None
 
-    def start(self, model: str, address: tuple[str, int], llm_kwargs: dict[str, Any]) -> None:
+    def start(self, model: str, address: tuple[str, int, int], llm_kwargs: dict[str, Any]) -> None:
         """Build this rank's `LLM` (every rank of the engine at once)."""
         from vllm import LLM
 
@@ -217,7 +238,8 @@ class VllmRankActor(VllmWorkerMixin):
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             }
         )
-        _name_groups_after(address[1])
+        self._launch = address[2]
+        _name_groups(self._launch)
         self.llm = LLM(
             model=model,
             tensor_parallel_size=self.tp_size,
