@@ -70,9 +70,7 @@ def paired_round(c: Coordinator, round_: OpenRound) -> list[RankStats] | None:
 
     answers = gather(c.ranks + c.workers, call, c.budget.left(step), round_.what)
     world = sum(m.size for m in c.ranks)
-    fresh = {rank: export for rank, export in zip(c.worker_ranks, answers[world:]) if export is not None}
-    if fresh:
-        _remap(c, fresh, round_.what)
+    if _remapped(c, answers[world:], round_.what):
         return None
     return with_workers(c, [decode(RankStats, a) for a in answers[:world]])
 
@@ -82,14 +80,11 @@ def begin(c: Coordinator, version: int, ticket: int, what: str) -> bool:
     its export answers a new one, which its trainer maps before any write. True if any moved."""
     step = c.config.round_timeout_s + 5
     try:
-        fresh = gather(c.workers, lambda m: m.ipc_begin(version, ticket, c.reply), c.budget.left(step), what)
-        moved = {rank: export for rank, export in zip(c.worker_ranks, fresh) if export is not None}
-        if moved:
-            _remap(c, moved, what)
+        opened = gather(c.workers, lambda m: m.ipc_begin(version, ticket, c.reply), c.budget.left(step), what)
+        return _remapped(c, opened, what)
     except SyncError:
         c.broken = what
         raise
-    return bool(moved)
 
 
 def end(
@@ -116,8 +111,12 @@ def with_workers(c: Coordinator, results: list[RankStats]) -> list[RankStats]:
     ]
 
 
-def _remap(c: Coordinator, fresh: dict[int, bytes], what: str) -> None:
-    """Each trainer whose worker (by rank) answered a new export maps it."""
+def _remapped(c: Coordinator, answers: list[bytes | None], what: str) -> bool:
+    """Each trainer whose worker answered a new export (`answers`: one per worker rank, None where
+    its memory stayed) maps it; whether any did."""
+    fresh = {rank: export for rank, export in zip(c.worker_ranks, answers) if export is not None}
+    if not fresh:
+        return False
     step = c.config.round_timeout_s + 5
     firsts = c._rank_firsts()
     owner = {firsts[id(m)]: m for m in c.ranks}
@@ -127,3 +126,4 @@ def _remap(c: Coordinator, fresh: dict[int, bytes], what: str) -> None:
         c.budget.left(step),
         f"{what}: mapping moved worker memory",
     )
+    return True

@@ -108,7 +108,11 @@ class Doorbell:
         if size != PAGE:
             os.close(fd)
             raise ValueError(f"a doorbell page is {PAGE} bytes; the descriptor received holds {size}")
-        return cls(fd, side)
+        try:
+            return cls(fd, side)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _write_identity(self) -> None:
         pid = os.getpid()
