@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from rl_sync.vllm.lora import LoraSlots
+from rl_sync.vllm.prefix import forget_cached_prefixes
 from rl_sync.vllm.rank import VllmDestinations, engine_rank_of
 
 from .worker_mixin import SyncWorkerMixin
@@ -82,16 +83,12 @@ class VllmWorkerMixin(SyncWorkerMixin):
 
     def rl_sync_weights_updated(self, names) -> None:
         """vLLM's post-load processing for what changed (a LoRA group: the adapter's scaling),
-        then a fresh prefix cache."""
+        then no prefix cached before is served (`rl_sync.vllm.prefix`)."""
         if self._rl_sync_lora is not None:
             self._rl_sync_lora.after_update(names)
         else:
             self._rl_sync_bound().after_update(names)
-        if not self.rl_sync_llm().reset_prefix_cache():
-            raise RuntimeError(
-                "vLLM refused to reset its prefix cache (requests are running); weights changed, so "
-                "cached prefixes would be stale: finish or abort requests before pushing"
-            )
+        forget_cached_prefixes(self.rl_sync_llm())
 
     def rl_sync_write_modes(self) -> dict[str, str]:
         if self._rl_sync_lora is not None:

@@ -75,7 +75,8 @@ PARTS: list[tuple[str, str, str, str]] = [
     ("vLLM: twins installed (install)", _RELOAD, "install", ""),
     ("vLLM: modules processed at the commit (reprocess)", _RELOAD, "reprocess", ""),
     ("vLLM: attention layers processed", _RELOAD, "Processor", "process_attention"),
-    ("vLLM: prefix cache reset", "vllm.entrypoints.llm", "LLM", "reset_prefix_cache"),
+    ("vLLM: cached prefixes forgotten", "rl_sync.vllm.prefix", "forget_cached_prefixes", ""),
+    ("vLLM: its own prefix-cache reset", "vllm.entrypoints.llm", "LLM", "reset_prefix_cache"),
     ("vLLM: twins processed before the commit (prepare)", _RELOAD, "Processor", "prepare"),
 ]
 """(label, module, class or function, method): what is timed, in the processes that loaded the

@@ -31,6 +31,7 @@ from typing import Protocol, runtime_checkable
 
 from ..wire.codec import decode, encode
 from ..wire.failure import RankFailure, RemoteTraceback, kept_type
+from .prefix import forget_cached_prefixes
 from .service import (
     ERROR,
     CloseRequest,
@@ -90,11 +91,8 @@ class LlmControl:
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError(
-                "vLLM refused to reset its prefix cache (requests are running); the weights changed, so "
-                "cached prefixes would be stale: finish or abort requests before pushing"
-            )
+        """O(1) where the engine core runs in this process (`rl_sync.vllm.prefix`)."""
+        forget_cached_prefixes(self.llm)
 
 
 class HttpControl:

@@ -119,6 +119,17 @@ def _state(trainers) -> dict[str, torch.Tensor]:
     return ray.get([t.full_state.remote() for t in trainers])[0]
 
 
+def _prefix_roots(ranks) -> list[bytes]:
+    """Each rank's root of vLLM's prefix hashes (`rl_sync.vllm.prefix`: a round replaces it)."""
+
+    def root(_rank) -> bytes:
+        from vllm.v1.core import kv_cache_utils
+
+        return kv_cache_utils.NONE_HASH
+
+    return ray.get([rank.call.remote(root) for rank in ranks])
+
+
 def _unrelated_checkpoint(path, config: dict, trainers) -> str:
     """A checkpoint of the right shapes holding other values than the trainers'."""
     gen = torch.Generator().manual_seed(7)
@@ -153,7 +164,9 @@ def test_synced_engines_generate_what_a_fresh_engine_on_the_checkpoint_does(
         kept = list(sync.summary.kept_bytes)
         for step, mode in enumerate(modes, start=1):
             ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+            roots = _prefix_roots(ranks)
             stats = sync.push(mode=mode)
+            assert all(a != b for a, b in zip(roots, _prefix_roots(ranks))), "each rank took the O(1) path"
             assert stats.mode == (mode if step > 1 else "m2n"), "the first round is dense, the next ones as asked"
             received = [next(r.received_bytes for r in stats.ranks if r.rank == 2 + j) for j in range(len(ranks))]
             if stats.mode == "m2n":

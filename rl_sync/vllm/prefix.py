@@ -1,0 +1,93 @@
+"""Forget an engine's cached prefixes after its weights changed, in O(1) where vLLM allows.
+
+vLLM's `LLM.reset_prefix_cache()` clears the cache by visiting every KV-cache
+block (`BlockPool.reset_prefix_cache`: a Python loop), so it costs time in
+proportion to the KV cache, not to the weights: 24 ms of a 29 ms commit on an
+H200 with half its memory given to the cache. Where the engine's scheduler runs
+in this process (rl-sync's engine ranks: external launcher, engine core in
+process) and nothing else reads the cache's hashes, `forget_cached_prefixes`
+instead gives every prefix a new root: vLLM chains each block's hash from
+`kv_cache_utils.NONE_HASH`, so replacing that seed (with one derived from it)
+makes every block hash computed from then on differ from every hash cached
+before. No earlier block can be hit again; each is evicted by vLLM's own LRU
+when its memory is next handed out, exactly as a block without a hash is.
+
+The fast path is taken only when it is equivalent to vLLM's reset:
+
+* no request is unfinished (a waiting one would keep the hashes of the old
+  root; vLLM's reset, which runs instead, refuses while requests hold blocks);
+* no KV connector (an external or offloaded cache keyed by these hashes) and
+  no KV-cache events (their consumers expect vLLM's `AllBlocksCleared`);
+* the installed vLLM reads the seed when it hashes (checked each time, by
+  hashing an empty block with `repr` and finding the seed in the result).
+
+Otherwise it calls vLLM's own reset, and raises `RuntimeError(STALE_PREFIXES)`
+where that refuses. What the fast path
+leaves as it was: vLLM's prefix-cache hit-rate window and block-residency
+metrics, which its reset starts anew.
+
+Typical use (on the engine rank, after every rank applied a round)::
+
+    forget_cached_prefixes(llm)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+STALE_PREFIXES = (
+    "vLLM refused to reset its prefix cache (requests are running); the weights changed, so cached "
+    "prefixes would be stale: finish or abort requests before pushing"
+)
+SEED_SALT = b"rl-sync weight update\x00"
+
+
+def _in_process_scheduler(llm) -> Any | None:
+    """The engine core's scheduler when the core runs in this process (vLLM's in-process client),
+    else None."""
+    core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
+    return getattr(core, "scheduler", None)
+
+
+def _seed_is_read_when_hashing() -> bool:
+    """Whether vLLM's block hashing reads `kv_cache_utils.NONE_HASH` at each call (so a new seed
+    roots every later prefix); False before an engine set it. (Microseconds: checked each time.)"""
+    from vllm.v1.core import kv_cache_utils
+
+    seed = getattr(kv_cache_utils, "NONE_HASH", None)
+    if not isinstance(seed, bytes):
+        return False
+    hashed = kv_cache_utils.hash_block_tokens(repr, None, ())
+    return repr(seed) in str(hashed)
+
+
+def _fast_path_allowed(scheduler) -> bool:
+    return (
+        getattr(scheduler, "connector", None) is None
+        and not getattr(scheduler, "enable_kv_cache_events", True)
+        and _seed_is_read_when_hashing()
+    )
+
+
+def new_root() -> bytes:
+    """Replace vLLM's prefix seed with one derived from it (the same on every rank and engine that
+    shared the old one, after the same number of updates); returns the new seed."""
+    from vllm.v1.core import kv_cache_utils
+
+    seed = hashlib.sha256(SEED_SALT + kv_cache_utils.NONE_HASH).digest()
+    kv_cache_utils.NONE_HASH = type(kv_cache_utils.NONE_HASH)(seed)
+    return seed
+
+
+def forget_cached_prefixes(llm) -> bool:
+    """No prefix cached before this call is served after it. Returns True where the seed was
+    replaced (O(1)), False where vLLM's own reset ran. Raises `RuntimeError(STALE_PREFIXES)`
+    where vLLM refuses (requests hold KV-cache blocks)."""
+    scheduler = _in_process_scheduler(llm)
+    if scheduler is not None and _fast_path_allowed(scheduler) and not scheduler.get_num_unfinished_requests():
+        new_root()
+        return True
+    if not llm.reset_prefix_cache():
+        raise RuntimeError(STALE_PREFIXES)
+    return False

@@ -1,0 +1,106 @@
+"""Forgetting cached prefixes after a round (`rl_sync.vllm.prefix`): a new root for every later
+block hash where that is what vLLM's reset does, vLLM's own reset everywhere else, one refusal.
+
+The engine-level check (a prefix cached before a push is not served after it) is
+`tests/distributed/test_vllm.py`: its long prompt fills a cache block, and each step's
+generations must equal a fresh engine's."""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.core import kv_cache_utils
+
+from rl_sync.vllm import prefix
+
+BLOCK = list(range(32))
+
+
+@pytest.fixture
+def seeded(monkeypatch):
+    """vLLM's seed as an engine sets it (restored after the test)."""
+    monkeypatch.setattr(kv_cache_utils, "NONE_HASH", kv_cache_utils.BlockHash(b"\x01" * 32), raising=False)
+
+
+class FakeLlm:
+    """An `LLM` whose in-process engine core has `scheduler`; records calls of vLLM's reset."""
+
+    def __init__(self, scheduler=None, reset_answers: bool = True):
+        core = SimpleNamespace(scheduler=scheduler) if scheduler is not None else None
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=core))
+        self.reset_answers, self.resets = reset_answers, 0
+
+    def reset_prefix_cache(self) -> bool:
+        self.resets += 1
+        return self.reset_answers
+
+
+def scheduler(unfinished: int = 0, connector=None, events: bool = False):
+    return SimpleNamespace(
+        connector=connector, enable_kv_cache_events=events, get_num_unfinished_requests=lambda: unfinished
+    )
+
+
+def _sha(obj) -> bytes:
+    return hashlib.sha256(repr(obj).encode()).digest()
+
+
+def _hash(block) -> bytes:
+    return kv_cache_utils.hash_block_tokens(_sha, None, block)
+
+
+def test_a_new_root_changes_every_later_block_hash_and_is_the_same_from_the_same_seed(seeded):
+    before = _hash(BLOCK)
+    root = prefix.new_root()
+    assert root == kv_cache_utils.NONE_HASH and _hash(BLOCK) != before
+    chained = kv_cache_utils.hash_block_tokens(_sha, _hash(BLOCK), BLOCK)
+    assert chained != kv_cache_utils.hash_block_tokens(_sha, before, BLOCK)
+    kv_cache_utils.NONE_HASH = kv_cache_utils.BlockHash(b"\x01" * 32)
+    assert prefix.new_root() == root, "derived from the seed alone: every rank that shared it agrees"
+
+
+def test_an_idle_in_process_engine_gets_a_new_root_and_vllms_loop_does_not_run(seeded):
+    llm, before = FakeLlm(scheduler()), kv_cache_utils.NONE_HASH
+    assert prefix.forget_cached_prefixes(llm) is True
+    assert llm.resets == 0 and before != kv_cache_utils.NONE_HASH
+
+
+@pytest.mark.parametrize(
+    "sched, why",
+    [
+        (None, "the engine core runs in another process"),
+        (scheduler(unfinished=1), "a waiting request would keep the old root"),
+        (scheduler(connector=object()), "a KV connector keys its cache by these hashes"),
+        (scheduler(events=True), "KV-cache events' consumers expect vLLM's AllBlocksCleared"),
+    ],
+)
+def test_vllms_own_reset_runs_where_a_new_root_is_not_equivalent(seeded, sched, why):
+    llm, before = FakeLlm(sched), kv_cache_utils.NONE_HASH
+    assert prefix.forget_cached_prefixes(llm) is False, why
+    assert llm.resets == 1 and before == kv_cache_utils.NONE_HASH, why
+
+
+def test_a_vllm_that_does_not_read_the_seed_when_hashing_gets_its_own_reset(seeded, monkeypatch):
+    monkeypatch.setattr(kv_cache_utils, "hash_block_tokens", lambda fn, parent, block, extra=None: fn(block))
+    llm = FakeLlm(scheduler())
+    assert prefix.forget_cached_prefixes(llm) is False and llm.resets == 1
+
+
+def test_before_any_engine_set_the_seed_vllms_reset_runs(monkeypatch):
+    monkeypatch.delattr(kv_cache_utils, "NONE_HASH", raising=False)
+    llm = FakeLlm(scheduler())
+    assert prefix.forget_cached_prefixes(llm) is False and llm.resets == 1
+
+
+def test_a_refused_reset_raises_naming_why_and_what_to_do(seeded):
+    with pytest.raises(RuntimeError) as raised:
+        prefix.forget_cached_prefixes(FakeLlm(scheduler(unfinished=2), reset_answers=False))
+    assert str(raised.value) == (
+        "vLLM refused to reset its prefix cache (requests are running); the weights changed, so cached "
+        "prefixes would be stale: finish or abort requests before pushing"
+    )
