@@ -58,8 +58,12 @@ def _seed_is_read_when_hashing() -> bool:
     seed = getattr(kv_cache_utils, "NONE_HASH", None)
     if not isinstance(seed, bytes):
         return False
-    hashed = kv_cache_utils.hash_block_tokens(repr, None, ())
-    return repr(seed) in str(hashed)
+    hashed = kv_cache_utils.hash_block_tokens(_repr_bytes, None, ())
+    return repr(seed).encode() in hashed
+
+
+def _repr_bytes(value: object) -> bytes:
+    return repr(value).encode()
 
 
 def _fast_path_allowed(scheduler) -> bool:
