@@ -257,6 +257,7 @@ class _Resolver:
             built.modules_of,
             _fallback_modules(self, fallback),
             _attention_layers(self.model),
+            built.owners,
         )
         return VllmBinding(built.destinations, built.reports, processor)
 
@@ -271,6 +272,7 @@ class _Resolver:
         if entry.merged is not None:
             mode, reason = modes[param]
             live = self.live[param]
+            built.owners[entry.name] = self._modules_of_param(param)
             target = live.detach() if mode == "direct" else by_live[id(live)]
             view = _view(target, entry.merged.dst)
             if mode == "reload":
@@ -317,6 +319,7 @@ class _Built:
         self.destinations: dict[str, Destination] = {}
         self.reports: list[ParamReport] = []
         self.modules_of: dict[str, list[torch.nn.Module]] = {}
+        self.owners: dict[str, list[torch.nn.Module]] = {}
 
     def add(self, name: str, destination: Destination, param: str, mode: Mode, reason: str) -> None:
         view = destination.local

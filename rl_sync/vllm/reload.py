@@ -223,7 +223,9 @@ class Processor:
     `buffers[module]` maps each parameter a reload-mode module loads to its loader-form
     buffer; `modules_of[name]` lists the reload-mode modules a checkpoint tensor feeds;
     `fallback_modules` are loaded through vLLM's layerwise reload; `attention` are the
-    attention layers processed after any round."""
+    attention layers; `owners[name]` lists the modules holding the live parameter a checkpoint
+    tensor is written into, in any mode (None: unknown, so every attention layer is processed
+    after every round)."""
 
     model: torch.nn.Module
     dtype: torch.dtype
@@ -232,6 +234,7 @@ class Processor:
     modules_of: dict[str, list[torch.nn.Module]]
     fallback_modules: list[torch.nn.Module]
     attention: list[torch.nn.Module]
+    owners: Mapping[str, Sequence[torch.nn.Module]] | None = None
     prepared: dict[int, torch.nn.Module] = field(default_factory=dict)
     """`id(module)` -> its twin, processed by `prepare` for the next `after_update`."""
 
@@ -275,13 +278,29 @@ class Processor:
                 reprocess(module, self.buffers[module])
             else:
                 install(module, twin, swap)
-        self.process_attention()
+        self.process_attention(self._attention_touched(names, touched))
         return len(touched)
 
-    def process_attention(self) -> None:
-        """vLLM's processing of the attention layers, after every other module's (they may derive
+    def _attention_touched(
+        self, names: Collection[str] | None, touched: Sequence[torch.nn.Module]
+    ) -> list[torch.nn.Module]:
+        """The attention layers a round of `names` (None: all) wrote into: those holding a module
+        it wrote or processed (their own scales, MLA's `kv_b_proj`). vLLM's own reload processes
+        every attention layer because it cannot tell what a load wrote; the others hold what
+        processing would give them again (state derived from their own tensors and inner
+        modules only). Every layer where `owners` is unknown or a fallback module was loaded."""
+        if self.owners is None or self.fallback_modules:
+            return list(self.attention)
+        written = {id(m) for m in touched}
+        for name, modules in self.owners.items():
+            if names is None or name in names:
+                written.update(id(m) for m in modules)
+        return [layer for layer in self.attention if any(id(m) in written for m in layer.modules())]
+
+    def process_attention(self, layers: Sequence[torch.nn.Module]) -> None:
+        """vLLM's processing of attention layers, after every other module's (they may derive
         state from other modules' weights)."""
-        for layer in self.attention:
+        for layer in layers:
             # vLLM's attention method: torch types nn.Module.__getattr__ as Tensor | Module
             layer.process_weights_after_loading(self.dtype)  # type: ignore[operator]
 

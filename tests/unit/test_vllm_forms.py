@@ -80,6 +80,38 @@ def test_a_weight_the_attention_freed_is_processed_again_for_it_every_round():
         assert kv_b_proj.weight.numel() == 0
 
 
+class _Counted(torch.nn.Module):
+    """An attention layer counting its processing; `k_scale` its own tensor, `inner` a module
+    inside it (MLA's `kv_b_proj`)."""
+
+    def __init__(self, inner: torch.nn.Module | None = None):
+        super().__init__()
+        self.k_scale = torch.nn.Parameter(torch.ones(()), requires_grad=False)
+        self.inner, self.processed = inner, 0
+
+    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+        self.processed += 1
+
+
+def test_an_attention_layer_is_processed_after_a_round_that_wrote_into_it_and_only_then():
+    """vLLM's reload processes every attention layer; a round processes those holding a tensor it
+    wrote (their own scales, or a module inside them), whatever the write mode."""
+    q_proj, kv_b_proj = _Linear(torch.bfloat16), _Linear(torch.bfloat16)
+    plain, mla = _Counted(), _Counted(kv_b_proj)
+    model = torch.nn.ModuleDict({"q_proj": q_proj, "plain": plain, "mla": mla})
+    owners = {"q": [q_proj], "plain.k_scale": [plain], "kv_b": [kv_b_proj]}
+    processor = Processor(model, torch.bfloat16, None, {}, {}, [], [plain, mla], owners)
+    rounds = [(["q"], 0, 0), (["q", "plain.k_scale"], 1, 0), (["kv_b"], 0, 1), (None, 1, 1)]
+    for names, plain_then, mla_then in rounds:
+        before = plain.processed, mla.processed
+        processor.after_update(names)
+        assert (plain.processed - before[0], mla.processed - before[1]) == (plain_then, mla_then), names
+    unknown = Processor(model, torch.bfloat16, None, {}, {}, [], [plain, mla])
+    before = plain.processed + mla.processed
+    unknown.after_update(["q"])
+    assert plain.processed + mla.processed == before + 2, "owners unknown: every layer, as vLLM's reload"
+
+
 def _recorded(load, checkpoint: torch.Tensor, param: torch.Tensor) -> Probe:
     """What the probe records of `load(param, checkpoint)` (the loader's copies, not run)."""
     probe = Probe()
