@@ -8,9 +8,10 @@ layerwise reload does it (`vllm/model_executor/model_loader/reload/layerwise.py`
 its parameters are put back in loader form, filled from the buffers,
 processed by the module's `quant_method`, and the result is copied into the
 live tensors the engine runs on (their storage may be captured by kernels or
-CUDA graphs), which are then put back. Attention layers that derive state from
-other modules' weights (MLA's `W_UV` / `W_UK_T` from `kv_b_proj`) are processed
-after that, as vLLM's reload finalizes them. Tensors that fall back are loaded
+CUDA graphs), which are then put back. Attention layers the round wrote into
+(their own scales, or a module inside them: MLA derives `W_UV` / `W_UK_T` from its
+`kv_b_proj`) are processed after that, as vLLM's reload finalizes them; vLLM's
+reload processes every attention layer, since it cannot tell what a load wrote. Tensors that fall back are loaded
 through vLLM's layerwise reload (`model.load_weights` between
 `initialize_layerwise_reload` and `finalize_layerwise_reload`) for their whole
 modules.
