@@ -1,7 +1,7 @@
 """What differs between the vLLM releases rl-sync supports, in one place.
 
 rl-sync is written against vLLM 0.32 (the CPU build CI runs) and runs on 0.26
-too (the CUDA build the offline GPU machines carry). Three differences matter,
+too (the CUDA build the offline GPU machines carry). Four differences matter,
 each detected by what the installed vLLM has, never by its version string:
 
 * **Tensors loaded but never put on meta.** 0.32 splits the names its layerwise
@@ -11,6 +11,9 @@ each detected by what the installed vLLM has, never by its version string:
 * **Attention layers processed after the rest.** 0.32 asks
   `is_deferred_attention_layer`; 0.26 processes `Attention` and `MLAAttention`
   last.
+* **The renames a LoRA adapter's names go through.** 0.32's LoRA loader takes
+  the model's `hf_to_vllm_mapper.get_rename_mapper()`; 0.26's takes
+  `get_unstacked_mapper()` (stacked maps dropped, as the later one drops them).
 * **A backend's trainer-side call.** 0.26 declares
   `WeightTransferEngine.trainer_send_weights` abstract, so every backend class
   defines it (`TRAINER_SEND_REFUSED` says what rl-sync's does instead); 0.29+
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -69,3 +73,11 @@ def deferred_attention(module: torch.nn.Module) -> bool:
     """Whether vLLM processes `module` after every other layer (attention layers, which may derive
     state from other modules' weights)."""
     return _deferred_attention_test()(module)
+
+
+def lora_name_mapper(mapper: Any) -> Any:
+    """What vLLM's LoRA loader maps an adapter's module names with, from a model's
+    `hf_to_vllm_mapper`: its renames only (0.32's `get_rename_mapper`, 0.26's
+    `get_unstacked_mapper`)."""
+    renames = getattr(mapper, "get_rename_mapper", None) or mapper.get_unstacked_mapper
+    return renames()

@@ -31,6 +31,7 @@ import torch
 from ..config.lora import LoraSpec
 from ..lora import PREFIX
 from ..storage import Destination
+from . import compat
 from .binding import Checkpoint, EngineRank, ParamReport, lift
 from .lora_boxes import Target, check_fits, layout_of, locate, slot_view
 from .modes import Mode
@@ -181,4 +182,4 @@ def _rename_mapper(model: torch.nn.Module) -> Any:
     """vLLM's renames from a saved adapter's module names to the model's (None for most models),
     as its LoRA loader applies them."""
     mapper = getattr(model, "hf_to_vllm_mapper", None)
-    return None if mapper is None else mapper.get_rename_mapper()
+    return None if mapper is None else compat.lora_name_mapper(mapper)

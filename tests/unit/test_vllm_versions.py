@@ -97,3 +97,22 @@ def test_the_trainer_factory_is_found_in_0_32_and_absent_from_0_26(monkeypatch):
     assert compat.trainer_factory() is factory.WeightTransferTrainerFactory
     monkeypatch.delattr(factory, "WeightTransferTrainerFactory")  # 0.26: the trainer side is a static call
     assert compat.trainer_factory() is None
+
+
+def test_lora_names_are_mapped_with_the_renames_alone_in_either_release(monkeypatch):
+    """vLLM's LoRA loader maps an adapter's module names with the model's renames, its stacked
+    maps dropped: `get_rename_mapper` in 0.32, `get_unstacked_mapper` in 0.26."""
+    from dataclasses import replace
+
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    mapper = WeightsMapper(
+        orig_to_new_prefix={"model.": "language_model.model."}, orig_to_new_stacked={"q_proj": ("qkv_proj", "q")}
+    )
+    name = "model.layers.0.self_attn.q_proj"
+    assert compat.lora_name_mapper(mapper)._map_name(name) == "language_model.model.layers.0.self_attn.q_proj"
+    monkeypatch.delattr(WeightsMapper, "get_rename_mapper")
+    monkeypatch.setattr(
+        WeightsMapper, "get_unstacked_mapper", lambda self: replace(self, orig_to_new_stacked={}), raising=False
+    )
+    assert compat.lora_name_mapper(mapper)._map_name(name) == "language_model.model.layers.0.self_attn.q_proj"
