@@ -29,7 +29,6 @@ from typing import Any, NamedTuple
 import torch
 
 from ..config.lora import LoraSpec
-from ..lora import PREFIX
 from ..storage import Destination
 from . import compat
 from .binding import Checkpoint, EngineRank, ParamReport, lift
@@ -119,7 +118,7 @@ class LoraSlots:
     def _destination(self, name: str, target: Target, whole: Destination, helper) -> Destination:
         """`whole` with this rank's storage: the slot's box, or a buffer scaled into it."""
         slot = slot_view(target, self.slot)
-        _, scaling = helper.get_rank_and_scaling(name.removeprefix(PREFIX).rsplit(".lora_", 1)[0])
+        scaling = helper.vllm_lora_scaling_factor  # one for every module: LoraSpec takes no rank or alpha patterns
         local, reason = slot, "written into the adapter's slot"
         mode: Mode = "direct"
         if target.matrix == "B" and scaling != 1:
