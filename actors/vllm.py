@@ -13,9 +13,9 @@ them like any other actor. Two ways in:
 Either way the workers passed to `WeightSync` are the engines' rank actors,
 engine by engine, each engine's ranks in TP order. Layouts come from vLLM's
 own loader (`rl_sync.vllm.binding`); after each round the ranks run vLLM's
-post-load processing for what changed and reset the engine's prefix cache
-(a prefix cached with the old weights would otherwise be served after the
-update).
+post-load processing for what changed and forget the engine's cached
+prefixes (`rl_sync.vllm.prefix`: a prefix cached with the old weights would
+otherwise be served after the update).
 
 Typical use::
 

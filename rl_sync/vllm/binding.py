@@ -139,6 +139,7 @@ class _Resolver:
         self.model, self.probe, self.gathered, self.entries = model, probe, gathered, entries
         self.live = _live_params(model)
         self.owners = _owners(model)
+        self.readers = _impl_readers(model)
 
     def _modules_of_param(self, param: str) -> list[torch.nn.Module]:
         live = self.live.get(param)
@@ -272,7 +273,7 @@ class _Resolver:
         if entry.merged is not None:
             mode, reason = modes[param]
             live = self.live[param]
-            built.owners[entry.name] = self._modules_of_param(param)
+            built.owners[entry.name] = self._modules_of_param(param) + self.readers.get(_storage(live), [])
             target = live.detach() if mode == "direct" else by_live[id(live)]
             view = _view(target, entry.merged.dst)
             if mode == "reload":
@@ -403,3 +404,19 @@ def _fallback_modules(resolver: _Resolver, fallback: Mapping[str, str]) -> list[
 
 def _attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if compat.deferred_attention(m)]
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _impl_readers(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
+    """Storage -> the attention layers whose kernel implementation (`layer.impl`) holds a tensor
+    in it: a parameter of another module it derives state from when processed (GPT-OSS's
+    attention sinks, kept by the enclosing block, made float32 by FlashInfer's implementation)."""
+    out: dict[int, list[torch.nn.Module]] = {}
+    for layer in _attention_layers(model):
+        held = getattr(getattr(layer, "impl", None), "__dict__", {}).values()
+        for storage in {_storage(t) for t in held if isinstance(t, torch.Tensor)} - {0}:
+            out.setdefault(storage, []).append(layer)
+    return out

@@ -14,10 +14,13 @@ when its memory is next handed out, exactly as a block without a hash is.
 
 The fast path is taken only when it is equivalent to vLLM's reset:
 
-* no request is unfinished (a waiting one would keep the hashes of the old
-  root; vLLM's reset, which runs instead, refuses while requests hold blocks);
-* no KV connector (an external or offloaded cache keyed by these hashes) and
-  no KV-cache events (their consumers expect vLLM's `AllBlocksCleared`);
+* the scheduler holds no request at all (`scheduler.requests`: running,
+  waiting, paused or streaming ones alike, each of which carries hashes of the
+  old root; vLLM's reset, which runs instead, refuses while requests hold
+  blocks);
+* no KV connector (an external or offloaded cache keyed by these hashes), no
+  auxiliary-output connector (vLLM's reset starts its state anew) and no
+  KV-cache events (their consumers expect vLLM's `AllBlocksCleared`);
 * the installed vLLM reads the seed when it hashes (checked each time, by
   hashing an empty block with `repr` and finding the seed in the result).
 
@@ -68,7 +71,9 @@ def _repr_bytes(value: object) -> bytes:
 
 def _fast_path_allowed(scheduler) -> bool:
     return (
-        getattr(scheduler, "connector", None) is None
+        not getattr(scheduler, "requests", True)
+        and getattr(scheduler, "connector", None) is None
+        and getattr(scheduler, "aux_output_connector", None) is None
         and not getattr(scheduler, "enable_kv_cache_events", True)
         and _seed_is_read_when_hashing()
     )
@@ -89,7 +94,7 @@ def forget_cached_prefixes(llm) -> bool:
     replaced (O(1)), False where vLLM's own reset ran. Raises `RuntimeError(STALE_PREFIXES)`
     where vLLM refuses (requests hold KV-cache blocks)."""
     scheduler = _in_process_scheduler(llm)
-    if scheduler is not None and _fast_path_allowed(scheduler) and not scheduler.get_num_unfinished_requests():
+    if scheduler is not None and _fast_path_allowed(scheduler):
         new_root()
         return True
     if not llm.reset_prefix_cache():

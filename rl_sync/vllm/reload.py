@@ -9,9 +9,10 @@ its parameters are put back in loader form, filled from the buffers,
 processed by the module's `quant_method`, and the result is copied into the
 live tensors the engine runs on (their storage may be captured by kernels or
 CUDA graphs), which are then put back. Attention layers the round wrote into
-(their own scales, or a module inside them: MLA derives `W_UV` / `W_UK_T` from its
-`kv_b_proj`) are processed after that, as vLLM's reload finalizes them; vLLM's
-reload processes every attention layer, since it cannot tell what a load wrote. Tensors that fall back are loaded
+(their own scales, a module inside them: MLA derives `W_UV` / `W_UK_T` from its
+`kv_b_proj`, or a parameter their implementation reads: GPT-OSS's sinks) are
+processed after that, as vLLM's reload finalizes them; vLLM's reload processes
+every attention layer, since it cannot tell what a load wrote. Tensors that fall back are loaded
 through vLLM's layerwise reload (`model.load_weights` between
 `initialize_layerwise_reload` and `finalize_layerwise_reload`) for their whole
 modules.
@@ -225,8 +226,8 @@ class Processor:
     buffer; `modules_of[name]` lists the reload-mode modules a checkpoint tensor feeds;
     `fallback_modules` are loaded through vLLM's layerwise reload; `attention` are the
     attention layers; `owners[name]` lists the modules holding the live parameter a checkpoint
-    tensor is written into, in any mode (None: unknown, so every attention layer is processed
-    after every round)."""
+    tensor is written into, in any mode, and the attention layers whose implementation reads it
+    (None: unknown, so every attention layer is processed after every round)."""
 
     model: torch.nn.Module
     dtype: torch.dtype
@@ -286,10 +287,11 @@ class Processor:
         self, names: Collection[str] | None, touched: Sequence[torch.nn.Module]
     ) -> list[torch.nn.Module]:
         """The attention layers a round of `names` (None: all) wrote into: those holding a module
-        it wrote or processed (their own scales, MLA's `kv_b_proj`). vLLM's own reload processes
-        every attention layer because it cannot tell what a load wrote; the others hold what
-        processing would give them again (state derived from their own tensors and inner
-        modules only). Every layer where `owners` is unknown or a fallback module was loaded."""
+        it wrote or processed (their own scales, MLA's `kv_b_proj`) or whose implementation reads
+        a parameter it wrote (GPT-OSS's sinks, kept by the enclosing block). vLLM's own reload
+        processes every attention layer because it cannot tell what a load wrote; the others
+        derive state only from what the round left as it was. Every layer where `owners` is
+        unknown or a fallback module was loaded."""
         if self.owners is None or self.fallback_modules:
             return list(self.attention)
         written = {id(m) for m in touched}

@@ -43,7 +43,7 @@ def _lora_trainer():
 
 
 def test_lora_rounds_through_cuda_ipc_generate_what_the_engine_loading_the_saved_adapter_does(gpu_ray, tmp_path):
-    trainer, engine = _lora_trainer(), None
+    trainer, engine, sync = _lora_trainer(), None, None
     try:
         base = ray.get(trainer.base_state.remote(), timeout=120)
         engine = launch(write_checkpoint(str(tmp_path / "base"), config("qwen2"), base), {**LLM_KWARGS, **ENGINE_LORA})
@@ -65,8 +65,9 @@ def test_lora_rounds_through_cuda_ipc_generate_what_the_engine_loading_the_saved
             assert got == want, f"step {step}: the synced adapter generates otherwise than the saved one"
             assert [o["logprobs"] for o in got] != [o["logprobs"] for o in untrained], "the adapter matters"
             assert sync.versions() == [step]
-        sync.close()
     finally:
+        if sync is not None:
+            sync.close()
         if engine is not None:
             engine.shutdown()
         ray.kill(trainer)

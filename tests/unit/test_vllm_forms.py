@@ -112,6 +112,29 @@ def test_an_attention_layer_is_processed_after_a_round_that_wrote_into_it_and_on
     assert plain.processed + mla.processed == before + 2, "owners unknown: every layer, as vLLM's reload"
 
 
+def test_an_attention_layer_whose_implementation_reads_another_modules_parameter_is_its_reader(monkeypatch):
+    """GPT-OSS keeps the attention sinks on the enclosing block and hands them to the attention
+    layer's implementation, which derives a float32 copy when processed: a round writing the
+    sinks must process that layer, so the binding lists it among the sinks' owners."""
+    from types import SimpleNamespace
+
+    from rl_sync.vllm import binding
+
+    block = torch.nn.Module()
+    block.sinks = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
+    block.attn = _Counted()
+    block.attn.impl = SimpleNamespace(sinks=block.sinks, scale=0.5)
+    block.other = _Counted()
+    monkeypatch.setattr(binding.compat, "deferred_attention", lambda m: isinstance(m, _Counted))
+    readers = binding._impl_readers(block)
+    assert readers == {block.sinks.untyped_storage().data_ptr(): [block.attn]}
+    processor = Processor(
+        block, torch.bfloat16, None, {}, {}, [], [block.attn, block.other], {"s": [block, block.attn]}
+    )
+    processor.after_update(["s"])
+    assert (block.attn.processed, block.other.processed) == (1, 0)
+
+
 def _recorded(load, checkpoint: torch.Tensor, param: torch.Tensor) -> Probe:
     """What the probe records of `load(param, checkpoint)` (the loader's copies, not run)."""
     probe = Probe()

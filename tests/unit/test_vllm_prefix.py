@@ -40,9 +40,14 @@ class FakeLlm:
         return self.reset_answers
 
 
-def scheduler(unfinished: int = 0, connector=None, events: bool = False):
+def scheduler(requests: int = 0, connector=None, aux=None, events: bool = False):
+    """A scheduler holding `requests` requests (vLLM's `requests`: every one it knows, whatever
+    its state)."""
     return SimpleNamespace(
-        connector=connector, enable_kv_cache_events=events, get_num_unfinished_requests=lambda: unfinished
+        requests={f"r{i}": object() for i in range(requests)},
+        connector=connector,
+        aux_output_connector=aux,
+        enable_kv_cache_events=events,
     )
 
 
@@ -74,8 +79,9 @@ def test_an_idle_in_process_engine_gets_a_new_root_and_vllms_loop_does_not_run(s
     "sched, why",
     [
         (None, "the engine core runs in another process"),
-        (scheduler(unfinished=1), "a waiting request would keep the old root"),
+        (scheduler(requests=1), "a request held (waiting, paused, streaming) keeps the old root"),
         (scheduler(connector=object()), "a KV connector keys its cache by these hashes"),
+        (scheduler(aux=object()), "vLLM's reset starts the auxiliary-output connector anew"),
         (scheduler(events=True), "KV-cache events' consumers expect vLLM's AllBlocksCleared"),
     ],
 )
@@ -99,7 +105,7 @@ def test_before_any_engine_set_the_seed_vllms_reset_runs(monkeypatch):
 
 def test_a_refused_reset_raises_naming_why_and_what_to_do(seeded):
     with pytest.raises(RuntimeError) as raised:
-        prefix.forget_cached_prefixes(FakeLlm(scheduler(unfinished=2), reset_answers=False))
+        prefix.forget_cached_prefixes(FakeLlm(scheduler(requests=2), reset_answers=False))
     assert str(raised.value) == (
         "vLLM refused to reset its prefix cache (requests are running); the weights changed, so cached "
         "prefixes would be stale: finish or abort requests before pushing"
