@@ -139,7 +139,8 @@ class _Resolver:
         self.model, self.probe, self.gathered, self.entries = model, probe, gathered, entries
         self.live = _live_params(model)
         self.owners = _owners(model)
-        self.readers = _impl_readers(model)
+        self.attention = _attention_layers(model)
+        self.readers = _impl_readers(self.attention)
 
     def _modules_of_param(self, param: str) -> list[torch.nn.Module]:
         live = self.live.get(param)
@@ -257,7 +258,7 @@ class _Resolver:
             buffers,
             built.modules_of,
             _fallback_modules(self, fallback),
-            _attention_layers(self.model),
+            self.attention,
             built.owners,
         )
         return VllmBinding(built.destinations, built.reports, processor)
@@ -410,12 +411,12 @@ def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def _impl_readers(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
-    """Storage -> the attention layers whose kernel implementation (`layer.impl`) holds a tensor
+def _impl_readers(attention: Sequence[torch.nn.Module]) -> dict[int, list[torch.nn.Module]]:
+    """Storage -> the `attention` layers whose kernel implementation (`layer.impl`) holds a tensor
     in it: a parameter of another module it derives state from when processed (GPT-OSS's
     attention sinks, kept by the enclosing block, made float32 by FlashInfer's implementation)."""
     out: dict[int, list[torch.nn.Module]] = {}
-    for layer in _attention_layers(model):
+    for layer in attention:
         held = getattr(getattr(layer, "impl", None), "__dict__", {}).values()
         for storage in {_storage(t) for t in held if isinstance(t, torch.Tensor)} - {0}:
             out.setdefault(storage, []).append(layer)

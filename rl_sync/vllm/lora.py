@@ -81,8 +81,9 @@ class LoraSlots:
             layout = lift(layout_of(name, shape, [b[name] for b in boxes], where.rank), engines, where.size)
             whole[name] = Destination(None, layout, shape, config.lora_dtype)
         self.slot = self._register(manager, checkpoint, config.lora_dtype, mapper)
-        helper = _peft_helper(self.spec)
-        return {name: self._destination(name, targets[name], d, helper) for name, d in whole.items()}
+        # one scaling for every module: LoraSpec takes no rank or alpha patterns
+        scaling = _peft_helper(self.spec).vllm_lora_scaling_factor
+        return {name: self._destination(name, targets[name], d, scaling) for name, d in whole.items()}
 
     def _check_rank(self, max_rank: int) -> None:
         if self.spec.rank > max_rank:
@@ -115,10 +116,9 @@ class LoraSlots:
             )
         check_fits(target, name, self.rank)
 
-    def _destination(self, name: str, target: Target, whole: Destination, helper) -> Destination:
-        """`whole` with this rank's storage: the slot's box, or a buffer scaled into it."""
+    def _destination(self, name: str, target: Target, whole: Destination, scaling: float) -> Destination:
+        """`whole` with this rank's storage: the slot's box, or a buffer `scaling` is applied from."""
         slot = slot_view(target, self.slot)
-        scaling = helper.vllm_lora_scaling_factor  # one for every module: LoraSpec takes no rank or alpha patterns
         local, reason = slot, "written into the adapter's slot"
         mode: Mode = "direct"
         if target.matrix == "B" and scaling != 1:

@@ -239,6 +239,22 @@ class Processor:
     owners: Mapping[str, Sequence[torch.nn.Module]] | None = None
     prepared: dict[int, torch.nn.Module] = field(default_factory=dict)
     """`id(module)` -> its twin, processed by `prepare` for the next `after_update`."""
+    _layers_holding: dict[int, list[torch.nn.Module]] = field(init=False)
+    """`id(module)` -> the attention layers holding it (themselves included)."""
+    _attention_of: dict[str, list[torch.nn.Module]] = field(init=False)
+    """The names whose write reaches an attention layer (per `owners`) -> those layers; worked
+    out once, so a round looks up its own names only."""
+
+    def __post_init__(self) -> None:
+        self._layers_holding = {}
+        for layer in self.attention:
+            for module in layer.modules():
+                self._layers_holding.setdefault(id(module), []).append(layer)
+        self._attention_of = {}
+        for name, modules in (self.owners or {}).items():
+            layers = {id(layer): layer for m in modules for layer in self._layers_holding.get(id(m), [])}
+            if layers:
+                self._attention_of[name] = list(layers.values())
 
     def _touched(self, names: Collection[str] | None) -> list[torch.nn.Module]:
         """The modules a round of `names` (None: all) makes processing run on. A module an
@@ -294,11 +310,10 @@ class Processor:
         unknown or a fallback module was loaded."""
         if self.owners is None or self.fallback_modules:
             return list(self.attention)
-        written = {id(m) for m in touched}
-        for name, modules in self.owners.items():
-            if names is None or name in names:
-                written.update(id(m) for m in modules)
-        return [layer for layer in self.attention if any(id(m) in written for m in layer.modules())]
+        written = self._attention_of.keys() if names is None else [n for n in names if n in self._attention_of]
+        chosen = {id(layer) for name in written for layer in self._attention_of[name]}
+        chosen.update(id(layer) for m in touched for layer in self._layers_holding.get(id(m), []))
+        return [layer for layer in self.attention if id(layer) in chosen]
 
     def process_attention(self, layers: Sequence[torch.nn.Module]) -> None:
         """vLLM's processing of attention layers, after every other module's (they may derive

@@ -126,7 +126,7 @@ def test_an_attention_layer_whose_implementation_reads_another_modules_parameter
     block.attn.impl = SimpleNamespace(sinks=block.sinks, scale=0.5)
     block.other = _Counted()
     monkeypatch.setattr(binding.compat, "deferred_attention", lambda m: isinstance(m, _Counted))
-    readers = binding._impl_readers(block)
+    readers = binding._impl_readers(binding._attention_layers(block))
     assert readers == {block.sinks.untyped_storage().data_ptr(): [block.attn]}
     processor = Processor(
         block, torch.bfloat16, None, {}, {}, [], [block.attn, block.other], {"s": [block, block.attn]}
