@@ -239,6 +239,8 @@ class Processor:
     owners: Mapping[str, Sequence[torch.nn.Module]] | None = None
     prepared: dict[int, torch.nn.Module] = field(default_factory=dict)
     """`id(module)` -> its twin, processed by `prepare` for the next `after_update`."""
+    _attention_buffered: list[torch.nn.Module] = field(init=False)
+    """The reload-mode modules inside attention layers (whose weight a layer may release)."""
     _layers_holding: dict[int, list[torch.nn.Module]] = field(init=False)
     """`id(module)` -> the attention layers holding it (themselves included)."""
     _attention_of: dict[str, list[torch.nn.Module]] = field(init=False)
@@ -246,10 +248,13 @@ class Processor:
     out once, so a round looks up its own names only."""
 
     def __post_init__(self) -> None:
+        inside: dict[int, torch.nn.Module] = {}
         self._layers_holding = {}
         for layer in self.attention:
             for module in layer.modules():
+                inside[id(module)] = module
                 self._layers_holding.setdefault(id(module), []).append(layer)
+        self._attention_buffered = [m for m in inside.values() if m in self.buffers]
         self._attention_of = {}
         for name, modules in (self.owners or {}).items():
             layers = {id(layer): layer for m in modules for layer in self._layers_holding.get(id(m), [])}
@@ -259,15 +264,15 @@ class Processor:
     def _touched(self, names: Collection[str] | None) -> list[torch.nn.Module]:
         """The modules a round of `names` (None: all) makes processing run on. A module an
         attention layer derives from, whose weight that layer released (`_released`), is
-        processed whatever changed: the attention layers are processed after any round."""
+        processed whatever changed, and the attention layer holding it after it."""
         touched: dict[int, torch.nn.Module] = {}
+        wanted = None if names is None else set(names)
         for name, modules in self.modules_of.items():
-            if names is None or name in names:
+            if wanted is None or name in wanted:
                 touched.update((id(m), m) for m in modules)
-        for layer in self.attention:
-            for module in layer.modules():
-                if module in self.buffers and _holds_released(module, self.buffers[module]):
-                    touched[id(module)] = module
+        for module in self._attention_buffered:
+            if _holds_released(module, self.buffers[module]):
+                touched[id(module)] = module
         return list(touched.values())
 
     def prepare(self, names: Collection[str] | None, spare: Callable[[torch.Tensor], torch.Tensor | None]) -> int:
