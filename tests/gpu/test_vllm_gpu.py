@@ -9,7 +9,8 @@ addresses) and sparse / auto rounds; a MoE model through the engine-as-service p
 worker process); vLLM's online FP8 (the engine quantizes what rl-sync writes into its loader-form
 buffers); a block-FP8 checkpoint (rl-sync's trainer quantizes, and must send exactly what vLLM's
 `per_block_cast_to_fp8` wrote); and sleep mode (the CuMem allocator), the engine sleeping while the
-trainer steps and waking before each push.
+trainer steps and waking before each push; and staged rounds (double buffering, CUDA graphs off),
+each committed by swapping the engine's parameters with the shadows the trainer wrote.
 
 Needs CUDA and vLLM's CUDA build (`../shared/tools/gpu-vllm-kit.sh` on the offline GPU machine;
 `pip install vllm` elsewhere); skipped without CUDA like every test in `tests/gpu`."""
@@ -62,6 +63,23 @@ AFTER_WAKING = [("sparse", "m2n")] * 3
 """A woken engine's memory was mapped anew: the round after carries every tensor, dense."""
 
 
+def _addresses(actor) -> dict[str, int]:
+    return actor.llm.apply_model(lambda model: {n: p.data_ptr() for n, p in model.named_parameters()})[0]
+
+
+def _staged(sync, engine, asked: str):
+    """A staged round, generation beside it on the version the engine holds, then its commit;
+    checks the commit swapped every parameter the round wrote (they all moved)."""
+    before = ray.get(engine.ranks[0].call.remote(_addresses), timeout=120)
+    staged = sync.stage(mode=asked)
+    engine.generate([[1, 2, 3]], max_tokens=8, temperature=0.0)
+    stats = staged.commit()
+    after = ray.get(engine.ranks[0].call.remote(_addresses), timeout=120)
+    kept = [n for n in before if after[n] == before[n]]
+    assert kept == [], f"the commit swapped every parameter, not {kept[:4]}"
+    return stats
+
+
 @pytest.mark.parametrize(
     "family, trainer_dtype, llm, host, checkpoint, rounds",
     [
@@ -70,6 +88,7 @@ AFTER_WAKING = [("sparse", "m2n")] * 3
         pytest.param("qwen2", "bfloat16", {"quantization": "fp8"}, "ranks", "bf16", SPARSE, id="fp8"),
         pytest.param("qwen2", "bfloat16", {}, "ranks", "block_fp8", SPARSE, id="block-fp8"),
         pytest.param("qwen2", "float32", {"enable_sleep_mode": True}, "ranks", "bf16", AFTER_WAKING, id="sleep"),
+        pytest.param("qwen2", "float32", {}, "staged", "bf16", SPARSE, id="staged-swaps"),
     ],
 )
 def test_synced_engine_holds_and_generates_what_fresh_engines_do(
@@ -82,9 +101,9 @@ def test_synced_engine_holds_and_generates_what_fresh_engines_do(
     try:
         state = ray.get(t.full_state.remote(), timeout=120)
         init = write(str(tmp_path / "init"), hf, _unrelated(state))
-        engine = launch(init, kwargs) if host == "ranks" else launch_service(init, kwargs)
-        workers = engine.ranks if host == "ranks" else [engine]
-        sync = WeightSync.create([t], workers, SyncConfig(**CONFIG))
+        engine = launch_service(init, kwargs) if host == "service" else launch(init, kwargs)
+        workers = [engine] if host == "service" else engine.ranks
+        sync = WeightSync.create([t], workers, SyncConfig(double_buffer=host == "staged", **CONFIG))
         assert sync.summary.cuda_ipc, "trainer and engine share the GPU: rounds go through CUDA IPC"
         assert sync.summary.fallbacks == (), "every tensor binds"
         synced, paths = [], []
@@ -93,7 +112,7 @@ def test_synced_engine_holds_and_generates_what_fresh_engines_do(
                 _sleep_and_wake(engine.ranks[0], t)
             else:
                 ray.get(t.train_step.remote(TOKENS, 1e-2), timeout=120)
-            stats = sync.push(mode=asked)
+            stats = _staged(sync, engine, asked) if host == "staged" else sync.push(mode=asked)
             assert stats.mode == ran, f"step {step}: asked {asked}, ran {stats.mode}"
             assert sync.versions() == [step]
             synced.append(outputs_and_params(engine))
