@@ -15,6 +15,13 @@ names. Each method moves the same tensors into the same engine:
   engine's `model.load_weights` (layerwise reload), as frameworks without a device path do;
 * **device-copy floor**: one device-to-device copy of the same bytes.
 
+`--methods staged` (not in the default set) adds, per engine, staged rounds
+(`SyncConfig(double_buffer=True)`: `stage()`, then `commit()`) against rl-sync's blocking round
+(`push()` without double buffering) into the same engine: the commit step (the engine's stall,
+`RoundStats.commit_seconds`), the driver's whole `commit()` call and the stall as a share of a
+blocking round. `bf16` runs eagerly, so commits swap the shadows in (O(1) per parameter);
+`bf16_graphs` (CUDA graphs on decode steps, which capture the weights' addresses) commits by copy.
+
 Engines: bf16; online FP8 (`quantization="fp8"`: rl-sync and vLLM's backends send bf16 and the
 engine quantizes); block FP8 (a `weight_block_size` [128, 128] config: rl-sync's trainer
 quantizes and sends FP8 values plus scales; vLLM's backends send what the engine keeps, so they
@@ -33,7 +40,7 @@ import argparse
 import statistics
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import ray
 import torch
@@ -58,8 +65,13 @@ LLAMA3_8B = dict(
     rope_theta=500000.0,
     tie_word_embeddings=False,
 )
-ENGINES = {
+GRAPHS: dict = {
+    "enforce_eager": False,
+    "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]},
+}
+ENGINES: dict[str, dict] = {
     "bf16": {},
+    "bf16_graphs": GRAPHS,
     "fp8": {"quantization": "fp8"},
     "block_fp8": {},
 }
@@ -89,12 +101,11 @@ def start_engine(path: str, extra: dict) -> VllmEngine:
         load_format="dummy",
         skip_tokenizer_init=True,
         dtype="bfloat16",
-        enforce_eager=True,
         gpu_memory_utilization=0.3,
         kv_cache_memory_bytes=1 << 30,
         max_model_len=1024,
         weight_transfer_config={"backend": "ipc"},
-        **extra,
+        **{"enforce_eager": True, **extra},
     )
     return VllmEngine.launch(path, tp=1, llm_kwargs=kwargs, env=ENV, actor_options=[{"num_gpus": 0.5, "num_cpus": 1}])
 
@@ -132,6 +143,27 @@ def rl_sync_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
         }
 
     return measured(trainer, engine.ranks[0], run)
+
+
+def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
+    """Blocking rounds, then staged ones (a short generation beside each transfer) into `engine`:
+    medians of `repeat` each (see the module docstring)."""
+    sync = WeightSync.create([trainer], engine.ranks, SYNC)
+    sync.push()
+    blocking = [sync.push().seconds for _ in range(repeat)]
+    sync.close()
+    sync = WeightSync.create([trainer], engine.ranks, replace(SYNC, double_buffer=True))
+    sync.push()
+    commits, calls = [], []
+    for _ in range(repeat):
+        staged = sync.stage()
+        engine.generate([[1, 2, 3]] * 8, max_tokens=32, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        commits.append(staged.commit().commit_seconds)
+        calls.append(time.perf_counter() - start)
+    sync.close()
+    median = statistics.median
+    return {"blocking_s": median(blocking), "commit_s": median(commits), "commit_call_s": median(calls)}
 
 
 def _update(rank_self, info: dict) -> None:
@@ -196,6 +228,7 @@ def gather_rows(trainer, engine: VllmEngine) -> dict:
 
 
 METHODS = ("rl-sync", "ipc", "gather")
+EXTRA_METHODS = ("staged",)
 
 
 def bench_engine(kind: str, trainer, repeat: int, workdir: str, methods: set[str]) -> dict[str, dict]:
@@ -209,6 +242,8 @@ def bench_engine(kind: str, trainer, repeat: int, workdir: str, methods: set[str
             rows["vLLM ipc, packed"] = ipc_rows(trainer, engine, repeat, packed=True)
         if kind != "block_fp8" and "gather" in methods:
             rows["gather + load_weights"] = gather_rows(trainer, engine)
+        if "staged" in methods:
+            rows["staged"] = staged_rows(trainer, engine, repeat)
         return rows
     finally:
         engine.shutdown()
@@ -221,8 +256,9 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated: {', '.join(METHODS)}")
     args = parser.parse_args()
     methods = set(args.methods.split(","))
-    if not methods <= set(METHODS):
-        parser.error(f"--methods: {sorted(methods - set(METHODS))} are not among {', '.join(METHODS)}")
+    known = METHODS + EXTRA_METHODS
+    if not methods <= set(known):
+        parser.error(f"--methods: {sorted(methods - set(known))} are not among {', '.join(known)}")
     start_ray()
     specs = specs_8b()
     total = sum(s.nbytes for s in specs)
@@ -231,10 +267,13 @@ def main() -> None:
     trainer = Trainer.remote(0, 1, trainer_build(specs, "cuda"))
     ray.get(trainer.call.remote(lambda s: torch.cuda.synchronize()))
     results = {"floor": {"s": floor, "bytes": total, "trainer_extra": 0, "engine_extra": 0}}
+    staged: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
         for kind in args.engines.split(","):
             for method, row in bench_engine(kind, trainer, args.repeat, workdir, methods).items():
-                results[f"{kind}: {method}"] = row
+                (staged if method == "staged" else results)[kind if method == "staged" else f"{kind}: {method}"] = row
+    if staged:
+        show_staged(staged, args.repeat)
     rows = [
         [
             label.replace("floor", "device-to-device copy (floor)"),
@@ -254,6 +293,26 @@ def main() -> None:
         rows,
         "vllm_gpu_bench",
         results,
+    )
+
+
+def show_staged(staged: dict[str, dict], repeat: int) -> None:
+    rows = [
+        [
+            kind,
+            f"{r['blocking_s'] * 1e3:.2f}",
+            f"{r['commit_s'] * 1e3:.2f}",
+            f"{r['commit_call_s'] * 1e3:.2f}",
+            f"{r['commit_s'] / r['blocking_s']:.1%}",
+        ]
+        for kind, r in staged.items()
+    ]
+    show(
+        f"Staged rounds, Llama-3-8B shapes, one {torch.cuda.get_device_name()} (median of {repeat})",
+        ["engine", "blocking round ms", "commit step ms", "commit() call ms", "stall / blocking"],
+        rows,
+        "vllm_gpu_bench_staged",
+        staged,
     )
 
 
