@@ -13,7 +13,10 @@ reads both off Ray.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import socket
+import threading
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -34,6 +37,19 @@ from .pairing import Pair
 from .side import DescribeOptions, Side
 
 _NONE: Mapping = MappingProxyType({})
+RETIRE_WAIT_S = 30.0
+"""How long the next regroup, or leaving, waits for the group a switch left to finish closing."""
+log = logging.getLogger("rl_sync")
+
+
+def _close_quietly(session: RankSession) -> None:
+    """Close a group no rank uses any more, on its device; a failure is only logged (its peers
+    closed it too)."""
+    try:
+        with torch.cuda.device(session.device) if session.device.type == "cuda" else contextlib.nullcontext():
+            session.close()
+    except Exception as exc:  # (a thread's: nothing above it to raise to)
+        log.warning("rl-sync: closing the group a switch left failed: %s: %s", type(exc).__name__, exc)
 
 
 class Participant:
@@ -42,6 +58,8 @@ class Participant:
     _rl_sync_session: RankSession | None = None
     _rl_sync_regrouped: RankSession | None = None
     """A grown or shrunk group's session, joined beside the current one (`_rl_sync_regroup`)."""
+    _rl_sync_retiring: threading.Thread | None = None
+    """The thread closing the session the last switch left (`_rl_sync_switch`)."""
     _rl_sync_sides: dict[str, Side] | None = None
     _rl_sync_claim: Claim | None = None
     _rl_sync_numbering: str | None = None
@@ -139,12 +157,14 @@ class Participant:
         beside the current one, keeping this rank's bindings and buffers; `_rl_sync_switch`
         then makes it current, or drops it."""
         self._rl_sync_switch(keep=False)
+        self._rl_sync_retired()
         self._rl_sync_regrouped = self._rl_sync_joined(init, plan, bind_host, device)
 
     def _rl_sync_switch(self, keep: bool) -> None:
-        """Make the session `_rl_sync_regroup` joined current (`keep`: every rank joined it; the
-        old one closes, its sparse baselines carried over where the tensors are the same), or
-        drop it and go on in the current group."""
+        """Make the session `_rl_sync_regroup` joined current (`keep`: every rank joined it; its
+        sparse baselines carried over where the tensors are the same; the old one closes on a
+        thread of its own, `_rl_sync_retire`, since no rank uses it any more), or drop it and go
+        on in the current group."""
         new, self._rl_sync_regrouped = self._rl_sync_regrouped, None
         if new is None:
             return
@@ -156,7 +176,24 @@ class Participant:
         if old is not None:
             if old.names == new.names:
                 new.baselines = old.baselines
-            old.close()
+            self._rl_sync_retire(old)
+
+    def _rl_sync_retire(self, old: RankSession) -> None:
+        """Close `old`, the group a switch left, on a thread: shutting a transport down and
+        collecting what it held takes a while (a tenth of a second and more for Gloo), and no rank
+        needs it, so the switch returns without waiting. The next regroup and leaving wait for it
+        (`_rl_sync_retired`)."""
+        self._rl_sync_retired()
+        self._rl_sync_retiring = threading.Thread(
+            target=_close_quietly, args=(old,), name="rl-sync-retire", daemon=True
+        )
+        self._rl_sync_retiring.start()
+
+    def _rl_sync_retired(self) -> None:
+        """The group the last switch left is closed (waiting at most `RETIRE_WAIT_S`)."""
+        retiring, self._rl_sync_retiring = self._rl_sync_retiring, None
+        if retiring is not None:
+            retiring.join(RETIRE_WAIT_S)
 
     def _rl_sync_ipc_remap(self, ipc: bytes) -> None:
         """Map a colocated worker's new export (its memory moved) in place of the one before; only
@@ -213,6 +250,7 @@ class Participant:
         """Drop the session (aborting its transport first if asked; closing then releases what
         the abort left) and everything described for the group."""
         self._rl_sync_switch(keep=False)
+        self._rl_sync_retired()
         session, self._rl_sync_session = self._rl_sync_session, None
         self._rl_sync_sides = None
         if session is not None:
