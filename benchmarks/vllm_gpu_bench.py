@@ -18,9 +18,12 @@ names. Each method moves the same tensors into the same engine:
 `--methods staged` (not in the default set) adds, per engine, staged rounds
 (`SyncConfig(double_buffer=True)`: `stage()`, then `commit()`) against rl-sync's blocking round
 (`push()` without double buffering) into the same engine: the commit step (the engine's stall,
-`RoundStats.commit_seconds`), the driver's whole `commit()` call and the stall as a share of a
-blocking round. `bf16` runs eagerly, so commits swap the shadows in (O(1) per parameter);
-`bf16_graphs` (CUDA graphs on decode steps, which capture the weights' addresses) commits by copy.
+`RoundStats.commit_seconds`: host time; copies it queues on the GPU run after it), the driver's
+whole `commit()` call, that call plus a call into the engine rank that synchronizes its GPU (so
+every copy the commit queued has run), and the commit step as a share of a blocking round.
+`bf16` runs eagerly, so commits swap the shadows in where PyTorch can swap storages
+(`rl_sync.rank.shadow.SWAPS`), else copy; `bf16_graphs` (CUDA graphs on decode steps, which
+capture the weights' addresses) commits by copy.
 
 Engines: bf16; online FP8 (`quantization="fp8"`: rl-sync and vLLM's backends send bf16 and the
 engine quantizes); block FP8 (a `weight_block_size` [128, 128] config: rl-sync's trainer
@@ -154,16 +157,33 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
     sync.close()
     sync = WeightSync.create([trainer], engine.ranks, replace(SYNC, double_buffer=True))
     sync.push()
-    commits, calls = [], []
+    commits, calls, synced = [], [], []
     for _ in range(repeat):
         staged = sync.stage()
         engine.generate([[1, 2, 3]] * 8, max_tokens=32, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
         commits.append(staged.commit().commit_seconds)
         calls.append(time.perf_counter() - start)
+        ray.get(engine.ranks[0].call.remote(_synchronize))
+        synced.append(time.perf_counter() - start)
     sync.close()
+    bare = []  # the synchronizing call alone, nothing queued: what the column above adds to a commit
+    for _ in range(repeat):
+        start = time.perf_counter()
+        ray.get(engine.ranks[0].call.remote(_synchronize))
+        bare.append(time.perf_counter() - start)
     median = statistics.median
-    return {"blocking_s": median(blocking), "commit_s": median(commits), "commit_call_s": median(calls)}
+    return {
+        "blocking_s": median(blocking),
+        "commit_s": median(commits),
+        "commit_call_s": median(calls),
+        "synced_s": median(synced),
+        "bare_sync_s": median(bare),
+    }
+
+
+def _synchronize(rank_self) -> None:
+    torch.cuda.synchronize()
 
 
 def _update(rank_self, info: dict) -> None:
@@ -303,13 +323,14 @@ def show_staged(staged: dict[str, dict], repeat: int) -> None:
             f"{r['blocking_s'] * 1e3:.2f}",
             f"{r['commit_s'] * 1e3:.2f}",
             f"{r['commit_call_s'] * 1e3:.2f}",
+            f"{r['synced_s'] * 1e3:.2f} ({r['bare_sync_s'] * 1e3:.2f})",
             f"{r['commit_s'] / r['blocking_s']:.1%}",
         ]
         for kind, r in staged.items()
     ]
     show(
         f"Staged rounds, Llama-3-8B shapes, one {torch.cuda.get_device_name()} (median of {repeat})",
-        ["engine", "blocking round ms", "commit step ms", "commit() call ms", "stall / blocking"],
+        ["engine", "blocking ms", "commit step ms", "commit() call ms", "+ synced ms (sync alone)", "step / blocking"],
         rows,
         "vllm_gpu_bench_staged",
         staged,
