@@ -187,6 +187,7 @@ def summarize(
         fallback_reasons=_by_reason(fallbacks, workers),
         modes=modes,
         kept_bytes=tuple(r.kept_bytes for r in workers),
+        swap_bytes=tuple(0 if cuda_ipc else r.swap_bytes for r in workers),
         seconds=seconds,
     )
 

@@ -108,7 +108,8 @@ class Participant:
         gpu = f"{self._rl_sync_node()[0]}/{device_uuid(torch.device(device))}" if device.startswith("cuda") else ""
         modes, reasons = (self._rl_sync_modes(), self._rl_sync_reasons()) if side == "worker" else ({}, {})
         kept = sum(e.tensor.numel() * e.tensor.element_size() for e in endpoints.values()) if side == "worker" else 0
-        return encode(RankReport(side_rank, device, gpu, tuple(reports), modes, kept, reasons), compress=True)
+        swap = self._rl_sync_swap_bytes() if side == "worker" else 0
+        return encode(RankReport(side_rank, device, gpu, tuple(reports), modes, kept, reasons, swap), compress=True)
 
     def _rl_sync_join(self, tag: GroupTag) -> None:
         """Be held by `tag`'s group; a new membership starts from nothing."""
@@ -136,6 +137,10 @@ class Participant:
     def _rl_sync_reasons(self) -> dict[str, str]:
         """Why each of a worker's fallbacks falls back (see `RankReport.reasons`)."""
         return {}
+
+    def _rl_sync_swap_bytes(self) -> int:
+        """What a worker's commits swap rather than copy (see `RankReport.swap_bytes`)."""
+        return 0
 
     def _rl_sync_ping(self) -> None:
         """Answers when the process is alive (the coordinator checks before re-forming a group)."""

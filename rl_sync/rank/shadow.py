@@ -167,6 +167,10 @@ class Shadows:
         self.endpoints = dict(self.endpoints)
         return True
 
+    def swapped_bytes(self) -> int:
+        """Bytes of the bound views in storages committed by swap."""
+        return sum(live.numel() * live.element_size() for live, _ in self.swapped.values())
+
     def swapped_storages(self) -> set[int]:
         """The live storages committed by swap (`UntypedStorage._cdata`): what a swap moves."""
         return {s.live._cdata for s in self.storages}

@@ -138,6 +138,10 @@ class WorkerRank(Participant):
         kept = self._rl_sync_kept
         return {} if kept is None else {n: kept.mapping[n].reason for n in kept.fallbacks}
 
+    def _rl_sync_swap_bytes(self) -> int:
+        kept = self._rl_sync_kept
+        return 0 if kept is None or kept.shadow is None else kept.shadow.swapped_bytes()
+
     def _rl_sync_modes(self) -> dict[str, WriteMode]:
         """`fallback` for names bound whole; else what the engine's `rl_sync_write_modes()` says
         (`direct` or `reload`), `direct` without one."""

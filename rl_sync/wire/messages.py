@@ -63,6 +63,9 @@ class RankReport:
     brings exactly these."""
     reasons: dict[str, str] = field(default_factory=dict)
     """Why each of a worker's fallbacks falls back (`Destination.reason`)."""
+    swap_bytes: int = 0
+    """Bytes of what a double-buffered worker's commit swaps in O(1) rather than copies
+    (`rl_sync.rank.shadow`: where the engine and this PyTorch allow it)."""
 
 
 @dataclass(frozen=True)

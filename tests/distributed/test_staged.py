@@ -84,6 +84,7 @@ def test_a_staged_round_arrives_while_workers_serve_and_commits_by_swap(ray_sess
         assert sync.versions() == [2, 2] and stats.version == 2 and stats.commit_seconds > 0
         kept = list(sync.summary.kept_bytes)
         assert [r.received_bytes for r in stats.ranks if r.role == "worker"] == kept
+        assert list(sync.summary.swap_bytes) == kept, "the workers' commits swap every byte they keep"
         moved = ray.get([w.call.remote(_address) for w in g.workers])
         assert all(a != b for a, b in zip(addresses, moved)), "the commit swapped the memory behind the weights"
         for version, mode in ((3, "m2n"), (4, "sparse")):  # a first sparse request runs dense (no baselines yet)
@@ -107,6 +108,7 @@ def test_misuse_of_staged_rounds_is_refused_naming_what_to_do(ray_session):
             r"double-buffered group keeps; create the group with SyncConfig\(double_buffer=True\)$",
         ):
             g.connect().stage()
+        assert g.sync.summary.swap_bytes == (0, 0), "no shadows to swap without double buffering"
         g.sync.close()
         sync = WeightSync.create(g.trainers, g.workers, replace(g.config, double_buffer=True))
         g.sync = sync

@@ -33,6 +33,7 @@ def test_rounds_land_in_the_spares_and_a_swap_makes_them_live_without_a_copy():
     shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "k", "n"})
     assert shadows.endpoints["f"] is endpoints["f"], "a fallback is received as it is"
     assert shadows.endpoints["q"].tensor.stride() == (6, 1), "a spare keeps its view's strides"
+    assert shadows.swapped_bytes() == 4 * 2 * 2 + 4 * 4 * 2 + 5 * 4, "q and k (bf16), n (float32)"
     shadows.prepare(writes_all=True)
     _write(shadows, 7.0)
     assert torch.equal(fused, before) and torch.equal(norm, torch.arange(5.0)), "live weights untouched"
@@ -68,6 +69,7 @@ def test_a_storage_with_a_name_the_engine_does_not_allow_commits_by_copy():
     shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "n"})
     assert [live.data_ptr() for live, _ in shadows.copied.values()] == [address, endpoints["k"].tensor.data_ptr()]
     assert shadows.endpoints["q"].tensor.is_contiguous(), "a copied view's spare is contiguous"
+    assert shadows.swapped_bytes() == 5 * 4, "only n's storage swaps"
     _write(shadows, 3.0)
     assert shadows.commit(swap=True) is True, "the whole tensor n swaps"
     assert fused.data_ptr() == address, "the fused parameter was copied into, in place"
