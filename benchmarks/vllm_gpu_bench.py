@@ -164,14 +164,9 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
         start = time.perf_counter()
         commits.append(staged.commit().commit_seconds)
         calls.append(time.perf_counter() - start)
-        ray.get(engine.ranks[0].call.remote(_synchronize))
-        synced.append(time.perf_counter() - start)
+        synced.append(calls[-1] + _synchronize_seconds(engine))
     sync.close()
-    bare = []  # the synchronizing call alone, nothing queued: what the column above adds to a commit
-    for _ in range(repeat):
-        start = time.perf_counter()
-        ray.get(engine.ranks[0].call.remote(_synchronize))
-        bare.append(time.perf_counter() - start)
+    bare = [_synchronize_seconds(engine) for _ in range(repeat)]  # nothing queued: what it adds to a commit
     median = statistics.median
     return {
         "blocking_s": median(blocking),
@@ -184,6 +179,13 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
 
 def _synchronize(rank_self) -> None:
     torch.cuda.synchronize()
+
+
+def _synchronize_seconds(engine: VllmEngine) -> float:
+    """Seconds of a call into the engine's rank that waits for everything queued on its GPU."""
+    start = time.perf_counter()
+    ray.get(engine.ranks[0].call.remote(_synchronize))
+    return time.perf_counter() - start
 
 
 def _update(rank_self, info: dict) -> None:
@@ -291,7 +293,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
         for kind in args.engines.split(","):
             for method, row in bench_engine(kind, trainer, args.repeat, workdir, methods).items():
-                (staged if method == "staged" else results)[kind if method == "staged" else f"{kind}: {method}"] = row
+                if method == "staged":
+                    staged[kind] = row
+                else:
+                    results[f"{kind}: {method}"] = row
     if staged:
         show_staged(staged, args.repeat)
     rows = [
