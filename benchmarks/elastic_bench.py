@@ -21,13 +21,12 @@ Same script on GPUs (`--device cuda`: a trainer GPU and a GPU per engine rank, s
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 
 import ray
 from rich.console import Console
 from rich.table import Table
-from staged_bench import _config, _engine, _sync, defaults, parser_of, placement, start_trainers, write_checkpoint
+from staged_bench import _config, _engine, _sync, defaults, parser_of, placement, scratch_checkpoint, start_trainers
 
 
 def _seconds(call) -> float:
@@ -40,7 +39,7 @@ def run(args) -> dict:
     config, options = _config(args.layers, args.device), placement(args)
     trainers = start_trainers(args, config, options)
     state = ray.get([t.full_state.remote() for t in trainers])[0]
-    path = write_checkpoint(tempfile.mkdtemp(prefix="rl-sync-elastic-"), config, state)
+    path = scratch_checkpoint("rl-sync-elastic-", config, state)
     del state
     engines = [_engine(path, args.tp, args.device, cuda_graphs=False, options=options)]
     try:

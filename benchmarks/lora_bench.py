@@ -20,7 +20,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local benchmark: Ray stays on loopback
 
@@ -35,7 +34,7 @@ from actors.models import HFTrainer
 from actors.vllm import VllmEngine
 from rl_sync.config.lora import LoraSpec
 from rl_sync.config.sync import SyncConfig
-from rl_sync.vllm.checkpoint import write_checkpoint
+from rl_sync.vllm.checkpoint import scratch_checkpoint
 
 HOST = "127.0.0.1"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -70,7 +69,7 @@ def run(layers: int, rounds: int, tp: int, rank: int) -> dict:
     config.update(architectures=["Qwen2ForCausalLM"], torch_dtype="bfloat16")
     trainers = _trainers(config, None)
     state = ray.get([t.full_state.remote() for t in trainers])[0]
-    path = write_checkpoint(tempfile.mkdtemp(prefix="rl-sync-lora-bench-"), config, state)
+    path = scratch_checkpoint("rl-sync-lora-bench-", config, state)
     params = sum(v.numel() for v in state.values())
     del state
     env, options = {"GLOO_SOCKET_IFNAME": "lo"}, [{"num_cpus": 0.1}] * tp

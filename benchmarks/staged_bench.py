@@ -35,7 +35,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import ray
@@ -50,7 +49,7 @@ from actors.cluster import free_init_url
 from actors.models import HFTrainer
 from actors.vllm import VllmEngine
 from rl_sync.config.sync import SyncConfig
-from rl_sync.vllm.checkpoint import write_checkpoint
+from rl_sync.vllm.checkpoint import scratch_checkpoint
 
 GPU_LLM_KWARGS = dict(
     skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=1024, seed=0
@@ -184,7 +183,7 @@ def run(args) -> tuple[dict, int]:
     trainers = start_trainers(args, config, options)
     state = ray.get([t.full_state.remote() for t in trainers])[0]
     params = sum(v.numel() for v in state.values())
-    path = write_checkpoint(tempfile.mkdtemp(prefix="rl-sync-staged-"), config, state)
+    path = scratch_checkpoint("rl-sync-staged-", config, state)
     del state
     engine = _engine(path, args.tp, args.device, args.cuda_graphs, options)
     gen = torch.Generator().manual_seed(0)

@@ -27,7 +27,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local benchmark: Ray stays on loopback
@@ -44,7 +43,7 @@ from actors.vllm import VllmEngine
 from rl_sync.config.sync import SyncConfig
 from rl_sync.rendezvous import StoreServer, new_secret
 from rl_sync.transport.gloo import GlooTransport
-from rl_sync.vllm.checkpoint import write_checkpoint
+from rl_sync.vllm.checkpoint import scratch_checkpoint
 
 if __name__ != "__main__":
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -133,9 +132,7 @@ def run(layers: int, rounds: int, tp: int) -> dict:
     trainers = [Trainer.remote(i, 2, config, url) for i in range(2)]
     state = ray.get([t.full_state.remote() for t in trainers])[0]
     params = sum(v.numel() for v in state.values())
-    path = write_checkpoint(
-        tempfile.mkdtemp(prefix="rl-sync-bench-"), config, {k: torch.zeros_like(v) for k, v in state.items()}
-    )
+    path = scratch_checkpoint("rl-sync-bench-", config, {k: torch.zeros_like(v) for k, v in state.items()})
     del state
     engine = VllmEngine.launch(
         path,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from actors.demo import DemoModel
 from actors.models import hf_config
 from actors.placement import SyncPlacement
 from rl_sync.config.sync import SyncConfig
-from rl_sync.vllm.checkpoint import write_checkpoint
+from rl_sync.vllm.checkpoint import scratch_checkpoint
 
 if __name__ != "__main__":  # imported (a test): actors receive these functions by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -109,7 +108,7 @@ def train(cfg: VllmLoopConfig, log=print) -> list[dict]:
     engine, history = None, []
     try:
         state = ray.get([a.full_state.remote() for a in learners.actors])[0]
-        path = write_checkpoint(tempfile.mkdtemp(prefix="rl-sync-policy-"), _hf_dict(cfg.model), state)
+        path = scratch_checkpoint("rl-sync-policy-", _hf_dict(cfg.model), state)
         engine = VllmEngine.launch(
             path,
             tp=cfg.tensor_parallel,
