@@ -1,9 +1,10 @@
 """What a digest costs: tag rate per device, next to a copy of the same bytes.
 
 For `--device cuda`: NH on the device (Triton, and the torch fallback), then
-HMAC-SHA256 of its words on the host, against a device-to-device copy. For
-`--device cpu`: HMAC-SHA256 (keyed and checksum modes are the same work) and
-zlib's CRC-32 for comparison, against a host copy.
+keyed BLAKE3 of its words on the host, against a device-to-device copy. For
+`--device cpu`: keyed BLAKE3 of the payload (keyed and checksum modes are the
+same work), and HMAC-SHA256 (the tag before 2026-12-06) and zlib's CRC-32 for
+comparison, against a host copy.
 
     python benchmarks/digest_bench.py --device cuda --gib 1
 """
@@ -11,6 +12,8 @@ zlib's CRC-32 for comparison, against a host copy.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import statistics
 import sys
 import time
@@ -59,6 +62,7 @@ def cases(buf: torch.Tensor, device: torch.device) -> dict[str, Callable[[], obj
         ]
     else:
         view = buf.numpy().data
+        rows["HMAC-SHA256 (the tag before)"] = lambda: hmac.new(b"k" * 32, view, hashlib.sha256).digest()
         rows["CRC-32 (zlib)"] = lambda: zlib.crc32(view)
     return rows
 

@@ -12,7 +12,7 @@ the payload. `nh_reduce` applies NH again to those words, each level under its
 own key, until at most `REDUCED_BYTES` remain (a 1 GiB payload: three levels,
 4 KiB); a collision of the whole then needs one at some level, so its bound is
 the sum of the levels' (3 * 2**-64 for 1 GiB). Only that remainder crosses to
-the host for the final HMAC (`rl_sync.transport.digest`). On CUDA one Triton
+the host for the final keyed BLAKE3 (`rl_sync.transport.digest`). On CUDA one Triton
 launch per level reads each byte once; elsewhere, or without Triton, the same
 result comes from torch operations.
 
