@@ -95,6 +95,22 @@ def _alone(tensor: torch.Tensor) -> bool:
     return tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size()
 
 
+def _storage_holders(tensor: torch.Tensor) -> int:
+    """How many references hold `tensor`'s storage (tensors over it, and the one wrapper asked)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+_LONE_HOLDERS = _storage_holders(torch.empty(1))
+"""What `_storage_holders` says of a tensor that alone holds its storage."""
+
+
+def _sole(tensor: torch.Tensor) -> bool:
+    """Whether no other tensor holds `tensor`'s storage: no kernel or closure processing made kept
+    a view or alias of it (vLLM's zentorch linear keeps `weight.detach()`), which a swap would
+    leave reading the old values."""
+    return _storage_holders(tensor) == _LONE_HOLDERS
+
+
 def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and `b` have the same shape, strides and dtype."""
     return (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
@@ -104,15 +120,16 @@ def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: boo
     """Copy what processing made of each of a module's `live` tensors (its parameters or its
     buffers, by name) into it, in place; a released live tensor is replaced in `live` instead.
     `swap`: exchange the memory behind a live tensor and its result instead of copying, where both
-    are the whole of their storages and alike (`rl_sync.rank.shadow`: for engines whose addresses
-    nothing captured; the result is dropped after)."""
+    are the whole of their storages and alike, and the result's storage is held by it alone
+    (`_sole`) (`rl_sync.rank.shadow`: for engines whose addresses nothing captured; the result
+    is dropped after)."""
     for name, tensor in live.items():
         result = getattr(processed, name, None)
         if tensor is None or result is None or result is tensor:
             continue
         if _released(tensor, result):
             live[name] = result
-        elif swap and SWAPS and _alike(tensor, result) and _alone(tensor) and _alone(result):
+        elif swap and SWAPS and _alike(tensor, result) and _alone(tensor) and _alone(result) and _sole(result):
             tensor.untyped_storage()._swap_data_ptr_(result.untyped_storage())  # (SWAPS)
         else:
             tensor.data.copy_(result)

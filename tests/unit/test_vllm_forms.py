@@ -11,10 +11,11 @@ pytest.importorskip("vllm")
 
 from rl_sync.bind.infer import Geometry
 from rl_sync.planning.layout import Box
+from rl_sync.rank.shadow import SWAPS
 from rl_sync.vllm.binding import _module_forms
 from rl_sync.vllm.indices import index_tensor
 from rl_sync.vllm.probe import ParamForm, Probe, _Recorder, storage_key
-from rl_sync.vllm.reload import Processor
+from rl_sync.vllm.reload import Processor, _adopt
 
 
 class _Linear(torch.nn.Module):
@@ -218,3 +219,39 @@ def test_a_checkpoint_tensor_changed_in_place_is_copied_as_what_it_became():
     scaled = _recorded(lambda p, w: p.copy_(w.mul_(2)), checkpoint, param)
     assert scaled.pieces == {} and scaled.unresolved == {"w": Probe.DERIVED}
     assert torch.equal(checkpoint, torch.ones(4, 6)), "the probe changed the checkpoint tensor"
+
+
+def _processed(value: float) -> torch.nn.Module:
+    """A module as processing left it: its weight, a fresh tensor of the new values."""
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.full((4, 3), value), requires_grad=False)
+    return module
+
+
+@pytest.mark.skipif(not SWAPS, reason="this PyTorch cannot swap storages")
+def test_a_result_held_by_nothing_else_is_swapped_into_the_live_tensor():
+    live = torch.zeros(4, 3)
+    processed = _processed(2.0)
+    address = processed.weight.data_ptr()
+    _adopt({"weight": live}, processed, swap=True)
+    assert live.data_ptr() == address and torch.equal(live, torch.full((4, 3), 2.0))
+
+
+@pytest.mark.skipif(not SWAPS, reason="this PyTorch cannot swap storages")
+def test_a_result_a_kernel_kept_an_alias_of_is_copied_so_the_kernel_reads_the_new_values():
+    """vLLM's zentorch linear keeps `weight.detach()` in its closure: a swap would leave it on the
+    old values."""
+    live = torch.zeros(4, 3)
+    address = live.data_ptr()
+    processed = _processed(2.0)
+    kernel_weight = processed.weight.detach()
+    _adopt({"weight": live}, processed, swap=True)
+    assert live.data_ptr() == address and torch.equal(live, torch.full((4, 3), 2.0))
+    assert torch.equal(kernel_weight, torch.full((4, 3), 2.0))
+
+
+def test_without_swap_the_result_is_copied():
+    live = torch.zeros(4, 3)
+    address = live.data_ptr()
+    _adopt({"weight": live}, _processed(3.0), swap=False)
+    assert live.data_ptr() == address and torch.equal(live, torch.full((4, 3), 3.0))
