@@ -73,7 +73,7 @@ class SyncConfig:
     listens on, on hosts with several; NCCL ranks get it as `NCCL_SOCKET_IFNAME` unless that is
     set. `bind_host` and `rendezvous_host` take precedence."""
     integrity: str = "keyed"
-    """Digest on every transfer, checked before a round counts: `keyed` (HMAC under the group's
+    """Digest on every transfer, checked before a round counts: `keyed` (keyed BLAKE3 under the group's
     secret: catches tampering and corruption), `checksum` (corruption only), `off`. See
     `docs/security.md` for what each costs. One of `Integrity`; typed `str` so a YAML value
     outside it is refused by `__post_init__`, which names the choices."""
