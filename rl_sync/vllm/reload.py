@@ -24,7 +24,8 @@ from the shadows before the commit, beside the running engine (a staged
 round's thread); the commit then installs each twin's results into its live
 module (`install`: the processed tensors copied into the live ones, the
 attributes processing set taken over, such as the kernel holding the packed
-weights), so the engine waits for no repacking.
+weights), so the engine waits for no repacking; what the install replaced is
+released after the commit returns (`rl_sync.vllm.release`).
 
 Typical use (inside a vLLM worker, after every rank finished the round)::
 
@@ -42,6 +43,7 @@ import torch
 
 from ..rank.shadow import SWAPS
 from .modes import platform_kind
+from .release import Releaser
 
 
 def _fresh_moe_kernel(layer: torch.nn.Module) -> None:
@@ -184,30 +186,33 @@ def prepare(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> torc
     return twin
 
 
-def _take_over(live: dict, twin: Mapping, skip: frozenset[str]) -> None:
-    """Every entry of `twin` that processing set, changed or dropped, the same in `live`."""
+def _take_over(live: dict, twin: Mapping, skip: frozenset[str], replaced: list) -> None:
+    """Every entry of `twin` that processing set, changed or dropped, the same in `live`; what
+    `live` held there is appended to `replaced`."""
     for key in [k for k in live if k not in twin and k not in skip]:
-        del live[key]
+        replaced.append(live.pop(key))
     for key, value in twin.items():
         if key not in skip and live.get(key, _ABSENT) is not value:
+            replaced.append(live.get(key))
             live[key] = value
 
 
 @torch.no_grad()
-def install(layer: torch.nn.Module, twin: torch.nn.Module, swap: bool) -> None:
+def install(layer: torch.nn.Module, twin: torch.nn.Module, swap: bool, replaced: list) -> None:
     """Make `prepare`'s results live in `layer`: each processed tensor copied (or, with `swap`,
     swapped: `_adopt`) into its live one (a released one replaced), then what processing set on
     the twin and its `quant_method` taken over by the live ones (the kernel holding packed
-    weights), whose objects stay."""
+    weights), whose objects stay. What they held before is appended to `replaced`, for the
+    caller to release (`rl_sync.vllm.release`)."""
     live_params, live_buffers = dict(layer._parameters), dict(layer._buffers)
     _adopt(live_params, twin, swap)
     _adopt(live_buffers, twin, swap)
     layer._parameters.update(live_params)
     layer._buffers.update(live_buffers)
     method = frozenset({"quant_method"})
-    _take_over(layer.__dict__, twin.__dict__, _MODULE_STATE | method)
-    _take_over(layer._modules, twin._modules, method)
-    _take_over(layer.quant_method.__dict__, twin.quant_method.__dict__, frozenset())
+    _take_over(layer.__dict__, twin.__dict__, _MODULE_STATE | method, replaced)
+    _take_over(layer._modules, twin._modules, method, replaced)
+    _take_over(layer.quant_method.__dict__, twin.quant_method.__dict__, frozenset(), replaced)
 
 
 _ABSENT = object()
@@ -256,6 +261,8 @@ class Processor:
     owners: Mapping[str, Sequence[torch.nn.Module]] | None = None
     prepared: dict[int, torch.nn.Module] = field(default_factory=dict)
     """`id(module)` -> its twin, processed by `prepare` for the next `after_update`."""
+    releaser: Releaser = field(default_factory=Releaser)
+    """Releases what a commit replaced, after it returns."""
     _attention_buffered: list[torch.nn.Module] = field(init=False)
     """The reload-mode modules inside attention layers (whose weight a layer may release)."""
     _layers_holding: dict[int, list[torch.nn.Module]] = field(init=False)
@@ -297,6 +304,7 @@ class Processor:
         touches from its new values (`spare(buffer)`: where the round put a loader-form buffer's
         next values, None when it has none), for `after_update` to install. Returns modules
         prepared (none off CPUs, where processing may reach the live kernels)."""
+        self.releaser.wait()
         self.prepared = {}
         if platform_kind() != "cpu":
             return 0
@@ -309,16 +317,20 @@ class Processor:
     def after_update(self, names: Collection[str] | None, swap: bool = False) -> int:
         """Process what the round changed (install what `prepare` processed of it, `swap`ping the
         memory behind live tensors where the engine allows: `install`); returns how many modules
-        were processed or installed."""
-        prepared, self.prepared = self.prepared, {}
+        were processed or installed. The twins and what they replaced are released after it
+        returns (`rl_sync.vllm.release`)."""
+        self.releaser.wait()
         touched = self._touched(names)
+        replaced: list[object] = []
         for module in touched:
-            twin = prepared.get(id(module))
-            if twin is None:
+            if id(module) not in self.prepared:
                 reprocess(module, self.buffers[module])
             else:
-                install(module, twin, swap)
+                install(module, self.prepared[id(module)], swap, replaced)
+        replaced.extend(self.prepared.values())
+        self.prepared = {}
         self.process_attention(self._attention_touched(names, touched))
+        self.releaser.release(replaced)
         return len(touched)
 
     def _attention_touched(
