@@ -97,9 +97,14 @@ def _alone(tensor: torch.Tensor) -> bool:
     return tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size()
 
 
-def _storage_holders(tensor: torch.Tensor) -> int:
-    """How many references hold `tensor`'s storage (tensors over it, and the one wrapper asked)."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+"""PyTorch's count of the references to a storage (some CPU builds of older releases lack it)."""
+
+
+def _storage_holders(tensor: torch.Tensor) -> int | None:
+    """How many references hold `tensor`'s storage (tensors over it, and the one wrapper asked);
+    None where this PyTorch cannot tell."""
+    return None if _USE_COUNT is None else _USE_COUNT(tensor.untyped_storage()._cdata)
 
 
 _LONE_HOLDERS = _storage_holders(torch.empty(1))
@@ -109,8 +114,8 @@ _LONE_HOLDERS = _storage_holders(torch.empty(1))
 def _sole(tensor: torch.Tensor) -> bool:
     """Whether no other tensor holds `tensor`'s storage: no kernel or closure processing made kept
     a view or alias of it (vLLM's zentorch linear keeps `weight.detach()`), which a swap would
-    leave reading the old values."""
-    return _storage_holders(tensor) == _LONE_HOLDERS
+    leave reading the old values. False where this PyTorch cannot tell (a copy is always right)."""
+    return _LONE_HOLDERS is not None and _storage_holders(tensor) == _LONE_HOLDERS
 
 
 def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -255,3 +255,14 @@ def test_without_swap_the_result_is_copied():
     address = live.data_ptr()
     _adopt({"weight": live}, _processed(3.0), swap=False)
     assert live.data_ptr() == address and torch.equal(live, torch.full((4, 3), 3.0))
+
+
+def test_a_pytorch_that_cannot_count_storage_holders_copies(monkeypatch):
+    from rl_sync.vllm import reload
+
+    monkeypatch.setattr(reload, "_USE_COUNT", None)
+    monkeypatch.setattr(reload, "_LONE_HOLDERS", None)
+    live = torch.zeros(4, 3)
+    address = live.data_ptr()
+    _adopt({"weight": live}, _processed(4.0), swap=True)
+    assert live.data_ptr() == address and torch.equal(live, torch.full((4, 3), 4.0))
