@@ -35,8 +35,10 @@ Typical use (inside a vLLM worker, after every rank finished the round)::
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from types import MethodType
 from typing import Any, cast
 
 import torch
@@ -111,11 +113,29 @@ _LONE_HOLDERS = _storage_holders(torch.empty(1))
 """What `_storage_holders` says of a tensor that alone holds its storage."""
 
 
-def _sole(tensor: torch.Tensor) -> bool:
+def _adopt_references() -> int:
+    """What `sys.getrefcount` says, in `_adopt`, of a processed tensor nothing else holds: its
+    module's container, `_adopt`'s `result`, and the call's argument."""
+    owner = torch.nn.Module()
+    owner.register_parameter("w", torch.nn.Parameter(torch.empty(1), requires_grad=False))
+    result = getattr(owner, "w", None)
+    return sys.getrefcount(result)
+
+
+_ADOPT_REFERENCES = _adopt_references()
+
+
+def _sole_storage(tensor: torch.Tensor) -> bool:
     """Whether no other tensor holds `tensor`'s storage: no kernel or closure processing made kept
-    a view or alias of it (vLLM's zentorch linear keeps `weight.detach()`), which a swap would
-    leave reading the old values. False where this PyTorch cannot tell (a copy is always right)."""
+    a view or alias of it (vLLM's zentorch linear keeps `weight.detach()`). False where this
+    PyTorch cannot count a storage's holders (a copy is always right)."""
     return _LONE_HOLDERS is not None and _storage_holders(tensor) == _LONE_HOLDERS
+
+
+def _swappable(live: torch.Tensor, result: torch.Tensor) -> bool:
+    """Whether `result` may swap its memory with `live`: both alike and the whole of their
+    storages, and no other tensor over the result's storage."""
+    return SWAPS and _alike(live, result) and _alone(live) and _alone(result) and _sole_storage(result)
 
 
 def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -127,16 +147,19 @@ def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: boo
     """Copy what processing made of each of a module's `live` tensors (its parameters or its
     buffers, by name) into it, in place; a released live tensor is replaced in `live` instead.
     `swap`: exchange the memory behind a live tensor and its result instead of copying, where both
-    are the whole of their storages and alike, and the result's storage is held by it alone
-    (`_sole`) (`rl_sync.rank.shadow`: for engines whose addresses nothing captured; the result
-    is dropped after)."""
+    are the whole of their storages and alike, and nothing but `processed` holds the result or its
+    storage (`_swappable`) (`rl_sync.rank.shadow`: for engines whose addresses nothing captured;
+    the result is dropped after)."""
     for name, tensor in live.items():
         result = getattr(processed, name, None)
         if tensor is None or result is None or result is tensor:
             continue
+        # Something processing made kept the tensor itself (vLLM's CPU MoE keeps `w13_bias` in its
+        # quantization config): a swap would leave it reading the old values.
+        held_elsewhere = sys.getrefcount(result) != _ADOPT_REFERENCES
         if _released(tensor, result):
             live[name] = result
-        elif swap and SWAPS and _alike(tensor, result) and _alone(tensor) and _alone(result) and _sole(result):
+        elif swap and not held_elsewhere and _swappable(tensor, result):
             tensor.untyped_storage()._swap_data_ptr_(result.untyped_storage())  # (SWAPS)
         else:
             tensor.data.copy_(result)
@@ -187,8 +210,29 @@ def prepare(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> torc
     twin.__dict__["_non_persistent_buffers_set"] = set(layer._non_persistent_buffers_set)
     method = _own(layer.quant_method)  # (modules vLLM processes have one; a MoE's is a module)
     (twin._modules if "quant_method" in layer._modules else twin.__dict__)["quant_method"] = method
-    _process(twin, get_layerwise_info(layer), buffers, {**layer._parameters, **layer._buffers})
+    info = get_layerwise_info(layer)
+    _process(twin, info, buffers, {**layer._parameters, **layer._buffers})
+    params, metadata_buffers = info.restore_metadata
+    _rebind([*params.values(), *metadata_buffers.values()], twin, _sentinel())
     return twin
+
+
+def _sentinel() -> object:
+    """What vLLM binds the weight loaders of its kept layer metadata to while no layer loads."""
+    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+
+    return layer_ref_sentinel
+
+
+def _rebind(tensors: Sequence[torch.Tensor | None], old: object, new: object) -> None:
+    """Point the methods bound to `old` that `tensors` carry as attributes (vLLM's weight loaders)
+    at `new`. vLLM's reload binds its kept metadata to the layer it restores, here a twin; left
+    so, the metadata (and the twin's own tensors, in a cycle) would keep a twin, the previous
+    round's memory with it, long after its commit."""
+    for tensor in tensors:
+        for key, value in getattr(tensor, "__dict__", {}).items():
+            if isinstance(value, MethodType) and value.__self__ is old:
+                tensor.__dict__[key] = value.__func__.__get__(new)
 
 
 def _take_over(live: dict, twin: Mapping, skip: frozenset[str], replaced: list) -> None:
@@ -218,6 +262,8 @@ def install(layer: torch.nn.Module, twin: torch.nn.Module, swap: bool, replaced:
     _take_over(layer.__dict__, twin.__dict__, _MODULE_STATE | method, replaced)
     _take_over(layer._modules, twin._modules, method, replaced)
     _take_over(layer.quant_method.__dict__, twin.quant_method.__dict__, frozenset(), replaced)
+    _rebind([*layer._parameters.values(), *layer._buffers.values()], twin, layer)
+    _rebind([*twin._parameters.values(), *twin._buffers.values()], twin, _sentinel())
 
 
 _ABSENT = object()
@@ -325,17 +371,20 @@ class Processor:
         were processed or installed. The twins and what they replaced are released after it
         returns (`rl_sync.vllm.release`)."""
         self.releaser.wait()
+        prepared, self.prepared = self.prepared, {}
         touched = self._touched(names)
         replaced: list[object] = []
-        for module in touched:
-            if id(module) not in self.prepared:
-                reprocess(module, self.buffers[module])
-            else:
-                install(module, self.prepared[id(module)], swap, replaced)
-        replaced.extend(self.prepared.values())
-        self.prepared = {}
-        self.process_attention(self._attention_touched(names, touched))
-        self.releaser.release(replaced)
+        try:
+            for module in touched:
+                if id(module) in prepared:
+                    install(module, prepared[id(module)], swap, replaced)
+                else:
+                    reprocess(module, self.buffers[module])
+            self.process_attention(self._attention_touched(names, touched))
+        finally:
+            replaced.extend(prepared.values())
+            prepared.clear()
+            self.releaser.release(replaced)
         return len(touched)
 
     def _attention_touched(

@@ -266,3 +266,92 @@ def test_a_pytorch_that_cannot_count_storage_holders_copies(monkeypatch):
     address = live.data_ptr()
     _adopt({"weight": live}, _processed(4.0), swap=True)
     assert live.data_ptr() == address and torch.equal(live, torch.full((4, 3), 4.0))
+
+
+def test_a_result_a_kernel_kept_itself_is_copied_so_the_kernel_reads_the_new_values():
+    """vLLM's CPU MoE keeps `w13_bias` itself in its quantization config."""
+    live = torch.zeros(4, 3)
+    address = live.data_ptr()
+    processed = _processed(5.0)
+    config = {"bias": processed.weight}
+    _adopt({"weight": live}, processed, swap=True)
+    assert live.data_ptr() == address and torch.equal(config["bias"], torch.full((4, 3), 5.0))
+
+
+class _Kernel:
+    """What processing leaves on a layer: a packed copy of its weight."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed = weight.clone()
+
+
+class _Packing:
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        layer.__dict__["kernel"] = _Kernel(layer.get_parameter("weight"))
+
+
+class _Loaded(torch.nn.Module):
+    """A layer as vLLM makes one: its weight carries a loader bound to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16), requires_grad=False)
+        self.weight.weight_loader = self.load
+        self.quant_method = _Packing()
+
+    def load(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded)
+
+
+@pytest.mark.skipif(not SWAPS, reason="this PyTorch cannot swap storages")
+def test_a_commit_leaves_nothing_holding_its_twin_or_the_kernels_it_replaced():
+    """A twin holds the previous round's memory after the swaps: once the release ran, neither it
+    nor the kernel it replaced may live on (vLLM's reload binds its kept metadata to the layer it
+    restores, here the twin), round after round, without the garbage collector."""
+    import gc
+    import weakref
+
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+    layer = _Loaded()
+    model = torch.nn.ModuleDict({"layer": layer})
+    record_metadata_for_reloading(model)
+    layer.quant_method.process_weights_after_loading(layer)  # as at load
+    buffers = {layer: {"weight": torch.zeros(6, 4, dtype=torch.bfloat16)}}
+    processor = Processor(model, torch.bfloat16, None, buffers, {"w": [layer]}, [], [])
+    gc.disable()
+    try:
+        for value in (1.0, 2.0, 3.0):
+            assert processor.prepare(None, lambda buffer, v=value: torch.full_like(buffer, v)) == 1
+            twin, replaced = weakref.ref(processor.prepared[id(layer)]), weakref.ref(layer.kernel)
+            assert processor.after_update(None, swap=True) == 1
+            processor.releaser.wait()
+            assert twin() is None and replaced() is None
+            assert torch.equal(layer.weight, torch.full((6, 4), value, dtype=torch.bfloat16))
+            assert torch.equal(layer.kernel.packed, layer.weight)
+            assert layer.weight.weight_loader.__self__ is layer
+    finally:
+        gc.enable()
+
+
+def test_a_commit_that_fails_midway_keeps_no_twin_for_a_later_round(monkeypatch):
+    """Twins installed by swap hold the previous round's memory: a later `after_update` must not
+    install them again."""
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+    from rl_sync.vllm import reload
+
+    layer = _Loaded()
+    model = torch.nn.ModuleDict({"layer": layer})
+    record_metadata_for_reloading(model)
+    buffers = {layer: {"weight": torch.zeros(6, 4, dtype=torch.bfloat16)}}
+    processor = Processor(model, torch.bfloat16, None, buffers, {"w": [layer]}, [], [])
+    assert processor.prepare(None, lambda buffer: torch.ones_like(buffer)) == 1
+
+    def failing(*args):
+        raise RuntimeError("install failed")
+
+    monkeypatch.setattr(reload, "install", failing)
+    with pytest.raises(RuntimeError, match="install failed"):
+        processor.after_update(None, swap=True)
+    assert processor.prepared == {}
