@@ -42,8 +42,9 @@ def scratch_checkpoint(
     prefix: str, config: Mapping, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = torch.bfloat16
 ) -> str:
     """`write_checkpoint` into a fresh temporary directory named `prefix...`, removed when this
-    process exits: the first weights a run or benchmark starts its engines on (engines load them at
-    start, so the directory only has to outlive this process's engines, not the run's record)."""
+    process exits normally (`atexit`: not when it is killed): the first weights a run or benchmark
+    starts its engines on (engines load them at start, so the directory only has to outlive this
+    process's engines, not the run's record)."""
     directory = tempfile.mkdtemp(prefix=prefix)
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     return write_checkpoint(directory, config, state, dtype)
