@@ -38,7 +38,6 @@ import copy
 import sys
 from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from types import MethodType
 from typing import Any, cast
 
 import torch
@@ -205,6 +204,7 @@ def prepare(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> torc
     run meanwhile): the twin has its own tensor containers, attributes and `quant_method` (a
     shallow copy, so state processing keeps there, such as a MoE kernel, stays the twin's)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.sanitize import sanitize_layer_refs
 
     twin = _own(layer)
     twin.__dict__["_non_persistent_buffers_set"] = set(layer._non_persistent_buffers_set)
@@ -213,26 +213,9 @@ def prepare(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> torc
     info = get_layerwise_info(layer)
     _process(twin, info, buffers, {**layer._parameters, **layer._buffers})
     params, metadata_buffers = info.restore_metadata
-    _rebind([*params.values(), *metadata_buffers.values()], twin, _sentinel())
+    for tensor in [*params.values(), *metadata_buffers.values()]:
+        sanitize_layer_refs(tensor, twin)  # (vLLM's reload bound its kept metadata to the twin)
     return twin
-
-
-def _sentinel() -> object:
-    """What vLLM binds the weight loaders of its kept layer metadata to while no layer loads."""
-    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
-
-    return layer_ref_sentinel
-
-
-def _rebind(tensors: Sequence[torch.Tensor | None], old: object, new: object) -> None:
-    """Point the methods bound to `old` that `tensors` carry as attributes (vLLM's weight loaders)
-    at `new`. vLLM's reload binds its kept metadata to the layer it restores, here a twin; left
-    so, the metadata (and the twin's own tensors, in a cycle) would keep a twin, the previous
-    round's memory with it, long after its commit."""
-    for tensor in tensors:
-        for key, value in getattr(tensor, "__dict__", {}).items():
-            if isinstance(value, MethodType) and value.__self__ is old:
-                tensor.__dict__[key] = value.__func__.__get__(new)
 
 
 def _take_over(live: dict, twin: Mapping, skip: frozenset[str], replaced: list) -> None:
@@ -252,7 +235,11 @@ def install(layer: torch.nn.Module, twin: torch.nn.Module, swap: bool, replaced:
     swapped: `_adopt`) into its live one (a released one replaced), then what processing set on
     the twin and its `quant_method` taken over by the live ones (the kernel holding packed
     weights), whose objects stay. What they held before is appended to `replaced`, for the
-    caller to release (`rl_sync.vllm.release`)."""
+    caller to release (`rl_sync.vllm.release`). vLLM's weight loaders the twin's tensors carry are
+    bound to the live layer where its tensors took them, and to vLLM's sentinel on the twin, so
+    nothing keeps the twin, and the previous round's memory it holds after a swap, alive."""
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs, sanitize_layer_refs
+
     live_params, live_buffers = dict(layer._parameters), dict(layer._buffers)
     _adopt(live_params, twin, swap)
     _adopt(live_buffers, twin, swap)
@@ -262,8 +249,14 @@ def install(layer: torch.nn.Module, twin: torch.nn.Module, swap: bool, replaced:
     _take_over(layer.__dict__, twin.__dict__, _MODULE_STATE | method, replaced)
     _take_over(layer._modules, twin._modules, method, replaced)
     _take_over(layer.quant_method.__dict__, twin.quant_method.__dict__, frozenset(), replaced)
-    _rebind([*layer._parameters.values(), *layer._buffers.values()], twin, layer)
-    _rebind([*twin._parameters.values(), *twin._buffers.values()], twin, _sentinel())
+    for tensor in _tensors(layer):  # (a released tensor the twin's result replaced: its loaders)
+        restore_layer_refs(sanitize_layer_refs(tensor, twin), layer)
+    for tensor in _tensors(twin):  # (else its tensors' loaders and the twin hold each other)
+        sanitize_layer_refs(tensor, twin)
+
+
+def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None]
 
 
 _ABSENT = object()
