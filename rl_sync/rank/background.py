@@ -6,16 +6,34 @@ on the main thread); the coordinator collects it with a bounded wait and then
 commits it on every worker. The thread's own waits are bounded by the round's
 timeout; aborting the rank's transport ends them at once.
 
+Clean-up a rank leaves to a thread (closing a group it left, releasing what a commit replaced)
+is waited for with `joined` before the next such work: bounded, and logged when the bound passes.
+
 Typical use (inside `rl_sync.rank.worker`)::
 
     staged = BackgroundRound(version, lambda: rank._rl_sync_run(blob))
     stats = staged.result(timeout_s=60.0)     # the round's RankStats bytes, or its error
+    joined(cleanup_thread, 30.0, "closing the group a switch left")
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
+
+log = logging.getLogger("rl_sync")
+
+
+def joined(thread: threading.Thread | None, wait_s: float, what: str) -> None:
+    """Wait at most `wait_s` seconds for `thread` (None: nothing to wait for), which is doing
+    `what`; past it, a warning naming `what`, and the caller goes on beside it (clean-up only
+    drops what nothing uses any more)."""
+    if thread is None:
+        return
+    thread.join(wait_s)
+    if thread.is_alive():
+        log.warning("rl-sync: %s took over %g s", what, wait_s)
 
 
 class BackgroundRound:

@@ -32,6 +32,7 @@ from ..wire.codec import decode, encode
 from ..wire.messages import InitInfo, RankReport, RankStats, RoundInfo, WriteMode
 from ..wire.plan_info import PlanInfo
 from .address import interface_address
+from .background import joined
 from .claim import Claim, GroupTag
 from .pairing import Pair
 from .side import DescribeOptions, Side
@@ -195,10 +196,10 @@ class Participant:
         self._rl_sync_retiring.start()
 
     def _rl_sync_retired(self) -> None:
-        """The group the last switch left is closed (waiting at most `RETIRE_WAIT_S`)."""
+        """The group the last switch left is closed (waiting at most `RETIRE_WAIT_S`; past it, a
+        warning, and the rank goes on: `joined`)."""
         retiring, self._rl_sync_retiring = self._rl_sync_retiring, None
-        if retiring is not None:
-            retiring.join(RETIRE_WAIT_S)
+        joined(retiring, RETIRE_WAIT_S, "closing the group a switch left")
 
     def _rl_sync_ipc_remap(self, ipc: bytes) -> None:
         """Map a colocated worker's new export (its memory moved) in place of the one before; only

@@ -21,13 +21,12 @@ Typical use (inside `rl_sync.vllm.reload.Processor`)::
 
 from __future__ import annotations
 
-import logging
 import threading
+
+from ..rank.background import joined
 
 RELEASE_WAIT_S = 30.0
 """How long processing waits for the previous release before it goes on beside it."""
-
-log = logging.getLogger(__name__)
 
 
 class Releaser:
@@ -51,7 +50,4 @@ class Releaser:
         """The last release finished (waiting at most `RELEASE_WAIT_S`; past it, a warning, and
         processing goes on beside it: it only drops what nothing reads)."""
         thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(RELEASE_WAIT_S)
-            if thread.is_alive():
-                log.warning("rl-sync: releasing a commit's replaced kernels took over %g s", RELEASE_WAIT_S)
+        joined(thread, RELEASE_WAIT_S, "releasing a commit's replaced kernels")

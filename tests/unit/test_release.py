@@ -41,7 +41,7 @@ def test_a_release_past_its_wait_is_logged_and_processing_goes_on(monkeypatch, c
     hold = threading.Event()
     releaser = Releaser()
     releaser.release([_Kernel(dropped, hold)])
-    with caplog.at_level(logging.WARNING, logger="rl_sync.vllm.release"):
+    with caplog.at_level(logging.WARNING, logger="rl_sync"):
         releaser.wait()
     assert dropped == []
     assert caplog.messages == ["rl-sync: releasing a commit's replaced kernels took over 0.2 s"]

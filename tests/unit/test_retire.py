@@ -48,3 +48,19 @@ def test_a_failed_close_of_the_old_group_is_logged_not_raised(caplog):
     assert caplog.messages == [
         "rl-sync: closing the group a switch left failed: RuntimeError: connection reset by peer"
     ]
+
+
+def test_a_close_past_its_wait_is_logged_and_the_rank_goes_on(monkeypatch, caplog):
+    from rl_sync.rank import participant
+
+    monkeypatch.setattr(participant, "RETIRE_WAIT_S", 0.2)
+    release = threading.Event()
+    rank = Participant()
+    old = _Session(["w"], release)
+    rank._rl_sync_session, rank._rl_sync_regrouped = old, _Session(["w"])
+    with caplog.at_level(logging.WARNING, logger="rl_sync"):
+        rank._rl_sync_switch(keep=True)
+        rank._rl_sync_retired()
+    assert caplog.messages == ["rl-sync: closing the group a switch left took over 0.2 s"]
+    assert not old.closed.is_set() and rank._rl_sync_retiring is None
+    release.set()
