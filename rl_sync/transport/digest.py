@@ -20,7 +20,7 @@ Modes (`SyncConfig.integrity`):
   under a key derived from the group's secret, which only members hold
   (handed out through Ray at init). Catches accidental corruption and
   deliberate tampering alike. BLAKE3 rather than HMAC-SHA256: on CPUs the tag
-  covers every payload byte on both sides, and BLAKE3 makes it 2.4x faster
+  covers every payload byte on both sides, and BLAKE3 makes it 2.5x faster
   per core than SHA-256 even with the SHA extensions (`benchmarks/digest_bench.py`).
 - `checksum`: the same construction with a public key: catches corrupted
   bits, not an attacker who recomputes it.
