@@ -58,7 +58,7 @@ from rl_sync.wire.stats import RoundStats, SyncSummary
 
 from . import colocated
 from .calls import Budget, SyncError
-from .elastic import Formed, add_engine, remove_engine
+from .elastic import CatchUp, Formed, add_engine, remove_engine
 from .fence import Fence
 from .group import Membership
 from .members import Member, ServiceMember, collect, failed, gather, leave
@@ -555,11 +555,13 @@ class Coordinator:
         with self.budget.within(budget_s, "commit"):
             return commit(self, version, fence)
 
-    def add_engine(self, handles: list, budget_s: float | None = None, fence: str | None = None) -> SyncSummary:
-        """Grow the live group by one engine's ranks (`actors.elastic`), within `budget_s` seconds,
-        unless the driver gave up on the call (`fence`)."""
+    def add_engine(
+        self, handles: list, budget_s: float | None = None, fence: str | None = None, catch_up: CatchUp = "relay"
+    ) -> SyncSummary:
+        """Grow the live group by one engine's ranks (`actors.elastic`), caught up as `catch_up`
+        says, within `budget_s` seconds, unless the driver gave up on the call (`fence`)."""
         with self.budget.within(budget_s, "add_engine"):
-            return add_engine(self, handles, self._fence(fence, "add_engine"))
+            return add_engine(self, handles, self._fence(fence, "add_engine"), catch_up)
 
     def remove_engine(self, handles: list, budget_s: float | None = None, fence: str | None = None) -> SyncSummary:
         """Shrink the live group by one engine's ranks (`actors.elastic`), within `budget_s` seconds,

@@ -5,12 +5,13 @@ worker count, and the layouts they report must leave every existing worker its b
 (`rl_sync.planning.elastic`); the plan and schedule grow; every rank joins the grown group's
 transport beside its current one (`_rl_sync_regroup`, on the store the group formed on); a
 peer replica holding the group's version sends the newcomer what it holds (catch-up by relay,
-`rl_sync.engine.catch_up`), or, with no peer laid out alike or holding that version (its
-engine replaced or moved a weight since: `rl_sync.rank.watch`), the next round carries every
-tensor to every worker dense; then, unless the driver gave up on the call (its fence,
-`actors.fence`, claimed here), every rank switches to the grown group (`_rl_sync_switch`),
-trainers keeping their sparse baselines, and the joining ranks record the version they caught
-up to. Removing one: the layouts shrink, the ranks that stay regroup and switch, and the
+`rl_sync.engine.catch_up`), or, when the caller chose `next_push` or with no peer laid out
+alike or holding that version (its engine replaced or moved a weight since:
+`rl_sync.rank.watch`), the next round carries every tensor to every worker dense; then,
+unless the driver gave up on the call (its fence, `actors.fence`, claimed here), every rank
+switches to the grown group (`_rl_sync_switch`), trainers keeping their sparse baselines (unless
+the next round carries every tensor), and the joining ranks record the version they caught up
+to. Removing one: the layouts shrink, the ranks that stay regroup and switch, and the
 engine's ranks leave. A join or leave that fails before the switch leaves the group as it
 was (a joining engine released), unless a rank of the group itself failed: then, as after
 any failure, the next push repairs it.
@@ -21,6 +22,7 @@ groups without CUDA IPC or engine services, between rounds.
 Typical use (inside the coordinator)::
 
     summary = add_engine(coordinator, [rank0, rank1], fence)     # one engine's ranks, in TP order
+    summary = add_engine(coordinator, [rank0, rank1], fence, "next_push")   # caught up by the next push
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 import ray
 
@@ -50,6 +52,11 @@ from .members import Member, ServiceMember, collect, failed, gather
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator
+
+
+CatchUp = Literal["relay", "next_push"]
+"""How a joining engine gets the group's weights (`WeightSync.add_engine`)."""
+CATCH_UPS: tuple[CatchUp, ...] = get_args(CatchUp)
 
 
 @dataclass(frozen=True)
@@ -169,9 +176,10 @@ def _catch_up_plan(c: Coordinator, layouts: dict[str, Layout], workers: list[Ran
     return encode(PlanInfo.from_schedule(schedule), compress=True)
 
 
-def add_engine(c: Coordinator, handles: Sequence, fence: Fence | None) -> SyncSummary:
-    """Grow the group by one engine (see the module docstring), unless the driver gave up on the
-    call (`fence`, claimed before the switch); returns its new summary."""
+def add_engine(c: Coordinator, handles: Sequence, fence: Fence | None, catch_up: CatchUp = "relay") -> SyncSummary:
+    """Grow the group by one engine (see the module docstring), caught up by relay or by the next
+    push (`catch_up`), unless the driver gave up on the call (`fence`, claimed before the switch);
+    returns its new summary."""
     start, what = time.perf_counter(), "add_engine"
     _check_live(c, what, handles)
     N, n = len(c.worker_ranks), len(handles)
@@ -187,12 +195,12 @@ def add_engine(c: Coordinator, handles: Sequence, fence: Fence | None) -> SyncSu
         reports = [decode(RankReport, b) for b in blobs]
         layouts = _grown(c, reports, group, N)
         schedule = _schedule(c, layouts, reports, group)
-        catch_up = _catch_up_plan(c, layouts, reports, group, n)
+        relay = _catch_up_plan(c, layouts, reports, group, n) if catch_up == "relay" else None
         devices = c.formed.devices + [r.device for r in reports]
     except BaseException:
         _release(c, joining)
         raise
-    info, caught_up = _switch(c, group, schedule, devices, joining, catch_up, fence, what)
+    info, caught_up = _switch(c, group, schedule, devices, joining, relay, fence, what)
     c.formed = replace(c.formed, workers=c.formed.workers + reports, devices=devices, info=info, layouts=layouts)
     if not caught_up:
         c.refresh.regrouped()  # the joining engine holds what its engine loaded: the next round carries all

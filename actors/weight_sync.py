@@ -44,6 +44,7 @@ from rl_sync.wire.stats import RoundStats, SyncSummary
 
 from .calls import SyncError, failure_reason, remote_text
 from .coordinator import Coordinator
+from .elastic import CATCH_UPS, CatchUp
 from .fence import Fence, Settler
 from .group import Membership
 from .hooks import check_hooks
@@ -322,16 +323,26 @@ class WeightSync:
         _unwrap(self._open().replace_worker.remote(index, handle), self.config.init_timeout_s)
         self.workers[index] = handle
 
-    def add_engine(self, workers: list, *, timeout_s: float | None = None) -> SyncSummary:
+    def add_engine(self, workers: list, *, catch_up: CatchUp = "relay", timeout_s: float | None = None) -> SyncSummary:
         """Grow the live group by one engine: `workers`, its ranks in tensor-parallel order (Ray actors
         with the worker mixin, e.g. a new `VllmEngine`'s `ranks`), which bind for the grown worker
-        count. The group's ranks keep their bindings and buffers (nothing restarts); a replica
-        already in the group sends the newcomer the version it holds (or, laid out otherwise, the
-        next push carries every tensor dense), and the next push includes it. Between rounds,
-        bounded by `timeout_s` (default `SyncConfig.init_budget_s`); a join that fails leaves the
-        group as it was, unless one of its own ranks failed (the next push repairs it then).
-        Returns the group's new summary (also `self.summary`)."""
-        return self._regroup("add_engine", workers, timeout_s)
+        count. The group's ranks keep their bindings and buffers (nothing restarts), and the next
+        push includes the newcomer. How it gets the group's weights, `catch_up`:
+
+        * `"relay"`: a replica already in the group sends it the version it holds, within this
+          call (laid out otherwise, or holding no recorded version, the next push carries every
+          tensor dense, as with `"next_push"`);
+        * `"next_push"`: nothing is sent now, and the next push carries every tensor to every
+          worker, dense. Until then the newcomer reports only a version it already held in this
+          group (`versions()`: None for an engine new to it). The cheaper join when the trainers
+          push before the newcomer serves anyway (a push that is dense costs the same).
+
+        Between rounds, bounded by `timeout_s` (default `SyncConfig.init_budget_s`); a join that
+        fails leaves the group as it was, unless one of its own ranks failed (the next push
+        repairs it then). Returns the group's new summary (also `self.summary`)."""
+        if catch_up not in CATCH_UPS:
+            raise ValueError(f"add_engine: catch_up must be one of {list(CATCH_UPS)}, got {catch_up!r}")
+        return self._regroup("add_engine", workers, timeout_s, (catch_up,))
 
     def remove_engine(self, workers: list, *, timeout_s: float | None = None) -> SyncSummary:
         """Shrink the live group by one engine: `workers`, all of its ranks. The others keep their
@@ -339,7 +350,7 @@ class WeightSync:
         (free to join another). Bounded like `add_engine`; returns the new summary."""
         return self._regroup("remove_engine", workers, timeout_s)
 
-    def _regroup(self, what: str, workers: list, timeout_s: float | None) -> SyncSummary:
+    def _regroup(self, what: str, workers: list, timeout_s: float | None, args: tuple = ()) -> SyncSummary:
         if not isinstance(workers, (list, tuple)) or not workers:
             raise TypeError(
                 f"{what}: workers must be a non-empty list of one engine's rank actors, got {workers!r:.80}"
@@ -360,7 +371,7 @@ class WeightSync:
             return f"; the engine did {verb} the group just before the driver gave up (versions() lists the workers)"
 
         self.summary = self._fenced(
-            lambda fence: getattr(self._open(), what).remote(handles, budget, fence), budget, outcome
+            lambda fence: getattr(self._open(), what).remote(handles, budget, fence, *args), budget, outcome
         )
         self._members(what, handles)
         log.info("rl-sync group %r after %s: %s", self.config.name, what, self.summary)

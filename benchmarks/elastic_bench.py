@@ -11,7 +11,11 @@ engine starts (not timed: vLLM's own start-up), then, `--rounds` times (medians)
   vLLM's processing on the second), and every rank switches; nothing of the first engine
   restarts or binds anew;
 * **dense round, two engines**, then **leave**: `WeightSync.remove_engine(second.ranks)` (the
-  next join binds it again).
+  next join binds it again);
+* a push into the first engine alone (not timed), then the **join for the next push**:
+  `add_engine(second.ranks, catch_up="next_push")`: bind, regroup and switch, nothing sent; and
+  **the dense round after it**, into both engines, which catches the second up (against the
+  dense round into two engines above); the second engine leaves again (not timed).
 
 Same script on GPUs (`--device cuda`: a trainer GPU and a GPU per engine rank, so 1 + 2 x TP).
 
@@ -46,13 +50,17 @@ def run(args) -> dict:
         sync = _sync(trainers, engines[0], double_buffer=False)
         sync.push()  # the first round compiles
         engines.append(_engine(path, args.tp, args.device, cuda_graphs=False, options=options))
-        out: dict[str, list] = {"one": [], "join": [], "two": [], "leave": [], "caught_up": []}
+        out: dict[str, list] = {k: [] for k in ("one", "join", "two", "leave", "defer", "after", "caught_up")}
         for _ in range(args.rounds):
             out["one"].append(sync.push().seconds)
             out["join"].append(_seconds(lambda: sync.add_engine(engines[1].ranks)))
             out["caught_up"].append(sync.versions())
             out["two"].append(sync.push().seconds)
             out["leave"].append(_seconds(lambda: sync.remove_engine(engines[1].ranks)))
+            sync.push()  # the group moves on: the second engine holds an older version
+            out["defer"].append(_seconds(lambda: sync.add_engine(engines[1].ranks, catch_up="next_push")))
+            out["after"].append(sync.push().seconds)
+            sync.remove_engine(engines[1].ranks)
         sync.close()
         return out
     finally:
@@ -75,10 +83,14 @@ def show(args, result: dict) -> None:
         ("add_engine: the second engine joins (bind, regroup, catch-up from the first, switch)", join),
         ("dense round, two engines", statistics.median(result["two"])),
         ("remove_engine: the second engine leaves", statistics.median(result["leave"])),
+        ('add_engine(catch_up="next_push"): bind, regroup, switch', statistics.median(result["defer"])),
+        ("the dense round after it, two engines (catches the second up)", statistics.median(result["after"])),
     ]
     for what, seconds in rows:
         table.add_row(what, f"{seconds:.3f}")
     table.add_row("join against one dense round", f"{join / one:.2f}x")
+    deferred = statistics.median(result["defer"])
+    table.add_row('join (catch_up="next_push") against one dense round', f"{deferred / one:.2f}x")
     Console().print(table)
     print(f"versions after each join (caught up from the first engine): {result.pop('caught_up')}")
     print({k: [round(v, 3) for v in values] for k, values in result.items()})

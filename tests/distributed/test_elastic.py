@@ -172,6 +172,24 @@ def test_an_engine_joins_from_a_peer_replica_then_another_leaves_and_nothing_els
     assert sync.versions() == [3, 3]
 
 
+def test_an_engine_that_joins_for_the_next_push_holds_no_version_until_that_push_carries_every_tensor(group):
+    sync, trainers, first, second = group
+    with pytest.raises(ValueError, match=r"^add_engine: catch_up must be one of \['relay', 'next_push'\], got 'peer'$"):
+        sync.add_engine(second, catch_up="peer")
+    _step(trainers, 2)
+    summary = sync.add_engine(second, catch_up="next_push")
+    assert (summary.world_size, len(summary.kept_bytes)) == (6, 4)
+    assert sync.versions() == [1, 1, None, None], "nothing was sent to the joining engine"
+    _check(first, 1, engines=1)
+    stats = sync.push(mode="sparse")
+    assert stats.mode == "m2n", "the push after the join carries every tensor, dense"
+    _check(first + second, 2, engines=2)
+    assert sync.versions() == [2, 2, 2, 2]
+    _step(trainers, 3)
+    assert sync.push(mode="sparse").mode == "sparse", "the dense push filled the baselines again"
+    _check(first + second, 3, engines=2)
+
+
 def test_joins_that_fail_leave_the_group_as_it_was(group):
     """Bad layouts and members are refused before anything moves; a joining rank dying during the
     catch-up fails the join, its peer (alive) stays in the group it was in, and the group goes on

@@ -339,7 +339,8 @@ def test_an_engine_joining_a_live_group_catches_up_from_a_peer_then_generates_li
     """A second TP2 engine joins while the first holds version 1 and the trainers already stepped
     on: it binds for two replicas, the first sends it what it holds (vLLM's loader-form buffers
     too, processed after) without binding anew, and both then generate what a fresh engine on
-    version 1 does; the next push reaches both, and the first leaves. The joining engine is the
+    version 1 does; the next push reaches both, and the first leaves, then joins again for the
+    next push (`catch_up="next_push"`), which catches it up dense. The joining engine is the
     module's reference engine, lent once this test's references are generated (CI's 25 minutes)."""
     config = hf_config("qwen2")
     trainers = _trainers(config)
@@ -365,6 +366,14 @@ def test_an_engine_joining_a_live_group_catches_up_from_a_peer_then_generates_li
         assert second.generate(PROMPTS, **SAMPLING) == stepped == first.generate(PROMPTS, **SAMPLING)
         sync.remove_engine(first.ranks)
         assert sync.versions() == [2, 2]
+        sync.add_engine(first.ranks, catch_up="next_push")  # back, caught up by the next push
+        assert sync.versions() == [2] * 4, "the first engine left holding version 2, and holds it still"
+        ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+        stats = sync.push(mode="sparse")
+        assert stats.mode == "m2n" and sync.versions() == [3] * 4
+        assert [r.received_bytes for r in stats.ranks if r.role == "worker"] == kept * 2
+        third = second.generate(PROMPTS, **SAMPLING)
+        assert third != stepped and first.generate(PROMPTS, **SAMPLING) == third
         sync.close()
     finally:
         POOL.give_back(Trainer, trainers)
