@@ -186,9 +186,10 @@ def add_engine(c: Coordinator, handles: Sequence, fence: Fence | None, catch_up:
     group = Membership.of(c.trainer_handles, list(c.worker_entries) + list(handles))
     joining = group.workers[len(c.workers) :]
     try:
+        options = replace(c.formed.options, next_writes_all=True)  # (a catch-up, or the full round after)
         blobs = gather(
             joining,
-            lambda m: m.describe("worker", N + joining.index(m), N + n, c.formed.options, c.reply),
+            lambda m: m.describe("worker", N + joining.index(m), N + n, options, c.reply),
             c.budget.left(c.config.init_timeout_s),
             f"{what} (bind the joining engine)",
         )

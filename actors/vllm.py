@@ -64,7 +64,8 @@ class VllmWorkerMixin(SyncWorkerMixin):
         side = self._rl_sync_sides["worker"]
         self._rl_sync_vllm, self._rl_sync_lora = VllmDestinations.of_llm(self.rl_sync_llm()), None
         if side.options.lora is None:
-            return self._rl_sync_vllm.bind(checkpoint, side.rank, side.size, side.options.sharded)
+            options = side.options
+            return self._rl_sync_vllm.bind(checkpoint, side.rank, side.size, options.sharded, options.next_writes_all)
         where = engine_rank_of(self._rl_sync_vllm.vllm_config, side.rank, side.size)
         self._rl_sync_lora = LoraSlots(self._rl_sync_vllm.model, side.options.lora)
         return self._rl_sync_lora.bind(checkpoint, where, side.size // where.size)

@@ -41,14 +41,19 @@ class DescribeOptions:
     lora: LoraSpec | None = None
     """Worker side: the checkpoint is this LoRA adapter, bound to a LoRA slot of each engine
     (`WeightSync.create(..., lora=...)`); None: model weights."""
+    next_writes_all: bool = False
+    """Worker side: what comes next writes every element this rank binds (a joining engine's
+    catch-up by relay, or the full round after it), so buffers the binding allocates need not
+    start from the live values (vLLM's loader-form buffers: `rl_sync.vllm.binding`)."""
 
     def __post_init__(self) -> None:
         if self.group is not None and not isinstance(self.group, GroupTag):
             raise TypeError(f"DescribeOptions.group must be a GroupTag or None, got {type(self.group).__name__}")
         if self.lora is not None and not isinstance(self.lora, LoraSpec):
             raise TypeError(f"DescribeOptions.lora must be a LoraSpec or None, got {type(self.lora).__name__}")
-        if not isinstance(self.double_buffer, bool):
-            raise TypeError(f"DescribeOptions.double_buffer must be True or False, got {self.double_buffer!r}")
+        for flag in ("double_buffer", "next_writes_all"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"DescribeOptions.{flag} must be True or False, got {getattr(self, flag)!r}")
         for name, entry in self.checkpoint.items():
             if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and _dims(entry[1])):
                 raise TypeError(

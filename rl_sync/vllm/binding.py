@@ -31,7 +31,7 @@ Typical use (what `rl_sync.vllm.rank.VllmDestinations` does)::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,9 +111,12 @@ class VllmBinding:
         where: EngineRank,
         engines: int = 1,
         sharded: Mapping[str, Sequence[int]] | None = None,
+        seeded: bool = True,
     ) -> VllmBinding:
         """Resolve every checkpoint name on this rank (collective over the engine's ranks).
-        `sharded[name]`: dims no part may be cut along (`rl_sync.planning.parts.uncuttable_dims`)."""
+        `sharded[name]`: dims no part may be cut along (`rl_sync.planning.parts.uncuttable_dims`).
+        `seeded=False`: the next round writes every bound element, so a loader-form buffer the
+        entries and fills cover whole is left as allocated (see `_loader_buffers`)."""
         probe = probe_loads(model, checkpoint, model_config.dtype)
         if probe.errors:
             name, error = next(iter(probe.errors.items()))
@@ -129,7 +132,7 @@ class VllmBinding:
             fallback = dict(found) | fallback
         fallback = resolver.close_modules(fallback)
         resolver.entries = [e for e in entries if e.base not in fallback]
-        return resolver.finish(checkpoint, fallback, model_config, where, engines)
+        return resolver.finish(checkpoint, fallback, model_config, where, engines, seeded)
 
 
 class _Resolver:
@@ -197,6 +200,20 @@ class _Resolver:
                 covered[key] = covered.get(key, 0) + sum(math.prod(g.sizes) for g, _ in fills)
         return covered
 
+    def _coverage(self) -> Iterator[tuple[torch.nn.Module, torch.Tensor, ParamForm, bool]]:
+        """Each parameter of each reload module: the module, the live parameter, its loader form,
+        and whether this rank's entries and the loader's fills cover that form whole."""
+        covered = self._covered()
+        for module in self.reload_modules():
+            for attr, form in _module_forms(module).items():
+                live = module._parameters.get(attr)
+                if live is not None:
+                    yield module, live, form, covered.get(id(live), 0) >= math.prod(form.shape)
+
+    def _covered_whole(self) -> set[int]:
+        """The live parameters (by identity) whose loader form this rank covers whole."""
+        return {id(live) for _, live, _, whole in self._coverage() if whole}
+
     def _param_of(self, entry: Entry) -> str:
         """The parameter an entry lands in (named by any rank that keeps a part of it)."""
         if entry.merged is not None:
@@ -220,17 +237,11 @@ class _Resolver:
     def uncovered(self) -> set[str]:
         """Names feeding a reload module with a parameter this rank can rebuild neither from what
         the trainers send nor from its live value (then vLLM's loader takes the module)."""
-        covered, bad = self._covered(), set()
-        for module in self.reload_modules():
-            for attr, form in _module_forms(module).items():
-                live = module._parameters.get(attr)
-                if live is None or covered.get(id(live), 0) >= math.prod(form.shape) or _same_form(live, form):
-                    continue
-                bad |= {
-                    e.base
-                    for e, merged in self._mine()
-                    if any(m is module for m in self._modules_of_param(merged.param))
-                }
+        bad: set[str] = set()
+        for module, live, form, whole in self._coverage():
+            if whole or _same_form(live, form):
+                continue
+            bad.update(e.base for e, merged in self._mine() if module in self._modules_of_param(merged.param))
         return bad
 
     def _slot(self, param: str) -> Slot:
@@ -240,11 +251,18 @@ class _Resolver:
         return Slot(self.model.get_submodule(module)._parameters, attr)
 
     def finish(
-        self, checkpoint: Checkpoint, fallback: Mapping[str, str], model_config, where: EngineRank, engines: int
+        self,
+        checkpoint: Checkpoint,
+        fallback: Mapping[str, str],
+        model_config,
+        where: EngineRank,
+        engines: int,
+        seeded: bool = True,
     ) -> VllmBinding:
-        """Destinations, per-name reports and the post-round processor."""
+        """Destinations, per-name reports and the post-round processor (`seeded`: see `build`)."""
         modes = self._modes()
-        buffers, by_live = _loader_buffers(self.reload_modules(), self.probe, self.live)
+        unseeded = set() if seeded else self._covered_whole()
+        buffers, by_live = _loader_buffers(self.reload_modules(), self.probe, self.live, unseeded)
         built = _Built(model_config.dtype, where, engines)
         for entry in self.entries:
             self._add(built, entry, modes, by_live)
@@ -364,11 +382,17 @@ def _same_form(live: torch.Tensor, form: ParamForm) -> bool:
     return (tuple(live.shape), tuple(live.stride()), live.dtype) == (form.shape, form.stride, form.dtype)
 
 
-def _loader_buffers(modules: Sequence[torch.nn.Module], probe: Probe, live: Mapping[str, torch.Tensor]):
+def _loader_buffers(
+    modules: Sequence[torch.nn.Module],
+    probe: Probe,
+    live: Mapping[str, torch.Tensor],
+    unseeded: Collection[int] = (),
+):
     """A loader-form buffer per parameter of every reload module, one per live parameter (tied
-    parameters share theirs): the live value where it still has that form, else zeros, then
-    the loader's constant fills (vocabulary padding). Returns the buffers by module and
-    parameter name, and by live parameter identity."""
+    parameters share theirs): the live value where it still has that form, else zeros (neither
+    for a live parameter in `unseeded`, whose every element the next round writes), then the
+    loader's constant fills (vocabulary padding). Returns the buffers by module and parameter
+    name, and by live parameter identity."""
     fills: dict[int, list] = {}
     for name, found in probe.fills.items():
         if name in live:
@@ -383,10 +407,8 @@ def _loader_buffers(modules: Sequence[torch.nn.Module], probe: Probe, live: Mapp
                 continue
             if id(param) not in by_live:
                 buffer = torch.empty_strided(form.shape, form.stride, dtype=form.dtype, device=param.device)
-                if _same_form(param, form):
-                    buffer.copy_(param.data)
-                else:
-                    buffer.zero_()
+                if id(param) not in unseeded:
+                    buffer.copy_(param.data) if _same_form(param, form) else buffer.zero_()
                 for geometry, value in fills.get(id(param), []):
                     torch.as_strided(buffer, geometry.sizes, geometry.strides, geometry.offset).fill_(value)
                 by_live[id(param)] = buffer

@@ -128,6 +128,10 @@ def _writes_first(func) -> bool:
     return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
 
 
+class _Unattributed(RuntimeError):
+    """A copy the probe cannot ascribe to a checkpoint name while all load in one call."""
+
+
 class _Recorder(TorchDispatchMode):
     """Records the loaders' copies and fills, and what they do in place to a checkpoint tensor;
     nothing else is intercepted."""
@@ -135,7 +139,9 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, sources: dict[int, tuple[str, tuple[int, ...]]], params: dict[int, str], probe: Probe):
         super().__init__()
         self.sources, self.params, self.probe = sources, params, probe
-        self.current = ""
+        self.current: str | None = ""
+        """The checkpoint name being loaded; None while all load in one call (a copy that does not
+        name its checkpoint tensor then raises `_Unattributed`)."""
         self.shape: tuple[int, ...] = ()
         """The current checkpoint tensor's shape, for copies from a tensor derived from it."""
         self.altered: dict[int, float | None] = {}
@@ -167,6 +173,8 @@ class _Recorder(TorchDispatchMode):
         param = self.params.get(storage_key(dst))
         source = self.sources.get(storage_key(src))
         name = source[0] if source is not None else self.current
+        if name is None:
+            raise _Unattributed("a copy from a tensor derived from a checkpoint tensor, while all load at once")
         if param is None:
             self.probe.unresolved[name] = Probe.NOT_A_PARAMETER
             return
@@ -280,13 +288,30 @@ def probe_loads(
 
 
 def _load(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], params: dict[int, str], probe: Probe) -> None:
-    """Feed `tensors` to the model's loader one at a time, recording into `probe`."""
-    recorder = _Recorder({storage_key(t): (n, tuple(t.shape)) for n, t in tensors.items()}, params, probe)
-    with recorder:
+    """Feed `tensors` to the model's loader, recording into `probe`: all in one call when every
+    copy names its checkpoint tensor and the loader raises on none (one walk of the model, where
+    a call per name walks it once per name), else one at a time, each error its name's."""
+    if len(tensors) > 1:
+        together = Probe()
+        try:
+            with _recorder(tensors, params, together) as recorder:
+                recorder.current = None
+                # vLLM's model method: torch types nn.Module.__getattr__ as Tensor | Module
+                model.load_weights(list(tensors.items()))  # type: ignore[operator]
+        except Exception:  # vLLM's loaders raise anything from KeyError to AssertionError; or _Unattributed
+            pass
+        else:
+            for found in ("pieces", "fills", "unresolved"):
+                getattr(probe, found).update(getattr(together, found))
+            return
+    with _recorder(tensors, params, probe) as recorder:
         for name, tensor in tensors.items():
             recorder.current, recorder.shape = name, tuple(tensor.shape)
             try:
-                # vLLM's model method: torch types nn.Module.__getattr__ as Tensor | Module
                 model.load_weights([(name, tensor)])  # type: ignore[operator]
-            except Exception as exc:  # vLLM's loaders raise anything from KeyError to AssertionError
+            except Exception as exc:
                 probe.errors[name] = f"{type(exc).__name__}: {exc}"
+
+
+def _recorder(tensors: Mapping[str, torch.Tensor], params: dict[int, str], probe: Probe) -> _Recorder:
+    return _Recorder({storage_key(t): (n, tuple(t.shape)) for n, t in tensors.items()}, params, probe)

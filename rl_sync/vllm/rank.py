@@ -84,11 +84,17 @@ class VllmDestinations:
         return set_current_vllm_config(self.vllm_config)
 
     def bind(
-        self, checkpoint: Checkpoint, side_rank: int, side_size: int, sharded: Mapping[str, Sequence[int]] | None = None
+        self,
+        checkpoint: Checkpoint,
+        side_rank: int,
+        side_size: int,
+        sharded: Mapping[str, Sequence[int]] | None = None,
+        next_writes_all: bool = False,
     ) -> dict[str, Destination]:
         """Resolve every checkpoint name (collective over the engine's ranks; see the module
         docstring for how side ranks map to engines). `sharded[name]`: the dims a fused tensor is
-        never cut along (`rl_sync.planning.parts.uncuttable_dims`)."""
+        never cut along (`rl_sync.planning.parts.uncuttable_dims`); `next_writes_all`: the next
+        round writes every bound element (`DescribeOptions.next_writes_all`)."""
         where = engine_rank_of(self.vllm_config, side_rank, side_size)
         with self._context():
             self.binding = VllmBinding.build(
@@ -98,6 +104,7 @@ class VllmDestinations:
                 where,
                 engines=side_size // where.size,
                 sharded=sharded,
+                seeded=not next_writes_all,
             )
         return self.binding.destinations
 

@@ -9,12 +9,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-from rl_sync.bind.infer import Geometry
+from rl_sync.bind.infer import Geometry, Piece
 from rl_sync.planning.layout import Box
 from rl_sync.rank.shadow import SWAPS
-from rl_sync.vllm.binding import _module_forms
+from rl_sync.vllm.binding import _loader_buffers, _module_forms
 from rl_sync.vllm.indices import index_tensor
-from rl_sync.vllm.probe import ParamForm, Probe, _Recorder, storage_key
+from rl_sync.vllm.probe import ParamForm, Probe, _load, _Recorder, storage_key
 from rl_sync.vllm.reload import Processor, _adopt
 
 
@@ -34,6 +34,22 @@ def test_a_bias_vllm_widened_after_loading_is_received_in_the_dtype_its_loader_f
     written in place (no form), as are the weights vLLM's metadata does not name."""
     assert _module_forms(_Linear(torch.float32)) == {"bias": ParamForm((6,), (1,), torch.bfloat16)}
     assert _module_forms(_Linear(torch.bfloat16)) == {}
+
+
+def test_a_buffer_the_next_round_writes_whole_is_not_seeded_but_keeps_the_loaders_fills(monkeypatch):
+    """A joining engine's loader-form buffers are written whole by its catch-up or the full round
+    after (`DescribeOptions.next_writes_all`): nothing is copied or zeroed into them first."""
+    layer = _Linear(torch.float32)
+    fills = Probe(fills={"bias": [(Geometry(4, (2,), (1,)), 7.0)]})
+    seeded: list[torch.Tensor] = []
+    zero = torch.Tensor.zero_
+    monkeypatch.setattr(torch.Tensor, "zero_", lambda t: seeded.append(t) or zero(t))
+    buffers, _ = _loader_buffers([layer], fills, {"bias": layer.bias})
+    assert torch.equal(buffers[layer]["bias"], torch.tensor([0, 0, 0, 0, 7, 7], dtype=torch.bfloat16))
+    assert len(seeded) == 1
+    buffers, _ = _loader_buffers([layer], fills, {"bias": layer.bias}, unseeded={id(layer.bias)})
+    assert torch.equal(buffers[layer]["bias"][4:], torch.tensor([7, 7], dtype=torch.bfloat16))
+    assert len(seeded) == 1, "the buffer was zeroed"
 
 
 class _Method:
@@ -169,6 +185,56 @@ def test_a_copy_from_a_tensor_derived_from_the_checkpoint_is_unresolved_with_its
     checkpoint, param = torch.ones(4, 6), torch.zeros(6, 4)
     probe = _recorded(lambda p, w: p.copy_(w.t().contiguous()), checkpoint, param)
     assert probe.pieces == {} and probe.unresolved == {"": Probe.DERIVED}
+
+
+class _Loads(torch.nn.Module):
+    """A model whose loader copies each checkpoint tensor into the parameter of its name, from a
+    copy of it for the names in `derive`, and raises on the names in `refuse`."""
+
+    def __init__(self, derive: tuple[str, ...] = (), refuse: tuple[str, ...] = ()):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False)
+        self.derive, self.refuse, self.calls = derive, refuse, []
+
+    def load_weights(self, weights) -> None:
+        weights = list(weights)
+        self.calls.append([name for name, _ in weights])
+        for name, tensor in weights:
+            if name in self.refuse:
+                raise KeyError(f"no parameter {name}")
+            getattr(self, name).copy_(tensor.clone() if name in self.derive else tensor)
+
+
+def _probed(model: _Loads) -> Probe:
+    probe = Probe()
+    tensors = {"a": torch.empty(4, device="meta"), "b": torch.empty(2, 3, device="meta")}
+    _load(model, tensors, {storage_key(p): n for n, p in model.named_parameters()}, probe)
+    return probe
+
+
+def test_the_probe_loads_every_name_in_one_call_when_each_copy_names_its_checkpoint_tensor():
+    model = _Loads()
+    probe = _probed(model)
+    assert model.calls == [["a", "b"]]
+    assert probe.pieces == {
+        "a": [Piece("a", Box((0,), (4,)), Geometry(0, (4,), (1,)))],
+        "b": [Piece("b", Box((0, 0), (2, 3)), Geometry(0, (2, 3), (3, 1)))],
+    }
+    assert (probe.errors, probe.unresolved) == ({}, {})
+
+
+def test_the_probe_loads_one_name_at_a_time_when_a_copy_or_an_error_names_no_checkpoint_tensor():
+    """A copy from a tensor derived from a checkpoint tensor, or a loader's error, belongs to a name
+    only when one name loads at a time: the one call is given up, and each name loads alone."""
+    model = _Loads(derive=("b",))
+    probe = _probed(model)
+    assert model.calls == [["a", "b"], ["a"], ["b"]]
+    assert list(probe.pieces) == ["a"] and probe.unresolved == {"b": Probe.DERIVED}
+    model = _Loads(refuse=("a",))
+    probe = _probed(model)
+    assert model.calls == [["a", "b"], ["a"], ["b"]]
+    assert list(probe.pieces) == ["b"] and probe.errors == {"a": "KeyError: 'no parameter a'"}
 
 
 def test_copies_from_regrouped_heads_are_read_off_element_indices():
