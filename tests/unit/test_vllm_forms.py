@@ -195,7 +195,8 @@ class _Loads(torch.nn.Module):
         super().__init__()
         self.a = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
         self.b = torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False)
-        self.derive, self.refuse, self.calls = derive, refuse, []
+        self.derive, self.refuse = derive, refuse
+        self.calls: list[list[str]] = []
 
     def load_weights(self, weights) -> None:
         weights = list(weights)
