@@ -106,12 +106,12 @@ def _restarted(actor, *args, timeout_s: float = 60.0) -> None:
             time.sleep(0.5)
 
 
-def _join_fails(sync, engine: list, dying, failed: str) -> None:
-    """`engine` fails to join: `dying` (told to die) dies during the join, and the error says
-    `failed` (a regex) then that it died."""
+def _join_fails(sync, engine: list, dying, failed: str, catch_up: str = "relay") -> None:
+    """`engine` fails to join (caught up as `catch_up` says): `dying` (told to die) dies during the
+    join, and the error says `failed` (a regex) then that it died."""
     _tell(dying, die=True)
     with pytest.raises(SyncError, match=rf"^{failed}: {DIED}"):
-        sync.add_engine(engine)
+        sync.add_engine(engine, catch_up=catch_up)
 
 
 def _replace_w(actor) -> None:
@@ -250,12 +250,14 @@ def test_a_peer_dying_during_the_catch_up_breaks_the_group_and_the_next_push_rep
     assert sync.versions() == [2] * 4, "released, the engine joins at the next try"
 
 
-def test_a_trainer_dying_during_a_join_releases_the_engine_and_the_next_push_repairs_the_group(group):
-    """Trainer 0 dies as the ranks switch to the grown group (after the catch-up): the joining
-    engine is released, the first engine serves the version it holds, and the next push repairs
-    the group as it was (Ray restarted the trainer)."""
+@pytest.mark.parametrize("catch_up", ["relay", "next_push"])
+def test_a_trainer_dying_during_a_join_releases_the_engine_and_the_next_push_repairs_the_group(group, catch_up):
+    """Trainer 0 dies as the ranks switch to the grown group (after the catch-up, if any): the
+    joining engine is released, the first engine serves the version it holds, and the next push
+    repairs the group as it was (Ray restarted the trainer)."""
     sync, trainers, first, second = group
-    _join_fails(sync, second, trainers[0], r"regroup \(switch\) failed on 1 of 6 members:\n  trainer 0 \(rank 0\)")
+    failed = r"regroup \(switch\) failed on 1 of 6 members:\n  trainer 0 \(rank 0\)"
+    _join_fails(sync, second, trainers[0], failed, catch_up)
     _check(first, 1, engines=1)
     assert sync.versions() == [1, 1]
     _restarted(trainers[0], 0, 2, trainer_build(replicas(1)))
