@@ -165,16 +165,18 @@ def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: boo
 
 
 @torch.no_grad()
-def reprocess(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
+def reprocess(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor], swap: bool = False) -> None:
     """Process `layer` again from loader-form `buffers` (one per parameter it loads) and copy
-    the result into its live tensors, which stay registered (see the module docstring)."""
+    the result into its live tensors, which stay registered (see the module docstring); `swap`:
+    swap its parameters' memory in instead where `_adopt` may (an engine whose addresses nothing
+    captured)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     live_params, live_buffers = dict(layer._parameters), dict(layer._buffers)
     non_persistent = set(layer._non_persistent_buffers_set)
     try:
         _process(layer, get_layerwise_info(layer), buffers, {})
-        _adopt(live_params, layer)
+        _adopt(live_params, layer, swap)
         _adopt(live_buffers, layer)
     finally:
         for name in list(layer._parameters) + list(layer._buffers):
@@ -359,10 +361,10 @@ class Processor:
         return len(self.prepared)
 
     def after_update(self, names: Collection[str] | None, swap: bool = False) -> int:
-        """Process what the round changed (install what `prepare` processed of it, `swap`ping the
-        memory behind live tensors where the engine allows: `install`); returns how many modules
-        were processed or installed. The twins and what they replaced are released after it
-        returns (`rl_sync.vllm.release`)."""
+        """Process what the round changed (install what `prepare` processed of it, or process it
+        now; `swap`ping the memory behind live tensors in where the engine allows: `install`,
+        `reprocess`); returns how many modules were processed or installed. The twins and what
+        they replaced are released after it returns (`rl_sync.vllm.release`)."""
         self.releaser.wait()
         prepared, self.prepared = self.prepared, {}
         touched = self._touched(names)
@@ -372,7 +374,7 @@ class Processor:
                 if id(module) in prepared:
                     install(module, prepared[id(module)], swap, replaced)
                 else:
-                    reprocess(module, self.buffers[module])
+                    reprocess(module, self.buffers[module], swap)
             self.process_attention(self._attention_touched(names, touched))
         finally:
             replaced.extend(prepared.values())

@@ -97,6 +97,25 @@ def test_a_weight_the_attention_freed_is_processed_again_for_it_every_round():
         assert kv_b_proj.weight.numel() == 0
 
 
+@pytest.mark.skipif(not SWAPS, reason="this PyTorch cannot swap storages")
+@pytest.mark.parametrize("swap", [True, False])
+def test_a_blocking_round_swaps_the_processed_weight_in_where_the_engine_allows(swap):
+    """Processing after a blocking round makes a new weight from the loader-form buffer; where the
+    engine's addresses are free (`swap`), its memory is swapped in behind the live weight, which
+    stays the same tensor, else copied into it."""
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+    layer = _Linear(torch.bfloat16)
+    layer.quant_method = _Method()
+    record_metadata_for_reloading(torch.nn.ModuleDict({"proj": layer}))
+    live, address = layer.weight, layer.weight.data_ptr()
+    buffers = {layer: {"weight": torch.arange(24, dtype=torch.bfloat16).view(6, 4)}}
+    processor = Processor(layer, torch.bfloat16, None, buffers, {"w": [layer]}, [], [])
+    assert processor.after_update(None, swap=swap) == 1
+    assert layer.weight is live and torch.equal(live, buffers[layer]["weight"])
+    assert (live.data_ptr() != address) == swap
+
+
 class _Counted(torch.nn.Module):
     """An attention layer counting its processing; `k_scale` its own tensor, `inner` a module
     inside it (MLA's `kv_b_proj`)."""
