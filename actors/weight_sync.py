@@ -333,9 +333,9 @@ class WeightSync:
           call (laid out otherwise, or holding no recorded version, the next push carries every
           tensor dense, as with `"next_push"`);
         * `"next_push"`: nothing is sent now, and the next push carries every tensor to every
-          worker, dense. Until then the newcomer reports only a version it already held in this
-          group (`versions()`: None for an engine new to it). The cheaper join when the trainers
-          push before the newcomer serves anyway (a push that is dense costs the same).
+          worker, dense; until then the newcomer reports no version (`versions()`: None). The
+          cheaper join when the trainers push before the newcomer serves anyway (a push that is
+          dense costs the same).
 
         Between rounds, bounded by `timeout_s` (default `SyncConfig.init_budget_s`); a join that
         fails leaves the group as it was, unless one of its own ranks failed (the next push

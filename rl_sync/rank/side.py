@@ -44,7 +44,8 @@ class DescribeOptions:
     next_writes_all: bool = False
     """Worker side: what comes next writes every element this rank binds (a joining engine's
     catch-up by relay, or the full round after it), so buffers the binding allocates need not
-    start from the live values (vLLM's loader-form buffers: `rl_sync.vllm.binding`)."""
+    start from the live values (vLLM's loader-form buffers: `rl_sync.vllm.binding`); the rank
+    reports no version until then (it may not be the source of another engine's catch-up)."""
 
     def __post_init__(self) -> None:
         if self.group is not None and not isinstance(self.group, GroupTag):

@@ -92,6 +92,8 @@ class WorkerRank(Participant):
         if side == "worker":
             self._rl_sync_forget_moved()
             self._rl_sync_kept = None  # every group, and every repair, binds anew: storage may have moved
+            if options is not None and options.next_writes_all:
+                self._rl_sync_version = None  # its new buffers hold nothing until that round (no relay source)
         return super()._rl_sync_describe(side, side_rank, side_size, options)
 
     def _rl_sync_new_numbering(self) -> None:

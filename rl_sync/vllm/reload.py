@@ -142,11 +142,12 @@ def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
 
 
-def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: bool = False) -> None:
+def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: Collection[str] = ()) -> None:
     """Copy what processing made of each of a module's `live` tensors (its parameters or its
     buffers, by name) into it, in place; a released live tensor is replaced in `live` instead.
-    `swap`: exchange the memory behind a live tensor and its result instead of copying, where both
-    are the whole of their storages and alike, and nothing but `processed` holds the result or its
+    `swap`: the names (those rl-sync receives in loader form: no binding watches their live
+    tensors) whose memory is exchanged with their result's instead of copied, where both are the
+    whole of their storages and alike, and nothing but `processed` holds the result or its
     storage (`_swappable`) (`rl_sync.rank.shadow`: for engines whose addresses nothing captured;
     the result is dropped after)."""
     for name, tensor in live.items():
@@ -158,7 +159,7 @@ def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: boo
         held_elsewhere = sys.getrefcount(result) != _ADOPT_REFERENCES
         if _released(tensor, result):
             live[name] = result
-        elif swap and not held_elsewhere and _swappable(tensor, result):
+        elif name in swap and not held_elsewhere and _swappable(tensor, result):
             tensor.untyped_storage()._swap_data_ptr_(result.untyped_storage())  # (SWAPS)
         else:
             tensor.data.copy_(result)
@@ -168,15 +169,15 @@ def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: boo
 def reprocess(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor], swap: bool = False) -> None:
     """Process `layer` again from loader-form `buffers` (one per parameter it loads) and copy
     the result into its live tensors, which stay registered (see the module docstring); `swap`:
-    swap its parameters' memory in instead where `_adopt` may (an engine whose addresses nothing
-    captured)."""
+    swap the memory of the parameters `buffers` feeds in instead where `_adopt` may (an engine
+    whose addresses nothing captured)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     live_params, live_buffers = dict(layer._parameters), dict(layer._buffers)
     non_persistent = set(layer._non_persistent_buffers_set)
     try:
         _process(layer, get_layerwise_info(layer), buffers, {})
-        _adopt(live_params, layer, swap)
+        _adopt(live_params, layer, buffers.keys() if swap else ())
         _adopt(live_buffers, layer)
     finally:
         for name in list(layer._parameters) + list(layer._buffers):
@@ -232,11 +233,11 @@ def _take_over(live: dict, twin: Mapping, skip: frozenset[str], replaced: list) 
 
 
 @torch.no_grad()
-def install(layer: torch.nn.Module, twin: torch.nn.Module, swap: bool, replaced: list) -> None:
-    """Make `prepare`'s results live in `layer`: each processed tensor copied (or, with `swap`,
-    swapped: `_adopt`) into its live one (a released one replaced), then what processing set on
-    the twin and its `quant_method` taken over by the live ones (the kernel holding packed
-    weights), whose objects stay. What they held before is appended to `replaced`, for the
+def install(layer: torch.nn.Module, twin: torch.nn.Module, swap: Collection[str], replaced: list) -> None:
+    """Make `prepare`'s results live in `layer`: each processed tensor copied (or, for the
+    parameter names in `swap`, swapped: `_adopt`) into its live one (a released one replaced),
+    then what processing set on the twin and its `quant_method` taken over by the live ones (the
+    kernel holding packed weights), whose objects stay. What they held before is appended to `replaced`, for the
     caller to release (`rl_sync.vllm.release`). vLLM's weight loaders the twin's tensors carry are
     bound to the live layer where its tensors took them, and to vLLM's sentinel on the twin, so
     nothing keeps the twin, and the previous round's memory it holds after a swap, alive."""
@@ -244,7 +245,7 @@ def install(layer: torch.nn.Module, twin: torch.nn.Module, swap: bool, replaced:
 
     live_params, live_buffers = dict(layer._parameters), dict(layer._buffers)
     _adopt(live_params, twin, swap)
-    _adopt(live_buffers, twin, swap)
+    _adopt(live_buffers, twin)
     layer._parameters.update(live_params)
     layer._buffers.update(live_buffers)
     method = frozenset({"quant_method"})
@@ -372,7 +373,7 @@ class Processor:
         try:
             for module in touched:
                 if id(module) in prepared:
-                    install(module, prepared[id(module)], swap, replaced)
+                    install(module, prepared[id(module)], self.buffers[module].keys() if swap else (), replaced)
                 else:
                     reprocess(module, self.buffers[module], swap)
             self.process_attention(self._attention_touched(names, touched))

@@ -193,3 +193,16 @@ def test_a_commit_that_swaps_is_no_rebinding_and_a_weight_replaced_after_it_gets
     worker._rl_sync_commit(3)
     assert torch.equal(new, torch.ones(4, 3)), "w, rebound, commits by copy now: its spare stays its own"
     assert torch.equal(worker.held["v"].local, torch.full((4, 3), 3.0))
+
+
+def test_a_worker_bound_for_a_round_that_writes_it_whole_reports_no_version_until_then():
+    """An engine joining for the next push (or by relay) binds without seeding its buffers
+    (`DescribeOptions.next_writes_all`): whatever version it held before, it holds none of it in
+    them, so it reports none, and no later join takes it as the source of a catch-up."""
+    worker = _worker(double_buffer=False)
+    worker._rl_sync_version = 2
+    checkpoint = {"w": ("float32", (4, 3)), "v": ("float32", (4, 3))}
+    worker._rl_sync_describe("worker", 0, 1, DescribeOptions(checkpoint=checkpoint))
+    assert worker._rl_sync_version_of() == 2, "bound anew, seeded: it still holds version 2"
+    worker._rl_sync_describe("worker", 0, 1, DescribeOptions(checkpoint=checkpoint, next_writes_all=True))
+    assert worker._rl_sync_version_of() is None

@@ -97,23 +97,34 @@ def test_a_weight_the_attention_freed_is_processed_again_for_it_every_round():
         assert kv_b_proj.weight.numel() == 0
 
 
+class _NewBias(_Method):
+    """A `quant_method` whose processing replaces the bias (vLLM's Marlin FP8 makes it contiguous)."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        bias = layer.bias
+        assert isinstance(bias, torch.Tensor)
+        layer.bias = torch.nn.Parameter(bias.detach() + 1, requires_grad=False)
+
+
 @pytest.mark.skipif(not SWAPS, reason="this PyTorch cannot swap storages")
 @pytest.mark.parametrize("swap", [True, False])
 def test_a_blocking_round_swaps_the_processed_weight_in_where_the_engine_allows(swap):
     """Processing after a blocking round makes a new weight from the loader-form buffer; where the
     engine's addresses are free (`swap`), its memory is swapped in behind the live weight, which
-    stays the same tensor, else copied into it."""
+    stays the same tensor, else copied into it. A tensor no buffer feeds (the bias, written in
+    place, whose address the watch follows) is copied into, whatever processing made of it."""
     from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
 
     layer = _Linear(torch.bfloat16)
-    layer.quant_method = _Method()
+    layer.quant_method = _NewBias()
     record_metadata_for_reloading(torch.nn.ModuleDict({"proj": layer}))
-    live, address = layer.weight, layer.weight.data_ptr()
+    live, address, bias = layer.weight, layer.weight.data_ptr(), layer.bias.data_ptr()
     buffers = {layer: {"weight": torch.arange(24, dtype=torch.bfloat16).view(6, 4)}}
     processor = Processor(layer, torch.bfloat16, None, buffers, {"w": [layer]}, [], [])
     assert processor.after_update(None, swap=swap) == 1
     assert layer.weight is live and torch.equal(live, buffers[layer]["weight"])
     assert (live.data_ptr() != address) == swap
+    assert layer.bias.data_ptr() == bias and torch.equal(layer.bias, torch.ones(6, dtype=torch.bfloat16))
 
 
 class _Counted(torch.nn.Module):
@@ -319,7 +330,7 @@ def test_a_result_held_by_nothing_else_is_swapped_into_the_live_tensor():
     live = torch.zeros(4, 3)
     processed = _processed(2.0)
     address = processed.weight.data_ptr()
-    _adopt({"weight": live}, processed, swap=True)
+    _adopt({"weight": live}, processed, swap={"weight"})
     assert live.data_ptr() == address and torch.equal(live, torch.full((4, 3), 2.0))
 
 
@@ -331,7 +342,7 @@ def test_a_result_a_kernel_kept_an_alias_of_is_copied_so_the_kernel_reads_the_ne
     address = live.data_ptr()
     processed = _processed(2.0)
     kernel_weight = processed.weight.detach()
-    _adopt({"weight": live}, processed, swap=True)
+    _adopt({"weight": live}, processed, swap={"weight"})
     assert live.data_ptr() == address and torch.equal(live, torch.full((4, 3), 2.0))
     assert torch.equal(kernel_weight, torch.full((4, 3), 2.0))
 
@@ -339,7 +350,7 @@ def test_a_result_a_kernel_kept_an_alias_of_is_copied_so_the_kernel_reads_the_ne
 def test_without_swap_the_result_is_copied():
     live = torch.zeros(4, 3)
     address = live.data_ptr()
-    _adopt({"weight": live}, _processed(3.0), swap=False)
+    _adopt({"weight": live}, _processed(3.0))
     assert live.data_ptr() == address and torch.equal(live, torch.full((4, 3), 3.0))
 
 
@@ -350,7 +361,7 @@ def test_a_pytorch_that_cannot_count_storage_holders_copies(monkeypatch):
     monkeypatch.setattr(reload, "_LONE_HOLDERS", None)
     live = torch.zeros(4, 3)
     address = live.data_ptr()
-    _adopt({"weight": live}, _processed(4.0), swap=True)
+    _adopt({"weight": live}, _processed(4.0), swap={"weight"})
     assert live.data_ptr() == address and torch.equal(live, torch.full((4, 3), 4.0))
 
 
@@ -360,7 +371,7 @@ def test_a_result_a_kernel_kept_itself_is_copied_so_the_kernel_reads_the_new_val
     address = live.data_ptr()
     processed = _processed(5.0)
     config = {"bias": processed.weight}
-    _adopt({"weight": live}, processed, swap=True)
+    _adopt({"weight": live}, processed, swap={"weight"})
     assert live.data_ptr() == address and torch.equal(config["bias"], torch.full((4, 3), 5.0))
 
 
