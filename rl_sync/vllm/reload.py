@@ -166,18 +166,17 @@ def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: Col
 
 
 @torch.no_grad()
-def reprocess(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor], swap: bool = False) -> None:
+def reprocess(layer: torch.nn.Module, buffers: Mapping[str, torch.Tensor], swap: Collection[str] = ()) -> None:
     """Process `layer` again from loader-form `buffers` (one per parameter it loads) and copy
-    the result into its live tensors, which stay registered (see the module docstring); `swap`:
-    swap the memory of the parameters `buffers` feeds in instead where `_adopt` may (an engine
-    whose addresses nothing captured)."""
+    the result into its live tensors, which stay registered (see the module docstring); the
+    parameter names in `swap` are swapped in instead where `_adopt` may."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     live_params, live_buffers = dict(layer._parameters), dict(layer._buffers)
     non_persistent = set(layer._non_persistent_buffers_set)
     try:
         _process(layer, get_layerwise_info(layer), buffers, {})
-        _adopt(live_params, layer, buffers.keys() if swap else ())
+        _adopt(live_params, layer, swap)
         _adopt(live_buffers, layer)
     finally:
         for name in list(layer._parameters) + list(layer._buffers):
@@ -237,8 +236,8 @@ def install(layer: torch.nn.Module, twin: torch.nn.Module, swap: Collection[str]
     """Make `prepare`'s results live in `layer`: each processed tensor copied (or, for the
     parameter names in `swap`, swapped: `_adopt`) into its live one (a released one replaced),
     then what processing set on the twin and its `quant_method` taken over by the live ones (the
-    kernel holding packed weights), whose objects stay. What they held before is appended to `replaced`, for the
-    caller to release (`rl_sync.vllm.release`). vLLM's weight loaders the twin's tensors carry are
+    kernel holding packed weights), whose objects stay. What they held before is appended to
+    `replaced`, for the caller to release (`rl_sync.vllm.release`). vLLM's weight loaders the twin's tensors carry are
     bound to the live layer where its tensors took them, and to vLLM's sentinel on the twin, so
     nothing keeps the twin, and the previous round's memory it holds after a swap, alive."""
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs, sanitize_layer_refs
@@ -372,10 +371,11 @@ class Processor:
         replaced: list[object] = []
         try:
             for module in touched:
+                swapped = self.buffers[module].keys() if swap else ()  # (only what rl-sync feeds: `_adopt`)
                 if id(module) in prepared:
-                    install(module, prepared[id(module)], self.buffers[module].keys() if swap else (), replaced)
+                    install(module, prepared[id(module)], swapped, replaced)
                 else:
-                    reprocess(module, self.buffers[module], swap)
+                    reprocess(module, self.buffers[module], swapped)
             self.process_attention(self._attention_touched(names, touched))
         finally:
             replaced.extend(prepared.values())
