@@ -1,4 +1,6 @@
-"""The watch's per-round pass in C (`scan.cpp`), built once per machine and torch version.
+"""rl-sync's C++ modules, built once per machine and torch version: the watch's per-round pass
+(`scan.cpp`) and the memory swap of storages for PyTorch releases without one (`swap.cpp`,
+`rl_sync.rank.swap`).
 
 Each round a rank compares what it reads and writes with what it recorded
 (`rl_sync.rank.watch`). In Python that is a call per tensor, twice (data
@@ -9,20 +11,22 @@ loading a few tensors ahead, so the memory of one is fetched while another is
 compared), and compares object identities in C loops: about 10 ms at 140,000.
 It needs no version counter, so values written in place cost nothing either.
 
-It is compiled with the host's C++ compiler (`c++`, against torch's headers and
+Each module is compiled with the host's C++ compiler (`c++`, against torch's headers and
 its c10 library) the first time a process asks for it, into
 `~/.cache/rl_sync/native/`, under a name that holds a digest of its source, the
 torch version and the Python it is for; later processes load what was built
 (10 to 20 s to build on a loaded 2-core host, a millisecond to load; several
 processes building at once each write their own file and rename it in place).
-Where it cannot be built, or does not read tensors as torch lays them out here
-(checked on sample tensors each time it loads), `scan()` answers None, says why
-in the log once, and the watch uses its Python pass.
+Where one cannot be built, or does not work on torch's objects as laid out here
+(checked on sample tensors each time it loads), its function answers None, says why
+in the log once, and the caller does without it (the watch uses its Python pass; commits copy).
 
     scan = native.scan()             # the module, or None
     if scan is not None:
         scan.record(tensors, rows, slots)      # rows: torch.empty(n, ROW, dtype=torch.int64)
         moved = scan.moved(tensors, rows)      # positions whose layout differs from its row
+    swap = native.swap()             # the module, or None
+    swap.swap(a.untyped_storage()._cdata, b.untyped_storage()._cdata)
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -42,7 +47,7 @@ import torch
 
 log = logging.getLogger("rl_sync")
 
-SOURCE = Path(__file__).with_name("scan.cpp")
+HERE = Path(__file__).parent
 ROW = 10
 """int64 words per recorded layout: data pointer, (dim, dtype, device), four sizes, four strides."""
 UNRECORDED = -1
@@ -58,43 +63,65 @@ _loaded: dict[str, ModuleType | None] = {}
 def scan() -> ModuleType | None:
     """The built scan module, or None where it cannot be had here (see the module docstring)."""
     if "scan" not in _loaded:
-        _loaded["scan"] = _load()
+        _loaded["scan"] = _load("scan", _scan_reads_tensors, "the watch uses its Python pass")
     return _loaded["scan"]
 
 
-def module_name() -> str:
+def swap() -> ModuleType | None:
+    """The built swap module, or None where it cannot be had here (see the module docstring)."""
+    if "swap" not in _loaded:
+        _loaded["swap"] = _load("swap", _swap_exchanges_memory, "commits copy instead of swapping")
+    return _loaded["swap"]
+
+
+def module_name(stem: str) -> str:
     """The module's name: a digest of its source, the torch version and the Python it is built
     for, so that no other build (other checkouts, releases, environments) takes its place."""
-    key = SOURCE.read_bytes() + f"{torch.__version__} {sys.version} {sysconfig.get_platform()}".encode()
-    return f"rl_sync_scan_{hashlib.sha256(key).hexdigest()[:16]}"
+    key = (HERE / f"{stem}.cpp").read_bytes() + f"{torch.__version__} {sys.version} {sysconfig.get_platform()}".encode()
+    return f"rl_sync_{stem}_{hashlib.sha256(key).hexdigest()[:16]}"
 
 
-def _load() -> ModuleType | None:
-    name = module_name()
+def _load(stem: str, works: Callable[[ModuleType], str | None], otherwise: str) -> ModuleType | None:
+    """`stem.cpp` built (once) and loaded, when `works` finds nothing wrong with it (else None,
+    logged with what the caller does `otherwise`)."""
+    name = module_name(stem)
     path = CACHE / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
     try:
         if not path.exists():
-            _build(name, path)
+            _build(HERE / f"{stem}.cpp", name, path)
         spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None  # an extension module's path
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except (OSError, ImportError, subprocess.SubprocessError) as exc:
-        log.warning("rl-sync: the C scan of tensors cannot be built here (%s); the watch uses its Python pass", exc)
+        log.warning("rl-sync: the C++ module %s cannot be built here (%s); %s", stem, exc, otherwise)
         return None
-    module.bind(torch.Tensor)
-    samples = (torch.empty(3), torch.nn.Parameter(torch.empty(2)), torch.empty(4)[1:])
-    if any(module.impl_address(t) != t._cdata for t in samples):
-        log.warning(
-            "rl-sync: the C scan does not read tensors as torch %s lays them out; the watch uses its Python pass",
-            torch.__version__,
-        )
+    wrong = works(module)
+    if wrong is not None:
+        log.warning("rl-sync: the C++ module %s %s with torch %s; %s", stem, wrong, torch.__version__, otherwise)
         return None
     return module
 
 
-def _build(name: str, path: Path) -> None:
-    """Compile `scan.cpp` into `path` (through a file of this process's own, renamed in place)."""
+def _scan_reads_tensors(module: ModuleType) -> str | None:
+    module.bind(torch.Tensor)
+    samples = (torch.empty(3), torch.nn.Parameter(torch.empty(2)), torch.empty(4)[1:])
+    if any(module.impl_address(t) != t._cdata for t in samples):
+        return "does not read tensors as torch lays them out"
+    return None
+
+
+def _swap_exchanges_memory(module: ModuleType) -> str | None:
+    a, b = torch.arange(4, dtype=torch.int32), torch.arange(4, 8, dtype=torch.int32)
+    view = a[1:]
+    module.swap(a.untyped_storage()._cdata, b.untyped_storage()._cdata)
+    if a.tolist() != [4, 5, 6, 7] or b.tolist() != [0, 1, 2, 3] or view.tolist() != [5, 6, 7]:
+        return "does not exchange storages' memory"
+    return None
+
+
+def _build(source: Path, name: str, path: Path) -> None:
+    """Compile `source` into `path` (through a file of this process's own, renamed in place)."""
     from torch.utils import cpp_extension
 
     compiler = shutil.which("c++") or shutil.which("g++")
@@ -113,7 +140,7 @@ def _build(name: str, path: Path) -> None:
         f"-DTORCH_EXTENSION_NAME={name}",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-isystem{p}" for p in includes),
-        str(SOURCE),
+        str(source),
         "-o",
         str(part),
         *(f"-L{p}" for p in libraries),

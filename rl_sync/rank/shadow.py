@@ -7,8 +7,8 @@ every rank. Each storage behind the bound views commits one of two ways:
 * **copy**: the spare is a contiguous copy of each bound view; commit copies it
   into the live view (the bound bytes, once, while the engine waits);
 * **swap**: the spare is a copy of the whole storage; commit exchanges the
-  memory behind the live storage and its spare (`UntypedStorage._swap_data_ptr_`,
-  O(1) per storage), so every tensor and view of the live storage sees the new
+  memory behind the live storage and its spare (`rl_sync.rank.swap`, O(1) per
+  storage), so every tensor and view of the live storage sees the new
   round at once. The spare then holds the previous round, so the next round
   that writes only part of it (sparse, `auto`, a subset of names) first catches
   it up from the live one: a copy made while the engine keeps serving. Only for
@@ -36,10 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.endpoint import Endpoint
-
-SWAPS = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-"""Whether this PyTorch can exchange the memory behind two storages; without it every storage
-commits by copy."""
+from .swap import can_swap, swap_memory
 
 
 def _spare_view(view: torch.Tensor, spare: torch.UntypedStorage) -> torch.Tensor:
@@ -82,7 +79,7 @@ class Shadows:
     def of(cls, endpoints: Mapping[str, Endpoint], keep: Collection[str], swappable: Collection[str]) -> Shadows:
         """Spares for every endpoint but those named in `keep` (received as they are: fallbacks,
         loaded whole at commit). A storage is swapped when every bound name in it is in
-        `swappable` and this PyTorch can swap."""
+        `swappable` and this process can swap (`rl_sync.rank.swap`)."""
         names_in: dict[int, list[str]] = {}
         for name, endpoint in endpoints.items():
             if name not in keep:
@@ -90,7 +87,7 @@ class Shadows:
         shadows = cls(dict(endpoints), {}, {})
         for names in names_in.values():
             live = endpoints[names[0]].tensor.untyped_storage()
-            if SWAPS and all(n in swappable for n in names):
+            if all(n in swappable for n in names) and can_swap():
                 shadows.storages.append(Swapped(live, live.clone(), names))
                 for name in names:
                     view = endpoints[name].tensor
@@ -162,7 +159,7 @@ class Shadows:
         for device in {s.live.device for s in self.storages if s.live.device.type == "cuda"}:
             torch.cuda.synchronize(device)  # no queued kernel may still read what becomes the spare
         for swapped in self.storages:
-            swapped.live._swap_data_ptr_(swapped.spare)  # type: ignore[attr-defined]  # PyTorch's, untyped (SWAPS)
+            swap_memory(swapped.live, swapped.spare)
         self.stale = True
         self.endpoints = dict(self.endpoints)
         return True

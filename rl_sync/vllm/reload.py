@@ -42,7 +42,7 @@ from typing import Any, cast
 
 import torch
 
-from ..rank.shadow import SWAPS
+from ..rank.swap import can_swap, swap_memory
 from .modes import platform_kind
 from .release import Releaser
 
@@ -134,7 +134,7 @@ def _sole_storage(tensor: torch.Tensor) -> bool:
 def _swappable(live: torch.Tensor, result: torch.Tensor) -> bool:
     """Whether `result` may swap its memory with `live`: both alike and the whole of their
     storages, and no other tensor over the result's storage."""
-    return SWAPS and _alike(live, result) and _alone(live) and _alone(result) and _sole_storage(result)
+    return _alike(live, result) and _alone(live) and _alone(result) and _sole_storage(result) and can_swap()
 
 
 def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -160,7 +160,7 @@ def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: Col
         if _released(tensor, result):
             live[name] = result
         elif name in swap and not held_elsewhere and _swappable(tensor, result):
-            tensor.untyped_storage()._swap_data_ptr_(result.untyped_storage())  # (SWAPS)
+            swap_memory(tensor.untyped_storage(), result.untyped_storage())
         else:
             tensor.data.copy_(result)
 

@@ -27,7 +27,7 @@ def _write(shadows: Shadows, value: float) -> None:
         shadows.endpoints[name].tensor.fill_(value)
 
 
-def test_rounds_land_in_the_spares_and_a_swap_makes_them_live_without_a_copy():
+def test_rounds_land_in_the_spares_and_a_swap_makes_them_live_without_a_copy(each_swap):
     fused, norm, endpoints = _bound()
     before = fused.clone()
     shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "k", "n"})
@@ -46,7 +46,7 @@ def test_rounds_land_in_the_spares_and_a_swap_makes_them_live_without_a_copy():
     assert torch.equal(shadows.endpoints["q"].tensor, before[:, :2]), "the spare now holds the previous round"
 
 
-def test_a_stale_spare_catches_up_before_a_partial_round_and_not_before_a_full_one():
+def test_a_stale_spare_catches_up_before_a_partial_round_and_not_before_a_full_one(each_swap):
     fused, _, endpoints = _bound()
     shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "k", "n"})
     _write(shadows, 7.0)
@@ -63,7 +63,7 @@ def test_a_stale_spare_catches_up_before_a_partial_round_and_not_before_a_full_o
     assert shadows.endpoints["q"].tensor[0, 0].item() == 7.0, "no catch-up before a round that writes all"
 
 
-def test_a_storage_with_a_name_the_engine_does_not_allow_commits_by_copy():
+def test_a_storage_with_a_name_the_engine_does_not_allow_commits_by_copy(each_swap):
     fused, norm, endpoints = _bound()
     address = fused.data_ptr()
     shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "n"})

@@ -11,7 +11,6 @@ pytest.importorskip("vllm")
 
 from rl_sync.bind.infer import Geometry, Piece
 from rl_sync.planning.layout import Box
-from rl_sync.rank.shadow import SWAPS
 from rl_sync.vllm.binding import _loader_buffers, _module_forms
 from rl_sync.vllm.indices import index_tensor
 from rl_sync.vllm.probe import ParamForm, Probe, _load, _Recorder, storage_key
@@ -106,9 +105,8 @@ class _NewBias(_Method):
         layer.bias = torch.nn.Parameter(bias.detach() + 1, requires_grad=False)
 
 
-@pytest.mark.skipif(not SWAPS, reason="this PyTorch cannot swap storages")
 @pytest.mark.parametrize("swap", [True, False])
-def test_a_blocking_round_swaps_the_processed_weight_in_where_the_engine_allows(swap):
+def test_a_blocking_round_swaps_the_processed_weight_in_where_the_engine_allows(swap, each_swap):
     """Processing after a blocking round makes a new weight from the loader-form buffer; where the
     engine's addresses are free (`swap`), its memory is swapped in behind the live weight, which
     stays the same tensor, else copied into it. A tensor no buffer feeds (the bias, written in
@@ -325,8 +323,7 @@ def _processed(value: float) -> torch.nn.Module:
     return module
 
 
-@pytest.mark.skipif(not SWAPS, reason="this PyTorch cannot swap storages")
-def test_a_result_held_by_nothing_else_is_swapped_into_the_live_tensor():
+def test_a_result_held_by_nothing_else_is_swapped_into_the_live_tensor(each_swap):
     live = torch.zeros(4, 3)
     processed = _processed(2.0)
     address = processed.weight.data_ptr()
@@ -334,8 +331,7 @@ def test_a_result_held_by_nothing_else_is_swapped_into_the_live_tensor():
     assert live.data_ptr() == address and torch.equal(live, torch.full((4, 3), 2.0))
 
 
-@pytest.mark.skipif(not SWAPS, reason="this PyTorch cannot swap storages")
-def test_a_result_a_kernel_kept_an_alias_of_is_copied_so_the_kernel_reads_the_new_values():
+def test_a_result_a_kernel_kept_an_alias_of_is_copied_so_the_kernel_reads_the_new_values(each_swap):
     """vLLM's zentorch linear keeps `weight.detach()` in its closure: a swap would leave it on the
     old values."""
     live = torch.zeros(4, 3)
@@ -400,8 +396,7 @@ class _Loaded(torch.nn.Module):
         param.data.copy_(loaded)
 
 
-@pytest.mark.skipif(not SWAPS, reason="this PyTorch cannot swap storages")
-def test_a_commit_leaves_nothing_holding_its_twin_or_the_kernels_it_replaced():
+def test_a_commit_leaves_nothing_holding_its_twin_or_the_kernels_it_replaced(each_swap):
     """A twin holds the previous round's memory after the swaps: once the release ran, neither it
     nor the kernel it replaced may live on (vLLM's reload binds its kept metadata to the layer it
     restores, here the twin), round after round, without the garbage collector."""

@@ -1,0 +1,69 @@
+// The memory behind two storages exchanged in O(1), for PyTorch releases without
+// UntypedStorage._swap_data_ptr_ (built and loaded by native.py; used by rl_sync.rank.swap).
+//
+// swap(a, b)    a and b: two storages' StorageImpl addresses (UntypedStorage._cdata), of the
+//               same size on the same device; afterwards each holds the other's memory (its
+//               allocation and the deleter that frees it), so every tensor over either one reads
+//               the other's bytes. The caller holds both storages for the call.
+#include <Python.h>
+#include <c10/core/StorageImpl.h>
+
+#include <string>
+
+namespace {
+
+c10::StorageImpl* storage_at(PyObject* address, const char* what) {
+  void* pointer = PyLong_AsVoidPtr(address);
+  if (pointer == nullptr && !PyErr_Occurred()) {
+    PyErr_Format(PyExc_ValueError, "swap: %s is a null StorageImpl address; expected UntypedStorage._cdata", what);
+  }
+  return static_cast<c10::StorageImpl*>(pointer);
+}
+
+PyObject* swap(PyObject*, PyObject* args) {
+  PyObject *first = nullptr, *second = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!:swap", &PyLong_Type, &first, &PyLong_Type, &second)) {
+    return nullptr;
+  }
+  c10::StorageImpl* a = storage_at(first, "a");
+  if (a == nullptr) {
+    return nullptr;
+  }
+  c10::StorageImpl* b = storage_at(second, "b");
+  if (b == nullptr) {
+    return nullptr;
+  }
+  if (a->nbytes() != b->nbytes() || a->device() != b->device()) {
+    const std::string message = "swap: storages of " + std::to_string(a->nbytes()) + " bytes on " +
+        a->device().str() + " and " + std::to_string(b->nbytes()) + " bytes on " + b->device().str() +
+        "; expected the same size on the same device";
+    PyErr_SetString(PyExc_ValueError, message.c_str());
+    return nullptr;
+  }
+  try {
+    at::DataPtr held = a->set_data_ptr(std::move(b->mutable_data_ptr()));
+    b->set_data_ptr(std::move(held));
+  } catch (const c10::Error& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what_without_backtrace());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"swap", swap, METH_VARARGS, "Exchange the memory behind two storages (their _cdata addresses)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+#define RL_SYNC_TEXT(name) #name
+#define RL_SYNC_NAME(name) RL_SYNC_TEXT(name)
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, RL_SYNC_NAME(TORCH_EXTENSION_NAME), nullptr, -1, methods};
+
+}  // namespace
+
+#define RL_SYNC_INIT_NAME(name) PyInit_##name
+#define RL_SYNC_INIT(name) RL_SYNC_INIT_NAME(name)
+
+PyMODINIT_FUNC RL_SYNC_INIT(TORCH_EXTENSION_NAME)() {
+  return PyModule_Create(&module);
+}
