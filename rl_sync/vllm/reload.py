@@ -149,9 +149,8 @@ def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: Col
     tensors) whose memory is exchanged with their result's instead of copied, where both are the
     whole of their storages and alike, and nothing but `processed` holds the result or its
     storage (`_swappable`) (`rl_sync.rank.shadow`: for engines whose addresses nothing captured;
-    the result is dropped after, freeing the old memory: the device is synchronized before the
-    first swap on it, so no queued kernel still reads that memory when another stream reuses it)."""
-    synchronized: set[torch.device] = set()
+    the result is dropped after, freeing the old memory once the work queued on this thread's
+    stream so far, which may still read it, has run: `record_stream`)."""
     for name, tensor in live.items():
         result = getattr(processed, name, None)
         if tensor is None or result is None or result is tensor:
@@ -162,10 +161,9 @@ def _adopt(live: MutableMapping[str, Any], processed: torch.nn.Module, swap: Col
         if _released(tensor, result):
             live[name] = result
         elif name in swap and not held_elsewhere and _swappable(tensor, result):
-            if tensor.is_cuda and tensor.device not in synchronized:
-                torch.cuda.synchronize(tensor.device)
-                synchronized.add(tensor.device)
             swap_memory(tensor.untyped_storage(), result.untyped_storage())
+            if result.is_cuda:
+                result.record_stream(torch.cuda.current_stream(result.device))
         else:
             tensor.data.copy_(result)
 
