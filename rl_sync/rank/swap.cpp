@@ -3,8 +3,9 @@
 //
 // swap(a, b)    a and b: two storages' StorageImpl addresses (UntypedStorage._cdata), of the
 //               same size on the same device; afterwards each holds the other's memory (its
-//               allocation and the deleter that frees it), so every tensor over either one reads
-//               the other's bytes. The caller holds both storages for the call.
+//               allocation and the deleter that frees it, the allocator that resizes it and
+//               whether it may), so every tensor over either one reads the other's bytes. The
+//               caller holds both storages for the call.
 #include <Python.h>
 #include <c10/core/StorageImpl.h>
 
@@ -43,6 +44,12 @@ PyObject* swap(PyObject*, PyObject* args) {
   try {
     at::DataPtr held = a->set_data_ptr(std::move(b->mutable_data_ptr()));
     b->set_data_ptr(std::move(held));
+    c10::Allocator* allocator = a->allocator();
+    const bool resizable = a->resizable();
+    a->set_allocator(b->allocator());
+    b->set_allocator(allocator);
+    a->set_resizable(b->resizable());
+    b->set_resizable(resizable);
   } catch (const c10::Error& error) {
     PyErr_SetString(PyExc_RuntimeError, error.what_without_backtrace());
     return nullptr;
