@@ -75,9 +75,10 @@ def swap() -> ModuleType | None:
 
 
 def module_name(stem: str) -> str:
-    """The module's name: a digest of its source, the torch version and the Python it is built
+    """The module's name: a digest of its sources (with `module.h`), the torch version and the Python it is built
     for, so that no other build (other checkouts, releases, environments) takes its place."""
-    key = (HERE / f"{stem}.cpp").read_bytes() + f"{torch.__version__} {sys.version} {sysconfig.get_platform()}".encode()
+    sources = (HERE / f"{stem}.cpp").read_bytes() + (HERE / "module.h").read_bytes()
+    key = sources + f"{torch.__version__} {sys.version} {sysconfig.get_platform()}".encode()
     return f"rl_sync_{stem}_{hashlib.sha256(key).hexdigest()[:16]}"
 
 

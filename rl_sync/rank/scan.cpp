@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "module.h"
+
 namespace {
 
 // The head of torch's Python tensor object (THPVariable, torch/csrc/autograd/python_variable.h):
@@ -320,16 +322,6 @@ PyMethodDef methods[] = {
     {"moved", moved, METH_VARARGS, "Positions whose tensor's layout differs from its row."},
     {nullptr, nullptr, 0, nullptr}};
 
-#define RL_SYNC_TEXT(name) #name
-#define RL_SYNC_NAME(name) RL_SYNC_TEXT(name)
-
-PyModuleDef module = {PyModuleDef_HEAD_INIT, RL_SYNC_NAME(TORCH_EXTENSION_NAME), nullptr, -1, methods};
-
 }  // namespace
 
-#define RL_SYNC_INIT_NAME(name) PyInit_##name
-#define RL_SYNC_INIT(name) RL_SYNC_INIT_NAME(name)
-
-PyMODINIT_FUNC RL_SYNC_INIT(TORCH_EXTENSION_NAME)() {
-  return PyModule_Create(&module);
-}
+RL_SYNC_MODULE(methods)

@@ -11,6 +11,8 @@
 
 #include <string>
 
+#include "module.h"
+
 namespace {
 
 c10::StorageImpl* storage_at(PyObject* address, const char* what) {
@@ -61,16 +63,6 @@ PyMethodDef methods[] = {
     {"swap", swap, METH_VARARGS, "Exchange the memory behind two storages (their _cdata addresses)."},
     {nullptr, nullptr, 0, nullptr}};
 
-#define RL_SYNC_TEXT(name) #name
-#define RL_SYNC_NAME(name) RL_SYNC_TEXT(name)
-
-PyModuleDef module = {PyModuleDef_HEAD_INIT, RL_SYNC_NAME(TORCH_EXTENSION_NAME), nullptr, -1, methods};
-
 }  // namespace
 
-#define RL_SYNC_INIT_NAME(name) PyInit_##name
-#define RL_SYNC_INIT(name) RL_SYNC_INIT_NAME(name)
-
-PyMODINIT_FUNC RL_SYNC_INIT(TORCH_EXTENSION_NAME)() {
-  return PyModule_Create(&module);
-}
+RL_SYNC_MODULE(methods)
