@@ -93,7 +93,7 @@ class Digester:
         mac = blake3(struct.pack(">q", len(self.label)) + self.label, key=self._key)
         mac.update(struct.pack(f">qqqq{len(lengths)}q", src, dst, seq, len(lengths), *lengths))
         for chunk in chunks:
-            mac.update(chunk)
+            mac.update(chunk.cast("B"))  # (NH words are int64: BLAKE3 takes bytes)
         return mac.digest(TAG_BYTES)
 
     def tag(self, src: int, dst: int, seq: int, bufs: Sequence[torch.Tensor], deadline: float) -> bytes:

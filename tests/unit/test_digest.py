@@ -105,3 +105,15 @@ def test_a_flipped_byte_fails_the_bucket_naming_the_sender(served):
             assert result is True
     for t in transports:
         t.close()
+
+
+def test_nh_words_are_sealed_as_their_bytes():
+    """On GPUs the tag seals a transfer's NH words (int64) brought to the host; BLAKE3 takes bytes,
+    so they are sealed as the bytes they are, whatever the array's element type."""
+    words = torch.arange(6, dtype=torch.int64) * 0x0101010101
+    keyed = Digester("keyed", b"k" * 32, label=b"g")
+    as_words = keyed.seal(0, 1, 0, [48], [words.numpy().data, words.numpy()[2:4].data])
+    as_bytes = keyed.seal(
+        0, 1, 0, [48], [words.view(torch.uint8).numpy().data, words[2:4].view(torch.uint8).numpy().data]
+    )
+    assert as_words == as_bytes and len(as_words) == 32
