@@ -22,7 +22,7 @@ shared page (`rl_sync.transport.doorbell`).
 Typical use (inside the coordinator)::
 
     results = paired_round(c, round_)          # None: memory moved, mapped anew; run it again
-    moved = begin(c, version, ticket, what)    # ... trainers' round ...; end(c, ...)
+    moved = begin(c, version, ticket, writes_all, what)    # ... trainers' round ...; end(c, ...)
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from rl_sync.config.sync import DENSE_MODES
 from rl_sync.wire.codec import decode
 from rl_sync.wire.messages import RankStats, RoundInfo
 
@@ -62,11 +63,12 @@ def paired_round(c: Coordinator, round_: OpenRound) -> list[RankStats] | None:
     info = decode(RoundInfo, round_.blob)
     step = c.config.round_timeout_s + 5
     trainers = set(map(id, c.ranks))
+    writes_all = writes_every_element(round_.mode, round_.names)
 
     def call(m):
         if id(m) in trainers:
             return m.run(round_.blob, round_.version, c.reply)
-        return m.ipc_round(round_.version, round_.names, info.ticket, info.timeout_s)
+        return m.ipc_round(round_.version, round_.names, info.ticket, info.timeout_s, writes_all)
 
     answers = gather(c.ranks + c.workers, call, c.budget.left(step), round_.what)
     world = sum(m.size for m in c.ranks)
@@ -75,12 +77,20 @@ def paired_round(c: Coordinator, round_: OpenRound) -> list[RankStats] | None:
     return with_workers(c, [decode(RankStats, a) for a in answers[:world]])
 
 
-def begin(c: Coordinator, version: int, ticket: int, what: str) -> bool:
-    """Open round `version` (`ticket`) on every colocated worker; a worker whose memory moved since
-    its export answers a new one, which its trainer maps before any write. True if any moved."""
+def writes_every_element(mode: str, names: tuple[str, ...] | None) -> bool:
+    """Whether a round of `mode` over `names` (None: all) writes every element a worker binds:
+    then its shadows need not catch up first (`rl_sync.rank.shadow`)."""
+    return mode in DENSE_MODES and names is None
+
+
+def begin(c: Coordinator, version: int, ticket: int, writes_all: bool, what: str) -> bool:
+    """Open round `version` (`ticket`; it `writes_all`: `writes_every_element`) on every colocated
+    worker; a worker whose memory moved since its export answers a new one, which its trainer maps
+    before any write. True if any moved."""
     step = c.config.round_timeout_s + 5
+    call = lambda m: m.ipc_begin(version, ticket, writes_all, c.reply)  # noqa: E731
     try:
-        opened = gather(c.workers, lambda m: m.ipc_begin(version, ticket, c.reply), c.budget.left(step), what)
+        opened = gather(c.workers, call, c.budget.left(step), what)
         return _remapped(c, opened, what)
     except SyncError:
         c.broken = what

@@ -492,7 +492,9 @@ class Coordinator:
         mode, reason = self.refresh.round_mode(mode)
         start = time.perf_counter()
         ticket, paired = colocated.next_ticket(self), paired and colocated.one_step(self)
-        if self.ipc and not paired and colocated.begin(self, version, ticket, f"round {version} (CUDA IPC)"):
+        writes_all = colocated.writes_every_element(mode, None if planned is None else tuple(planned))
+        what_ipc = f"round {version} (CUDA IPC)"
+        if self.ipc and not paired and colocated.begin(self, version, ticket, writes_all, what_ipc):
             self.refresh.memory_moved()
         full = self.refresh.full_round(mode)
         if full is not None:

@@ -77,11 +77,11 @@ class ActorMember:
     def ipc_export(self, devices: Sequence[str], timeout_s: float, reply: Rendezvous | None):
         return self.handle._rl_sync_ipc_export.remote(devices[0], timeout_s)
 
-    def ipc_begin(self, version: int, ticket: int, reply: Rendezvous | None):
-        return self.handle._rl_sync_ipc_begin.remote(ticket)
+    def ipc_begin(self, version: int, ticket: int, writes_all: bool, reply: Rendezvous | None):
+        return self.handle._rl_sync_ipc_begin.remote(ticket, writes_all)
 
-    def ipc_round(self, version: int, names: tuple[str, ...] | None, ticket: int, timeout_s: float):
-        return self.handle._rl_sync_ipc_round.remote(version, names, ticket, timeout_s)
+    def ipc_round(self, version: int, names: tuple[str, ...] | None, ticket: int, timeout_s: float, writes_all: bool):
+        return self.handle._rl_sync_ipc_round.remote(version, names, ticket, timeout_s, writes_all)
 
     def ipc_remap(self, ipc: bytes):
         return self.handle._rl_sync_ipc_remap.remote(ipc)
@@ -175,8 +175,8 @@ class ServiceMember:
         request = IpcRequest(0, None, timeout_s, self._reply(reply))
         return self.handle._rl_sync_service_ipc_export.remote(encode(request))
 
-    def ipc_begin(self, version: int, ticket: int, reply: Rendezvous | None):
-        request = IpcRequest(version, None, 1.0, self._reply(reply), ticket)
+    def ipc_begin(self, version: int, ticket: int, writes_all: bool, reply: Rendezvous | None):
+        request = IpcRequest(version, None, 1.0, self._reply(reply), ticket, writes_all)
         return self.handle._rl_sync_service_ipc_begin.remote(encode(request))
 
     def ipc_end(self, version: int, names: tuple[str, ...] | None, reply: Rendezvous | None):

@@ -41,6 +41,9 @@ from .sparse_round import BucketViews, SparseCounters, SparseIO, run_sparse_buck
 
 MAX_PROGRAMS = 4
 """Compiled rounds (and expanded rank slices) kept per session: the full round plus recent subsets."""
+FACES = 2
+"""Mappings of the transport's own destinations a session keeps endpoints for: a colocated worker
+whose commits swap alternates between two (`rl_sync.transport.cuda_ipc`)."""
 
 
 def join_group(info: InitInfo, bind_host: str, device: torch.device) -> Transport:
@@ -131,9 +134,9 @@ class RankSession:
         self.dtypes = [getattr(torch, s.dtype) for s in self.plan.specs]
         self.device = torch.device(device)
         self._gather = None
-        self._programs: dict[tuple | None, tuple[Mapping, Mapping, Program]] = {}
+        self._programs: dict[tuple, tuple[Mapping, Mapping, Program]] = {}
         self._slices: dict[tuple | None, RankSchedule] = {}
-        self._sparse: dict[tuple | None, _SparseKept] = {}
+        self._sparse: dict[tuple, _SparseKept] = {}
         self.compiles = 0
         """Rounds compiled so far; replayed rounds do not count."""
         self.baselines: dict[int, Endpoint] | None = None
@@ -143,8 +146,9 @@ class RankSession:
         self.joined = join_group(info, bind_host, device)
         """The transport as joined; `transport` is it with the digest `info.integrity` asks for."""
         self.transport = checked(self.joined, info)
-        self._reached: tuple[Mapping[str, torch.Tensor], dict[str, Endpoint]] = ({}, {})
-        """The transport's own destinations (`Transport.destinations`) and the endpoints over them."""
+        self._reached: dict[int, tuple[Mapping[str, torch.Tensor], dict[str, Endpoint]]] = {}
+        """The transport's own destinations (`Transport.destinations`: at most `FACES` mappings that
+        alternate) and the endpoints over each, by the mapping's `id`."""
 
     def _destinations(self, dests: Mapping[str, Endpoint]) -> Mapping[str, Endpoint]:
         """`dests`, unless the transport reaches this rank's destinations itself: then endpoints
@@ -152,9 +156,12 @@ class RankSession:
         views = self.transport.destinations()
         if not views:
             return dests
-        if views is not self._reached[0]:
-            self._reached = (views, self._endpoints_over(views))
-        return self._reached[1]
+        reached = self._reached.get(id(views))
+        if reached is None or reached[0] is not views:
+            if len(self._reached) >= FACES:
+                self._reached.pop(next(iter(self._reached)))
+            reached = self._reached[id(views)] = (views, self._endpoints_over(views))
+        return reached[1]
 
     def _endpoints_over(self, views: Mapping[str, torch.Tensor]) -> dict[str, Endpoint]:
         """Endpoints for live views of this rank's destination boxes."""
@@ -308,16 +315,22 @@ class RankSession:
         """This subset's endpoints by tensor index and each bucket's views (None until its first round
         builds them), kept while the endpoint mappings and the baselines are the same objects, as
         compiled rounds are: a sparse round then neither walks the plan's tensors nor slices a view."""
-        kept = self._sparse.get(wanted)
+        key = self._key(wanted, dests)
+        kept = self._sparse.get(key)
         if kept is not None and kept.sources is sources and kept.dests is dests and kept.baselines is self.baselines:
             return kept
-        self._sparse.pop(wanted, None)
+        self._sparse.pop(key, None)
         src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
         kept = _SparseKept(sources, dests, self.baselines, src, dst, [None] * len(self._slice(wanted).buckets))
         if len(self._sparse) >= MAX_PROGRAMS:
             self._sparse.pop(next(iter(self._sparse)))
-        self._sparse[wanted] = kept
+        self._sparse[key] = kept
         return kept
+
+    def _key(self, wanted: tuple[int, ...] | None, dests: Mapping) -> tuple:
+        """What a subset's compiled round is kept under: the subset, and which face of the
+        transport's own destinations it writes (they alternate, `FACES`), if it writes those."""
+        return (wanted, id(dests) if any(dests is e for _, e in self._reached.values()) else None)
 
     def _slice(self, wanted: tuple[int, ...] | None) -> RankSchedule:
         """This rank's buckets for a tensor subset, expanded once (sparse rounds replay it)."""
@@ -328,18 +341,20 @@ class RankSession:
         return self._slices[wanted]
 
     def _program(self, wanted: tuple[int, ...] | None, sources: Mapping, dests: Mapping) -> Program:
-        """The compiled round for this subset, rebuilt only when the endpoint mappings change."""
-        cached = self._programs.get(wanted)
+        """The compiled round for this subset, rebuilt only when the endpoint mappings change (one
+        per face of the transport's own destinations, which alternate)."""
+        key = self._key(wanted, dests)
+        cached = self._programs.get(key)
         if cached is not None and cached[0] is sources and cached[1] is dests:
             return cached[2]
-        self._programs.pop(wanted, None)
+        self._programs.pop(key, None)
         src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
         io = BucketIO(lambda _b, t: src[t], lambda _b, t: dst[t], self.dtypes)
         program = compile_program(self._slice(wanted).buckets, io, self.device)
         self.compiles += 1
         if len(self._programs) >= MAX_PROGRAMS:
             self._programs.pop(next(iter(self._programs)))
-        self._programs[wanted] = (sources, dests, program)
+        self._programs[key] = (sources, dests, program)
         return program
 
     def _gather_schedule(self):

@@ -3,7 +3,8 @@
 In a colocated group (`rl_sync.transport.cuda_ipc`) the coordinator starts a
 round on the trainers and on their workers at once. Before writing, each
 trainer waits on its pair's shared page (`rl_sync.transport.doorbell`) until
-its worker has checked its bindings and marked its last reads (`READY`), or
+its worker has checked its bindings and marked its last reads (`READY`, or
+`READY_ALTERNATE`: write its export's alternate face), or
 found its memory moved (`MOVED`: its trainer must map a new export first), or
 failed (`FAILED`). The trainers then agree: every one writes only when every
 worker is ready, since a trainer that stayed out would leave the others
@@ -31,7 +32,7 @@ import torch
 
 from ..transport.base import Transport
 from ..transport.cuda_ipc import IpcTransport
-from ..transport.doorbell import READY
+from ..transport.doorbell import READIES
 from ..wire.messages import RoundInfo
 
 
@@ -70,7 +71,7 @@ class Pair(NamedTuple):
 
     def agreed(self) -> bool:
         """Wait for the worker's word, then agree with every trainer: True when all may write."""
-        go = self.mapped is None or self.mapped.await_worker(self.ticket, self.deadline) == READY
+        go = self.mapped is None or self.mapped.await_worker(self.ticket, self.deadline) in READIES
         return agree(self.group, go, self.deadline)
 
     def ring(self, state: int) -> None:

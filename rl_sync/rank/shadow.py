@@ -110,6 +110,12 @@ class Shadows:
                 return _spare_view(tensor, swapped.spare)
         return None
 
+    def alternate(self, views: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`views` (where rounds write now: `endpoints`' tensors) as rounds write them after an odd
+        number of commits that swap: each swapped name's live view, the rest as they are. What a
+        colocated worker exports as its alternate face (`rl_sync.transport.cuda_ipc`)."""
+        return {name: self.swapped[name][0] if name in self.swapped else view for name, view in views.items()}
+
     def prepare(self, writes_all: bool) -> None:
         """Before a round: stale spares catch up with the live round, unless the round writes every
         element of them (`writes_all`: a dense round of every tensor)."""
@@ -150,8 +156,8 @@ class Shadows:
 
     def commit(self, swap: bool) -> bool:
         """Make the spares live: copied views by copy; swapped storages by swap when `swap` (else
-        by copy, as for memory another process maps: CUDA IPC). Returns whether any storage
-        swapped (its tensors' addresses changed)."""
+        by copy: memory another process maps without the alternate face, `alternate`). Returns
+        whether any storage swapped (its tensors' addresses changed)."""
         by_copy = list(self.copied.values()) + ([] if swap else list(self.swapped.values()))
         _copy([live for live, _ in by_copy], [spare for _, spare in by_copy])
         if not (swap and self.storages):

@@ -220,7 +220,8 @@ class WorkerRank(Participant):
 
     def _rl_sync_commit(self, version: int) -> None:
         """Double buffering: the round completed everywhere; make it live (by copy, or by swap where
-        the engine allows and no other process maps the memory: `rl_sync.rank.shadow`; bound anew
+        the engine allows, `rl_sync.rank.shadow`: a colocated trainer then writes the export's other
+        face, `rl_sync.transport.cuda_ipc`; bound anew
         first where the engine replaced or moved a weight: the shadows hold every tensor whole),
         load its fallbacks, run the engine's hook. A staged round's thread must have ended."""
         self._rl_sync_end_background()
@@ -228,7 +229,9 @@ class WorkerRank(Participant):
         self._rl_sync_follow(lambda rebound: None)
         kept = self._rl_sync_kept
         assert kept is not None  # commits follow double-buffered rounds
-        kept.commit(swap=self._rl_sync_ipc is None)
+        ipc = self._rl_sync_ipc
+        if kept.commit(swap=ipc is None or ipc.alternates) and ipc is not None:
+            ipc.flip()  # (the trainer writes the other face from the next round on)
         pending, self._rl_sync_pending = self._rl_sync_pending, ()
         self._rl_sync_load_fallbacks(pending)
         self._rl_sync_updated(self._rl_sync_round_names)
@@ -354,10 +357,13 @@ class WorkerRank(Participant):
 
     def _rl_sync_ipc_export(self, device: str, timeout_s: float = 120.0) -> bytes:
         """Export the memory behind this worker's destinations to its colocated trainer
-        (`rl_sync.transport.cuda_ipc`); descriptors wait `timeout_s` seconds to be taken."""
+        (`rl_sync.transport.cuda_ipc`; double buffered with storages a commit swaps, both faces);
+        descriptors wait `timeout_s` seconds to be taken."""
         views = {name: e.tensor for name, e in self._rl_sync_endpoints("worker").items()}
+        shadow = self._rl_sync_kept.shadow if self._rl_sync_kept is not None else None
+        alternate = shadow.alternate(views) if shadow is not None and shadow.storages else None
         self._rl_sync_drop_export()
-        self._rl_sync_ipc = WorkerExport(views, torch.device(device), timeout_s)
+        self._rl_sync_ipc = WorkerExport(views, torch.device(device), timeout_s, alternate)
         self._rl_sync_ipc_timeout = timeout_s
         return encode(self._rl_sync_ipc.export)
 
@@ -366,9 +372,10 @@ class WorkerRank(Participant):
             self._rl_sync_ipc.close()
         self._rl_sync_ipc = None
 
-    def _rl_sync_ipc_begin(self, ticket: int) -> bytes | None:
-        """Open colocated round `ticket`: check the bindings, then tell the trainer, on the pair's
-        page (`rl_sync.transport.doorbell`), that it may write. Returns a new export when the
+    def _rl_sync_ipc_begin(self, ticket: int, writes_all: bool = False) -> bytes | None:
+        """Open colocated round `ticket`: check the bindings, bring swapped shadows that hold the
+        round before up to date unless the round `writes_all` (`Shadows.prepare`), then tell the
+        trainer, on the pair's page (`rl_sync.transport.doorbell`), that it may write. Returns a new export when the
         memory behind the bound weights moved since the last one (a weight the engine replaced or
         moved, bound anew; memory released and re-allocated by an engine's sleep and wake): the
         old page then says `MOVED`, so a trainer waiting on it writes nothing, and the new export
@@ -383,7 +390,9 @@ class WorkerRank(Participant):
             ipc.refuse(ticket, FAILED)
             raise
         self._rl_sync_written = None
-        if not self._rl_sync_buffered():
+        if self._rl_sync_kept is not None and self._rl_sync_kept.shadow is not None:
+            self._rl_sync_kept.shadow.prepare(writes_all)  # (before the ready event: the trainer waits)
+        else:
             self._rl_sync_version = None  # (double buffered, the trainer writes the shadows)
         fresh = None
         if moved:
@@ -394,7 +403,7 @@ class WorkerRank(Participant):
         return fresh
 
     def _rl_sync_ipc_round(
-        self, version: int, names: tuple[str, ...] | None, ticket: int, timeout_s: float
+        self, version: int, names: tuple[str, ...] | None, ticket: int, timeout_s: float, writes_all: bool = False
     ) -> bytes | None:
         """A whole colocated round on this side, run at the same time as the trainer's: open it
         (`_rl_sync_ipc_begin`; a new export when the memory moved, and nothing more), wait within
@@ -403,7 +412,7 @@ class WorkerRank(Participant):
         (another worker's memory moved), the live weights still hold the version they held."""
         deadline = time.monotonic() + timeout_s
         held = self._rl_sync_version
-        fresh = self._rl_sync_ipc_begin(ticket)
+        fresh = self._rl_sync_ipc_begin(ticket, writes_all)
         if fresh is not None:
             return fresh
         assert self._rl_sync_ipc is not None  # (begun above)

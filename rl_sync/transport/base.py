@@ -93,7 +93,8 @@ class Transport(ABC):
         """Live destination tensors by name that this transport reaches for this rank itself (a
         colocated worker's weights mapped into this process, `cuda_ipc`): the engine writes a
         round's destinations into these instead of the rank's own. The same mapping object until
-        they change. Empty for transports that only move bytes between ranks."""
+        they change, or one of two that alternate (a worker whose commits swap its shadows with
+        its live weights). Empty for transports that only move bytes between ranks."""
         return {}
 
     def begin_round(self) -> None:  # noqa: B027 (optional hook: a no-op unless overridden)

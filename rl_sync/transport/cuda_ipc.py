@@ -29,6 +29,14 @@ skipped the round), so both sides of a round may start at once. The page's
 descriptor is the first the worker's offer hands over
 (`rl_sync.transport.fd_passing`), before those of its VMM mappings.
 
+A double-buffered worker whose commits swap its shadows with its live weights
+(`rl_sync.rank.shadow`) exports two *faces*: the views a round writes now (its
+shadows) and the views it writes after an odd number of such commits (the
+live weights of the swapped storages, the same shadows elsewhere). The
+trainer maps both once; the worker's word on the page says which face a round
+writes (`READY` or `READY_ALTERNATE`), so a commit swaps in O(1) per storage
+while another process maps the memory, with no new export.
+
 Memory released and re-allocated between rounds (an engine's sleep and wake)
 keeps its addresses but not its identity: `WorkerExport.moved()` compares
 the driver's buffer id of every exported allocation with the one exported, and
@@ -69,7 +77,7 @@ from ..wire.dtypes import dtype_name
 from ..wire.messages import check_transport
 from .base import Ops, Pending, Transport
 from .cuda_memory import Backing, IpcUnavailable, MappedRange, backings, buffer_id, export_fd, extent_bytes, map_fds
-from .doorbell import READY, TRAINER, WORKER, Doorbell
+from .doorbell import READIES, READY, READY_ALTERNATE, TRAINER, WORKER, Doorbell
 from .fd_passing import FdOffer, receive_fds
 from .registry import join
 
@@ -109,6 +117,9 @@ class IpcExport:
     fd_path: str
     """The worker's descriptor offer: its doorbell page, then its VMM mappings' descriptors."""
     fd_token: bytes = field(repr=False)
+    alternate: tuple[IpcTensor, ...] = ()
+    """The same destinations in the worker's alternate face (see the module docstring); empty when
+    its commits never swap."""
 
 
 @dataclass(frozen=True)
@@ -143,12 +154,17 @@ def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def _regions(views: Mapping[str, torch.Tensor]) -> tuple[list[list[Backing]], dict[str, tuple[int, int]]]:
-    """The backings of `views` grouped into regions, and each view's (region, offset)."""
+def _regions(
+    faces: Sequence[Mapping[str, torch.Tensor]],
+) -> tuple[list[list[Backing]], list[dict[str, tuple[int, int]]]]:
+    """The backings of every face's views grouped into regions, and each face's (region, offset)
+    of each view."""
     chunks: dict[int, Backing] = {}
-    for name, view in views.items():
-        if view.numel():
-            chunks.update((b.base, b) for b in backings(view.data_ptr(), extent_bytes(view), f"destination {name!r}"))
+    for views in faces:
+        for name, view in views.items():
+            if view.numel():
+                found = backings(view.data_ptr(), extent_bytes(view), f"destination {name!r}")
+                chunks.update((b.base, b) for b in found)
     regions: list[list[Backing]] = []
     for b in sorted(chunks.values(), key=lambda b: b.base):
         last = regions[-1][-1] if regions else None
@@ -157,11 +173,23 @@ def _regions(views: Mapping[str, torch.Tensor]) -> tuple[list[list[Backing]], di
         else:
             regions.append([b])
     starts = [r[0].base for r in regions]
+    return regions, [_where(views, starts) for views in faces]
+
+
+def _where(views: Mapping[str, torch.Tensor], starts: list[int]) -> dict[str, tuple[int, int]]:
+    """Each view's (region, byte offset), given the regions' first addresses (-1: no bytes)."""
     where = {}
     for name, view in views.items():
         i = bisect.bisect_right(starts, view.data_ptr()) - 1
         where[name] = (i, view.data_ptr() - starts[i]) if view.numel() else (-1, 0)
-    return regions, where
+    return where
+
+
+def _tensors(views: Mapping[str, torch.Tensor], where: dict[str, tuple[int, int]]) -> tuple[IpcTensor, ...]:
+    return tuple(
+        IpcTensor(name, *where[name], tuple(v.shape), tuple(v.stride()), dtype_name(v.dtype))
+        for name, v in views.items()
+    )
 
 
 def _swappable(exported: list[Backing], device: torch.device) -> list[Backing]:
@@ -179,12 +207,23 @@ def _swappable(exported: list[Backing], device: torch.device) -> list[Backing]:
 
 class WorkerExport:
     """The worker side: the export message, the two events and the doorbell it shares, and the
-    descriptor offer."""
+    descriptor offer. `alternate`: the views rounds write after an odd number of commits that
+    swapped (the same names as `views`), when commits swap."""
 
-    def __init__(self, views: Mapping[str, torch.Tensor], device: torch.device, timeout_s: float):
+    def __init__(
+        self,
+        views: Mapping[str, torch.Tensor],
+        device: torch.device,
+        timeout_s: float,
+        alternate: Mapping[str, torch.Tensor] | None = None,
+    ):
         device = torch.device(device)
         torch.cuda.synchronize(device)
-        regions, where = _regions(views)
+        if alternate is not None and list(alternate) != list(views):
+            raise ValueError("an export's alternate face must hold the same destinations, in the same order")
+        regions, where = _regions([views] if alternate is None else [views, alternate])
+        self.face = 0
+        """The face the next round writes: 1 after an odd number of `flip()`s."""
         self.watched = _swappable([b for region in regions for b in region], device)
         self.bell = Doorbell.create()
         fds: list[int] = [os.dup(self.bell.fd)]
@@ -201,18 +240,15 @@ class WorkerExport:
         self.ready.record(torch.cuda.current_stream(device))
         self.done.record(torch.cuda.current_stream(device))
         self.device = device
-        tensors = tuple(
-            IpcTensor(name, *where[name], tuple(v.shape), tuple(v.stride()), dtype_name(v.dtype))
-            for name, v in views.items()
-        )
         self.export = IpcExport(
             device_uuid(device),
             exported,
-            tensors,
+            _tensors(views, where[0]),
             bytes(self.ready.ipc_handle()),
             bytes(self.done.ipc_handle()),
             self.offer.path,
             self.offer.token,
+            () if alternate is None else _tensors(alternate, where[1]),
         )
 
     @staticmethod
@@ -229,11 +265,22 @@ class WorkerExport:
         re-allocated) since the export."""
         return any(buffer_id(b.base) != b.buffer_id for b in self.watched)
 
+    @property
+    def alternates(self) -> bool:
+        """Whether this export has an alternate face (its worker's commits may swap)."""
+        return bool(self.export.alternate)
+
+    def flip(self) -> None:
+        """A commit swapped the shadows with the live weights: the next round writes the other face."""
+        if not self.alternates:
+            raise RuntimeError("a commit swapped memory an export without an alternate face maps")
+        self.face ^= 1
+
     def begin(self, ticket: int) -> None:
         """Mark that every read of the old weights issued so far precedes the writes, and tell the
-        trainer it may write round `ticket`."""
+        trainer it may write round `ticket`, into which face."""
         self.ready.record(torch.cuda.current_stream(self.device))
-        self.bell.ring(WORKER, ticket, READY)
+        self.bell.ring(WORKER, ticket, READY_ALTERNATE if self.face else READY)
 
     def refuse(self, ticket: int, state: int) -> None:
         """Tell the trainer to write nothing in round `ticket`: `MOVED` or `FAILED`."""
@@ -254,7 +301,8 @@ class WorkerExport:
 
 
 class MappedDestinations:
-    """The trainer side: each exported region opened or mapped once, each tensor a view of it."""
+    """The trainer side: each exported region opened or mapped once, each tensor a view of it, in
+    each face (`views`: the face the worker's last word named)."""
 
     def __init__(self, export: IpcExport, device: torch.device, timeout_s: float):
         device = torch.device(device)
@@ -273,7 +321,9 @@ class MappedDestinations:
         except BaseException:
             self.close()
             raise
-        self.views = {t.name: _view(bases[t.region] if t.region >= 0 else None, t, device) for t in export.tensors}
+        first = _views(bases, export.tensors, device)
+        self.faces = (first, _views(bases, export.alternate, device) if export.alternate else first)
+        self.views = first
         self.ready = torch.cuda.Event.from_ipc_handle(device, export.ready_event)
         self.done = torch.cuda.Event.from_ipc_handle(device, export.done_event)
 
@@ -302,6 +352,12 @@ class MappedDestinations:
             bases.append(_wrap(ptr, region.nbytes, self.device))
         return bases
 
+    def use(self, state: int) -> None:
+        """The worker is ready (`state`, its word): later rounds write the face it names."""
+        if state == READY_ALTERNATE and self.faces[1] is self.faces[0]:
+            raise RuntimeError("the colocated worker names its alternate face, which its export did not map")
+        self.views = self.faces[state == READY_ALTERNATE]
+
     def before_writes(self) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.ready)
 
@@ -312,6 +368,7 @@ class MappedDestinations:
         """Close every opened handle and unmap every mapped range and the doorbell (idempotent)."""
         torch.cuda.synchronize(self.device)
         self.views = {}
+        self.faces = ({}, {})
         if self.bell is not None:
             self.bell.close()
         while self.opened:
@@ -374,11 +431,14 @@ class IpcTransport(Transport):
         return {} if self.mapped is None else self.mapped.views
 
     def await_worker(self, ticket: int, deadline: float) -> int:
-        """The worker's state once it opened round `ticket`: `READY` to write, or `MOVED` / `FAILED`
-        (`rl_sync.transport.doorbell`)."""
-        bell = self._mapping().bell
-        assert bell is not None  # mapped with its export
-        return bell.wait(WORKER, ticket, deadline)
+        """The worker's state once it opened round `ticket`: `READY` or `READY_ALTERNATE` to write
+        (`destinations` is then that face), or `MOVED` / `FAILED` (`rl_sync.transport.doorbell`)."""
+        mapped = self._mapping()
+        assert mapped.bell is not None  # mapped with its export
+        state = mapped.bell.wait(WORKER, ticket, deadline)
+        if state in READIES:
+            mapped.use(state)
+        return state
 
     def ring(self, ticket: int, state: int) -> None:
         """Tell the worker this rank is done with round `ticket`: `WRITTEN`, `SKIPPED` or `FAILED`."""
@@ -423,6 +483,10 @@ def _wrap(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     memory = cupy.cuda.UnownedMemory(ptr, nbytes, owner=None, device_id=device.index)
     array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
     return torch.as_tensor(array, device=device)
+
+
+def _views(bases: list[torch.Tensor], tensors: Sequence[IpcTensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {t.name: _view(bases[t.region] if t.region >= 0 else None, t, device) for t in tensors}
 
 
 def _view(base: torch.Tensor | None, t: IpcTensor, device: torch.device) -> torch.Tensor:

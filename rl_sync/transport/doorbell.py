@@ -13,8 +13,8 @@ it (`rl_sync.transport.fd_passing`). Each side writes only its own word, as one
 aligned 8-byte store: the round's ticket (`RoundInfo.ticket`, a number the
 coordinator gives each colocated round, larger than any before it, so a round
 run again under the same version never reads an earlier attempt's word) and a
-state (`READY`, `MOVED`, `FAILED` for the worker; `WRITTEN`, `SKIPPED`, `FAILED`
-for the trainer). The other side polls it (yielding the core for the first
+state (`READY`, `READY_ALTERNATE`, `MOVED`, `FAILED` for the worker; `WRITTEN`,
+`SKIPPED`, `FAILED` for the trainer). The other side polls it (yielding the core for the first
 milliseconds, then sleeping 100 µs at a time) until the word names the round,
 its deadline passes (`TimeoutError`), or its peer process is found gone
 (`ConnectionError`: each side writes its process id, start time and process-id
@@ -46,9 +46,12 @@ Side = Literal["worker", "trainer"]
 WORKER: Side = "worker"
 TRAINER: Side = "trainer"
 
-READY, MOVED, FAILED = 1, 2, 3
+READY, MOVED, FAILED, READY_ALTERNATE = 1, 2, 3, 4
 """The worker's states: checked and ready for writes; its memory moved (the trainer must map a new
-export before writing); it failed before the writes (nothing may be written)."""
+export before writing); it failed before the writes (nothing may be written); ready for writes
+into its export's alternate face (`rl_sync.transport.cuda_ipc`: after an odd number of commits
+that swapped its shadows with its live weights)."""
+READIES = (READY, READY_ALTERNATE)
 WRITTEN, SKIPPED = 1, 2
 """The trainer's states (and `FAILED`): its writes are issued and its done event recorded; it wrote
 nothing (its group agreed to skip the round); it failed (some writes may have landed)."""

@@ -200,7 +200,7 @@ class RlSyncTransferEngine(WeightTransferEngine[RlSyncInitInfo, RlSyncUpdateInfo
         rank = self._described()
         if op in ("ipc_begin", "ipc_end"):
             step = decode(IpcRequest, payload)
-            begin = lambda: rank._rl_sync_ipc_begin(step.ticket) or b""  # noqa: E731
+            begin = lambda: rank._rl_sync_ipc_begin(step.ticket, step.writes_all) or b""  # noqa: E731
             work = begin if op == "ipc_begin" else lambda: _end(rank, step)
             self._answer(step.reply, op, step.version, work)
             return

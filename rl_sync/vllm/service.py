@@ -90,7 +90,7 @@ class RoundRequest:
 class IpcRequest:
     """A step of a colocated round (`rl_sync.transport.cuda_ipc`): export the memory behind the
     rank's destinations (its descriptors wait `timeout_s` seconds to be taken), open round
-    `version` (its `ticket`, `RoundInfo.ticket`), or end it (`names`: the tensors it wrote, None
+    `version` (its `ticket`, `RoundInfo.ticket`; `writes_all`), or end it (`names`: the tensors it wrote, None
     for all); `version` keys the answer (0 for an export)."""
 
     version: int
@@ -98,6 +98,9 @@ class IpcRequest:
     timeout_s: float
     reply: Rendezvous
     ticket: int = 0
+    writes_all: bool = False
+    """The round writes every element of every tensor (a dense round of all): a shadow holding the
+    round before need not catch up (`rl_sync.rank.shadow`)."""
 
 
 @dataclass(frozen=True)

@@ -105,10 +105,14 @@ def test_a_colocated_worker_that_rebuilt_or_moved_weights_exports_anew_and_gets_
         release(ray, pg, trainers + workers)
 
 
-def test_staged_rounds_through_cuda_ipc_land_in_the_shadows_until_the_commit(gpu_ray):
+def _addresses(actor) -> dict:
+    return {name: d.local.data_ptr() for name, d in actor.held.items()}
+
+
+def test_staged_rounds_through_cuda_ipc_land_in_the_shadows_and_each_commit_swaps_them_in(gpu_ray):
     """Colocated and double buffered: the trainer writes the worker's shadows itself while the
-    worker serves the version it holds; the commit copies them in (another process maps them:
-    no swap)."""
+    worker serves the version it holds; the commit swaps them in (the worker allows it), and the
+    trainer, which mapped both faces at once, writes the other face in the next round."""
     from actors import WeightSync
     from rl_sync.config.sync import SyncConfig
 
@@ -117,8 +121,12 @@ def test_staged_rounds_through_cuda_ipc_land_in_the_shadows_until_the_commit(gpu
     try:
         sync = WeightSync.create(trainers, workers, SyncConfig(double_buffer=True, **CONFIG))
         assert sync.summary.cuda_ipc
+        first = ray.get(workers[0].call.remote(_addresses))
         assert pushed(ray, sync, trainers, workers, 1) == "m2n", "the first sparse request runs dense"
-        for version, mode in ((2, "m2n"), (3, "sparse")):  # a dense staged round, then a sparse one
+        second = ray.get(workers[0].call.remote(_addresses))
+        assert all(second[n] != first[n] for n in first), "the blocking round's commit swapped"
+        # dense, sparse (the spare holds the round before: it catches up first), dense again
+        for version, mode in ((2, "m2n"), (3, "sparse"), (4, "m2n")):
             set_versions(ray, trainers, version)
             staged = sync.stage(mode=mode)
             check(ray, workers, 1, version - 1)
@@ -127,6 +135,7 @@ def test_staged_rounds_through_cuda_ipc_land_in_the_shadows_until_the_commit(gpu
             assert (stats.version, stats.mode) == (version, mode) and stats.commit_seconds > 0
             check(ray, workers, 1, version)
             assert sync.versions() == [version]
+            assert ray.get(workers[0].call.remote(_addresses)) == (second if version % 2 else first), "swapped"
         sync.close()
     finally:
         release(ray, pg, trainers + workers)

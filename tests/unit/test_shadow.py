@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -90,6 +92,39 @@ def test_memory_another_process_maps_commits_by_copy_even_where_the_engine_allow
     endpoints_before = shadows.endpoints
     shadows.prepare(writes_all=False)
     assert shadows.endpoints is endpoints_before, "no swap: the session's compiled round stays valid"
+
+
+def _by_address(view: torch.Tensor) -> torch.Tensor:
+    """`view`'s elements reached by their address, as another process maps them (CUDA IPC): a swap
+    of the storage behind `view` does not move them."""
+    storage = view.untyped_storage()
+    raw = torch.frombuffer((ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr()), dtype=torch.uint8)
+    return raw.view(view.dtype).as_strided(view.shape, view.stride(), view.storage_offset())
+
+
+def test_a_trainer_that_maps_both_faces_writes_the_spare_whichever_way_the_last_commit_swapped():
+    fused, norm, endpoints = _bound()
+    shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "k", "n"})
+    views = {name: e.tensor for name, e in shadows.endpoints.items()}
+    alternate = shadows.alternate(views)
+    assert list(alternate) == list(views) and alternate["f"] is views["f"], "a fallback is the same in both faces"
+    assert alternate["q"].data_ptr() == fused.data_ptr() and alternate["n"].data_ptr() == norm.data_ptr()
+    faces = [{n: _by_address(v) for n, v in face.items() if n != "f"} for face in (views, alternate)]
+    for version in (1, 2, 3):  # face 0, then 1, then 0 again: each round writes what the engine does not read
+        face = faces[(version - 1) % 2]
+        shadows.prepare(writes_all=True)
+        for view in face.values():
+            view.fill_(version)
+        assert fused[0, 0].item() == version - 1 and norm[0].item() == version - 1, "live weights untouched"
+        assert shadows.commit(swap=True)
+        assert torch.equal(fused, torch.full((4, 6), float(version), dtype=torch.bfloat16))
+        assert torch.equal(norm, torch.full((5,), float(version)))
+    shadows.prepare(writes_all=False)  # a partial round into face 1: the spare caught up first
+    faces[1]["q"][0, 0] = 9.0
+    shadows.commit(swap=True)
+    expected = torch.full((4, 6), 3.0, dtype=torch.bfloat16)
+    expected[0, 0] = 9.0
+    assert torch.equal(fused, expected) and torch.equal(norm, torch.full((5,), 3.0))
 
 
 def test_a_rebound_name_is_committed_into_its_new_view_and_a_fallback_received_in_its_new_endpoint():

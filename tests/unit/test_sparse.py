@@ -383,7 +383,9 @@ def test_a_session_keeps_sparse_views_only_while_its_endpoints_and_baselines_are
         baselines={},
         _indices=lambda endpoints, side: walked.append(side) or {0: endpoints},
         _slice=lambda wanted: types.SimpleNamespace(buckets=["b0", "b1"]),
+        _reached={},
     )
+    session._key = lambda wanted, dests: RankSession._key(session, wanted, dests)
     sources, dests = {"w": 1}, {"w": 2}
     kept = RankSession._sparse_kept(session, None, sources, dests)
     assert kept.views == [None, None] and kept.src == {0: sources} and walked == ["source", "destination"]
