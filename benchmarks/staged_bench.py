@@ -19,7 +19,7 @@ The same script runs on CPUs (vLLM's CPU build; defaults: 2 trainers, TP2) and o
 NCCL, so 1 + TP GPUs; or `--colocate`: trainer i and engine rank i share GPU i, so TP GPUs and
 as many trainers, and the trainers write the engine's shadows themselves through CUDA IPC;
 `--cuda-graphs` leaves vLLM's CUDA graphs on, which capture the weights' addresses, so commits
-copy instead of swapping, as they do under CUDA IPC). Prints one table; medians of `--rounds`.
+copy instead of swapping). Prints one table; medians of `--rounds`.
 `--profile` then runs `--rounds` more staged rounds with timers around the parts of a commit
 inside the actors (`round_profile.py`: the shadows made live, fallbacks, vLLM's hook, the
 version recorded) and prints, per actor, each part's time and the median commit's timeline.

@@ -21,8 +21,8 @@ names. Each method moves the same tensors into the same engine:
 `RoundStats.commit_seconds`: host time; copies it queues on the GPU run after it), the driver's
 whole `commit()` call, that call plus a call into the engine rank that synchronizes its GPU (so
 every copy the commit queued has run), and the commit step as a share of a blocking round.
-`bf16` runs eagerly, so commits swap the shadows in where the trainer does not map them (a
-colocated one does, through CUDA IPC) and this process can swap storages (`rl_sync.rank.swap`),
+`bf16` runs eagerly, so commits swap the shadows in (the trainer maps both faces of the worker's
+export: `rl_sync.transport.cuda_ipc`) where this process can swap storages (`rl_sync.rank.swap`),
 else copy; `bf16_graphs` (CUDA graphs on decode steps, which
 capture the weights' addresses) commits by copy.
 

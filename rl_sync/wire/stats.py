@@ -41,9 +41,9 @@ class SyncSummary:
     """Bytes each worker-side rank keeps: what a full dense round brings it."""
     swap_bytes: tuple[int, ...]
     """Bytes each worker-side rank's double-buffered commits swap in O(1) per storage; they copy
-    the rest of `kept_bytes`. 0 without double buffering, in colocated groups (the trainer maps
-    the shadows), where the engine does not allow it (`rl_sync_swappable`: CUDA graphs, sleep
-    mode) and where the process cannot swap storages (`rl_sync.rank.swap.can_swap`)."""
+    the rest of `kept_bytes`. 0 without double buffering, where the engine does not allow it
+    (`rl_sync_swappable`: CUDA graphs, sleep mode) and where the process cannot swap storages
+    (`rl_sync.rank.swap.can_swap`)."""
     seconds: float
     """Wall time of planning and connecting."""
 
