@@ -88,14 +88,13 @@ class KeptDestinations:
         elif self.shadow.rebound({n: self.live.endpoints[n] for n in names if n in self.live.endpoints}, self.what):
             self.entries = Entries(self.live.reports, self.shadow.endpoints)
 
-    def commit(self, swap: bool) -> bool:
+    def commit(self, swap: bool) -> None:
         """Double buffering: make every shadow live (`Shadows.commit`); where storages swapped,
         the session reads new entries and the watch records their tensors anew (rl-sync moved
-        their memory, not the engine). Returns whether any storage swapped."""
+        their memory, not the engine)."""
         if self.shadow is None or not self.shadow.commit(swap):
-            return False
+            return
         self.entries = Entries(self.live.reports, self.shadow.endpoints)
         if self._swapped_slots is None:
             self._swapped_slots = self.watch.over(self.shadow.swapped_storages())
         self.watch.settle(self._swapped_slots)
-        return True

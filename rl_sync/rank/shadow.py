@@ -74,6 +74,9 @@ class Shadows:
     """Each storage committed by swap."""
     stale: bool = False
     """The spares of swapped storages hold the round before the live one (after a swap)."""
+    swaps: int = 0
+    """How many commits swapped storages (odd: each swapped storage's spare is the memory it had
+    live at first; `alternate`)."""
 
     @classmethod
     def of(cls, endpoints: Mapping[str, Endpoint], keep: Collection[str], swappable: Collection[str]) -> Shadows:
@@ -166,6 +169,7 @@ class Shadows:
             torch.cuda.synchronize(device)  # no queued kernel may still read what becomes the spare
         for swapped in self.storages:
             swap_memory(swapped.live, swapped.spare)
+        self.swaps += 1
         self.stale = True
         self.endpoints = dict(self.endpoints)
         return True

@@ -62,6 +62,7 @@ from ..wire.plan_info import PlanInfo
 from .background import BackgroundRound
 from .kept import KeptDestinations
 from .participant import Participant
+from .shadow import Shadows
 from .side import DescribeOptions
 
 STOP_WAIT_S = 30.0
@@ -81,6 +82,8 @@ class WorkerRank(Participant):
     """The version of the last round written into the live weights, until it is recorded."""
     _rl_sync_ipc: WorkerExport | None = None
     _rl_sync_ipc_timeout: float = 120.0
+    _rl_sync_ipc_basis: tuple[frozenset[str], int] | None = None
+    """With an alternate face: the names in swapped storages and `Shadows.swaps` at the export."""
     _rl_sync_round_names: tuple[str, ...] | None = None
     rl_sync_load_fallbacks: Callable[[list[tuple[str, torch.Tensor]]], None]
     """The subclass's hook taking `(name, tensor)` of each fallback a round delivered (see the
@@ -229,9 +232,7 @@ class WorkerRank(Participant):
         self._rl_sync_follow(lambda rebound: None)
         kept = self._rl_sync_kept
         assert kept is not None  # commits follow double-buffered rounds
-        ipc = self._rl_sync_ipc
-        if kept.commit(swap=ipc is None or ipc.alternates) and ipc is not None:
-            ipc.flip()  # (the trainer writes the other face from the next round on)
+        kept.commit(swap=self._rl_sync_ipc is None or self._rl_sync_ipc.alternates)
         pending, self._rl_sync_pending = self._rl_sync_pending, ()
         self._rl_sync_load_fallbacks(pending)
         self._rl_sync_updated(self._rl_sync_round_names)
@@ -364,6 +365,7 @@ class WorkerRank(Participant):
         alternate = shadow.alternate(views) if shadow is not None and shadow.storages else None
         self._rl_sync_drop_export()
         self._rl_sync_ipc = WorkerExport(views, torch.device(device), timeout_s, alternate)
+        self._rl_sync_ipc_basis = (frozenset(shadow.swapped), shadow.swaps) if alternate and shadow else None
         self._rl_sync_ipc_timeout = timeout_s
         return encode(self._rl_sync_ipc.export)
 
@@ -384,23 +386,38 @@ class WorkerRank(Participant):
         `FAILED` and raises."""
         ipc = self._rl_sync_ipc
         assert ipc is not None  # colocated rounds run on an export
+        shadow = self._rl_sync_kept.shadow if self._rl_sync_kept is not None else None
         try:
-            moved = self._rl_sync_follow(lambda rebound: None) or ipc.moved()
+            moved = self._rl_sync_follow(lambda rebound: None) or ipc.moved() or self._rl_sync_faces_stale(shadow)
+            if shadow is not None:
+                shadow.prepare(writes_all)  # (before the ready event: the trainer waits for it)
         except BaseException:
             ipc.refuse(ticket, FAILED)
             raise
         self._rl_sync_written = None
-        if self._rl_sync_kept is not None and self._rl_sync_kept.shadow is not None:
-            self._rl_sync_kept.shadow.prepare(writes_all)  # (before the ready event: the trainer waits)
-        else:
+        if shadow is None:
             self._rl_sync_version = None  # (double buffered, the trainer writes the shadows)
         fresh = None
         if moved:
             ipc.refuse(ticket, MOVED)
             fresh = self._rl_sync_ipc_export(str(ipc.device), self._rl_sync_ipc_timeout)
         assert self._rl_sync_ipc is not None  # (the new export, if any)
-        self._rl_sync_ipc.begin(ticket)
+        self._rl_sync_ipc.begin(ticket, self._rl_sync_face(shadow))
         return fresh
+
+    def _rl_sync_faces_stale(self, shadow: Shadows | None) -> bool:
+        """Whether the export's alternate face no longer matches the shadows: a weight the engine
+        replaced or moved made a swapped storage commit by copy since the export (`Shadows.rebound`),
+        so its names' alternate views lie in memory that is no longer theirs."""
+        basis = self._rl_sync_ipc_basis
+        return basis is not None and (shadow is None or frozenset(shadow.swapped) != basis[0])
+
+    def _rl_sync_face(self, shadow: Shadows | None) -> int:
+        """The face of the export this round writes: the alternate one after an odd number of
+        swapping commits since the export (the swapped storages' spares are then in the memory
+        exported as live)."""
+        basis = self._rl_sync_ipc_basis
+        return 0 if basis is None or shadow is None else (shadow.swaps - basis[1]) % 2
 
     def _rl_sync_ipc_round(
         self, version: int, names: tuple[str, ...] | None, ticket: int, timeout_s: float, writes_all: bool = False

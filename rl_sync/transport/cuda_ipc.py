@@ -222,8 +222,6 @@ class WorkerExport:
         if alternate is not None and list(alternate) != list(views):
             raise ValueError("an export's alternate face must hold the same destinations, in the same order")
         regions, where = _regions([views] if alternate is None else [views, alternate])
-        self.face = 0
-        """The face the next round writes: 1 after an odd number of `flip()`s."""
         self.watched = _swappable([b for region in regions for b in region], device)
         self.bell = Doorbell.create()
         fds: list[int] = [os.dup(self.bell.fd)]
@@ -270,17 +268,13 @@ class WorkerExport:
         """Whether this export has an alternate face (its worker's commits may swap)."""
         return bool(self.export.alternate)
 
-    def flip(self) -> None:
-        """A commit swapped the shadows with the live weights: the next round writes the other face."""
-        if not self.alternates:
-            raise RuntimeError("a commit swapped memory an export without an alternate face maps")
-        self.face ^= 1
-
-    def begin(self, ticket: int) -> None:
+    def begin(self, ticket: int, face: int = 0) -> None:
         """Mark that every read of the old weights issued so far precedes the writes, and tell the
-        trainer it may write round `ticket`, into which face."""
+        trainer it may write round `ticket`, into `face` (1: the alternate one)."""
+        if face and not self.alternates:
+            raise RuntimeError("a colocated round names the alternate face of an export that has none")
         self.ready.record(torch.cuda.current_stream(self.device))
-        self.bell.ring(WORKER, ticket, READY_ALTERNATE if self.face else READY)
+        self.bell.ring(WORKER, ticket, READY_ALTERNATE if face else READY)
 
     def refuse(self, ticket: int, state: int) -> None:
         """Tell the trainer to write nothing in round `ticket`: `MOVED` or `FAILED`."""

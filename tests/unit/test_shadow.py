@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import types
 
 import pytest
 import torch
@@ -102,7 +103,7 @@ def _by_address(view: torch.Tensor) -> torch.Tensor:
     return raw.view(view.dtype).as_strided(view.shape, view.stride(), view.storage_offset())
 
 
-def test_a_trainer_that_maps_both_faces_writes_the_spare_whichever_way_the_last_commit_swapped():
+def test_a_trainer_that_maps_both_faces_writes_the_spare_whichever_way_the_last_commit_swapped(each_swap):
     fused, norm, endpoints = _bound()
     shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "k", "n"})
     views = {name: e.tensor for name, e in shadows.endpoints.items()}
@@ -125,6 +126,32 @@ def test_a_trainer_that_maps_both_faces_writes_the_spare_whichever_way_the_last_
     expected = torch.full((4, 6), 3.0, dtype=torch.bfloat16)
     expected[0, 0] = 9.0
     assert torch.equal(fused, expected) and torch.equal(norm, torch.full((5,), 3.0))
+
+
+def test_a_colocated_round_writes_the_face_the_swaps_since_the_export_name_and_a_rebind_stales_the_export(
+    each_swap,
+):
+    """The worker's side of the two faces (`WorkerRank._rl_sync_face`, `_rl_sync_faces_stale`):
+    the face follows the count of swapping commits since the export; a weight the engine replaced
+    in a swapped storage makes that storage commit by copy, and the export, whose alternate face
+    still holds the storage's old live memory, must be made anew (the round answers MOVED)."""
+    from rl_sync.rank.worker import WorkerRank
+
+    _, _, endpoints = _bound()
+    shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "k", "n"})
+    shadows.commit(swap=True)  # a commit before the export: the export's face 0 is where rounds write now
+    worker = types.SimpleNamespace(_rl_sync_ipc_basis=(frozenset(shadows.swapped), shadows.swaps))
+    faces = []
+    for _ in range(3):
+        faces.append(WorkerRank._rl_sync_face(worker, shadows))
+        assert WorkerRank._rl_sync_faces_stale(worker, shadows) is False
+        shadows.commit(swap=True)
+    assert faces == [0, 1, 0]
+    replaced = torch.zeros(5)
+    shadows.rebound({"n": Endpoint(replaced, (0,))}, "worker rank 0")
+    assert WorkerRank._rl_sync_faces_stale(worker, shadows) is True, "n's storage now commits by copy"
+    assert WorkerRank._rl_sync_faces_stale(worker, None) is True
+    assert WorkerRank._rl_sync_face(types.SimpleNamespace(_rl_sync_ipc_basis=None), shadows) == 0, "one face"
 
 
 def test_a_rebound_name_is_committed_into_its_new_view_and_a_fallback_received_in_its_new_endpoint():
