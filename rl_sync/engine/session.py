@@ -40,7 +40,8 @@ from .runner import BucketError, BucketIO, Counters, Program, compile_program, d
 from .sparse_round import BucketViews, SparseCounters, SparseIO, run_sparse_bucket
 
 MAX_PROGRAMS = 4
-"""Compiled rounds (and expanded rank slices) kept per session: the full round plus recent subsets."""
+"""Subsets a session keeps compiled rounds (per face, `FACES`) and expanded rank slices for: the
+full round plus recent subsets."""
 FACES = 2
 """Mappings of the transport's own destinations a session keeps endpoints for: a colocated worker
 whose commits swap alternates between two (`rl_sync.transport.cuda_ipc`)."""
@@ -322,7 +323,7 @@ class RankSession:
         self._sparse.pop(key, None)
         src, dst = self._indices(sources, "source"), self._indices(dests, "destination")
         kept = _SparseKept(sources, dests, self.baselines, src, dst, [None] * len(self._slice(wanted).buckets))
-        if len(self._sparse) >= MAX_PROGRAMS:
+        if len(self._sparse) >= MAX_PROGRAMS * FACES:
             self._sparse.pop(next(iter(self._sparse)))
         self._sparse[key] = kept
         return kept
@@ -352,7 +353,7 @@ class RankSession:
         io = BucketIO(lambda _b, t: src[t], lambda _b, t: dst[t], self.dtypes)
         program = compile_program(self._slice(wanted).buckets, io, self.device)
         self.compiles += 1
-        if len(self._programs) >= MAX_PROGRAMS:
+        if len(self._programs) >= MAX_PROGRAMS * FACES:
             self._programs.pop(next(iter(self._programs)))
         self._programs[key] = (sources, dests, program)
         return program
