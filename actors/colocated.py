@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from rl_sync.config.sync import DENSE_MODES
+from rl_sync.config.sync import writes_every_element
 from rl_sync.wire.codec import decode
 from rl_sync.wire.messages import RankStats, RoundInfo
 
@@ -75,12 +75,6 @@ def paired_round(c: Coordinator, round_: OpenRound) -> list[RankStats] | None:
     if _remapped(c, answers[world:], round_.what):
         return None
     return with_workers(c, [decode(RankStats, a) for a in answers[:world]])
-
-
-def writes_every_element(mode: str, names: tuple[str, ...] | None) -> bool:
-    """Whether a round of `mode` over `names` (None: all) writes every element a worker binds:
-    then its shadows need not catch up first (`rl_sync.rank.shadow`)."""
-    return mode in DENSE_MODES and names is None
 
 
 def begin(c: Coordinator, version: int, ticket: int, writes_all: bool, what: str) -> bool:

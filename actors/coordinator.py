@@ -35,7 +35,7 @@ import torch
 
 from rl_sync.config.lora import LoraSpec
 from rl_sync.config.push_args import check_mode, repeated_names
-from rl_sync.config.sync import Mode, SyncConfig
+from rl_sync.config.sync import Mode, SyncConfig, writes_every_element
 from rl_sync.planning.agreement import checkpoint_of, colocated_mates, group_init, merge_sources, plan_group, summarize
 from rl_sync.planning.parts import parse_part
 from rl_sync.planning.quant import scale_name, scaled_name
@@ -492,7 +492,7 @@ class Coordinator:
         mode, reason = self.refresh.round_mode(mode)
         start = time.perf_counter()
         ticket, paired = colocated.next_ticket(self), paired and colocated.one_step(self)
-        writes_all = colocated.writes_every_element(mode, None if planned is None else tuple(planned))
+        writes_all = writes_every_element(mode, None if planned is None else tuple(planned))
         what_ipc = f"round {version} (CUDA IPC)"
         if self.ipc and not paired and colocated.begin(self, version, ticket, writes_all, what_ipc):
             self.refresh.memory_moved()

@@ -7,6 +7,7 @@ code: `SyncConfig(transport="gloo", bucket_bytes=64 << 20)`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -18,9 +19,16 @@ SPARSE_MODES: tuple[Mode, ...] = ("sparse", "auto")
 """The modes that send changes against baselines (the sparse engine)."""
 DENSE_MODES: tuple[Mode, ...] = ("m2n", "broadcast")
 """The modes that write every element of the tensors a round carries."""
+
 Relay = Literal["off", "on", "auto"]
 BaselineDevice = Literal["device", "pinned_cpu"]
 Integrity = Literal["keyed", "checksum", "off"]
+
+
+def writes_every_element(mode: str, names: Sequence[str] | None) -> bool:
+    """Whether a round of `mode` over `names` (None: every tensor) writes every element a worker
+    binds: then its shadows need not catch up first (`rl_sync.rank.shadow`)."""
+    return mode in DENSE_MODES and names is None
 
 
 @dataclass(frozen=True, kw_only=True)

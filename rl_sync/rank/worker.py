@@ -48,7 +48,7 @@ from dataclasses import replace
 
 import torch
 
-from ..config.sync import DENSE_MODES
+from ..config.sync import DENSE_MODES, writes_every_element
 from ..engine import sparse_codec
 from ..engine.catch_up import joins, run_catch_up
 from ..engine.sources import Entries
@@ -144,8 +144,8 @@ class WorkerRank(Participant):
         return {} if kept is None else {n: kept.mapping[n].reason for n in kept.fallbacks}
 
     def _rl_sync_swap_bytes(self) -> int:
-        kept = self._rl_sync_kept
-        return 0 if kept is None or kept.shadow is None else kept.shadow.swapped_bytes()
+        shadow = self._rl_sync_shadow()
+        return 0 if shadow is None else shadow.swapped_bytes()
 
     def _rl_sync_modes(self) -> dict[str, WriteMode]:
         """`fallback` for names bound whole; else what the engine's `rl_sync_write_modes()` says
@@ -187,7 +187,7 @@ class WorkerRank(Participant):
         kept, buffered = self._rl_sync_kept, self._rl_sync_buffered()
         self._rl_sync_follow(lambda rebound: None if buffered else _unfilled(round_info, rebound))
         if kept is not None and kept.shadow is not None:
-            kept.shadow.prepare(round_info.mode in DENSE_MODES and round_info.names is None)
+            kept.shadow.prepare(writes_every_element(round_info.mode, round_info.names))
         else:
             self._rl_sync_version = self._rl_sync_written = None  # live weights are being written
 
@@ -361,7 +361,7 @@ class WorkerRank(Participant):
         (`rl_sync.transport.cuda_ipc`; double buffered with storages a commit swaps, both faces);
         descriptors wait `timeout_s` seconds to be taken."""
         views = {name: e.tensor for name, e in self._rl_sync_endpoints("worker").items()}
-        shadow = self._rl_sync_kept.shadow if self._rl_sync_kept is not None else None
+        shadow = self._rl_sync_shadow()
         alternate = shadow.alternate(views) if shadow is not None and shadow.storages else None
         self._rl_sync_drop_export()
         self._rl_sync_ipc = WorkerExport(views, torch.device(device), timeout_s, alternate)
@@ -386,7 +386,7 @@ class WorkerRank(Participant):
         `FAILED` and raises."""
         ipc = self._rl_sync_ipc
         assert ipc is not None  # colocated rounds run on an export
-        shadow = self._rl_sync_kept.shadow if self._rl_sync_kept is not None else None
+        shadow = self._rl_sync_shadow()
         try:
             moved = self._rl_sync_follow(lambda rebound: None) or ipc.moved() or self._rl_sync_faces_stale(shadow)
             if shadow is not None:
@@ -453,7 +453,11 @@ class WorkerRank(Participant):
 
     def _rl_sync_buffered(self) -> bool:
         """Whether rounds land in shadows (double buffering)."""
-        return self._rl_sync_kept is not None and self._rl_sync_kept.shadow is not None
+        return self._rl_sync_shadow() is not None
+
+    def _rl_sync_shadow(self) -> Shadows | None:
+        """Where rounds land when double buffered (`rl_sync.rank.shadow`); None otherwise."""
+        return None if self._rl_sync_kept is None else self._rl_sync_kept.shadow
 
 
 def _unfilled(round_info: RoundInfo, rebound: dict[str, str]) -> str | None:
