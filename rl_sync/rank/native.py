@@ -23,7 +23,7 @@ in the log once, and the caller does without it (the watch uses its Python pass;
 
     scan = native.scan()             # the module, or None
     if scan is not None:
-        scan.record(tensors, rows, slots)      # rows: torch.empty(n, ROW, dtype=torch.int64)
+        unrecorded = scan.record(tensors, rows, slots)  # rows: torch.empty(n, ROW, dtype=torch.int64)
         moved = scan.moved(tensors, rows)      # positions whose layout differs from its row
     swap = native.swap()             # the module, or None
     swap.swap(a.untyped_storage()._cdata, b.untyped_storage()._cdata)

@@ -10,7 +10,8 @@
 // held_moved(holders, keys, held, item)
 //                                 positions i where holders[i][keys[i]] (item) or
 //                                 getattr(holders[i], keys[i]) is not held[i] (missing: moved)
-// record(tensors, rows, slots)    rows[k] = the layout of tensors[k], for each k in slots
+// record(tensors, rows, slots)    rows[k] = the layout of tensors[k], for each k in slots;
+//                                 returns the slots recorded as UNRECORDED, in the order given
 // moved(tensors, rows)            positions k where the layout of tensors[k] differs from rows[k]
 //
 // A layout row is ROW int64 words: data pointer, (dim, dtype, device) packed, sizes, strides.
@@ -263,22 +264,29 @@ PyObject* record(PyObject*, PyObject* args) {
   if (rows == nullptr) {
     return nullptr;
   }
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(slots); ++i) {
+  PyObject* unrecorded = PyList_New(0);
+  for (Py_ssize_t i = 0; unrecorded != nullptr && i < PyList_GET_SIZE(slots); ++i) {
     const Py_ssize_t k = PyLong_AsSsize_t(PyList_GET_ITEM(slots, i));
     if (k == -1 && PyErr_Occurred()) {
-      return nullptr;
+      Py_CLEAR(unrecorded);
+      break;
     }
     if (k < 0 || k >= count) {
       PyErr_Format(PyExc_IndexError, "slot %zd is outside the %zd tensors", k, count);
-      return nullptr;
+      Py_CLEAR(unrecorded);
+      break;
     }
     const c10::TensorImpl* impl = impl_of(PyList_GET_ITEM(tensors, k), "an item of tensors");
     if (impl == nullptr) {
-      return nullptr;
+      Py_CLEAR(unrecorded);
+      break;
     }
     layout(impl, rows + k * ROW);
+    if (rows[k * ROW + 1] == UNRECORDED && !append_index(unrecorded, k)) {
+      Py_CLEAR(unrecorded);
+    }
   }
-  Py_RETURN_NONE;
+  return unrecorded;
 }
 
 PyObject* moved(PyObject*, PyObject* args) {
@@ -318,7 +326,8 @@ PyMethodDef methods[] = {
     {"differ", differ, METH_VARARGS, "Positions where a[i] is not b[i]."},
     {"mapping_differ", mapping_differ, METH_VARARGS, "Positions where a dict's i-th value is not values[i]."},
     {"held_moved", held_moved, METH_VARARGS, "Positions where holders[i][keys[i]] is not held[i]."},
-    {"record", record, METH_VARARGS, "Record the layout of tensors[k] in rows[k] for each k in slots."},
+    {"record", record, METH_VARARGS,
+     "Record the layout of tensors[k] in rows[k] for each k in slots; the slots left UNRECORDED."},
     {"moved", moved, METH_VARARGS, "Positions whose tensor's layout differs from its row."},
     {nullptr, nullptr, 0, nullptr}};
 

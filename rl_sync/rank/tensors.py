@@ -1,14 +1,16 @@
 """The tensors a `rl_sync.rank.watch.Watch` reads each round, as aligned columns.
 
 Each distinct tensor has a slot: the names that read or write through it, and
-its geometry (data pointer, shape, strides, dtype) as recorded. A slot freed by
-a name bound elsewhere holds a shared empty tensor until a new tensor takes it,
-so no column is rebuilt when a few names change. `moved()` says which slots'
-geometry differs from the one recorded, in one of two ways:
+its geometry (data pointer, shape, strides, dtype) as recorded (`recorded`). A
+slot freed by a name bound elsewhere holds a shared empty tensor until a new
+tensor takes it, so no column is rebuilt when a few names change. `moved()` says
+which slots' geometry differs from the one recorded, in one of two ways:
 
 * `LayoutTable` (where `rl_sync.rank.native` is built): one C pass compares
   every tensor's pointer, shape, strides, dtype and device with a row recorded
-  for it; values written in place cost nothing.
+  for it; values written in place cost nothing. Recording is a C pass too (a
+  staged commit records every tensor it swapped, each commit), and a slot's
+  geometry is read back from its row when asked for.
 * `VersionTable` (the Python pass): every data pointer and every version
   counter in C loops (`map` over the columns), then the geometry of only the
   slots whose pointer or version moved (and of inference tensors, which keep no
@@ -18,11 +20,14 @@ geometry differs from the one recorded, in one of two ways:
     slot = table.hold(weight, name=3)
     table.reread([slot])
     moved = table.moved()        # slots whose geometry differs from the one recorded
+    pointer, shape, strides, dtype = table.recorded(slot)
 """
 
 from __future__ import annotations
 
+import functools
 import operator
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from itertools import compress, count
@@ -38,6 +43,8 @@ COLUMNS = (_BASE.data_ptr, _BASE.size, _BASE.stride, operator.attrgetter("dtype"
 tensor moved to another device has a new data pointer, the old storage being alive, held by the
 round's alias, and CUDA addresses being unified with the host's.)"""
 _POINTER, _VERSION = _BASE.data_ptr, operator.attrgetter("_version")
+_MAX_DIM = (native.ROW - 2) // 2
+"""Dims a row holds (sizes, then strides, after the pointer and the packed word)."""
 _EMPTY = torch.empty(0)
 """What a free slot holds: nothing moves it."""
 
@@ -60,7 +67,6 @@ class TensorTable(ABC):
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.names: list[set[int]] = []
-        self.geometry: list[tuple] = []
         self.place: dict[int, int] = {}
         """Slot of each tensor, by `id`."""
         self.free: list[int] = []
@@ -79,7 +85,6 @@ class TensorTable(ABC):
     def _grow(self) -> int:
         self.tensors.append(_EMPTY)
         self.names.append(set())
-        self.geometry.append(())
         return len(self.tensors) - 1
 
     def _took(self, slot: int, tensor: torch.Tensor) -> None:  # noqa: B027 (optional hook)
@@ -98,14 +103,15 @@ class TensorTable(ABC):
 
     def reread(self, slots: Iterable[int]) -> None:
         """Record `slots` as they are now."""
-        slots = sorted(set(slots))
-        for k, geometry in zip(slots, geometries([self.tensors[k] for k in slots])):
-            self.geometry[k] = geometry
-        self._record(slots)
+        self._record(sorted(set(slots)))
 
     @abstractmethod
     def _record(self, slots: list[int]) -> None:
-        """Record what `moved()` compares of `slots`."""
+        """Record the geometry of `slots`, and what `moved()` compares of them."""
+
+    @abstractmethod
+    def recorded(self, slot: int) -> tuple:
+        """The geometry recorded of `slot`: (data pointer, shape, strides, dtype)."""
 
     def slot_of(self, tensor: torch.Tensor) -> int:
         return self.place[id(tensor)]
@@ -118,7 +124,7 @@ class TensorTable(ABC):
     def _differs(self, order: list[int]) -> list[int]:
         """The slots of `order` whose geometry differs from the one recorded."""
         now = geometries([self.tensors[k] for k in order])
-        return list(compress(order, map(operator.ne, now, [self.geometry[k] for k in order])))
+        return list(compress(order, map(operator.ne, now, map(self.recorded, order))))
 
 
 class LayoutTable(TensorTable):
@@ -128,8 +134,9 @@ class LayoutTable(TensorTable):
         super().__init__()
         self.scan = scan
         self.rows = torch.empty(0, native.ROW, dtype=torch.int64)
-        self.unrecorded: set[int] = set()
-        """Slots whose layout the scan does not compare (`native.UNRECORDED`): compared here."""
+        self.unrecorded: dict[int, tuple] = {}
+        """The geometry of each slot whose layout the scan does not compare (`native.UNRECORDED`):
+        compared here."""
 
     def _grow(self) -> int:
         slot = super()._grow()
@@ -138,10 +145,17 @@ class LayoutTable(TensorTable):
         return slot
 
     def _record(self, slots: list[int]) -> None:
-        self.scan.record(self.tensors, self.rows, slots)
-        unrecorded = (self.rows[torch.tensor(slots, dtype=torch.int64), 1] == native.UNRECORDED).tolist()
-        self.unrecorded.difference_update(slots)
-        self.unrecorded.update(compress(slots, unrecorded))
+        unrecorded = self.scan.record(self.tensors, self.rows, slots)
+        if self.unrecorded:
+            for k in slots:
+                self.unrecorded.pop(k, None)
+        if unrecorded:
+            self.unrecorded.update(zip(unrecorded, geometries([self.tensors[k] for k in unrecorded])))
+
+    def recorded(self, slot: int) -> tuple:
+        if slot in self.unrecorded:
+            return self.unrecorded[slot]
+        return _decoded(self.rows[slot].tolist(), self.scan)
 
     def moved(self) -> list[int]:
         moved = self.scan.moved(self.tensors, self.rows)
@@ -155,6 +169,7 @@ class VersionTable(TensorTable):
 
     def __init__(self) -> None:
         super().__init__()
+        self.geometry: list[tuple] = []
         self.versioned: list[torch.Tensor] = []
         """`tensors`, with `_EMPTY` for an inference tensor (whose version cannot be read)."""
         self.pointers: list[int] = []
@@ -163,6 +178,7 @@ class VersionTable(TensorTable):
         """Slots of inference tensors: their geometry is read every round."""
 
     def _grow(self) -> int:
+        self.geometry.append(())
         self.versioned.append(_EMPTY)
         self.pointers.append(0)
         self.versions.append(0)
@@ -174,8 +190,13 @@ class VersionTable(TensorTable):
         (self.uncounted.add if inference else self.uncounted.discard)(slot)
 
     def _record(self, slots: list[int]) -> None:
+        for k, geometry in zip(slots, geometries([self.tensors[k] for k in slots])):
+            self.geometry[k] = geometry
         for k, version in zip(slots, map(_VERSION, [self.versioned[k] for k in slots])):
             self.pointers[k], self.versions[k] = self.geometry[k][0], version
+
+    def recorded(self, slot: int) -> tuple:
+        return self.geometry[slot]
 
     def moved(self) -> list[int]:
         """A version that moved with the geometry as recorded (values written in place) is taken
@@ -193,6 +214,30 @@ class VersionTable(TensorTable):
             for k, version in zip(moved, kept):
                 self.versions[k] = version
         return moved
+
+
+def _decoded(row: list[int], scan: ModuleType) -> tuple:
+    """The geometry a recorded row holds (see `native.ROW`)."""
+    dim = row[1] & 0xFF
+    shape, strides = row[2 : 2 + dim], row[2 + _MAX_DIM : 2 + _MAX_DIM + dim]
+    return row[0], torch.Size(shape), tuple(strides), _dtypes(scan)[(row[1] >> 8) & 0xFF]
+
+
+@functools.cache
+def _dtypes(scan: ModuleType) -> dict[int, torch.dtype]:
+    """Each dtype by the code the scan records it with (learnt by recording a tensor of each)."""
+    kinds = [t for t in vars(torch).values() if isinstance(t, torch.dtype)]
+    samples = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (experimental and deprecated dtypes say so)
+        for dtype in dict.fromkeys(kinds):
+            try:
+                samples.append(torch.empty(1, dtype=dtype))
+            except (RuntimeError, TypeError):  # (dtypes no plain tensor is made of)
+                continue
+    rows = torch.zeros(len(samples), native.ROW, dtype=torch.int64)
+    scan.record(samples, rows, list(range(len(samples))))
+    return {(code >> 8) & 0xFF: t.dtype for code, t in zip(rows[:, 1].tolist(), samples)}
 
 
 def _unequal(a: list, b: list) -> list[int]:

@@ -176,7 +176,7 @@ class Watch:
         return out
 
     def _recorded(self, tensor: torch.Tensor) -> tuple:
-        return self.table.geometry[self.table.slot_of(tensor)]
+        return self.table.recorded(self.table.slot_of(tensor))
 
     def _moved(self, name: str, b: Bound) -> Bound:
         """`b` as it is now that a tensor under it moved or its slot holds another one."""

@@ -41,8 +41,9 @@ def test_every_change_of_layout_is_reported_and_values_written_in_place_are_not(
 
 
 def test_more_than_four_dims_are_not_recorded(scan):
-    tensors = [torch.zeros(1, 2, 1, 2, 1), torch.zeros(1, 2, 1, 2)]
-    rows = _rows(scan, tensors)
+    tensors = [torch.zeros(1, 2, 1, 2, 1), torch.zeros(1, 2, 1, 2), torch.zeros(3, 1, 1, 1, 1)]
+    rows = torch.zeros(len(tensors), native.ROW, dtype=torch.int64)
+    assert scan.record(tensors, rows, [2, 1, 0]) == [2, 0], "the slots left unrecorded, in the order given"
     assert rows[:, 1].tolist()[0] == native.UNRECORDED and rows[1, 1] != native.UNRECORDED
     tensors[0].data = torch.zeros(3)
     assert scan.moved(tensors, rows) == []

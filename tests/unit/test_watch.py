@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rl_sync.engine.sources import alias
+from rl_sync.rank.tensors import geometries, tensor_table
 from rl_sync.rank.trainer import source_bound
 from rl_sync.rank.watch import Watch, bound
 from rl_sync.storage import Slot
@@ -186,6 +187,29 @@ def test_a_view_whose_parent_was_laid_out_anew_cannot_be_cut_again_and_says_why(
         watch.resolve(engine.mapping, watch.changed(engine.mapping))
     del engine.params["fused"]
     assert [watch.keys[i] for i in watch.changed(engine.mapping)] == ["q", "k"], "a key gone from its slot"
+
+
+def test_the_geometry_recorded_is_what_each_tensor_had_when_recorded(each_scan):
+    tensors = [
+        torch.zeros(4, 3),
+        torch.zeros(1, 2, 1, 2, 1),  # (more dims than the C scan's rows hold)
+        torch.zeros(2, 5, dtype=torch.bfloat16)[:, 1:4],
+        torch.zeros(0, dtype=torch.int8),
+        torch.zeros(2, 3, dtype=torch.float8_e4m3fn).t(),
+        torch.zeros((), dtype=torch.float64),
+    ]
+    table = tensor_table()
+    slots = [table.hold(t, name) for name, t in enumerate(tensors)]
+    table.reread(slots)
+    was = geometries(tensors)
+    assert [table.recorded(k) for k in slots] == was
+    tensors[0].data = torch.zeros(3, 4, dtype=torch.int32)
+    tensors[1].data = torch.zeros(2, 1, 2, 1, 1)
+    tensors[2].t_()
+    assert table.moved() == slots[:3]
+    assert [table.recorded(k) for k in slots] == was, "recorded, not read anew"
+    table.reread(slots[:3])
+    assert [table.recorded(k) for k in slots] == geometries(tensors) and table.moved() == []
 
 
 def test_other_names_are_not_a_change_but_no_answer():
