@@ -26,7 +26,7 @@ in the log once, and the caller does without it (the watch uses its Python pass;
         unrecorded = scan.record(tensors, rows, slots)  # rows: torch.empty(n, ROW, dtype=torch.int64)
         moved = scan.moved(tensors, rows)      # positions whose layout differs from its row
     swap = native.swap()             # the module, or None
-    swap.swap(a.untyped_storage()._cdata, b.untyped_storage()._cdata)
+    swap.swap([a.untyped_storage()._cdata], [b.untyped_storage()._cdata])  # pairs a[i], b[i]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def _scan_reads_tensors(module: ModuleType) -> str | None:
 def _swap_exchanges_memory(module: ModuleType) -> str | None:
     a, b = torch.arange(4, dtype=torch.int32), torch.arange(4, 8, dtype=torch.int32)
     view = a[1:]
-    module.swap(a.untyped_storage()._cdata, b.untyped_storage()._cdata)
+    module.swap([a.untyped_storage()._cdata], [b.untyped_storage()._cdata])
     if a.tolist() != [4, 5, 6, 7] or b.tolist() != [0, 1, 2, 3] or view.tolist() != [5, 6, 7]:
         return "does not exchange storages' memory"
     return None

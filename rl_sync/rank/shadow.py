@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.endpoint import Endpoint
-from .swap import can_swap, swap_memory
+from .swap import can_swap, swap_memories
 
 
 def _spare_view(view: torch.Tensor, spare: torch.UntypedStorage) -> torch.Tensor:
@@ -167,8 +167,7 @@ class Shadows:
             return False
         for device in {s.live.device for s in self.storages if s.live.device.type == "cuda"}:
             torch.cuda.synchronize(device)  # no queued kernel may still read what becomes the spare
-        for swapped in self.storages:
-            swap_memory(swapped.live, swapped.spare)
+        swap_memories([s.live for s in self.storages], [s.spare for s in self.storages])
         self.swaps += 1
         self.stale = True
         self.endpoints = dict(self.endpoints)

@@ -10,27 +10,42 @@ per machine, 10 to 20 s, the first time a process asks). Where neither can be ha
 
     if can_swap():
         swap_memory(live.untyped_storage(), spare.untyped_storage())
+        swap_memories(lives, spares)   # many pairs: all or none, one C++ call with the module
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import torch
 
 from . import native
 
-Swap = Callable[[torch.UntypedStorage, torch.UntypedStorage], None]
+Swap = Callable[[Sequence[torch.UntypedStorage], Sequence[torch.UntypedStorage]], None]
+"""Exchanges the memory behind a[i] and b[i] for every i, all or none."""
 
 
-def _pytorchs(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
-    a._swap_data_ptr_(b)  # type: ignore[attr-defined]  # PyTorch's, untyped (2.13 here)
+def _pytorchs(a: Sequence[torch.UntypedStorage], b: Sequence[torch.UntypedStorage]) -> None:
+    for first, second in zip(a, b):
+        _check(first, second)
+    for first, second in zip(a, b):
+        first._swap_data_ptr_(second)  # type: ignore[attr-defined]  # PyTorch's, untyped (2.13 here)
+
+
+def _check(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+    if a.nbytes() != b.nbytes() or a.device != b.device:
+        raise ValueError(
+            f"swap: storages of {a.nbytes()} bytes on {a.device} and {b.nbytes()} bytes on {b.device}; "
+            "expected the same size on the same device"
+        )
 
 
 def _native() -> Swap | None:
     module = native.swap()
-    return None if module is None else lambda a, b: module.swap(a._cdata, b._cdata)
+    if module is None:
+        return None
+    return lambda a, b: module.swap([s._cdata for s in a], [s._cdata for s in b])  # (checks every pair first)
 
 
 @cache
@@ -46,12 +61,16 @@ def can_swap() -> bool:
 def swap_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     """Exchange the memory behind `a` and `b`, of the same size on the same device (`ValueError`
     otherwise, naming both); only where `can_swap()`."""
+    swap_memories([a], [b])
+
+
+def swap_memories(a: Sequence[torch.UntypedStorage], b: Sequence[torch.UntypedStorage]) -> None:
+    """`swap_memory(a[i], b[i])` for every i, all or none: every pair is checked before any swaps
+    (`ValueError` naming the first pair that does not match); in one C++ call where rl-sync's
+    module swaps."""
     swapper = _swapper()
     if swapper is None:
         raise RuntimeError("swap: this process cannot exchange storages' memory (can_swap() is False)")
-    if a.nbytes() != b.nbytes() or a.device != b.device:
-        raise ValueError(
-            f"swap: storages of {a.nbytes()} bytes on {a.device} and {b.nbytes()} bytes on {b.device}; "
-            "expected the same size on the same device"
-        )
+    if len(a) != len(b):
+        raise ValueError(f"swap: {len(a)} and {len(b)} storages; expected pairs")
     swapper(a, b)

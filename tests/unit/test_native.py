@@ -97,7 +97,7 @@ def test_a_dict_is_compared_with_its_names_and_values_in_one_pass(scan):
         scan.mapping_differ(mapping, names, values[:3])
 
 
-def test_the_cpp_swap_exchanges_the_memory_behind_two_storages_and_refuses_what_does_not_match():
+def test_the_cpp_swap_exchanges_the_memory_behind_storages_and_refuses_what_does_not_match():
     """What PyTorch releases without `UntypedStorage._swap_data_ptr_` swap through."""
     from rl_sync.rank import swap
 
@@ -106,20 +106,30 @@ def test_the_cpp_swap_exchanges_the_memory_behind_two_storages_and_refuses_what_
     live = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     spare = torch.full((6,), 9.0)
     view, addresses = live[1], (live.data_ptr(), spare.data_ptr())
-    module.swap(live.untyped_storage()._cdata, spare.untyped_storage()._cdata)
+    module.swap([live.untyped_storage()._cdata], [spare.untyped_storage()._cdata])
     assert (spare.data_ptr(), live.data_ptr()) == addresses
     assert torch.equal(live, torch.full((2, 3), 9.0)) and torch.equal(view, torch.full((3,), 9.0))
     assert spare.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     del spare  # frees what was the live tensor's memory; the live one keeps the spare's
     assert torch.equal(live * 1, torch.full((2, 3), 9.0))
-    short = torch.zeros(2)
+    short, other, fits = torch.zeros(2), torch.ones(3), torch.full((3,), 5.0)
+    cdata = lambda *tensors: [t.untyped_storage()._cdata for t in tensors]  # noqa: E731
     expected = r"^swap: storages of 24 bytes on cpu and 8 bytes on cpu; expected the same size on the same device$"
     with pytest.raises(ValueError, match=expected):
-        module.swap(live.untyped_storage()._cdata, short.untyped_storage()._cdata)
+        module.swap(cdata(other, live), cdata(fits, short))
     with pytest.raises(ValueError, match=expected):
         swap.swap_memory(live.untyped_storage(), short.untyped_storage())
-    with pytest.raises(ValueError, match=r"^swap: b is a null StorageImpl address; expected UntypedStorage._cdata$"):
-        module.swap(live.untyped_storage()._cdata, 0)
-    with pytest.raises(TypeError, match=r"^swap\(\) argument 1 must be int, not torch.storage.UntypedStorage$"):
-        module.swap(live.untyped_storage(), short.untyped_storage())
+    null = r"^swap: b\[1\] is a null StorageImpl address; expected UntypedStorage._cdata$"
+    with pytest.raises(ValueError, match=null):
+        module.swap(cdata(other, live), [fits.untyped_storage()._cdata, 0])
+    not_an_int = r"^swap: a\[0\] is a torch.storage.UntypedStorage, not UntypedStorage._cdata \(an int\)$"
+    with pytest.raises(TypeError, match=not_an_int):
+        module.swap([live.untyped_storage()], cdata(short))
+    with pytest.raises(TypeError, match=r"^swap: b must be a list of UntypedStorage._cdata, got tuple$"):
+        module.swap(cdata(live), tuple(cdata(short)))
+    with pytest.raises(ValueError, match=r"^swap: lists of 1 and 2 storages; expected pairs$"):
+        module.swap(cdata(live), cdata(short, other))
     assert torch.equal(live, torch.full((2, 3), 9.0)) and short.tolist() == [0.0, 0.0], "a refusal changes nothing"
+    assert other.tolist() == [1.0] * 3 and fits.tolist() == [5.0] * 3, "nor the pairs before the one refused"
+    module.swap(cdata(other, fits), cdata(fits, other))  # a storage swapped twice in one call: back as it was
+    assert other.tolist() == [1.0] * 3 and fits.tolist() == [5.0] * 3
