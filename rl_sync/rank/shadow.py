@@ -158,20 +158,22 @@ class Shadows:
         return bool(kept)
 
     def commit(self, swap: bool) -> bool:
-        """Make the spares live: copied views by copy; swapped storages by swap when `swap` (else
-        by copy: memory another process maps without the alternate face, `alternate`). Returns
-        whether any storage swapped (its tensors' addresses changed)."""
+        """Make the spares live: swapped storages by swap when `swap` (else by copy: memory another
+        process maps without the alternate face, `alternate`), first, all or none (a storage that
+        no longer matches its spare refuses the commit before any live tensor changed); then
+        copied views by copy. Returns whether any storage swapped (its tensors' addresses changed)."""
+        swapping = swap and bool(self.storages)
+        if swapping:
+            for device in {s.live.device for s in self.storages if s.live.device.type == "cuda"}:
+                torch.cuda.synchronize(device)  # no queued kernel may still read what becomes the spare
+            swap_memories([s.live for s in self.storages], [s.spare for s in self.storages])
         by_copy = list(self.copied.values()) + ([] if swap else list(self.swapped.values()))
         _copy([live for live, _ in by_copy], [spare for _, spare in by_copy])
-        if not (swap and self.storages):
-            return False
-        for device in {s.live.device for s in self.storages if s.live.device.type == "cuda"}:
-            torch.cuda.synchronize(device)  # no queued kernel may still read what becomes the spare
-        swap_memories([s.live for s in self.storages], [s.spare for s in self.storages])
-        self.swaps += 1
-        self.stale = True
-        self.endpoints = dict(self.endpoints)
-        return True
+        if swapping:
+            self.swaps += 1
+            self.stale = True
+            self.endpoints = dict(self.endpoints)
+        return swapping
 
     def swapped_bytes(self) -> int:
         """Bytes of the bound views in storages committed by swap."""

@@ -5,11 +5,13 @@
 //               storages of a[i] and b[i] of the same size on the same device; afterwards each
 //               holds the other's memory (its allocation and the deleter that frees it, the
 //               allocator that resizes it and whether it may), so every tensor over either one
-//               reads the other's bytes. Every pair is checked before any is swapped: a refusal
+//               reads the other's bytes. Every pair is checked, and every storage's memory made
+//               writable (a copy-on-write one materialized), before any is swapped: a refusal
 //               swaps none. The caller holds every storage for the call.
 #include <Python.h>
 #include <c10/core/StorageImpl.h>
 
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -86,12 +88,19 @@ PyObject* swap(PyObject*, PyObject* args) {
     }
   }
   try {
-    for (size_t i = 0; i < a.size(); ++i) {
-      exchange(a[i], b[i]);
+    for (size_t i = 0; i < a.size(); ++i) {  // what may refuse or allocate (copy-on-write), before any swap
+      a[i]->mutable_data_ptr();
+      b[i]->mutable_data_ptr();
     }
   } catch (const c10::Error& error) {
     PyErr_SetString(PyExc_RuntimeError, error.what_without_backtrace());
     return nullptr;
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+  for (size_t i = 0; i < a.size(); ++i) {
+    exchange(a[i], b[i]);
   }
   Py_RETURN_NONE;
 }

@@ -226,18 +226,23 @@ def _decoded(row: list[int], scan: ModuleType) -> tuple:
 @functools.cache
 def _dtypes(scan: ModuleType) -> dict[int, torch.dtype]:
     """Each dtype by the code the scan records it with (learnt by recording a tensor of each)."""
-    kinds = [t for t in vars(torch).values() if isinstance(t, torch.dtype)]
-    samples = []
+    kinds = dict.fromkeys(t for t in vars(torch).values() if isinstance(t, torch.dtype))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (experimental and deprecated dtypes say so)
-        for dtype in dict.fromkeys(kinds):
-            try:
-                samples.append(torch.empty(1, dtype=dtype))
-            except Exception:  # (a dtype no plain tensor is made of, in whatever way this build refuses it)
-                continue
+        samples = [t for t in map(_sample, kinds) if t is not None]
     rows = torch.zeros(len(samples), native.ROW, dtype=torch.int64)
     scan.record(samples, rows, list(range(len(samples))))
     return {(code >> 8) & 0xFF: t.dtype for code, t in zip(rows[:, 1].tolist(), samples)}
+
+
+def _sample(dtype: torch.dtype) -> torch.Tensor | None:
+    """A tensor of `dtype`, made whichever way this build allows (None: no way, so no tensor has it)."""
+    for make in (lambda: torch.empty(1, dtype=dtype), lambda: torch.empty(8, dtype=torch.uint8).view(dtype)):
+        try:
+            return make()
+        except Exception:  # (each build refuses some dtypes some way: RuntimeError, TypeError, ...)
+            continue
+    return None
 
 
 def _unequal(a: list, b: list) -> list[int]:

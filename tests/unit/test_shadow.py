@@ -49,16 +49,20 @@ def test_rounds_land_in_the_spares_and_a_swap_makes_them_live_without_a_copy(eac
     assert torch.equal(shadows.endpoints["q"].tensor, before[:, :2]), "the spare now holds the previous round"
 
 
-def test_a_commit_whose_storages_do_not_all_match_their_spares_swaps_none(each_swap):
+def test_a_commit_whose_storages_do_not_all_match_their_spares_changes_no_live_tensor(each_swap):
     fused, norm, endpoints = _bound()
-    before = fused.clone()
+    copied = torch.arange(4.0)
+    endpoints["c"] = Endpoint(copied, (0,))
     shadows = Shadows.of(endpoints, keep={"f"}, swappable={"q", "k", "n"})
     _write(shadows, 7.0)
+    shadows.endpoints["c"].tensor.fill_(7.0)
+    before = fused.clone()
     norm.untyped_storage().resize_(8)  # the engine laid the last storage out anew in place
     expected = r"^swap: storages of 8 bytes on cpu and 20 bytes on cpu; expected the same size on the same device$"
     with pytest.raises(ValueError, match=expected):
         shadows.commit(swap=True)
     assert torch.equal(fused, before) and shadows.swaps == 0, "the first storage, which matched, kept its memory"
+    assert copied.tolist() == [0.0, 1.0, 2.0, 3.0], "nor was a name that commits by copy written"
 
 
 def test_a_stale_spare_catches_up_before_a_partial_round_and_not_before_a_full_one(each_swap):

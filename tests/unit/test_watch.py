@@ -206,10 +206,20 @@ def test_the_geometry_recorded_is_what_each_tensor_had_when_recorded(each_scan):
     tensors[0].data = torch.zeros(3, 4, dtype=torch.int32)
     tensors[1].data = torch.zeros(2, 1, 2, 1, 1)
     tensors[2].t_()
-    assert table.moved() == slots[:3]
+    tensors[4].data = torch.zeros(1, 2, 1, 3, 1, dtype=torch.float8_e4m3fn)
+    tensors[5].data = torch.zeros(2, 2)
+    assert table.moved() == [*slots[:3], *slots[4:]]
     assert [table.recorded(k) for k in slots] == was, "recorded, not read anew"
-    table.reread(slots[:3])
+    table.reread(slots)
     assert [table.recorded(k) for k in slots] == geometries(tensors) and table.moved() == []
+    tensors[1].data = torch.zeros(3)  # five dims to one
+    table.reread([slots[1]])
+    assert table.recorded(slots[1]) == geometries([tensors[1]])[0] and table.moved() == []
+    table.release(tensors[4], 4)  # a slot of five dims freed, then taken by a tensor of one
+    fresh = torch.ones(2)
+    assert table.hold(fresh, 6) == slots[4]
+    table.reread([slots[4]])
+    assert table.recorded(slots[4]) == geometries([fresh])[0] and table.moved() == []
 
 
 def test_other_names_are_not_a_change_but_no_answer():
