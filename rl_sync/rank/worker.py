@@ -184,10 +184,10 @@ class WorkerRank(Participant):
 
     def _rl_sync_before_round(self, round_info: RoundInfo) -> None:
         super()._rl_sync_before_round(round_info)
-        kept, buffered = self._rl_sync_kept, self._rl_sync_buffered()
-        self._rl_sync_follow(lambda rebound: None if buffered else _unfilled(round_info, rebound))
-        if kept is not None and kept.shadow is not None:
-            kept.shadow.prepare(writes_every_element(round_info.mode, round_info.names))
+        shadow = self._rl_sync_shadow()
+        self._rl_sync_follow(lambda rebound: None if shadow is not None else _unfilled(round_info, rebound))
+        if shadow is not None:
+            shadow.prepare(writes_every_element(round_info.mode, round_info.names))
         else:
             self._rl_sync_version = self._rl_sync_written = None  # live weights are being written
 
