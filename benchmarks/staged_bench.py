@@ -12,7 +12,9 @@ engine (its TP ranks as Ray actors, external launcher). Every round moves the sa
   runs beside it, on the ranks' own threads), then `StagedRound.commit()`: tokens per second
   meanwhile, the transfer's seconds (the slowest rank's), and the commit: the step the engine
   waits for (`RoundStats.commit_seconds`) and the driver's whole call (which also waits for a
-  transfer the generation outlasted less).
+  transfer the generation outlasted less);
+* **Ray call**: a call that does nothing into every engine rank at once, from the driver: the
+  least any commit step (such a call from the coordinator) costs.
 
 The same script runs on CPUs (vLLM's CPU build; defaults: 2 trainers, TP2) and on GPUs
 (`--device cuda`, vLLM's CUDA build: a trainer and each engine rank on a GPU of their own,
@@ -156,10 +158,22 @@ def measure(engine: VllmEngine, trainers, rounds: int, prompts: list[list[int]],
         out["commit_call"].append(time.perf_counter() - start)
         out["transfer"].append(stats.seconds)
         out["commit"].append(stats.commit_seconds)
+    out["ray_call"] = ray_call_floor(engine, 10 * rounds)
     if profile:
         profile_commits(sync, engine, trainers, rounds, lambda: _generate(engine, prompts, tokens))
     sync.close()
     return out
+
+
+def ray_call_floor(engine: VllmEngine, calls: int) -> list[float]:
+    """Seconds of `calls` Ray calls that do nothing (`_rl_sync_ping`) into every engine rank at once,
+    from the driver: what any commit step, itself such a call from the coordinator, costs at least."""
+    seconds = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        ray.get([rank._rl_sync_ping.remote() for rank in engine.ranks], timeout=60)
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def profile_commits(sync: WeightSync, engine: VllmEngine, trainers, rounds: int, generate) -> None:
@@ -217,6 +231,10 @@ def show(args, result: dict, params: int) -> None:
         ("staged round's transfer, slowest rank (s), beside generation", f"{_median(result['transfer']):.3f}"),
         ("staged round's commit step (s): the engine's stall", f"{commit:.4f}"),
         ("StagedRound.commit() on the driver (s)", f"{_median(result['commit_call']):.4f}"),
+        (
+            "a Ray call doing nothing into every engine rank (s): a commit step's floor",
+            f"{_median(result['ray_call']):.4f}",
+        ),
         ("stall: commit against blocking round", f"{commit / blocking:.1%}"),
     ]
     for row in rows:
