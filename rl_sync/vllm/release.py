@@ -63,4 +63,3 @@ def _drop_one_by_one(held: list) -> None:
     for i in range(len(held)):
         held[i] = None
         time.sleep(0)
-    held.clear()
