@@ -34,7 +34,6 @@ from rl_sync.config.sync import writes_every_element
 from rl_sync.wire.codec import decode
 from rl_sync.wire.messages import RankStats, RoundInfo
 
-from .calls import SyncError
 from .members import ActorMember, gather
 
 if TYPE_CHECKING:
@@ -86,7 +85,7 @@ def begin(c: Coordinator, version: int, ticket: int, writes_all: bool, what: str
     try:
         opened = gather(c.workers, call, c.budget.left(step), what)
         return _remapped(c, opened, what)
-    except SyncError:
+    except Exception:  # (a worker's refusal too: others may have opened it)
         c.broken = what
         raise
 

@@ -415,7 +415,7 @@ class Coordinator:
             if results is None:
                 raise SyncError(f"{round_.what}: a colocated worker's memory moved again while the round ran anew")
             commit_seconds = self._commit(round_.version, round_.what) if self.config.double_buffer else 0.0
-        except SyncError:
+        except Exception:  # (a rank's refusal too: the round started)
             self.broken = f"round {round_.version}"
             raise
         return self._close_round(round_, results, commit_seconds, fence)

@@ -103,7 +103,7 @@ def stage(
             c.budget.left(step),
             f"{round_.what}: starting the workers",
         )
-    except SyncError:
+    except Exception:  # (a worker's refusal too: the trainers are sending)
         c.broken = f"round {round_.version}"
         raise
     c.staged = Staged(round_, senders, refs, receivers, "" if fence is None else fence.token)
@@ -153,7 +153,7 @@ def commit(c: Coordinator, version: int, token: str | None) -> RoundStats:
         if c.ipc:
             results = colocated.end(c, version, round_.names, results, what)
         commit_seconds = c._commit(version, what)
-    except SyncError:
+    except Exception:  # (a worker's refusal too: no worker committed, their shadows hold the round)
         c.broken = f"round {version}"
         raise
     return c._close_round(round_, results, commit_seconds, fence, seconds=max(r.seconds for r in results))

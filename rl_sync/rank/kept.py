@@ -75,6 +75,8 @@ class KeptDestinations:
         live = self.live.updated(resolved, self.what, self.where)
         near = self.watch.sharing(again)  # (what shares memory with a rebound name shares a tensor)
         check_disjoint({name: live.endpoints[name].tensor for name in near if name in live.endpoints}, self.rank)
+        if self.shadow is not None:  # (refused before anything is recorded: the next call sees it again)
+            self.shadow.check_rebound(again, self.what)
         self.watch.record(again)
         self.live = live
         self._take(list(again))

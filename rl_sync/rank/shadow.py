@@ -126,22 +126,28 @@ class Shadows:
             _copy([spare for _, spare in self.swapped.values()], [live for live, _ in self.swapped.values()])
         self.stale = False
 
+    def check_rebound(self, names: Collection[str], what: str) -> None:
+        """`ValueError`, naming the tensor, when `rebound` of `names` could not catch a stale spare
+        up: its live storage was resized in place (`what`: the worker, in the message)."""
+        for swapped in self.storages:
+            if self.stale and swapped.live.nbytes() != swapped.spare.nbytes():
+                name = next((n for n in swapped.names if n in names), None)
+                if name is not None:
+                    raise ValueError(
+                        f"{what}: {name!r} was laid out anew in place after a commit swapped its storage, whose "
+                        "spare holds the round before, so nothing was written; repair() binds it anew (the next "
+                        "push does, with auto_repair)"
+                    )
+
     def rebound(self, endpoints: Mapping[str, Endpoint], what: str) -> bool:
         """The engine's tensors for these names were bound anew (`rl_sync.rank.watch`): the next
         commit writes each spare into its new live view. A storage committed by swap with any of
         them in it commits by copy from now on (its spare, caught up first when stale, from the
         old live storage), as the storages no longer match. A name received as it is (`keep`) is
         received in its new endpoint: returns True when `endpoints` changed so (a new dict).
-        `ValueError`, naming the tensor, when a stale spare cannot catch up: its live storage was
-        resized in place (`what`: the worker, in the message)."""
+        `ValueError` as `check_rebound` says, before anything changed."""
+        self.check_rebound(endpoints, what)
         for swapped in [s for s in self.storages if any(n in endpoints for n in s.names)]:
-            if self.stale and swapped.live.nbytes() != swapped.spare.nbytes():
-                name = next(n for n in swapped.names if n in endpoints)
-                raise ValueError(
-                    f"{what}: {name!r} was laid out anew in place after a commit swapped its storage, whose "
-                    "spare holds the round before, so nothing was written; repair() binds it anew (the next "
-                    "push does, with auto_repair)"
-                )
             pairs = {n: self.swapped.pop(n) for n in swapped.names}
             if self.stale:
                 _copy([spare for _, spare in pairs.values()], [live for live, _ in pairs.values()])

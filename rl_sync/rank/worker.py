@@ -269,11 +269,21 @@ class WorkerRank(Participant):
 
     def _rl_sync_staged(self, version: int, timeout_s: float) -> bytes:
         """The staged round's `RankStats` once it ended (waiting at most `timeout_s` seconds), or
-        what it raised."""
+        what it raised (a round that failed is forgotten: nothing of it is committed). The
+        coordinator calls this on every worker before it commits on any, so what would refuse
+        the commit is checked here: what the engine replaced or moved is bound anew
+        (`_rl_sync_follow`), and what cannot be bound anew refuses before any worker commits."""
         background = self._rl_sync_background
         if background is None or background.version != version:
             raise RuntimeError(f"worker rank {self._rl_sync_worker_rank()}: no staged round {version} here")
-        return background.result(timeout_s, self._rl_sync_worker_rank())
+        try:
+            stats = background.result(timeout_s, self._rl_sync_worker_rank())
+        except BaseException:
+            if not background.running:
+                self._rl_sync_background = None
+            raise
+        self._rl_sync_follow(lambda rebound: None)
+        return stats
 
     def _rl_sync_end_background(self) -> None:
         """Before a commit: a staged round's thread ended well (its result was collected)."""
@@ -443,13 +453,16 @@ class WorkerRank(Participant):
     def _rl_sync_ipc_end(self, version: int, names: tuple[str, ...] | None = None) -> None:
         """Close a colocated round: this worker's later work waits for the trainer's writes; the
         live weights hold `version` (written, not recorded), or, double buffered, the shadows do
-        until `_rl_sync_commit`."""
+        until `_rl_sync_commit` (what the engine replaced or moved is bound anew first, as in
+        `_rl_sync_staged`)."""
         assert self._rl_sync_ipc is not None  # colocated rounds run on an export
         self._rl_sync_ipc.end()
         self._rl_sync_round_names = names
         if not self._rl_sync_buffered():
             self._rl_sync_updated(names)
             self._rl_sync_written = version
+        else:  # (every worker ends before any commits: what would refuse the commit refuses here)
+            self._rl_sync_follow(lambda rebound: None)
 
     def _rl_sync_buffered(self) -> bool:
         """Whether rounds land in shadows (double buffering)."""

@@ -40,13 +40,18 @@ class GatedTrainer(TrainerActor):
 
 
 class MortalWorker(InferenceWorker):
-    """A worker that kills its own process once a round's transfer ended, when told to (a staged
-    round's thread runs that hook: it dies in the background)."""
+    """A worker that, when told to, kills its own process once a round's transfer ended (a staged
+    round's thread runs that hook: it dies in the background), or refuses once to process a round
+    (an engine's `rl_sync_prepare` raising)."""
 
     def _rl_sync_after_round(self, round_info, stats):
         if self.state.get("die"):
             os._exit(1)
         return super()._rl_sync_after_round(round_info, stats)
+
+    def rl_sync_prepare(self, names, spare):
+        if self.state.pop("refuse", False):
+            raise ValueError("engine: cannot process this round")
 
 
 Trainer = ray.remote(num_cpus=0.1)(GatedTrainer)
@@ -164,7 +169,7 @@ def _replace(actor, name: str) -> None:
 def test_weights_the_engine_replaces_around_a_staged_round_get_what_it_commits(ray_session):
     """The watch (`rl_sync.rank.watch`): `w`, replaced after a commit swapped its storage, is bound
     anew before the next round (a round of `v` only), its spare caught up from the tensor it
-    replaced; `n`, replaced while a round is staged, is bound anew at the commit. Each new tensor
+    replaced; `n`, replaced while a round is staged, is bound anew before the commit. Each new tensor
     gets what the commit makes live."""
     with _group(double_buffer=True) as g:
         sync = g.connect()
@@ -211,3 +216,43 @@ def test_a_stage_or_commit_the_driver_gave_up_on_commits_nothing(ray_session):
         assert sync.push(version=2).mode == "m2n"
         g.check(2)
         assert sync.versions() == [2, 2]
+
+
+def _tell(actor, **state) -> None:
+    ray.get(actor.call.remote(lambda self: self.state.update(state)))
+
+
+def test_a_round_a_worker_refuses_before_the_commit_is_committed_nowhere(ray_session):
+    """Worker 1 refuses staged round 2 as it lands (its engine cannot process it), then round 3 just
+    before the commit (its destinations mapping names a tensor the group did not bind). Each time
+    every worker keeps the version before in full, and the next push repairs the group."""
+    with _group(double_buffer=True) as g:
+        sync = g.connect()
+        g.step(1)
+        sync.push()
+        _tell(g.workers[1], refuse=True)
+        g.step(2)
+        staged = sync.stage()
+        with pytest.raises(
+            ValueError,
+            match=r"^round 2 \(m2n\), staged failed on 1 of 2 members:\n  worker 1 \(rank 3\): ValueError: engine: "
+            r"cannot process this round$",
+        ):
+            staged.commit()
+        g.check(1)
+        assert sync.versions() == [1, 1]
+        g.step(3)
+        assert sync.push(version=3).mode == "m2n"  # a repair: the workers' shadows held round 2
+        g.check(3)
+        g.step(4)
+        staged = sync.stage(version=4)
+        ray.get(g.workers[1].call.remote(lambda self: self.held.update(extra=self.held["n"])))
+        with pytest.raises(ValueError, match=r"^round 4 \(m2n\), staged failed on 1 of 2 members:\n  worker 1 "):
+            staged.commit()
+        g.check(3)
+        assert sync.versions() == [3, None]  # (worker 1's bindings no longer match its engine)
+        ray.get(g.workers[1].call.remote(lambda self: self.held.pop("extra")))
+        g.step(5)
+        sync.push(version=5)
+        g.check(5)
+        assert sync.versions() == [5, 5]

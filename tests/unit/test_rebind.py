@@ -12,6 +12,7 @@ from rl_sync.models.tp_model import TPModel
 from rl_sync.planning.layout import Layout, Mesh
 from rl_sync.planning.quant import scale_name
 from rl_sync.rank import WorkerRank
+from rl_sync.rank.kept import KeptDestinations
 from rl_sync.rank.side import DescribeOptions
 from rl_sync.rank.worker import _unfilled
 from rl_sync.storage import Destination
@@ -206,3 +207,21 @@ def test_a_worker_bound_for_a_round_that_writes_it_whole_reports_no_version_unti
     assert worker._rl_sync_version_of() == 2, "bound anew, seeded: it still holds version 2"
     worker._rl_sync_describe("worker", 0, 1, DescribeOptions(checkpoint=checkpoint, next_writes_all=True))
     assert worker._rl_sync_version_of() is None
+
+
+def test_a_rebinding_the_shadows_refuse_is_refused_again_until_a_repair(each_swap):
+    """`n`, laid out anew in place after a commit swapped its storage (its spare holds the round
+    before): the refusal records nothing, so every later follow refuses it again, and no commit
+    swaps the resized storage."""
+    n = torch.arange(5, dtype=torch.float32)
+    mapping = {"n": Destination(n, WHOLE, (5,), torch.float32)}
+    kept = KeptDestinations(mapping, 0, double_buffer=True, swappable={"n"})
+    assert kept.shadow is not None
+    kept.shadow.endpoints["n"].tensor.fill_(7.0)
+    kept.commit(swap=True)
+    n.untyped_storage().resize_(6 * 4)
+    n.set_(n.untyped_storage(), 0, (5,), (1,))
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^worker rank 0: 'n' was laid out anew in place after a commit"):
+            kept.follow()
+    assert kept.moved()
