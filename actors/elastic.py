@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 import ray
 
-from rl_sync.planning.agreement import check_agreement, split_sources
+from rl_sync.planning.agreement import check_agreement, join_bound, split_sources
 from rl_sync.planning.elastic import check_grown, engine_layout, shrunk
 from rl_sync.planning.layout import Layout
 from rl_sync.planning.plan import SideSpec, TensorSpec, join_specs, plan_model
@@ -142,8 +142,10 @@ def _regroup(
     """Every rank of `group` joins its transport beside its current one; returns its `InitInfo`."""
     world = sum(m.size for m in group.ranks)
     transport, rendezvous = c._rendezvous(world, all(d.startswith("cuda") for d in devices))
+    wait = c.budget.left(c.config.init_timeout_s)
     info = replace(
         c.formed.info,
+        join_timeout_s=join_bound(wait),
         world_size=world,
         worker_ranks=group.worker_ranks,
         transport=transport,
@@ -156,7 +158,7 @@ def _regroup(
     def regroup(m: Member):
         return m.regroup(encode(replace(info, rank=ranks[id(m)])), plan, c.config.bind_host, devices[ranks[id(m)]])
 
-    _step(c, group.ranks, regroup, "regroup (join the new group)", staying, c.config.init_timeout_s)
+    _step(c, group.ranks, regroup, "regroup (join the new group)", staying, wait)
     return info
 
 

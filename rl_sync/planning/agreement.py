@@ -192,6 +192,13 @@ def summarize(
     )
 
 
+def join_bound(wait_s: float) -> float:
+    """How long each rank may take to join a group whose joining the coordinator waits `wait_s`
+    seconds for: a quarter of the wait, at most 5 s, is left for the ranks to answer, so one whose
+    peer never joined says so before the coordinator stops listening."""
+    return wait_s - min(5.0, wait_s / 4)
+
+
 def group_init(
     config: SyncConfig,
     world_size: int,
@@ -212,6 +219,7 @@ def group_init(
         rendezvous=rendezvous,
         prefix=f"rl-sync-{uuid.uuid4().hex[:12]}",
         timeout_s=config.round_timeout_s,
+        join_timeout_s=join_bound(config.init_timeout_s),
         sparse_baseline=config.sparse_baseline,
         integrity=cast(Integrity, config.integrity),  # one of them: SyncConfig.__post_init__ checked
         interface=config.interface or "",

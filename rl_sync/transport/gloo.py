@@ -97,16 +97,29 @@ class GlooTransport(Transport):
         bind_host: str,
         prefix: str,
         timeout_s: float,
+        join_timeout_s: float | None = None,
         broadcast_ranks: Sequence[int] = (),
     ):
+        """`join_timeout_s` (default `timeout_s`) bounds joining: every rank connected, or
+        `TimeoutError` / `RuntimeError` here, and nothing left open; `timeout_s` then bounds each
+        wait of the group's operations."""
         self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
-        store = self._store = MemberStore(store_host, store_port, secret, timeout_s=timeout_s)
-        self.pg = _group(store, f"{prefix}/p2p/", rank, world_size, bind_host, timeout_s)
+        joining = timeout_s if join_timeout_s is None else join_timeout_s
+        store = self._store = MemberStore(store_host, store_port, secret, timeout_s=joining)
         self.bcast_ranks = list(broadcast_ranks)
         self.bcast = None
-        if rank in self.bcast_ranks:
-            index = self.bcast_ranks.index(rank)
-            self.bcast = _group(store, f"{prefix}/bcast/", index, len(self.bcast_ranks), bind_host, timeout_s)
+        try:
+            self.pg = _group(store, f"{prefix}/p2p/", rank, world_size, bind_host, joining)
+            if rank in self.bcast_ranks:
+                index = self.bcast_ranks.index(rank)
+                self.bcast = _group(store, f"{prefix}/bcast/", index, len(self.bcast_ranks), bind_host, joining)
+        except BaseException:
+            store.close()
+            raise
+        for group in (self.pg, self.bcast):
+            if group is not None:
+                group.set_timeout(timedelta(seconds=timeout_s))
+        store.set_timeout(timedelta(seconds=timeout_s))
         self._closed = False
 
     @classmethod
@@ -122,6 +135,7 @@ class GlooTransport(Transport):
             bind_host=bind_host,
             prefix=info.prefix,
             timeout_s=info.timeout_s,
+            join_timeout_s=info.join_timeout_s,
             broadcast_ranks=broadcast_ranks,
         )
 

@@ -84,6 +84,11 @@ class InitInfo:
     prefix: str
     """Names the group: its store keys and its digests' label."""
     timeout_s: float
+    """Bounds each wait of the group's operations."""
+    join_timeout_s: float
+    """Bounds joining the group's transport (Gloo's connections; NCCL's communicator takes no
+    bound): shorter than the coordinator's wait for the join (`rl_sync.planning.agreement.join_bound`),
+    so a rank whose peer never joins says so while the coordinator still listens."""
     sparse_baseline: BaselineDevice
     """`SyncConfig.sparse_baseline`: where sparse rounds keep their baselines."""
     integrity: Integrity
@@ -103,6 +108,7 @@ class InitInfo:
         if not self.worker_ranks or not all(0 <= r < self.world_size for r in self.worker_ranks):
             raise ValueError(f"InitInfo: worker ranks {self.worker_ranks} must be non-empty and inside the group")
         check_seconds("InitInfo.timeout_s", self.timeout_s)
+        check_seconds("InitInfo.join_timeout_s", self.join_timeout_s)
         check_transport(self.transport)
         if self.integrity not in ("off", "checksum", "keyed"):
             raise ValueError(f"InitInfo.integrity must be 'off', 'checksum' or 'keyed', got {self.integrity!r}")

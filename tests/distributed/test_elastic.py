@@ -38,7 +38,8 @@ def replicas(engines: int) -> list[Recipe]:
 
 class EngineRank(InferenceWorker):
     """One TP2 engine rank whose layouts follow the worker count it binds for, as a vLLM rank's do;
-    when told, it dies at a catch-up or binds a layout of its own."""
+    when told, it dies at a catch-up (`die`) or as it joins a grown group (`die_joining`), or binds
+    a layout of its own."""
 
     def rl_sync_destinations(self, checkpoint=None):
         side = self._rl_sync_sides["worker"]
@@ -50,6 +51,11 @@ class EngineRank(InferenceWorker):
         if self.state.get("die"):
             os._exit(1)
         return super()._rl_sync_catch_up(plan, round_blob)
+
+    def _rl_sync_joined(self, init, plan, bind_host, device):
+        if self.state.get("die_joining"):
+            os._exit(1)
+        return super()._rl_sync_joined(init, plan, bind_host, device)
 
 
 class MortalTrainer(TrainerActor):
@@ -87,7 +93,7 @@ def _identity(actor) -> tuple[int, int]:
 
 def _tell(actor, **state) -> None:
     """Set `state` on the actor; one told to die is spent (`SPENT`)."""
-    if state.get("die"):
+    if state.get("die") or state.get("die_joining"):
         SPENT.append(actor)
     ray.get(actor.call.remote(lambda self: self.state.update(state)))
 
@@ -133,12 +139,14 @@ SPENT: list = []
 
 
 @pytest.fixture
-def group(ray_session):
+def group(ray_session, request):
     """A group of two trainers and one TP2 engine at version 1 (sparse baselines kept), and a
-    second engine to join it; actors from the pool (`harness.POOL`), given back after."""
+    second engine to join it; actors from the pool (`harness.POOL`), given back after. An indirect
+    parameter overrides the group's `SyncConfig` fields."""
     trainers = POOL.take(Trainer, [(i, 2, trainer_build(replicas(1))) for i in range(2)])
     first, second = _engine(0), _engine(2)
-    sync = WeightSync.create(trainers, first, loopback_config(round_timeout_s=10.0))
+    config = loopback_config(**{"round_timeout_s": 10.0, **getattr(request, "param", {})})
+    sync = WeightSync.create(trainers, first, config)
     _step(trainers, 1)
     sync.push(mode="sparse")  # (the first sparse request runs dense: the trainers keep baselines from here)
     yield sync, trainers, first, second
@@ -231,6 +239,26 @@ def test_joins_that_fail_leave_the_group_as_it_was(group):
     assert stats.mode == "sparse", "the group was not broken: no repair, no dense round"
     _check(first, 2, engines=1)
     assert sync.versions() == [2, 2]
+
+
+@pytest.mark.parametrize("group", [{"init_timeout_s": 8.0, "round_timeout_s": 30.0}], indirect=True)
+def test_a_joining_rank_dying_as_it_joins_the_grown_group_leaves_the_group_as_it_was(group):
+    """The joining engine's first rank dies before it joins the grown group's transport. Every other
+    rank gives up waiting for it within the join's bound (`rl_sync.planning.agreement.join_bound`:
+    6 s), which ends while the coordinator still listens (8 s), so none of the group's ranks counts
+    as lost: the first engine keeps serving and the next sparse round is sparse (no repair)."""
+    sync, trainers, first, second = group
+    _tell(second[0], die_joining=True)
+    with pytest.raises(
+        SyncError,
+        match=r"^regroup \(join the new group\) failed on 6 of 6 members:\n  trainer 0 \(rank 0\): DistStoreError: "
+        r"rendezvous store 127\.0\.0\.1:\d+: no value for \[.*\] within 6\.0 s",
+    ):
+        sync.add_engine(second)
+    assert sync.versions() == [1, 1]
+    _step(trainers, 2)
+    assert sync.push(mode="sparse").mode == "sparse", "the group was not broken"
+    _check(first, 2, engines=1)
 
 
 def test_a_peer_dying_during_the_catch_up_breaks_the_group_and_the_next_push_repairs_it(group):

@@ -39,6 +39,7 @@ SAMPLES = [
         rendezvous=encode(GLOO),
         prefix="p",
         timeout_s=5.0,
+        join_timeout_s=4.0,
         sparse_baseline="device",
         integrity="keyed",
         interface="",

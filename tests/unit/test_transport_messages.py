@@ -42,6 +42,7 @@ def init_info(transport: str, rendezvous: bytes, world_size: int = 1) -> InitInf
         rendezvous=rendezvous,
         prefix="p",
         timeout_s=5.0,
+        join_timeout_s=4.0,
         sparse_baseline="device",
         integrity="off",
         interface="",
