@@ -14,7 +14,8 @@ the next round carries every tensor), and the joining ranks record the version t
 to. Removing one: the layouts shrink, the ranks that stay regroup and switch, and the
 engine's ranks leave. A join or leave that fails before the switch leaves the group as it
 was (a joining engine released), unless a rank of the group itself failed: then, as after
-any failure, the next push repairs it.
+any failure, the next push repairs it. An engine may leave a broken group (one whose ranks
+died, say): the group is then formed again without it, as a repair would.
 
 Only engines whose ranks are Ray actors (`VllmEngine`, your mixin actors) join or leave, in
 groups without CUDA IPC or engine services, between rounds.
@@ -54,6 +55,10 @@ if TYPE_CHECKING:
     from .coordinator import Coordinator
 
 
+SWITCH_AT_LEAST_S = 5.0
+"""What the switch gets once the fence is claimed (the join or leave decided), however little of
+the call's budget the catch-up left: each rank only makes the group it joined current."""
+
 CatchUp = Literal["relay", "next_push"]
 """How a joining engine gets the group's weights (`WeightSync.add_engine`)."""
 CATCH_UPS: tuple[CatchUp, ...] = get_args(CatchUp)
@@ -84,10 +89,11 @@ class Formed:
 
 
 def _check_live(c: Coordinator, what: str, handles: Sequence) -> None:
-    """Refuse what an engine cannot join or leave (see the module docstring), naming it."""
+    """Refuse what an engine cannot join or leave (see the module docstring), naming it; a broken
+    group takes no engine."""
     c._check_unstaged(what)
     c.settled()
-    if c.broken is not None:
+    if c.broken is not None and what == "add_engine":
         raise ValueError(f"{what}: the group is broken by an earlier failure ({c.broken}); push() repairs it first")
     if c.ipc:
         raise ValueError(f"{what}: not available while trainers write into colocated workers (CUDA IPC)")
@@ -98,15 +104,35 @@ def _check_live(c: Coordinator, what: str, handles: Sequence) -> None:
             f"{what}: engine services cannot join or leave a live group (their ranks are reached only "
             "through vLLM's calls); use engines whose ranks are Ray actors (VllmEngine), or a new WeightSync"
         )
+    held = _first_in(handles, c.worker_entries) if what == "add_engine" else None
+    if held is not None:
+        raise ValueError(
+            f"{what}: rank {held[0]} of the engine is worker {held[1]} of the group already; pass the rank "
+            "actors of an engine outside the group"
+        )
     if any(h in c.trainer_handles for h in handles) or any(r < len(c.trainers) for r in c.worker_ranks):
         raise ValueError(f"{what}: not available in groups whose trainers serve as well (hybrid actors)")
 
 
-def _step(c: Coordinator, members: Sequence[Member], call, what: str, staying: Sequence[Member], step_s: float) -> list:
-    """`call` on every member (`gather`). A rank in `staying` (the group's own) that died or did
-    not answer marks the group broken before the failure is raised; one that raised (its peer in
-    the new group died, say) is alive and still in the group it was in."""
-    timeout = c.budget.left(step_s)
+def _first_in(handles: Sequence, entries: Sequence) -> tuple[int, int] | None:
+    """The first of `handles` that is in `entries`: its index in each; None when none is."""
+    return next(((i, list(entries).index(h)) for i, h in enumerate(handles) if h in entries), None)
+
+
+def _step(
+    c: Coordinator,
+    members: Sequence[Member],
+    call,
+    what: str,
+    staying: Sequence[Member],
+    step_s: float,
+    at_least: float | None = None,
+) -> list:
+    """`call` on every member (`gather`), within `step_s` cut to the call's budget (or `at_least`,
+    for a step that must run once the join is decided). A rank in `staying` (the group's own)
+    that died or did not answer marks the group broken before the failure is raised; one that
+    raised (its peer in the new group died, say) is alive and still in the group it was in."""
+    timeout = c.budget.left(step_s, at_least)
     results, failures = collect(members, call, timeout)
     if failures:
         lost = [m for m, e in failures if not isinstance(e, ray.exceptions.RayTaskError)]
@@ -258,7 +284,8 @@ def _switch(
         _release(c, joining)
         raise
     try:
-        _step(c, group.ranks, lambda m: m.switch(True), "regroup (switch)", group.ranks, c.config.init_timeout_s)
+        switch = lambda m: m.switch(True)  # noqa: E731
+        _step(c, group.ranks, switch, "regroup (switch)", group.ranks, c.config.init_timeout_s, SWITCH_AT_LEAST_S)
     except Exception:
         c.broken = c.broken or "an engine joining or leaving (some ranks switched)"
         _release(c, joining)
@@ -304,6 +331,8 @@ def remove_engine(c: Coordinator, handles: Sequence, fence: Fence | None) -> Syn
                 "whole replica (replicas lie along mesh axis 0); only a whole engine leaves a live group"
             )
         layouts[name] = left
+    if c.broken is not None:
+        return _remove_from_broken(c, staying, fence, what)
     group = Membership.of(c.trainer_handles, staying)
     workers = [r for i, r in enumerate(c.formed.workers) if i not in gone]
     leaving = [m for i, m in enumerate(c.workers) if i in gone]
@@ -315,3 +344,14 @@ def remove_engine(c: Coordinator, handles: Sequence, fence: Fence | None) -> Syn
     c.worker_entries = staying
     c._assign_ranks()
     return c._summary(info, False, workers, time.perf_counter() - start)
+
+
+def _remove_from_broken(c: Coordinator, staying: list, fence: Fence | None, what: str) -> SyncSummary:
+    """A broken group (a rank of the engine died, say) cannot switch: unless the driver gave up on
+    the call, every member leaves it, and it is formed again without the engine (a repair: the
+    others bind anew, and the next round carries every tensor)."""
+    c.claim(fence, f"{what}: the driver gave up on the call before it started; the group is as it was")
+    c._close_ranks(abort=True)
+    c.worker_entries = staying
+    c._assign_ranks()
+    return c._repair()

@@ -43,7 +43,7 @@ def check_agreement(workers: Sequence[RankReport], ranks: Sequence[int]) -> None
                 ours = "does not bind it" if a is None else f"resolved {_describe(a)}"
                 raise ValueError(
                     f"inference workers disagree on tensor {name!r}: worker rank {rank} {theirs}, but worker rank "
-                    f"{ranks[0]} {ours}; all workers must run the same model and parallel config"
+                    f"{ranks[workers[0].rank]} {ours}; all workers must run the same model and parallel config"
                 )
 
 

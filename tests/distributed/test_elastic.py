@@ -224,7 +224,11 @@ def test_joins_that_fail_leave_the_group_as_it_was(group):
         sync.add_engine(second)
     _check(first, 1, engines=1)  # the first engine serves version 1 throughout
     assert sync.versions() == [1, 1]
-    with pytest.raises(ValueError, match=r"^workers 0 and 2 are the same actor; pass each worker once$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^add_engine: rank 0 of the engine is worker 0 of the group already; pass the rank actors of an "
+        r"engine outside the group$",
+    ):
         sync.add_engine([first[0], second[1]])
     with pytest.raises(
         ValueError,
@@ -276,6 +280,26 @@ def test_a_peer_dying_during_the_catch_up_breaks_the_group_and_the_next_push_rep
     assert sync.versions() == [2, 2], "the engine that failed to join is not in the group"
     sync.add_engine(second)
     assert sync.versions() == [2] * 4, "released, the engine joins at the next try"
+
+
+def test_an_engine_whose_ranks_died_leaves_the_broken_group_which_forms_again_without_it(group):
+    """Both ranks of the joined engine die; the push that meets them fails and breaks the group.
+    Removing the dead engine forms the group again from the others (a repair), and rounds go on."""
+    sync, trainers, first, second = group
+    sync.add_engine(second)
+    for rank in second:
+        SPENT.append(rank)
+        ray.kill(rank, no_restart=True)
+    _step(trainers, 2)
+    with pytest.raises(SyncError, match=r"^round 2 \(sparse\) failed on [1-6] of 6 members:"):
+        sync.push(version=2, mode="sparse")
+    summary = sync.remove_engine(second)
+    assert (summary.world_size, len(summary.kept_bytes)) == (4, 2)
+    assert sync.workers == first
+    _step(trainers, 3)
+    assert sync.push(version=3, mode="sparse").mode == "m2n", "the group formed again: a full round"
+    _check(first, 3, engines=1)
+    assert sync.versions() == [3, 3]
 
 
 @pytest.mark.parametrize("catch_up", ["relay", "next_push"])
