@@ -13,8 +13,9 @@ them: dropped in one `list.clear()` (a single C call that frees every tensor the
 kept the GIL from the rank's thread while the commit returned, and the commit step took a
 median 14 to 15 ms against 6 ms (4 layers, the same benchmark, 2026-12-07).
 
-Ordering contract: one release runs at a time; the next round's processing (`prepare`,
-`after_update`) waits for the one before, at most `RELEASE_WAIT_S`.
+Ordering contract: the next round's processing (`prepare`, `after_update`) and the next release
+wait for the release before, at most `RELEASE_WAIT_S`; one that outlives it runs on beside them
+(it only drops what nothing reads).
 
 Typical use (inside `rl_sync.vllm.reload.Processor`)::
 
