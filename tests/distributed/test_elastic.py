@@ -287,6 +287,7 @@ def test_an_engine_whose_ranks_died_leaves_the_broken_group_which_forms_again_wi
     Removing the dead engine forms the group again from the others (a repair), and rounds go on."""
     sync, trainers, first, second = group
     sync.add_engine(second)
+    assert sync.versions() == [1] * 4  # (the joining ranks' records read: the group is whole before they die)
     for rank in second:
         SPENT.append(rank)
         ray.kill(rank, no_restart=True)
