@@ -64,6 +64,11 @@ def adapter_sources(model: Any, adapter: str = "default") -> dict[str, Any]:
         raise ValueError(f"unknown adapter {adapter!r}: the PEFT model has {sorted(configs) or 'none'}")
     out = {}
     for parameter, tensor in model.named_parameters():
+        if f".lora_embedding_A.{adapter}" in parameter or f".lora_embedding_B.{adapter}" in parameter:
+            raise ValueError(
+                f"adapter {adapter!r} adapts an embedding ({parameter!r}): LoRA groups carry linear layers' "
+                "lora_A / lora_B only; leave embeddings out of the adapter's target_modules"
+            )
         saved = saved_name(parameter, adapter)
         if saved is not None:
             out[saved] = tensor

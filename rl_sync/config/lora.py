@@ -17,8 +17,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-UNSUPPORTED_PEFT = ("rank_pattern", "alpha_pattern", "use_dora", "lora_bias", "modules_to_save")
+UNSUPPORTED_PEFT = (
+    "rank_pattern",
+    "alpha_pattern",
+    "use_dora",
+    "lora_bias",
+    "modules_to_save",
+    "layer_replication",
+    "alora_invocation_tokens",
+)
 """PEFT options a `LoraSpec` does not carry: `of_peft` refuses an adapter config that sets them."""
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
+"""`init_lora_weights` methods that change the trainers' base weights, which the engine does not
+hold: `of_peft` refuses them."""
+
+
+def _unsupported(config: Any) -> list[str]:
+    """What of a PEFT `LoraConfig` a `LoraSpec` cannot carry (see `UNSUPPORTED_PEFT`)."""
+    found = [key for key in UNSUPPORTED_PEFT if getattr(config, key, None)]
+    if getattr(config, "bias", "none") != "none":
+        found.append(f"bias={config.bias!r}")
+    init = getattr(config, "init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        found.append(f"init_lora_weights={init!r}")
+    return found
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,11 +78,12 @@ class LoraSpec:
     @classmethod
     def of_peft(cls, config: Any, *, name: str, lora_id: int) -> LoraSpec:
         """From PEFT's `LoraConfig` of the adapter the trainers train (`peft_model.peft_config[adapter]`)."""
-        unsupported = [key for key in UNSUPPORTED_PEFT if getattr(config, key, None)]
+        unsupported = _unsupported(config)
         if unsupported:
             raise ValueError(
                 f"LoraSpec.of_peft: adapter {name!r} sets {unsupported}; LoRA rounds take plain LoRA "
-                "(one r and lora_alpha for every module, no DoRA, bias or modules_to_save)"
+                "(one r and lora_alpha for every module, no DoRA, bias, modules_to_save, layer replication "
+                "or aLoRA, and an initialisation that leaves the base weights as the engine holds them)"
             )
         return cls(name=name, lora_id=lora_id, rank=config.r, alpha=config.lora_alpha, use_rslora=config.use_rslora)
 

@@ -102,6 +102,12 @@ class WorkerRank(Participant):
     def _rl_sync_new_numbering(self) -> None:
         self._rl_sync_version = None
 
+    def _rl_sync_bound_empty(self) -> None:
+        """For an engine whose binding makes its destinations anew (a LoRA slot registered from
+        zeros): they hold no version until a round writes them, so none is reported (and none is
+        relayed from them)."""
+        self._rl_sync_version = None
+
     def _rl_sync_forget_moved(self) -> None:
         """A weight the engine moved holds what the engine put there: no version until a round."""
         if self._rl_sync_kept is not None and self._rl_sync_kept.moved():
@@ -338,7 +344,10 @@ class WorkerRank(Participant):
 
     def _rl_sync_apply_patches(self, version: int, patches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Write flat-index patches (local to this worker's boxes, checked by the coordinator)
-        into live storage; re-validated here before the first write. Returns elements written."""
+        into live storage; re-validated here before the first write. Then, as after a round, the
+        patched fallbacks go to the engine's loader and the engine's hook runs for the patched
+        names (vLLM's processing of loader-form buffers, a LoRA slot's scaling, forgetting cached
+        prefixes). Returns elements written."""
         self._rl_sync_follow(lambda rebound: "patches write only the elements they name")
         assert self._rl_sync_kept is not None  # the coordinator patches bound workers only
         views = self._rl_sync_kept.entries.endpoints
@@ -355,6 +364,9 @@ class WorkerRank(Participant):
             view = views[name].tensor
             sparse_codec.apply(INDICES, view, index.to(view.device), values.to(view.device, view.dtype))
             written += index.numel()
+        names = tuple(patches)
+        self._rl_sync_load_fallbacks(tuple(n for n in names if n in self._rl_sync_kept.fallbacks))
+        self._rl_sync_updated(names)
         self._rl_sync_written = version
         return written
 

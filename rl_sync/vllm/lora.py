@@ -122,7 +122,7 @@ class LoraSlots:
         local, reason = slot, "written into the adapter's slot"
         mode: Mode = "direct"
         if target.matrix == "B" and scaling != 1:
-            local = torch.empty(slot.shape, dtype=whole.dtype, device=slot.device)
+            local = torch.zeros(slot.shape, dtype=whole.dtype, device=slot.device)  # (as the slot)
             self.scaled[name] = Scaled(local, slot, scaling)
             mode, reason = "reload", f"scaled by {scaling:g} into the adapter's slot after each round"
         self.reports.append(ParamReport(name, target.layer, mode, reason, local.numel() * local.element_size()))

@@ -47,7 +47,7 @@ def test_model_parameter_names_map_to_saved_names_for_their_adapter_only():
     )
 
 
-def _peft_model():
+def _peft_model(targets: tuple[str, ...] = ("q_proj", "down_proj")):
     peft = pytest.importorskip("peft")
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -55,7 +55,7 @@ def _peft_model():
         "qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1,
     )  # fmt: skip
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets))
     return peft.get_peft_model(AutoModelForCausalLM.from_config(config), lora)
 
 
@@ -69,6 +69,16 @@ def test_adapter_sources_are_the_adapters_matrices_by_the_names_peft_saves(tmp_p
     assert sorted(sources) == sorted(saved)
     assert all(torch.equal(sources[n].detach(), saved[n]) for n in saved)
     assert all(s.requires_grad for s in sources.values()), "the adapter's own parameters, not copies"
+
+
+def test_an_adapter_of_an_embedding_is_refused_naming_it():
+    with pytest.raises(
+        ValueError,
+        match=r"^adapter 'default' adapts an embedding "
+        r"\('base_model\.model\.model\.embed_tokens\.lora_embedding_A\.default'\): LoRA groups carry linear "
+        r"layers' lora_A / lora_B only; leave embeddings out of the adapter's target_modules$",
+    ):
+        adapter_sources(_peft_model(("q_proj", "embed_tokens")))
 
 
 def test_an_adapter_the_model_lacks_is_refused_naming_the_ones_it_has():
@@ -98,6 +108,12 @@ def test_a_spec_is_read_off_peft_config_and_refuses_what_it_cannot_carry():
     assert spec.request().lora_int_id == 3 and spec.request().lora_name == "policy"
     with pytest.raises(ValueError, match=r"^LoraSpec\.of_peft: adapter 'policy' sets \['rank_pattern'\]; LoRA"):
         LoraSpec.of_peft(peft.LoraConfig(r=8, rank_pattern={"q_proj": 4}), name="policy", lora_id=3)
+    with pytest.raises(
+        ValueError,
+        match=r"^LoraSpec\.of_peft: adapter 'policy' sets \[\"bias='all'\", \"init_lora_weights='pissa'\"\]; LoRA "
+        r"rounds take plain LoRA \(.*, and an initialisation that leaves the base weights as the engine holds them\)$",
+    ):
+        LoraSpec.of_peft(peft.LoraConfig(r=8, bias="all", init_lora_weights="pissa"), name="policy", lora_id=3)
 
 
 @given(st.data())
