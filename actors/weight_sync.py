@@ -286,8 +286,9 @@ class WeightSync:
     def push_patches(self, patches, version: int | None = None, *, timeout_s: float | None = None) -> int:
         """Drop-in for vLLM's sparse patches: `SparseWeightPatch(name, indices, values)` with flat
         indices into the whole tensor, for any destination layout, after at least one `push`.
-        Patches travel through Ray's object store; returns the version now held everywhere.
-        Bounded like `push`."""
+        Patches travel through Ray's object store; each worker then runs what a round runs after
+        it for the patched names (its engine's hook: vLLM's processing, cached prefixes forgotten,
+        a LoRA slot's scaling). Returns the version now held everywhere. Bounded like `push`."""
         version = check_version(version)
         budget = _budget(timeout_s, self.config.push_budget_s, "push_patches")
         patches = list(patches)
