@@ -75,10 +75,23 @@ class VllmWorkerMixin(SyncWorkerMixin):
         assert self._rl_sync_vllm is not None  # the hooks below run only once the rank is bound
         return self._rl_sync_vllm
 
-    def _rl_sync_before_round(self, round_info) -> None:
+    def _rl_sync_follow(self, unfilled) -> bool:
+        """A LoRA group first checks that its adapter still holds its slot (`LoraSlots.check`):
+        every path that writes or commits (a round, a colocated round's opening, a commit, patches)
+        follows the engine's weights here first. A slot lost holds no version any more."""
         if self._rl_sync_lora is not None:
-            self._rl_sync_lora.check()
-        super()._rl_sync_before_round(round_info)
+            try:
+                self._rl_sync_lora.check()
+            except ValueError:
+                self._rl_sync_version = None
+                raise
+        return super()._rl_sync_follow(unfilled)
+
+    def _rl_sync_version_of(self) -> int | None:
+        """None as well once a LoRA group's adapter lost its slot (a relay never sends from it)."""
+        if self._rl_sync_lora is not None and not self._rl_sync_lora.holds_slot():
+            return None
+        return super()._rl_sync_version_of()
 
     def rl_sync_load_fallbacks(self, pairs) -> None:
         self._rl_sync_bound().load_fallbacks(pairs)

@@ -132,12 +132,22 @@ class LoraSlots:
         """`{name: "direct" | "reload"}`: `reload` for a `lora_B` scaled after each round."""
         return {r.name: r.mode for r in self.reports}
 
-    def check(self) -> None:
-        """Before a round: the adapter still holds the slot it was bound to (vLLM's LoRA state was
-        not reset, the adapter not removed); `ValueError` otherwise, before anything is written."""
+    def _holder(self) -> int | None:
+        """The adapter id in the slot this adapter was bound to, or None when it holds no
+        registered adapter."""
         manager = lora_manager(self.model, self.rank)
         held = manager.lora_index_to_id[self.slot] if 0 <= self.slot < len(manager.lora_index_to_id) else None
-        if held != self.spec.lora_id or self.spec.lora_id not in manager.list_adapters():
+        return held if held in manager.list_adapters() else None
+
+    def holds_slot(self) -> bool:
+        """Whether the adapter still holds the slot it was bound to (vLLM's LoRA state was not
+        reset, the adapter not removed)."""
+        return self._holder() == self.spec.lora_id
+
+    def check(self) -> None:
+        """Before anything is written or committed: `holds_slot()`, else `ValueError`."""
+        if not self.holds_slot():
+            held = self._holder()
             raise ValueError(
                 f"vLLM rank {self.rank}: adapter {self.spec.name!r} (id {self.spec.lora_id}) no longer holds LoRA "
                 f"slot {self.slot} (it holds {held}; the engine's LoRA state was reset or the adapter removed); "

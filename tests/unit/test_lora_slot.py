@@ -125,3 +125,20 @@ def test_patches_reach_the_slot_scaled(rank):
     expected[[0, 5]] = torch.tensor([0.5, -1.0], dtype=torch.bfloat16)
     assert torch.equal(_slot(layer)[1], expected.reshape(OUT, R) * 3)
     assert torch.equal(_slot(layer)[0], a)
+
+
+def test_an_adapter_that_lost_its_slot_reports_no_version_and_refuses_what_would_write_it(rank):
+    """vLLM's LoRA state reset (the adapter removed): the rank reports no version, and a round, a
+    commit or patches refuse before anything is written."""
+    worker, _ = rank
+    a, b = torch.randn(R, IN).bfloat16(), torch.randn(OUT, R).bfloat16()
+    _round(worker, 1, a, b)
+    manager = worker._rl_sync_lora.model.lora_manager
+    manager.remove_adapter(SPEC.lora_id)
+    assert worker._rl_sync_version_of() is None
+    refused = r"^vLLM rank 0: adapter 'policy' \(id 1\) no longer holds LoRA slot 0 \(it holds None; the engine's LoRA "
+    with pytest.raises(ValueError, match=refused):
+        worker._rl_sync_apply_patches(2, {B: (torch.tensor([0]), torch.tensor([0.5]))})
+    with pytest.raises(ValueError, match=refused):
+        worker._rl_sync_follow(lambda rebound: None)
+    assert torch.equal(worker._rl_sync_kept.entries.endpoints[B].tensor, b), "nothing was written"
