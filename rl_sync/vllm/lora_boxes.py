@@ -119,7 +119,14 @@ def check_fits(target: Target, name: str, rank: int) -> None:
     it (`[:rows, :cols]` of the slot): it fills the slot's input (A) or output (B) size and
     its rank fits the slot's."""
     room = tuple(_stacked(target).shape[2:])
-    sizes = target.box.sizes if target.box is not None else (0, 0)
+    if target.box is None:
+        raise ValueError(
+            f"vLLM rank {rank}: adapter tensor {name!r}: vLLM's slot of {target.layer!r} on this rank keeps none "
+            "of it. A fully sharded LoRA layer (fully_sharded_loras=True) splits the slot's max_lora_rank rows "
+            "over the ranks, so an adapter of a smaller rank leaves some ranks none, which LoRA rounds do not "
+            "take: start the engine with max_lora_rank equal to the adapter's rank, or without fully_sharded_loras"
+        )
+    sizes = target.box.sizes
     full = 1 if target.matrix == "A" else 0
     if sizes[full] != room[full] or sizes[1 - full] > room[1 - full]:
         raise ValueError(
@@ -130,7 +137,8 @@ def check_fits(target: Target, name: str, rank: int) -> None:
 
 def slot_view(target: Target, slot: int) -> torch.Tensor:
     """This rank's box of the tensor in LoRA slot `slot` (`check_fits` passed)."""
-    sizes = target.box.sizes if target.box is not None else (0, 0)
+    assert target.box is not None  # (check_fits refuses a rank that keeps none)
+    sizes = target.box.sizes
     return _stacked(target)[slot, 0, : sizes[0], : sizes[1]]
 
 

@@ -228,3 +228,28 @@ def test_a_worker_that_takes_no_lora_rounds_refuses_a_lora_group():
 
     with pytest.raises(ValueError, match=r"^worker rank 3: Plain takes no LoRA rounds \(a LoRA group writes"):
         Plain()._rl_sync_worker_entries(3, 4, DescribeOptions(lora=SPEC))
+
+
+def test_a_fully_sharded_slot_that_leaves_a_rank_none_of_the_adapter_is_refused_saying_why():
+    pytest.importorskip("vllm")
+    from vllm.lora.layers import ColumnParallelLinearWithShardedLoRA
+
+    from rl_sync.vllm.lora_boxes import Target, check_fits, kept_box
+
+    name = "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"
+    for rank in range(2):  # max_lora_rank 16 split over 2 ranks; an adapter of rank 8 fills rank 0's half
+        layer = _layer(
+            ColumnParallelLinearWithShardedLoRA, 2, rank, n_slices=1, is_merged_col_linear=False, output_size=16,
+            lora_a_stacked=(torch.zeros(1, 1, 8, 16),), lora_b_stacked=(torch.zeros(1, 1, 16, 16),),
+        )  # fmt: skip
+        target = Target("model.layers.0.mlp.up_proj", layer, 0, "A", kept_box(layer, 0, "A", (8, 16)))
+        if rank == 0:
+            check_fits(target, name, rank)
+            continue
+        with pytest.raises(
+            ValueError,
+            match=r"^vLLM rank 1: adapter tensor '.*up_proj\.lora_A\.weight': vLLM's slot of 'model\.layers\.0\.mlp\."
+            r"up_proj' on this rank keeps none of it\. A fully sharded LoRA layer .* start the engine with "
+            r"max_lora_rank equal to the adapter's rank, or without fully_sharded_loras$",
+        ):
+            check_fits(target, name, rank)
