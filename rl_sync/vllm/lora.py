@@ -55,6 +55,10 @@ def lora_manager(model: torch.nn.Module, rank: int):
     return manager
 
 
+RL_SYNC_OWNED = "rl_sync_owned"
+"""Set on the adapters rl-sync registers: a binding replaces only those."""
+
+
 class LoraSlots:
     """One vLLM rank's slot for the group's adapter, its destinations and the post-round scaling."""
 
@@ -94,13 +98,21 @@ class LoraSlots:
 
     def _register(self, manager, checkpoint: Checkpoint, dtype: torch.dtype, mapper) -> int:
         """Add the adapter (zeros) under the spec's id, pin it to a slot; returns the slot. An
-        adapter already under that id (this group's, bound before a repair) is replaced."""
+        adapter rl-sync registered under that id before (this group's, bound before a repair) is
+        replaced; one the engine loaded otherwise is refused, before anything changes."""
         from vllm.lora.lora_model import LoRAModel
 
+        held = manager.list_adapters().get(self.spec.lora_id)
+        if held is not None and not getattr(held, RL_SYNC_OWNED, False):
+            raise ValueError(
+                f"vLLM rank {self.rank}: lora_id {self.spec.lora_id} is taken by an adapter the engine loaded "
+                f"itself; give LoraSpec {self.spec.name!r} a lora_id the engine does not serve"
+            )
         zeros = {name: torch.zeros(shape, dtype=dtype) for name, (_, shape) in checkpoint.items()}
         adapter = LoRAModel.from_lora_tensors(
             self.spec.lora_id, zeros, _peft_helper(self.spec), device="cpu", dtype=dtype, weights_mapper=mapper
         )
+        setattr(adapter, RL_SYNC_OWNED, True)
         manager.remove_adapter(self.spec.lora_id)
         manager.add_adapter(adapter)
         manager.pin_adapter(self.spec.lora_id)

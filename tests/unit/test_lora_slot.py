@@ -142,3 +142,19 @@ def test_an_adapter_that_lost_its_slot_reports_no_version_and_refuses_what_would
     with pytest.raises(ValueError, match=refused):
         worker._rl_sync_follow(lambda rebound: None)
     assert torch.equal(worker._rl_sync_kept.entries.endpoints[B].tensor, b), "nothing was written"
+
+
+def test_a_lora_id_the_engine_serves_already_is_refused_before_anything_changes(rank):
+    worker, _ = rank
+    manager = worker._rl_sync_lora.model.lora_manager
+    other = types.SimpleNamespace(id=SPEC.lora_id)
+    manager.remove_adapter(SPEC.lora_id)
+    manager.add_adapter(other)  # an adapter the engine loaded itself, under the spec's id
+    worker._rl_sync_leave(abort=True)
+    with pytest.raises(
+        ValueError,
+        match=r"^vLLM rank 0: lora_id 1 is taken by an adapter the engine loaded itself; give LoraSpec 'policy' a "
+        r"lora_id the engine does not serve$",
+    ):
+        worker._rl_sync_describe("worker", 0, 1, OPTIONS)
+    assert manager.list_adapters()[SPEC.lora_id] is other
