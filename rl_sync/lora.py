@@ -45,9 +45,16 @@ def parse_adapter_name(name: str) -> AdapterTensor:
     return AdapterTensor(found["module"], matrix)
 
 
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+"""What wrappers put into parameter names (activation checkpointing, `torch.compile`, FSDP1) and
+`save_pretrained` leaves out of the names it saves."""
+
+
 def saved_name(parameter: str, adapter: str) -> str | None:
     """The saved name of model parameter `parameter` if it belongs to `adapter`'s lora_A or
-    lora_B, else None (base weights, other adapters)."""
+    lora_B, else None (base weights, other adapters); wrappers' parts of the name left out."""
+    for wrapper in WRAPPERS:
+        parameter = parameter.replace(wrapper, "")
     for matrix in ("lora_A", "lora_B"):
         infix = f".{matrix}.{adapter}."
         if infix in parameter and parameter.endswith(".weight"):

@@ -71,6 +71,17 @@ def test_adapter_sources_are_the_adapters_matrices_by_the_names_peft_saves(tmp_p
     assert all(s.requires_grad for s in sources.values()), "the adapter's own parameters, not copies"
 
 
+def test_adapter_sources_of_a_model_with_checkpointed_layers_keep_the_names_peft_saves():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    model = _peft_model()
+    names = sorted(adapter_sources(model))
+    layer = type(model.base_model.model.model.layers[0])
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, layer))
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+    assert sorted(adapter_sources(model)) == names
+
+
 def test_an_adapter_of_an_embedding_is_refused_naming_it():
     with pytest.raises(
         ValueError,
