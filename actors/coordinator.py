@@ -137,7 +137,7 @@ class Coordinator:
         T, N = len(self.trainers), len(self.worker_ranks)
         self._secret = new_secret()
         self.reply = self._reply_store()
-        asked = DescribeOptions(group=self.tag)
+        asked = DescribeOptions(group=self.tag, lora=self.lora)  # (trainers check the spec against their adapter)
         blobs = gather(
             self.trainers,
             lambda m: m.describe("trainer", self.trainers.index(m), T, asked, None),

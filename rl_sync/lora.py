@@ -63,13 +63,21 @@ def saved_name(parameter: str, adapter: str) -> str | None:
     return None
 
 
-def adapter_sources(model: Any, adapter: str = "default") -> dict[str, Any]:
-    """`{saved name: parameter}` of `adapter`'s matrices in a PEFT model (DTensors under FSDP2);
-    `ValueError` naming the model's adapters when it has no `adapter`."""
+class AdapterSources(dict):
+    """`{saved name: parameter}` of one adapter, with its PEFT `LoraConfig` (`config`): a trainer
+    of a LoRA group checks the group's `LoraSpec` against it (`LoraSpec.check_matches`)."""
+
+    config: Any = None
+
+
+def adapter_sources(model: Any, adapter: str = "default") -> AdapterSources:
+    """`{saved name: parameter}` of `adapter`'s matrices in a PEFT model (DTensors under FSDP2),
+    with the adapter's config; `ValueError` naming the model's adapters when it has no `adapter`."""
     configs: Mapping[str, Any] = getattr(model, "peft_config", {})
     if adapter not in configs:
         raise ValueError(f"unknown adapter {adapter!r}: the PEFT model has {sorted(configs) or 'none'}")
-    out = {}
+    out = AdapterSources()
+    out.config = configs[adapter]
     for parameter, tensor in model.named_parameters():
         if f".lora_embedding_A.{adapter}" in parameter or f".lora_embedding_B.{adapter}" in parameter:
             raise ValueError(

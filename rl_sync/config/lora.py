@@ -87,6 +87,17 @@ class LoraSpec:
             )
         return cls(name=name, lora_id=lora_id, rank=config.r, alpha=config.lora_alpha, use_rslora=config.use_rslora)
 
+    def check_matches(self, config: Any, who: str) -> None:
+        """`ValueError` naming both unless PEFT `LoraConfig` `config` (the one the trainers train)
+        has this spec's rank, alpha and rsLoRA: vLLM scales `lora_B` by them (`who`: the trainer)."""
+        theirs = (config.r, config.lora_alpha, bool(getattr(config, "use_rslora", False)))
+        if theirs != (self.rank, self.alpha, self.use_rslora):
+            raise ValueError(
+                f"{who}: the adapter's PEFT config has r={theirs[0]}, lora_alpha={theirs[1]}, use_rslora={theirs[2]}, "
+                f"but LoraSpec {self.name!r} has rank={self.rank}, alpha={self.alpha}, use_rslora={self.use_rslora}; "
+                "build the spec with LoraSpec.of_peft(peft_config, ...)"
+            )
+
     def peft_config(self) -> dict[str, Any]:
         """The adapter config as vLLM's `PEFTHelper.from_dict` reads it."""
         return {"r": self.rank, "lora_alpha": self.alpha, "use_rslora": self.use_rslora, "target_modules": []}

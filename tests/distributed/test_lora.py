@@ -123,14 +123,20 @@ def test_lora_rounds_generate_what_the_engine_loading_the_saved_adapter_does(tra
     "spec, alter, message",
     [
         (
-            LoraSpec(name="policy", lora_id=1, rank=16, alpha=32),
+            LoraSpec(name="policy", lora_id=1, rank=8, alpha=16),
             None,
+            r"trainer rank 0: the adapter's PEFT config has r=8, lora_alpha=24, use_rslora=False, but LoraSpec "
+            r"'policy' has rank=8, alpha=16, use_rslora=False; build the spec with LoraSpec\.of_peft",
+        ),
+        (
+            LoraSpec(name="policy", lora_id=1, rank=16, alpha=32),
+            dict,  # (sources without their PEFT config: the engine's checks)
             r"vLLM rank \d: adapter 'policy' has rank 16 but the engine's max_lora_rank is 8; start the engine with "
             r"max_lora_rank >= 16",
         ),
         (
             LoraSpec(name="policy", lora_id=1, rank=4, alpha=8),
-            None,
+            dict,
             r"vLLM rank \d: adapter tensor 'base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight' "
             r"\(8, 128\) has rank 8, but LoraSpec\.rank is 4",
         ),
@@ -148,7 +154,7 @@ def test_lora_rounds_generate_what_the_engine_loading_the_saved_adapter_does(tra
             r"saved names only",
         ),
     ],
-    ids=["rank-over-max", "rank-not-the-specs", "module-vllm-lacks", "base-weight"],
+    ids=["alpha-not-the-trainers", "rank-over-max", "rank-not-the-specs", "module-vllm-lacks", "base-weight"],
 )
 def test_bad_adapters_fail_create_naming_what_is_wrong(trainers, engine, spec, alter, message):
     ray.get([t.call.remote(_alter(alter)) for t in trainers])

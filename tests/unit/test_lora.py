@@ -82,6 +82,20 @@ def test_adapter_sources_of_a_model_with_checkpointed_layers_keep_the_names_peft
     assert sorted(adapter_sources(model)) == names
 
 
+def test_a_spec_is_checked_against_the_adapter_the_trainers_train():
+    model = _peft_model()  # r=4, lora_alpha=8
+    config = adapter_sources(model).config
+    assert config is model.peft_config["default"]
+    LoraSpec.of_peft(config, name="policy", lora_id=1).check_matches(config, "trainer rank 0")
+    with pytest.raises(
+        ValueError,
+        match=r"^trainer rank 1: the adapter's PEFT config has r=4, lora_alpha=8, use_rslora=False, but LoraSpec "
+        r"'policy' has rank=4, alpha=16, use_rslora=False; build the spec with LoraSpec\.of_peft\(peft_config, "
+        r"\.\.\.\)$",
+    ):
+        LoraSpec(name="policy", lora_id=1, rank=4, alpha=16).check_matches(config, "trainer rank 1")
+
+
 def test_an_adapter_of_an_embedding_is_refused_naming_it():
     with pytest.raises(
         ValueError,
