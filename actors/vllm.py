@@ -68,7 +68,6 @@ class VllmWorkerMixin(SyncWorkerMixin):
             return self._rl_sync_vllm.bind(checkpoint, side.rank, side.size, options.sharded, options.next_writes_all)
         where = engine_rank_of(self._rl_sync_vllm.vllm_config, side.rank, side.size)
         self._rl_sync_lora = LoraSlots(self._rl_sync_vllm.model, side.options.lora)
-        self._rl_sync_bound_empty()  # (the slot is registered anew, from zeros: a repair's bind too)
         return self._rl_sync_lora.bind(checkpoint, where, side.size // where.size)
 
     def _rl_sync_bound(self) -> VllmDestinations:

@@ -129,15 +129,16 @@ class Shadows:
     def check_rebound(self, names: Collection[str], what: str) -> None:
         """`ValueError`, naming the tensor, when `rebound` of `names` could not catch a stale spare
         up: its live storage was resized in place (`what`: the worker, in the message)."""
+        if not self.stale:
+            return
         for swapped in self.storages:
-            if self.stale and swapped.live.nbytes() != swapped.spare.nbytes():
-                name = next((n for n in swapped.names if n in names), None)
-                if name is not None:
-                    raise ValueError(
-                        f"{what}: {name!r} was laid out anew in place after a commit swapped its storage, whose "
-                        "spare holds the round before, so nothing was written; repair() binds it anew (the next "
-                        "push does, with auto_repair)"
-                    )
+            name = next((n for n in swapped.names if n in names), None)
+            if name is not None and swapped.live.nbytes() != swapped.spare.nbytes():
+                raise ValueError(
+                    f"{what}: {name!r} was laid out anew in place after a commit swapped its storage, whose "
+                    "spare holds the round before, so nothing was written; repair() binds it anew (the next "
+                    "push does, with auto_repair)"
+                )
 
     def rebound(self, endpoints: Mapping[str, Endpoint], what: str) -> bool:
         """The engine's tensors for these names were bound anew (`rl_sync.rank.watch`): the next

@@ -71,14 +71,14 @@ class TrainerRank(Participant):
 
     def _rl_sync_trainer_entries(self, rank: int, size: int, options: DescribeOptions) -> Entries:
         tensors, seen = self._rl_sync_sources_now(), self._rl_sync_seen
-        config = getattr(tensors, "config", None)  # (`rl_sync.lora.adapter_sources`: the adapter's)
-        if options.lora is not None and config is not None:
-            options.lora.check_matches(config, f"trainer rank {rank}")
         changed = None if seen is None or seen.side != (rank, size) else seen.watch.changed(tensors)
         if changed == []:
             assert seen is not None  # changed is a list only for what was seen
             return seen.entries
-        if changed is None:
+        if changed is None:  # (bound anew: the group forms or was repaired, not every round)
+            config = getattr(tensors, "config", None)  # (`rl_sync.lora.adapter_sources`: the adapter's)
+            if options.lora is not None and config is not None:
+                options.lora.check_matches(config, f"trainer rank {rank}")
             entries = trainer_entries(tensors, rank, size)
             watch = Watch(tensors, source_bound, f"trainer rank {rank}")
             self._rl_sync_seen = SourcesSeen((rank, size), watch, entries, entries.where())

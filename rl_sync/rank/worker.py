@@ -95,17 +95,13 @@ class WorkerRank(Participant):
         if side == "worker":
             self._rl_sync_forget_moved()
             self._rl_sync_kept = None  # every group, and every repair, binds anew: storage may have moved
-            if options is not None and options.next_writes_all:
-                self._rl_sync_version = None  # its new buffers hold nothing until that round (no relay source)
+            if options is not None and (options.next_writes_all or options.lora is not None):
+                # its new buffers, or the LoRA slot a binding registers anew from zeros (a repair's too),
+                # hold nothing until a round writes them (no relay source)
+                self._rl_sync_version = None
         return super()._rl_sync_describe(side, side_rank, side_size, options)
 
     def _rl_sync_new_numbering(self) -> None:
-        self._rl_sync_version = None
-
-    def _rl_sync_bound_empty(self) -> None:
-        """For an engine whose binding makes its destinations anew (a LoRA slot registered from
-        zeros): they hold no version until a round writes them, so none is reported (and none is
-        relayed from them)."""
         self._rl_sync_version = None
 
     def _rl_sync_forget_moved(self) -> None:
