@@ -61,7 +61,7 @@ from .calls import Budget, SyncError
 from .elastic import CatchUp, Formed, add_engine, remove_engine
 from .fence import Fence
 from .group import Membership
-from .members import Member, ServiceMember, collect, failed, gather, leave
+from .members import Member, ServiceMember, collect, failed, gather, give_controls, leave, note_controls
 from .metrics import RoundMetrics
 from .records import Recording
 from .staging import OpenRound, Staged, commit, stage, unstage
@@ -95,6 +95,8 @@ class Coordinator:
         self.trainer_handles, self.worker_entries, self.config = list(trainers), list(workers), config
         self.lora = lora
         """The adapter a LoRA group binds to the engines' LoRA slots (`WeightSync.create`)."""
+        self.controls: dict = {}
+        """Each worker actor's control group, as it reported (`actors.members.note_controls`)."""
         self._assign_ranks()
         self.metrics = RoundMetrics(config.name)
         self.repairs = 0
@@ -124,6 +126,7 @@ class Coordinator:
         group = Membership.of(self.trainer_handles, self.worker_entries)
         self.trainers, self.workers = group.trainers, group.workers
         self.worker_ranks, self.ranks, self.firsts = group.worker_ranks, group.ranks, group.worker_firsts()
+        give_controls(self.workers, self.controls)
         self.ipc = False
 
     def setup(self, budget_s: float | None = None) -> SyncSummary:
@@ -157,6 +160,7 @@ class Coordinator:
             "init (bind workers)",
         )
         reports = trainer_reports + [decode(RankReport, b) for b in blobs]
+        note_controls(self.workers, reports[T:], self.controls)
         self._choose_colocation(reports[:T], reports[T:])
         colocated = any(r < T for r in self.worker_ranks)
         self.schedule = plan_group(sources, reports[T:], self.worker_ranks, T, cfg)
@@ -414,11 +418,11 @@ class Coordinator:
                 results = self._run_round(round_)
             if results is None:
                 raise SyncError(f"{round_.what}: a colocated worker's memory moved again while the round ran anew")
-            commit_seconds = self._commit(round_.version, round_.what) if self.config.double_buffer else 0.0
+            committed = self._commit(round_.version, round_.what) if self.config.double_buffer else (0.0, 0.0)
         except Exception:  # (a rank's refusal too: the round started)
             self.broken = f"round {round_.version}"
             raise
-        return self._close_round(round_, results, commit_seconds, fence)
+        return self._close_round(round_, results, committed, fence)
 
     def _fence(self, token: str | None, what: str) -> Fence | None:
         """The call's fence; `SyncError`, doing nothing, when its driver gave up on it before it
@@ -516,17 +520,17 @@ class Coordinator:
         self,
         round_: OpenRound,
         results: list[RankStats],
-        commit_seconds: float,
+        committed: tuple[float, float],
         fence: Fence | None,
         seconds: float | None = None,
     ) -> RoundStats:
-        """Record a round every rank finished (and committed) unless its driver gave up on it
-        (`_record`); `seconds`: its time where it is not the wall time since it opened (a staged
-        round's)."""
+        """Record a round every rank finished (and committed: `_commit`'s figures) unless its
+        driver gave up on it (`_record`); `seconds`: its time where it is not the wall time since
+        it opened (a staged round's)."""
         self._record(round_.version, fence)
         first = self.refresh.finished(round_.mode, every_tensor=round_.names is None)
         took = time.perf_counter() - round_.start if seconds is None else seconds
-        stats = RoundStats(round_.version, round_.mode, took, tuple(results), round_.reason, commit_seconds)
+        stats = RoundStats(round_.version, round_.mode, took, tuple(results), round_.reason, *committed)
         if not first and seconds is None:  # the first round pays one-time costs; a staged one shares the CPUs
             self.auto.learn(stats, round_.dense_bytes)
         self.metrics.record(stats)
@@ -578,12 +582,15 @@ class Coordinator:
                 "(StagedRound.commit())"
             )
 
-    def _commit(self, version: int, what: str) -> float:
-        """Make a double-buffered round live on every worker; returns the seconds it took."""
+    def _commit(self, version: int, what: str) -> tuple[float, float]:
+        """Make a double-buffered round live on every worker (between two of its engine's steps
+        where it generates: `rl_sync.rank.steps`); returns the seconds the step took and the
+        longest any worker's engine stopped for it (0 where workers do not say)."""
         start = time.perf_counter()
-        step = self.config.round_timeout_s + 5
-        gather(self.workers, lambda m: m.commit(version, self.reply), self.budget.left(step), f"{what} commit")
-        return time.perf_counter() - start
+        step, wait = self.config.round_timeout_s + 5, self.budget.left(self.config.round_timeout_s)
+        call = lambda m: m.commit(version, wait, self.reply)  # noqa: E731
+        held = gather(self.workers, call, self.budget.left(step), f"{what} commit")
+        return time.perf_counter() - start, max((h for h in held if isinstance(h, float)), default=0.0)
 
     def _dense_bytes(self, names: tuple[str, ...] | None) -> int:
         """What a dense round of `names` (None: all) sends, in proportion of the plan's bytes

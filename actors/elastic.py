@@ -49,7 +49,7 @@ from rl_sync.wire.stats import SyncSummary
 
 from .fence import Fence
 from .group import Membership
-from .members import Member, ServiceMember, collect, failed, gather
+from .members import Member, ServiceMember, collect, failed, gather, note_controls
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator
@@ -222,6 +222,7 @@ def add_engine(c: Coordinator, handles: Sequence, fence: Fence | None, catch_up:
             f"{what} (bind the joining engine)",
         )
         reports = [decode(RankReport, b) for b in blobs]
+        note_controls(joining, reports, c.controls)
         layouts = _grown(c, reports, group, N)
         schedule = _schedule(c, layouts, reports, group)
         relay = _catch_up_plan(c, layouts, reports, group, n) if catch_up == "relay" else None

@@ -24,6 +24,7 @@ from rl_sync.rank.side import DescribeOptions
 from rl_sync.vllm.service import CloseRequest, DescribeRequest, IpcRequest, Rendezvous, RoundRequest
 from rl_sync.wire.codec import encode
 from rl_sync.wire.failure import RemoteTraceback, kept_type
+from rl_sync.wire.messages import RankReport
 
 from .calls import SyncError, failure_reason, remote_text
 
@@ -35,6 +36,13 @@ class ActorMember:
 
     def __init__(self, handle, label: str):
         self.handle, self.label = handle, label
+        self.control: str | None = None
+        """The concurrency group the actor declares for a staged round's calls (its `RankReport`
+        says), which then run beside its generation (`rl_sync.rank.steps`)."""
+
+    def _control(self, method):
+        """`method` in the actor's control group, if it declares one."""
+        return method if self.control is None else method.options(concurrency_group=self.control)
 
     def results(self, value) -> list:
         return [value]
@@ -53,14 +61,14 @@ class ActorMember:
     def run(self, blob: bytes, version: int, reply: Rendezvous | None):
         return self.handle._rl_sync_run.remote(blob)
 
-    def commit(self, version: int, reply: Rendezvous | None):
-        return self.handle._rl_sync_commit.remote(version)
+    def commit(self, version: int, timeout_s: float, reply: Rendezvous | None):
+        return self._control(self.handle._rl_sync_commit).remote(version, timeout_s)
 
     def stage(self, blob: bytes, version: int, reply: Rendezvous | None):
-        return self.handle._rl_sync_stage.remote(blob)
+        return self._control(self.handle._rl_sync_stage).remote(blob)
 
     def staged(self, version: int, timeout_s: float, reply: Rendezvous | None):
-        return self.handle._rl_sync_staged.remote(version, timeout_s)
+        return self._control(self.handle._rl_sync_staged).remote(version, timeout_s)
 
     def record(self, version: int):
         return self.handle._rl_sync_record.remote(version)
@@ -78,7 +86,7 @@ class ActorMember:
         return self.handle._rl_sync_ipc_export.remote(devices[0], timeout_s)
 
     def ipc_begin(self, version: int, ticket: int, writes_all: bool, reply: Rendezvous | None):
-        return self.handle._rl_sync_ipc_begin.remote(ticket, writes_all)
+        return self._control(self.handle._rl_sync_ipc_begin).remote(ticket, writes_all)
 
     def ipc_round(self, version: int, names: tuple[str, ...] | None, ticket: int, timeout_s: float, writes_all: bool):
         return self.handle._rl_sync_ipc_round.remote(version, names, ticket, timeout_s, writes_all)
@@ -87,7 +95,7 @@ class ActorMember:
         return self.handle._rl_sync_ipc_remap.remote(ipc)
 
     def ipc_end(self, version: int, names: tuple[str, ...] | None, reply: Rendezvous | None):
-        return self.handle._rl_sync_ipc_end.remote(version, names)
+        return self._control(self.handle._rl_sync_ipc_end).remote(version, names)
 
     def regroup(self, init: bytes, plan, bind_host: str | None, device: str):
         return self.handle._rl_sync_regroup.remote(init, plan, bind_host, device)
@@ -137,7 +145,7 @@ class ServiceMember:
         request = RoundRequest(blob, version, self._reply(reply))
         return self.handle._rl_sync_service_run.remote(encode(request), not self.double_buffer)
 
-    def commit(self, version: int, reply: Rendezvous | None):
+    def commit(self, version: int, timeout_s: float, reply: Rendezvous | None):
         return self.handle._rl_sync_service_commit.remote(encode(RoundRequest(b"", version, self._reply(reply))))
 
     def stage(self, blob: bytes, version: int, reply: Rendezvous | None):
@@ -198,6 +206,25 @@ class ServiceMember:
 
 Member = ActorMember | ServiceMember
 """A member of a sync group, of either kind (the coordinator calls both alike)."""
+
+
+def note_controls(members: Sequence[Member], reports: Sequence[RankReport], controls: dict) -> None:
+    """Record each actor member's control group as its report says (`RankReport.control_group`;
+    `reports`: one per rank) in `controls` (actor handle -> group), and give it to the members
+    (`give_controls`)."""
+    at = 0
+    for member, size in ((m, m.size) for m in members):
+        if isinstance(member, ActorMember):
+            controls[member.handle] = reports[at].control_group or None
+        at += size
+    give_controls(members, controls)
+
+
+def give_controls(members: Sequence[Member], controls: dict) -> None:
+    """Each actor member its control group, as `controls` (actor handle -> group) recorded it."""
+    for member in members:
+        if isinstance(member, ActorMember):
+            member.control = controls.get(member.handle)
 
 
 def gather(members: Sequence, call: Callable, timeout_s: float, what: str) -> list:

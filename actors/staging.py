@@ -132,7 +132,7 @@ def commit(c: Coordinator, version: int, token: str | None) -> RoundStats:
     """Wait for staged round `version` on every rank, then commit it on every worker, and record
     it unless the driver gave up on the call (its fence `token`; a call it gave up on before it
     started drops the round); returns its statistics (`seconds`: the slowest rank's transfer;
-    `commit_seconds`: the commit step)."""
+    `commit_seconds`: the commit step; `stall_seconds`: what it stopped an engine for)."""
     staged = c.staged
     if staged is None or staged.round.version != version:
         held = (
@@ -152,8 +152,8 @@ def commit(c: Coordinator, version: int, token: str | None) -> RoundStats:
         results = [decode(RankStats, r) for r in sent + received]
         if c.ipc:
             results = colocated.end(c, version, round_.names, results, what)
-        commit_seconds = c._commit(version, what)
+        committed = c._commit(version, what)
     except Exception:  # (a worker's refusal too: no worker committed, their shadows hold the round)
         c.broken = f"round {version}"
         raise
-    return c._close_round(round_, results, commit_seconds, fence, seconds=max(r.seconds for r in results))
+    return c._close_round(round_, results, committed, fence, seconds=max(r.seconds for r in results))

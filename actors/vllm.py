@@ -33,14 +33,16 @@ import os
 import secrets
 import socket
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import ray
 
+from rl_sync.rank.steps import CONTROL_GROUP, StepGate
 from rl_sync.vllm.lora import LoraSlots
 from rl_sync.vllm.prefix import forget_cached_prefixes
-from rl_sync.vllm.rank import VllmDestinations, engine_rank_of
+from rl_sync.vllm.rank import VllmDestinations, engine_rank, engine_rank_of
 
 from .worker_mixin import SyncWorkerMixin
 
@@ -113,10 +115,39 @@ class VllmWorkerMixin(SyncWorkerMixin):
         """None of a LoRA group's (a slot's box is part of a tensor every slot shares)."""
         return [] if self._rl_sync_lora is not None else self._rl_sync_bound().swappable()
 
+    def rl_sync_generating(self) -> AbstractContextManager[None]:
+        """Run the engine's generation inside this: a staged round's commit then lands between two
+        of its steps (`rl_sync.rank.steps`; a tensor-parallel engine's ranks all commit when a
+        generation starts, one asked for during a generation waiting for its end). Required of an
+        actor that declares `rl_sync_control_group` (whose commits arrive beside generation)."""
+        llm = self.rl_sync_llm()
+        gate = self._rl_sync_steps()
+        engine = llm.llm_engine
+        if getattr(engine, "_rl_sync_gate", None) is not gate:
+            engine.step = _stepping(type(engine).step.__get__(engine), gate)  # type: ignore[method-assign]
+            engine._rl_sync_gate = gate  # type: ignore[attr-defined]
+        lone = engine.vllm_config.parallel_config.tensor_parallel_size == 1
+        return gate.generating(None if lone else _largest_over_engine)
+
     def rl_sync_prepare(self, names, spare) -> None:
         """A LoRA group prepares nothing: its scaling runs at the commit, on the slot."""
         if self._rl_sync_lora is None:
             self._rl_sync_bound().prepare(names, spare)
+
+
+def _stepping(step: Callable, gate: StepGate) -> Callable:
+    """vLLM's `LLMEngine.step` with the gate's boundary before each step."""
+
+    def stepped(*args, **kwargs):
+        gate.boundary()
+        return step(*args, **kwargs)
+
+    return stepped
+
+
+def _largest_over_engine(value: int) -> int:
+    """The largest `value` of the engine's ranks (a collective over its tensor-parallel group)."""
+    return max(engine_rank().exchange(value))
 
 
 def completions(llm, prompts: Sequence[Sequence[int]], sampling: dict[str, Any], lora_request=None) -> list[dict]:
@@ -180,8 +211,16 @@ def _listen(host: str) -> socket.socket:
     return sock
 
 
+RANK_GROUPS = {CONTROL_GROUP: 1}
+"""The Ray concurrency groups of a `VllmRankActor`: its control calls (a staged round's) on a thread
+of their own."""
+
+
 class VllmRankActor(VllmWorkerMixin):
-    """One TP rank of a vLLM engine (wrap with `ray.remote`; `VllmEngine.launch` does).
+    """One TP rank of a vLLM engine (wrap with `ray.remote(concurrency_groups=RANK_GROUPS)` and pass
+    `control_group=CONTROL_GROUP`; `VllmEngine.launch` does): a staged round's calls then run
+    beside `generate`, and its commit lands between two of the engine's steps
+    (`rl_sync.rank.steps`).
 
     Rank 0 hosts the engine's torch.distributed rendezvous on `host` (its Ray node
     address by default, never every interface); `start` builds the `LLM` on every rank
@@ -195,8 +234,13 @@ class VllmRankActor(VllmWorkerMixin):
         host: str | None = None,
         env: dict[str, str] | None = None,
         timeout_s: float = 120.0,
+        control_group: str | None = None,
     ):
         self.tp_rank, self.tp_size, self.timeout_s = tp_rank, tp_size, timeout_s
+        self.rl_sync_control_group = control_group
+        """`CONTROL_GROUP` where the actor was declared with `RANK_GROUPS` (Ray kills an actor
+        asked to run a call in a group it lacks); None: a staged round's calls, its commit
+        included, wait for a generation to end."""
         self.llm: LLM | None = None
         self.host = host or ray.util.get_node_ip_address()
         os.environ.update(env or {})
@@ -264,7 +308,8 @@ class VllmRankActor(VllmWorkerMixin):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any], lora_request=None) -> list[dict]:
         """Token ids and their log-probabilities for each prompt (every rank of the engine
         calls it with the same arguments; `lora_request`: the adapter to generate with)."""
-        return completions(self.llm, prompts, sampling, lora_request)
+        with self.rl_sync_generating():
+            return completions(self.llm, prompts, sampling, lora_request)
 
     def version(self) -> int | None:
         """The weight version this rank's live weights hold (rl-sync's, None before a sync)."""
@@ -295,9 +340,9 @@ class VllmEngine:
     ) -> VllmEngine:
         """Start the ranks (`actor_options[i]` are rank i's Ray options, e.g. a placement
         group bundle) and build the engine on all of them; bounded by `timeout_s`."""
-        Rank = ray.remote(VllmRankActor)
+        Rank = ray.remote(concurrency_groups=RANK_GROUPS)(VllmRankActor)  # type: ignore[call-overload]
         options = list(actor_options or [{"num_cpus": 1}] * tp)
-        ranks = [Rank.options(**options[r]).remote(r, tp, host, env) for r in range(tp)]
+        ranks = [Rank.options(**options[r]).remote(r, tp, host, env, control_group=CONTROL_GROUP) for r in range(tp)]
         engine = cls(ranks)
         try:
             engine.start(model, llm_kwargs, timeout_s)

@@ -110,7 +110,9 @@ class Participant:
         modes, reasons = (self._rl_sync_modes(), self._rl_sync_reasons()) if side == "worker" else ({}, {})
         kept = sum(e.tensor.numel() * e.tensor.element_size() for e in endpoints.values()) if side == "worker" else 0
         swap = self._rl_sync_swap_bytes() if side == "worker" else 0
-        return encode(RankReport(side_rank, device, gpu, tuple(reports), modes, kept, reasons, swap), compress=True)
+        control = (getattr(self, "rl_sync_control_group", None) or "") if side == "worker" else ""
+        report = RankReport(side_rank, device, gpu, tuple(reports), modes, kept, reasons, swap, control)
+        return encode(report, compress=True)
 
     def _rl_sync_join(self, tag: GroupTag) -> None:
         """Be held by `tag`'s group; a new membership starts from nothing."""

@@ -64,6 +64,7 @@ from .kept import KeptDestinations
 from .participant import Participant
 from .shadow import Shadows
 from .side import DescribeOptions
+from .steps import StepGate
 
 STOP_WAIT_S = 30.0
 """How long leaving the group waits for a staged round's thread once its transport is aborted,
@@ -85,6 +86,11 @@ class WorkerRank(Participant):
     _rl_sync_ipc_basis: tuple[frozenset[str], int] | None = None
     """With an alternate face: the names in swapped storages and `Shadows.swaps` at the export."""
     _rl_sync_round_names: tuple[str, ...] | None = None
+    _rl_sync_gate: StepGate | None = None
+    rl_sync_control_group: str | None = None
+    """The Ray concurrency group (`rl_sync.rank.steps.CONTROL_GROUP`) the class's actors declare
+    for staged rounds' calls, so those run beside the engine's generation; None: every call
+    waits for the one before it."""
     rl_sync_load_fallbacks: Callable[[list[tuple[str, torch.Tensor]]], None]
     """The subclass's hook taking `(name, tensor)` of each fallback a round delivered (see the
     module docstring): required when any name is bound as a fallback."""
@@ -93,6 +99,7 @@ class WorkerRank(Participant):
         self, side: str, side_rank: int, side_size: int, options: DescribeOptions | None = None
     ) -> bytes:
         if side == "worker":
+            self._rl_sync_steps().forget()
             self._rl_sync_forget_moved()
             self._rl_sync_kept = None  # every group, and every repair, binds anew: storage may have moved
             if options is not None and (options.next_writes_all or options.lora is not None):
@@ -103,6 +110,12 @@ class WorkerRank(Participant):
 
     def _rl_sync_new_numbering(self) -> None:
         self._rl_sync_version = None
+
+    def _rl_sync_steps(self) -> StepGate:
+        """When this rank's commits run against its engine's steps (`rl_sync.rank.steps`)."""
+        if self._rl_sync_gate is None:
+            self._rl_sync_gate = StepGate(self._rl_sync_commit_now)
+        return self._rl_sync_gate
 
     def _rl_sync_forget_moved(self) -> None:
         """A weight the engine moved holds what the engine put there: no version until a round."""
@@ -205,6 +218,7 @@ class WorkerRank(Participant):
             self._rl_sync_written = round_info.version
         else:
             self._rl_sync_pending = names
+            self._rl_sync_steps().ready = round_info.version
             prepare = getattr(self, "rl_sync_prepare", None)
             if prepare is not None:
                 prepare(round_info.names, kept.shadow.spare_of)
@@ -223,12 +237,18 @@ class WorkerRank(Participant):
         if hook is not None:
             hook(names)
 
-    def _rl_sync_commit(self, version: int) -> None:
-        """Double buffering: the round completed everywhere; make it live (by copy, or by swap where
-        the engine allows, `rl_sync.rank.shadow`: a colocated trainer then writes the export's other
-        face, `rl_sync.transport.cuda_ipc`; bound anew
-        first where the engine replaced or moved a weight: the shadows hold every tensor whole),
-        load its fallbacks, run the engine's hook. A staged round's thread must have ended."""
+    def _rl_sync_commit(self, version: int, timeout_s: float = STOP_WAIT_S) -> float:
+        """Double buffering: the round completed everywhere; make it live, between two of the
+        engine's steps while it generates (`rl_sync.rank.steps`), waiting at most `timeout_s`
+        seconds for that. Returns the seconds the engine stopped for it."""
+        return self._rl_sync_steps().commit(version, timeout_s)
+
+    def _rl_sync_commit_now(self, version: int) -> None:
+        """Make the round live (by copy, or by swap where the engine allows,
+        `rl_sync.rank.shadow`: a colocated trainer then writes the export's other face,
+        `rl_sync.transport.cuda_ipc`; bound anew first where the engine replaced or moved a
+        weight: the shadows hold every tensor whole), load its fallbacks, run the engine's hook.
+        A staged round's thread must have ended."""
         self._rl_sync_end_background()
         self._rl_sync_version = self._rl_sync_written = None
         self._rl_sync_follow(lambda rebound: None)
@@ -464,13 +484,14 @@ class WorkerRank(Participant):
         until `_rl_sync_commit` (what the engine replaced or moved is bound anew first, as in
         `_rl_sync_staged`)."""
         assert self._rl_sync_ipc is not None  # colocated rounds run on an export
-        self._rl_sync_ipc.end()
+        self._rl_sync_ipc.end(on_host=self._rl_sync_buffered())
         self._rl_sync_round_names = names
         if not self._rl_sync_buffered():
             self._rl_sync_updated(names)
             self._rl_sync_written = version
         else:  # (every worker ends before any commits: what would refuse the commit refuses here)
             self._rl_sync_follow(lambda rebound: None)
+            self._rl_sync_steps().ready = version
 
     def _rl_sync_buffered(self) -> bool:
         """Whether rounds land in shadows (double buffering)."""

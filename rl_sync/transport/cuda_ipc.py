@@ -284,9 +284,14 @@ class WorkerExport:
         """The trainer's state once it is done with round `ticket` (`rl_sync.transport.doorbell`)."""
         return self.bell.wait(TRAINER, ticket, deadline)
 
-    def end(self) -> None:
-        """Make this worker's later work wait for the trainer's writes."""
-        torch.cuda.current_stream(self.device).wait_event(self.done)
+    def end(self, on_host: bool = False) -> None:
+        """Make this worker's later work wait for the trainer's writes: the work this thread
+        queues on the device, or, `on_host`, all of it (returns once the writes ended: a staged
+        round, which another thread may commit, `rl_sync.rank.steps`)."""
+        if on_host:
+            self.done.synchronize()
+        else:
+            torch.cuda.current_stream(self.device).wait_event(self.done)
 
     def close(self) -> None:
         """Withdraw descriptors the trainer has not taken, and unmap the doorbell."""

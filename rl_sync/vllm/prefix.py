@@ -12,17 +12,24 @@ makes every block hash computed from then on differ from every hash cached
 before. No earlier block can be hit again; each is evicted by vLLM's own LRU
 when its memory is next handed out, exactly as a block without a hash is.
 
-The fast path is taken only when it is equivalent to vLLM's reset:
+The fast path is taken where no one else reads the hashes:
 
-* the scheduler holds no request at all (`scheduler.requests`: running,
-  waiting, paused or streaming ones alike, each of which carries hashes of the
-  old root; vLLM's reset, which runs instead, refuses while requests hold
-  blocks);
 * no KV connector (an external or offloaded cache keyed by these hashes), no
   auxiliary-output connector (vLLM's reset starts its state anew) and no
   KV-cache events (their consumers expect vLLM's `AllBlocksCleared`);
 * the installed vLLM reads the seed when it hashes (checked each time, by
   hashing an empty block with `repr` and finding the seed in the result).
+
+Requests the engine holds (a commit between two of its steps,
+`rl_sync.rank.steps`) keep the KV they computed, as with vLLM's
+`pause_generation(mode="keep", clear_cache=False)`; their later tokens come from
+the new weights. What they cache from then on is never served to another
+request: a request that computed nothing yet hashes its tokens anew under the
+new root; one that computed tokens but filled no block yet (its first block
+would be hashed from the new root) gets a salt of this update's on that block
+(vLLM's `cache_salt`, which only its first block's hash reads); the blocks of
+the others chain from hashes of the old root. vLLM's own reset, which runs
+where the fast path cannot, refuses while requests hold blocks.
 
 Otherwise it calls vLLM's own reset, and raises `RuntimeError(STALE_PREFIXES)`
 where that refuses. What the fast path
@@ -71,8 +78,7 @@ def _repr_bytes(value: object) -> bytes:
 
 def _fast_path_allowed(scheduler) -> bool:
     return (
-        not getattr(scheduler, "requests", True)
-        and getattr(scheduler, "connector", None) is None
+        getattr(scheduler, "connector", None) is None
         and getattr(scheduler, "aux_output_connector", None) is None
         and not getattr(scheduler, "enable_kv_cache_events", True)
         and _seed_is_read_when_hashing()
@@ -89,13 +95,25 @@ def new_root() -> bytes:
     return seed
 
 
+def _rehash_held(scheduler, seed: bytes) -> None:
+    """After `new_root` gave `seed`: what requests the engine holds cache from now on is never
+    served to another (see the module docstring; the salt is the same on every rank)."""
+    for request in list(scheduler.requests.values()):
+        if request.num_computed_tokens == 0:
+            request.block_hashes.clear()
+            request.update_block_hashes()
+        elif not request.block_hashes:
+            request.cache_salt = f"{request.cache_salt or ''}|rl-sync update {seed.hex()}"
+
+
 def forget_cached_prefixes(llm) -> bool:
-    """No prefix cached before this call is served after it. Returns True where the seed was
-    replaced (O(1)), False where vLLM's own reset ran. Raises `RuntimeError(STALE_PREFIXES)`
+    """No prefix cached before this call is served after it, nor what requests held now cache
+    later (they keep what they computed). Returns True where the seed was replaced (O(1) and
+    O(requests held)), False where vLLM's own reset ran. Raises `RuntimeError(STALE_PREFIXES)`
     where vLLM refuses (requests hold KV-cache blocks)."""
     scheduler = _in_process_scheduler(llm)
     if scheduler is not None and _fast_path_allowed(scheduler):
-        new_root()
+        _rehash_held(scheduler, new_root())
         return True
     if not llm.reset_prefix_cache():
         raise RuntimeError(STALE_PREFIXES)

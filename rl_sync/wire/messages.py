@@ -66,6 +66,9 @@ class RankReport:
     swap_bytes: int = 0
     """Bytes of what a double-buffered worker's commit swaps in O(1) rather than copies
     (`rl_sync.rank.shadow`: where the engine and this PyTorch allow it)."""
+    control_group: str = ""
+    """The Ray concurrency group a worker's actor declares for a staged round's calls, so they
+    run beside its generation (`rl_sync.rank.steps`); '' where it declares none."""
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,11 @@ class RoundStats:
     """The commit step of a double-buffered round: what engines serving between rounds wait for
     (for a staged round, `WeightSync.stage`, all they wait for; its `seconds` are then the slowest
     rank's transfer, made while they served). 0 without double buffering."""
+    stall_seconds: float = 0.0
+    """The longest any worker's engine stopped for the commit: between two of its steps where it
+    was generating (`rl_sync.rank.steps`: the Ray call that brought the commit ran beside its
+    generation), else the commit itself on the worker. 0 without double buffering, and where
+    workers do not say (engine services)."""
 
     def _of(self, role: str) -> list[RankStats]:
         return [r for r in self.ranks if r.role == role]
@@ -119,5 +124,6 @@ class RoundStats:
             f"{self.worker_received_bytes / 1e6:.1f} MB ({self.gbps:.2f} GB/s), "
             f"staging {self.staging_bytes / 1e6:.1f} MB"
             + (f", commit {self.commit_seconds * 1e3:.1f} ms" if self.commit_seconds else "")
+            + (f" (engines stopped {self.stall_seconds * 1e3:.2f} ms)" if self.stall_seconds else "")
             + (f"; {self.reason}" if self.reason else "")
         )

@@ -22,7 +22,8 @@ from actors import SyncError, WeightSync
 from actors.cluster import free_init_url
 from actors.models import HFTrainer
 from actors.service import VllmService
-from actors.vllm import VllmEngine, VllmRankActor
+from actors.vllm import RANK_GROUPS, VllmEngine, VllmRankActor
+from rl_sync.rank.steps import CONTROL_GROUP
 
 from .arch_sweep import generating_config
 from .conftest import loopback_config
@@ -80,8 +81,9 @@ class ReusedEngine:
     fresh `LLM` in them from its own checkpoint (vLLM is imported there once)."""
 
     def __init__(self):
-        Rank = ray.remote(num_cpus=0.1, max_restarts=0)(ProbeRank)
-        self.engine, self.started = VllmEngine([Rank.remote(r, 2, None, ENV) for r in range(2)]), False
+        Rank = ray.remote(num_cpus=0.1, max_restarts=0, concurrency_groups=RANK_GROUPS)(ProbeRank)
+        ranks = [Rank.remote(r, 2, None, ENV, control_group=CONTROL_GROUP) for r in range(2)]
+        self.engine, self.started = VllmEngine(ranks), False
 
     def load(self, path: str) -> VllmEngine:
         (self.engine.restart if self.started else self.engine.start)(path, LLM_KWARGS)
@@ -329,6 +331,65 @@ def test_staged_rounds_arrive_while_the_engine_generates_then_match_a_fresh_engi
             served = engine.generate(PROMPTS, **SAMPLING)
             assert served == references.outputs(path, 2), f"step {step}: synced engine differs from a fresh one"
         sync.close()
+    finally:
+        POOL.give_back(Trainer, trainers)
+
+
+def _gate(rank) -> tuple[bool, int]:
+    """Whether the rank's engine is generating, and its commits made between two steps (read on
+    the rank's control thread: its main one may be generating)."""
+    gate = rank._rl_sync_steps()
+    return gate.generating_now, gate.between_steps
+
+
+def _in_control(rank, fn, *args):
+    return rank.call.options(concurrency_group=CONTROL_GROUP).remote(fn, *args)
+
+
+def _generating(engine: VllmEngine, prompts) -> list:
+    """A long greedy generation started on every rank (its references), once it runs."""
+    refs = [
+        r.generate.remote(prompts, dict(max_tokens=80, temperature=0.0, ignore_eos=True), None) for r in engine.ranks
+    ]
+    deadline = time.monotonic() + 60
+    while not all(g for g, _ in ray.get([_in_control(r, _gate) for r in engine.ranks], timeout=30)):
+        assert time.monotonic() < deadline, "the generation never started"
+        time.sleep(0.01)
+    return refs
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_commit_asked_for_mid_generation_lands_between_steps_or_after_it_then_matches_a_fresh_engine(
+    references, tp2, tmp_path, tp
+):
+    """A staged round's commit reaches a generating engine on its rank's control thread. A lone
+    rank makes it between two steps and its generation goes on (its requests keep their KV); the
+    ranks of a TP2 engine make it once their generation ended, never one of them mid-way. Either
+    way no prefix cached before it is served after it (the long prompt fills a cache block)."""
+    config = hf_config("qwen2")
+    trainers = _trainers(config)
+    init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
+    engine = references.lend(init, 1) if tp == 1 else tp2.load(init)
+    try:
+        sync = WeightSync.create(trainers, engine.ranks, loopback_config(double_buffer=True))
+        sync.push()
+        ray.get([t.train_step.remote(TOKENS, 1e-2) for t in trainers])
+        staged = sync.stage()
+        running = _generating(engine, PROMPTS * 8)
+        stats = staged.commit()
+        unfinished = len(ray.wait(running, num_returns=len(running), timeout=0)[1])
+        outputs = ray.get(running, timeout=120)[0]
+        assert [len(o["tokens"]) for o in outputs] == [80] * len(outputs)
+        counts = [n for _, n in ray.get([_in_control(r, _gate) for r in engine.ranks])]
+        if tp == 1:
+            assert unfinished == 1 and counts == [1], "the commit landed between two steps, the generation went on"
+        else:
+            assert unfinished == 0 and counts == [0, 0], "a TP2 engine commits after its generation"
+        assert stats.stall_seconds > 0 and sync.versions() == [2] * tp
+        path = write_checkpoint(str(tmp_path / "step"), config, _state(trainers))
+        served = engine.generate(PROMPTS, **SAMPLING)
+        sync.close()
+        assert served == references.outputs(path, tp), "synced engine differs from a fresh one"
     finally:
         POOL.give_back(Trainer, trainers)
 

@@ -40,11 +40,28 @@ class FakeLlm:
         return self.reset_answers
 
 
-def scheduler(requests: int = 0, connector=None, aux=None, events: bool = False):
+class HeldRequest:
+    """A request the scheduler holds: `computed` tokens computed, `hashed` of its blocks hashed
+    (each from the root of its time, as vLLM's block hasher chains them)."""
+
+    def __init__(self, computed: int, hashed: int, salt: str | None = None):
+        self.num_computed_tokens, self.cache_salt = computed, salt
+        self.block_hashes: list[bytes] = []
+        self.blocks = max(hashed, 2)
+        self.block_hashes.extend(self._hashes()[:hashed])
+
+    def _hashes(self) -> list[bytes]:
+        return [_hash([i]) for i in range(self.blocks)]
+
+    def update_block_hashes(self) -> None:
+        self.block_hashes.extend(self._hashes()[len(self.block_hashes) :])
+
+
+def scheduler(requests: int = 0, connector=None, aux=None, events: bool = False, held: dict | None = None):
     """A scheduler holding `requests` requests (vLLM's `requests`: every one it knows, whatever
-    its state)."""
+    its state), or the `held` ones."""
     return SimpleNamespace(
-        requests={f"r{i}": object() for i in range(requests)},
+        requests=held if held is not None else {f"r{i}": HeldRequest(4, 1) for i in range(requests)},
         connector=connector,
         aux_output_connector=aux,
         enable_kv_cache_events=events,
@@ -75,11 +92,23 @@ def test_an_idle_in_process_engine_gets_a_new_root_and_vllms_loop_does_not_run(s
     assert llm.resets == 0 and before != kv_cache_utils.NONE_HASH
 
 
+def test_requests_held_keep_what_they_computed_and_nothing_they_cache_later_is_served_to_another(seeded):
+    waiting, unhashed, hashed = HeldRequest(0, 2), HeldRequest(5, 0, salt="user"), HeldRequest(40, 2)
+    old_waiting, old_hashed = list(waiting.block_hashes), list(hashed.block_hashes)
+    llm = FakeLlm(scheduler(held={"w": waiting, "u": unhashed, "h": hashed}))
+    assert prefix.forget_cached_prefixes(llm) is True and llm.resets == 0
+    assert waiting.block_hashes == waiting._hashes() and waiting.block_hashes[0] != old_waiting[0], (
+        "a request that computed nothing hashes its prompt from the new root"
+    )
+    seed = bytes(kv_cache_utils.NONE_HASH).hex()
+    assert unhashed.cache_salt == f"user|rl-sync update {seed}", "its first block, hashed later, is its own"
+    assert hashed.block_hashes == old_hashed and hashed.cache_salt is None, "its later blocks chain from the old root"
+
+
 @pytest.mark.parametrize(
     "sched, why",
     [
         (None, "the engine core runs in another process"),
-        (scheduler(requests=1), "a request held (waiting, paused, streaming) keeps the old root"),
         (scheduler(connector=object()), "a KV connector keys its cache by these hashes"),
         (scheduler(aux=object()), "vLLM's reset starts the auxiliary-output connector anew"),
         (scheduler(events=True), "KV-cache events' consumers expect vLLM's AllBlocksCleared"),
@@ -105,7 +134,7 @@ def test_before_any_engine_set_the_seed_vllms_reset_runs(monkeypatch):
 
 def test_a_refused_reset_raises_naming_why_and_what_to_do(seeded):
     with pytest.raises(RuntimeError) as raised:
-        prefix.forget_cached_prefixes(FakeLlm(scheduler(requests=2), reset_answers=False))
+        prefix.forget_cached_prefixes(FakeLlm(scheduler(connector=object()), reset_answers=False))
     assert str(raised.value) == (
         "vLLM refused to reset its prefix cache (requests are running); the weights changed, so cached "
         "prefixes would be stale: finish or abort requests before pushing"
