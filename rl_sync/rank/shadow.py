@@ -77,6 +77,9 @@ class Shadows:
     swaps: int = 0
     """How many commits swapped storages (odd: each swapped storage's spare is the memory it had
     live at first; `alternate`)."""
+    retiring: set[torch.device] = field(default_factory=set)
+    """CUDA devices whose kernels queued before the last swap may still read the memory that is
+    now the spares: `settle` waits for them before anything writes the spares."""
 
     @classmethod
     def of(cls, endpoints: Mapping[str, Endpoint], keep: Collection[str], swappable: Collection[str]) -> Shadows:
@@ -119,9 +122,18 @@ class Shadows:
         colocated worker exports as its alternate face (`rl_sync.transport.cuda_ipc`)."""
         return {name: self.swapped[name][0] if name in self.swapped else view for name, view in views.items()}
 
+    def settle(self) -> None:
+        """Before anything writes the spares: the kernels queued before the last swap, which may
+        read what is now the spares, have run. (Waited for here, by the next round, rather than at
+        the commit, which an engine's steps wait for.)"""
+        for device in self.retiring:
+            torch.cuda.synchronize(device)
+        self.retiring.clear()
+
     def prepare(self, writes_all: bool) -> None:
         """Before a round: stale spares catch up with the live round, unless the round writes every
         element of them (`writes_all`: a dense round of every tensor)."""
+        self.settle()
         if self.stale and not writes_all:
             _copy([spare for _, spare in self.swapped.values()], [live for live, _ in self.swapped.values()])
         self.stale = False
@@ -148,6 +160,7 @@ class Shadows:
         received in its new endpoint: returns True when `endpoints` changed so (a new dict).
         `ValueError` as `check_rebound` says, before anything changed."""
         self.check_rebound(endpoints, what)
+        self.settle()
         for swapped in [s for s in self.storages if any(n in endpoints for n in s.names)]:
             pairs = {n: self.swapped.pop(n) for n in swapped.names}
             if self.stale:
@@ -168,12 +181,13 @@ class Shadows:
         """Make the spares live: swapped storages by swap when `swap` (else by copy: memory another
         process maps without the alternate face, `alternate`), first, all or none (a storage that
         no longer matches its spare refuses the commit before any live tensor changed); then
-        copied views by copy. Returns whether any storage swapped (its tensors' addresses changed)."""
+        copied views by copy, on this thread's stream. Kernels queued before a swap read the
+        memory they were given, now the spares (`settle`). Returns whether any storage swapped
+        (its tensors' addresses changed)."""
         swapping = swap and bool(self.storages)
         if swapping:
-            for device in {s.live.device for s in self.storages if s.live.device.type == "cuda"}:
-                torch.cuda.synchronize(device)  # no queued kernel may still read what becomes the spare
             swap_memories([s.live for s in self.storages], [s.spare for s in self.storages])
+            self.retiring.update(s.live.device for s in self.storages if s.live.device.type == "cuda")
         by_copy = list(self.copied.values()) + ([] if swap else list(self.swapped.values()))
         _copy([live for live, _ in by_copy], [spare for _, spare in by_copy])
         if swapping:

@@ -375,6 +375,8 @@ class WorkerRank(Participant):
             if index.numel() and (int(index.min()) < 0 or int(index.max()) >= view.numel()):
                 raise ValueError(f"patch for {name!r} indexes outside this worker's {tuple(view.shape)} box")
         self._rl_sync_version = self._rl_sync_written = None
+        if self._rl_sync_kept.shadow is not None:
+            self._rl_sync_kept.shadow.settle()
         written = 0
         for name, (index, values) in patches.items():
             view = views[name].tensor
