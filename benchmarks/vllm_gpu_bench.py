@@ -21,6 +21,10 @@ names. Each method moves the same tensors into the same engine:
 `RoundStats.commit_seconds`: host time; copies it queues on the GPU run after it), the driver's
 whole `commit()` call, that call plus a call into the engine rank that synchronizes its GPU (so
 every copy the commit queued has run), and the commit step as a share of a blocking round.
+Then `--repeat` staged rounds committed while the engine generates (64 prompts x 256 tokens): the
+commit step, and the engine's stall (`RoundStats.stall_seconds`: the commit made between two of its
+steps, the Ray call that brought it having run beside the generation), as a share of a blocking
+round, and how many commits landed between two steps.
 `bf16` runs eagerly, so commits swap the shadows in (the trainer maps both faces of the worker's
 export: `rl_sync.transport.cuda_ipc`) where this process can swap storages (`rl_sync.rank.swap`),
 else copy; `bf16_graphs` (CUDA graphs on decode steps, which
@@ -56,6 +60,7 @@ from actors.ready import TrainerActor
 from actors.synthetic_actors import trainer_build
 from actors.vllm import VllmEngine
 from rl_sync.config.sync import SyncConfig
+from rl_sync.rank.steps import CONTROL_GROUP
 
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
 LLAMA3_8B = dict(
@@ -150,15 +155,15 @@ def rl_sync_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
 
 
 def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
-    """Blocking rounds, then staged ones (a short generation beside each transfer) into `engine`:
-    medians of `repeat` each (see the module docstring)."""
+    """Blocking rounds, then staged ones into `engine`, committed between two generations and
+    during one: medians of `repeat` each (see the module docstring)."""
     sync = WeightSync.create([trainer], engine.ranks, SYNC)
     sync.push()
     blocking = [sync.push().seconds for _ in range(repeat)]
     sync.close()
     sync = WeightSync.create([trainer], engine.ranks, replace(SYNC, double_buffer=True))
     sync.push()
-    commits, calls, synced = [], [], []
+    commits, calls, synced, inflight = [], [], [], []
     for _ in range(repeat):
         staged = sync.stage()
         engine.generate([[1, 2, 3]] * 8, max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -166,6 +171,8 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
         commits.append(staged.commit().commit_seconds)
         calls.append(time.perf_counter() - start)
         synced.append(calls[-1] + _synchronize_seconds(engine))
+    for _ in range(repeat):
+        inflight.append(_commit_mid_generation(sync, engine))
     sync.close()
     bare = [_synchronize_seconds(engine) for _ in range(repeat)]  # nothing queued: what it adds to a commit
     median = statistics.median
@@ -175,6 +182,38 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
         "commit_call_s": median(calls),
         "synced_s": median(synced),
         "bare_sync_s": median(bare),
+        "inflight_step_s": median(r["step_s"] for r in inflight),
+        "inflight_stall_s": median(r["stall_s"] for r in inflight),
+        "between_steps": sum(r["between_steps"] for r in inflight),
+        "inflight_rounds": len(inflight),
+    }
+
+
+def _gate_state(rank_self) -> tuple[bool, int]:
+    gate = rank_self._rl_sync_steps()
+    return gate.generating_now, gate.between_steps
+
+
+def _commit_mid_generation(sync: WeightSync, engine: VllmEngine) -> dict:
+    """A staged round committed while the engine generates (64 prompts x 256 tokens, started
+    once the round is staged): the commit step, the engine's stall (`RoundStats.stall_seconds`:
+    the commit between two of its steps) and whether it landed between steps."""
+    rank = engine.ranks[0]
+    control = rank.call.options(concurrency_group=CONTROL_GROUP)
+    staged = sync.stage()
+    before = ray.get(control.remote(_gate_state))[1]
+    running = rank.generate.remote([[1, 2, 3]] * 64, dict(max_tokens=256, temperature=0.0, ignore_eos=True), None)
+    while not ray.get(control.remote(_gate_state))[0]:
+        time.sleep(0.001)
+    time.sleep(0.2)  # (decoding by now)
+    stats = staged.commit()
+    still = not ray.wait([running], timeout=0)[0]
+    ray.get(running)
+    after = ray.get(control.remote(_gate_state))[1]
+    return {
+        "step_s": stats.commit_seconds,
+        "stall_s": stats.stall_seconds,
+        "between_steps": int(still) * (after - before),
     }
 
 
@@ -331,12 +370,25 @@ def show_staged(staged: dict[str, dict], repeat: int) -> None:
             f"{r['commit_call_s'] * 1e3:.2f}",
             f"{r['synced_s'] * 1e3:.2f} ({r['bare_sync_s'] * 1e3:.2f})",
             f"{r['commit_s'] / r['blocking_s']:.1%}",
+            f"{r['inflight_step_s'] * 1e3:.2f}",
+            f"{r['inflight_stall_s'] * 1e3:.3f} ({r['between_steps']}/{r['inflight_rounds']})",
+            f"{r['inflight_stall_s'] / r['blocking_s']:.1%}",
         ]
         for kind, r in staged.items()
     ]
     show(
         f"Staged rounds, Llama-3-8B shapes, one {torch.cuda.get_device_name()} (median of {repeat})",
-        ["engine", "blocking ms", "commit step ms", "commit() call ms", "+ synced ms (sync alone)", "step / blocking"],
+        [
+            "engine",
+            "blocking ms",
+            "commit step ms",
+            "commit() call ms",
+            "+ synced ms (sync alone)",
+            "step / blocking",
+            "mid-generation: step ms",
+            "stall ms (between steps)",
+            "stall / blocking",
+        ],
         rows,
         "vllm_gpu_bench_staged",
         staged,

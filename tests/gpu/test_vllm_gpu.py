@@ -10,12 +10,15 @@ worker process); vLLM's online FP8 (the engine quantizes what rl-sync writes int
 buffers); a block-FP8 checkpoint (rl-sync's trainer quantizes, and must send exactly what vLLM's
 `per_block_cast_to_fp8` wrote); and sleep mode (the CuMem allocator), the engine sleeping while the
 trainer steps and waking before each push; and staged rounds (double buffering, CUDA graphs off),
-each committed by swapping the engine's parameters with the shadows the trainer wrote.
+each committed by swapping the engine's parameters with the shadows the trainer wrote, between
+two generations or between two steps of one.
 
 Needs CUDA and vLLM's CUDA build (`../shared/tools/gpu-vllm-kit.sh` on the offline GPU machine;
 `pip install vllm` elsewhere); skipped without CUDA like every test in `tests/gpu`."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import ray
@@ -23,6 +26,7 @@ import torch
 
 from actors import WeightSync
 from rl_sync.config.sync import SyncConfig
+from rl_sync.rank.steps import CONTROL_GROUP
 from rl_sync.vllm.checkpoint import write_checkpoint
 
 from .pairs import CONFIG
@@ -67,14 +71,33 @@ def _addresses(actor) -> dict[str, int]:
     return actor.llm.apply_model(lambda model: {n: p.data_ptr() for n, p in model.named_parameters()})[0]
 
 
-def _staged(sync, engine, asked: str):
-    """A staged round, generation beside it on the version the engine holds, then its commit;
-    checks the commit swapped every parameter the round wrote (they all moved)."""
-    before = ray.get(engine.ranks[0].call.remote(_addresses), timeout=120)
+def _between_steps(rank_self) -> tuple[bool, int]:
+    gate = rank_self._rl_sync_steps()
+    return gate.generating_now, gate.between_steps
+
+
+def _staged(sync, engine, asked: str, during: bool = False):
+    """A staged round, generation beside it on the version the engine holds, then its commit
+    (`during`: while a generation runs, so it lands between two of its steps); checks the commit
+    swapped every parameter the round wrote (they all moved)."""
+    rank = engine.ranks[0]
+    control = rank.call.options(concurrency_group=CONTROL_GROUP)
+    before = ray.get(rank.call.remote(_addresses), timeout=120)
     staged = sync.stage(mode=asked)
-    engine.generate([[1, 2, 3]], max_tokens=8, temperature=0.0)
-    stats = staged.commit()
-    after = ray.get(engine.ranks[0].call.remote(_addresses), timeout=120)
+    if not during:
+        engine.generate([[1, 2, 3]], max_tokens=8, temperature=0.0)
+        stats = staged.commit()
+    else:
+        made = ray.get(control.remote(_between_steps), timeout=60)[1]
+        running = rank.generate.remote([[1, 2, 3]] * 16, dict(max_tokens=400, temperature=0.0, ignore_eos=True), None)
+        deadline = time.monotonic() + 60
+        while not ray.get(control.remote(_between_steps), timeout=60)[0]:
+            assert time.monotonic() < deadline, "the generation never started"
+        stats = staged.commit()
+        assert not ray.wait([running], timeout=0)[0], "the generation went on after the commit"
+        ray.get(running, timeout=120)
+        assert ray.get(control.remote(_between_steps), timeout=60)[1] == made + 1, "made between two steps"
+    after = ray.get(rank.call.remote(_addresses), timeout=120)
     kept = [n for n in before if after[n] == before[n]]
     assert kept == [], f"the commit swapped every parameter, not {kept[:4]}"
     return stats
@@ -89,6 +112,7 @@ def _staged(sync, engine, asked: str):
         pytest.param("qwen2", "bfloat16", {}, "ranks", "block_fp8", SPARSE, id="block-fp8"),
         pytest.param("qwen2", "float32", {"enable_sleep_mode": True}, "ranks", "bf16", AFTER_WAKING, id="sleep"),
         pytest.param("qwen2", "float32", {}, "staged", "bf16", SPARSE, id="staged-swaps"),
+        pytest.param("qwen2", "float32", {}, "staged-during", "bf16", SPARSE, id="staged-mid-generation"),
     ],
 )
 def test_synced_engine_holds_and_generates_what_fresh_engines_do(
@@ -103,7 +127,8 @@ def test_synced_engine_holds_and_generates_what_fresh_engines_do(
         init = write(str(tmp_path / "init"), hf, _unrelated(state))
         engine = launch_service(init, kwargs) if host == "service" else launch(init, kwargs)
         workers = [engine] if host == "service" else engine.ranks
-        sync = WeightSync.create([t], workers, SyncConfig(double_buffer=host == "staged", **CONFIG))
+        staged = host.startswith("staged")
+        sync = WeightSync.create([t], workers, SyncConfig(double_buffer=staged, **CONFIG))
         assert sync.summary.cuda_ipc, "trainer and engine share the GPU: rounds go through CUDA IPC"
         assert sync.summary.fallbacks == (), "every tensor binds"
         synced, paths = [], []
@@ -112,7 +137,7 @@ def test_synced_engine_holds_and_generates_what_fresh_engines_do(
                 _sleep_and_wake(engine.ranks[0], t)
             else:
                 ray.get(t.train_step.remote(TOKENS, 1e-2), timeout=120)
-            stats = _staged(sync, engine, asked) if host == "staged" else sync.push(mode=asked)
+            stats = _staged(sync, engine, asked, host == "staged-during") if staged else sync.push(mode=asked)
             assert stats.mode == ran, f"step {step}: asked {asked}, ran {stats.mode}"
             assert sync.versions() == [step]
             synced.append(outputs_and_params(engine))
