@@ -21,10 +21,11 @@ names. Each method moves the same tensors into the same engine:
 `RoundStats.commit_seconds`: host time; copies it queues on the GPU run after it), the driver's
 whole `commit()` call, that call plus a call into the engine rank that synchronizes its GPU (so
 every copy the commit queued has run), and the commit step as a share of a blocking round.
-Then `--repeat` staged rounds committed while the engine generates (64 prompts x 256 tokens): the
-commit step, and the engine's stall (`RoundStats.stall_seconds`: the commit made between two of its
-steps, the Ray call that brought it having run beside the generation), as a share of a blocking
-round, and how many commits landed between two steps.
+Then `--repeat` staged rounds staged and committed while the engine generates (64 prompts x 256
+tokens): the commit step, the engine's stall (`RoundStats.stall_seconds`: the commit made between
+two of its steps, the Ray call that brought it having run beside the generation), as a share of a
+blocking round, how many commits landed between two steps, and the generation's seconds against
+the same generation with no round beside it (the transfer, the calls and the commit all count).
 `bf16` runs eagerly, so commits swap the shadows in (the trainer maps both faces of the worker's
 export: `rl_sync.transport.cuda_ipc`) where this process can swap storages (`rl_sync.rank.swap`),
 else copy; `bf16_graphs` (CUDA graphs on decode steps, which
@@ -171,6 +172,7 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
         commits.append(staged.commit().commit_seconds)
         calls.append(time.perf_counter() - start)
         synced.append(calls[-1] + _synchronize_seconds(engine))
+    idle = [_generation_seconds(engine.ranks[0]) for _ in range(repeat)]
     for _ in range(repeat):
         inflight.append(_commit_mid_generation(sync, engine))
     sync.close()
@@ -185,6 +187,8 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
         "inflight_step_s": median(r["step_s"] for r in inflight),
         "inflight_stall_s": median(r["stall_s"] for r in inflight),
         "between_steps": sum(r["between_steps"] for r in inflight),
+        "generation_idle_s": median(idle),
+        "generation_staged_s": median(r["generation_s"] for r in inflight),
         "inflight_rounds": len(inflight),
     }
 
@@ -194,26 +198,39 @@ def _gate_state(rank_self) -> tuple[bool, int]:
     return gate.generating_now, gate.between_steps
 
 
+GENERATION = ([[1, 2, 3]] * 64, dict(max_tokens=256, temperature=0.0, ignore_eos=True), None)
+"""What the engine generates while a staged round travels and commits: 64 prompts x 256 tokens."""
+
+
+def _generation_seconds(rank) -> float:
+    """Seconds of `GENERATION` on an engine's only rank, no round running."""
+    start = time.perf_counter()
+    ray.get(rank.generate.remote(*GENERATION))
+    return time.perf_counter() - start
+
+
 def _commit_mid_generation(sync: WeightSync, engine: VllmEngine) -> dict:
-    """A staged round committed while the engine generates (64 prompts x 256 tokens, started
-    once the round is staged): the commit step, the engine's stall (`RoundStats.stall_seconds`:
-    the commit between two of its steps) and whether it landed between steps."""
+    """A staged round staged and committed while the engine generates `GENERATION`: the commit
+    step, the engine's stall (`RoundStats.stall_seconds`: the commit between two of its steps),
+    whether it landed between steps, and the generation's seconds."""
     rank = engine.ranks[0]
     control = rank.call.options(concurrency_group=CONTROL_GROUP)
-    staged = sync.stage()
     before = ray.get(control.remote(_gate_state))[1]
-    running = rank.generate.remote([[1, 2, 3]] * 64, dict(max_tokens=256, temperature=0.0, ignore_eos=True), None)
+    start = time.perf_counter()
+    running = rank.generate.remote(*GENERATION)
     while not ray.get(control.remote(_gate_state))[0]:
         time.sleep(0.001)
     time.sleep(0.2)  # (decoding by now)
-    stats = staged.commit()
+    stats = sync.stage().commit()
     still = not ray.wait([running], timeout=0)[0]
     ray.get(running)
+    took = time.perf_counter() - start
     after = ray.get(control.remote(_gate_state))[1]
     return {
         "step_s": stats.commit_seconds,
         "stall_s": stats.stall_seconds,
         "between_steps": int(still) * (after - before),
+        "generation_s": took,
     }
 
 
@@ -373,6 +390,7 @@ def show_staged(staged: dict[str, dict], repeat: int) -> None:
             f"{r['inflight_step_s'] * 1e3:.2f}",
             f"{r['inflight_stall_s'] * 1e3:.3f} ({r['between_steps']}/{r['inflight_rounds']})",
             f"{r['inflight_stall_s'] / r['blocking_s']:.1%}",
+            f"{r['generation_idle_s']:.3f} / {r['generation_staged_s']:.3f}",
         ]
         for kind, r in staged.items()
     ]
@@ -388,6 +406,7 @@ def show_staged(staged: dict[str, dict], repeat: int) -> None:
             "mid-generation: step ms",
             "stall ms (between steps)",
             "stall / blocking",
+            "generation s: idle / round beside",
         ],
         rows,
         "vllm_gpu_bench_staged",
