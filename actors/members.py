@@ -71,7 +71,9 @@ class ActorMember:
         return self._control(self.handle._rl_sync_staged).remote(version, timeout_s)
 
     def record(self, version: int):
-        return self.handle._rl_sync_record.remote(version)
+        """(In the control group: after a commit made mid-generation, the next round waits for it,
+        `actors.records`, not for the generation.)"""
+        return self._control(self.handle._rl_sync_record).remote(version)
 
     def versions(self):
         return self.handle._rl_sync_version_of.remote()
