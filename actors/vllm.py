@@ -42,7 +42,7 @@ import ray
 from rl_sync.rank.steps import CONTROL_GROUP, StepGate
 from rl_sync.vllm.lora import LoraSlots
 from rl_sync.vllm.prefix import forget_cached_prefixes
-from rl_sync.vllm.rank import VllmDestinations, engine_rank, engine_rank_of
+from rl_sync.vllm.rank import VllmDestinations, engine_rank_of
 
 from .worker_mixin import SyncWorkerMixin
 
@@ -116,18 +116,20 @@ class VllmWorkerMixin(SyncWorkerMixin):
         return [] if self._rl_sync_lora is not None else self._rl_sync_bound().swappable()
 
     def rl_sync_generating(self) -> AbstractContextManager[None]:
-        """Run the engine's generation inside this: a staged round's commit then lands between two
-        of its steps (`rl_sync.rank.steps`; a tensor-parallel engine's ranks all commit when a
-        generation starts, one asked for during a generation waiting for its end). Required of an
-        actor that declares `rl_sync_control_group` (whose commits arrive beside generation)."""
-        llm = self.rl_sync_llm()
-        gate = self._rl_sync_steps()
-        engine = llm.llm_engine
+        """Run whatever runs the engine's steps (its generation) inside this: a staged round's
+        commit then lands between two of them (`rl_sync.rank.steps`). Required of an actor that
+        declares `rl_sync_control_group` (whose commits arrive beside its generation)."""
+        gate, engine = self._rl_sync_steps(), self.rl_sync_llm().llm_engine
         if getattr(engine, "_rl_sync_gate", None) is not gate:
             engine.step = _stepping(type(engine).step.__get__(engine), gate)  # type: ignore[method-assign]
             engine._rl_sync_gate = gate  # type: ignore[attr-defined]
-        lone = engine.vllm_config.parallel_config.tensor_parallel_size == 1
-        return gate.generating(None if lone else _largest_over_engine)
+        return gate.generating()
+
+    def _rl_sync_control_of(self, side: str) -> str:
+        """None for a tensor-parallel engine's ranks, which must switch at the same step: they take
+        every call between two generations, in order."""
+        tp = self._rl_sync_bound().vllm_config.parallel_config.tensor_parallel_size
+        return super()._rl_sync_control_of(side) if tp == 1 else ""
 
     def rl_sync_prepare(self, names, spare) -> None:
         """A LoRA group prepares nothing: its scaling runs at the commit, on the slot."""
@@ -143,11 +145,6 @@ def _stepping(step: Callable, gate: StepGate) -> Callable:
         return step(*args, **kwargs)
 
     return stepped
-
-
-def _largest_over_engine(value: int) -> int:
-    """The largest `value` of the engine's ranks (a collective over its tensor-parallel group)."""
-    return max(engine_rank().exchange(value))
 
 
 def completions(llm, prompts: Sequence[Sequence[int]], sampling: dict[str, Any], lora_request=None) -> list[dict]:
@@ -218,9 +215,9 @@ of their own."""
 
 class VllmRankActor(VllmWorkerMixin):
     """One TP rank of a vLLM engine (wrap with `ray.remote(concurrency_groups=RANK_GROUPS)` and pass
-    `control_group=CONTROL_GROUP`; `VllmEngine.launch` does): a staged round's calls then run
-    beside `generate`, and its commit lands between two of the engine's steps
-    (`rl_sync.rank.steps`).
+    `control_group=CONTROL_GROUP`; `VllmEngine.launch` does): a TP1 engine's rank then takes a
+    staged round's calls beside `generate`, and its commit lands between two of the engine's
+    steps (`rl_sync.rank.steps`).
 
     Rank 0 hosts the engine's torch.distributed rendezvous on `host` (its Ray node
     address by default, never every interface); `start` builds the `LLM` on every rank
@@ -240,7 +237,7 @@ class VllmRankActor(VllmWorkerMixin):
         self.rl_sync_control_group = control_group
         """`CONTROL_GROUP` where the actor was declared with `RANK_GROUPS` (Ray kills an actor
         asked to run a call in a group it lacks); None: a staged round's calls, its commit
-        included, wait for a generation to end."""
+        included, wait for a generation to end (as a TP>1 engine's always do)."""
         self.llm: LLM | None = None
         self.host = host or ray.util.get_node_ip_address()
         os.environ.update(env or {})
@@ -316,8 +313,12 @@ class VllmRankActor(VllmWorkerMixin):
         return self._rl_sync_version_of()
 
     def call(self, fn, *args, **kwargs):
-        """Run `fn(self, *args, **kwargs)` in this actor."""
-        return fn(self, *args, **kwargs)
+        """Run `fn(self, *args, **kwargs)` in this actor (as a generation: a commit waits for it to
+        end, or for a step it runs, `rl_sync_generating`)."""
+        if self.llm is None:
+            return fn(self, *args, **kwargs)
+        with self.rl_sync_generating():
+            return fn(self, *args, **kwargs)
 
 
 class VllmEngine:

@@ -194,8 +194,8 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
 
 
 def _gate_state(rank_self) -> tuple[bool, int]:
-    gate = rank_self._rl_sync_steps()
-    return gate.generating_now, gate.between_steps
+    """Whether the engine has requests, and its commits made between two steps."""
+    return rank_self.llm.llm_engine.has_unfinished_requests(), rank_self._rl_sync_steps().between_steps
 
 
 GENERATION = ([[1, 2, 3]] * 64, dict(max_tokens=256, temperature=0.0, ignore_eos=True), None)

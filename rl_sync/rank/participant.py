@@ -110,8 +110,9 @@ class Participant:
         modes, reasons = (self._rl_sync_modes(), self._rl_sync_reasons()) if side == "worker" else ({}, {})
         kept = sum(e.tensor.numel() * e.tensor.element_size() for e in endpoints.values()) if side == "worker" else 0
         swap = self._rl_sync_swap_bytes() if side == "worker" else 0
-        control = (getattr(self, "rl_sync_control_group", None) or "") if side == "worker" else ""
-        report = RankReport(side_rank, device, gpu, tuple(reports), modes, kept, reasons, swap, control)
+        report = RankReport(
+            side_rank, device, gpu, tuple(reports), modes, kept, reasons, swap, self._rl_sync_control_of(side)
+        )
         return encode(report, compress=True)
 
     def _rl_sync_join(self, tag: GroupTag) -> None:
@@ -144,6 +145,11 @@ class Participant:
     def _rl_sync_swap_bytes(self) -> int:
         """What a worker's commits swap rather than copy (see `RankReport.swap_bytes`)."""
         return 0
+
+    def _rl_sync_control_of(self, side: str) -> str:
+        """The Ray concurrency group this rank takes a staged round's calls in, playing `side`
+        ('': none; a worker's may have one, `rl_sync.rank.worker`)."""
+        return ""
 
     def _rl_sync_ping(self) -> None:
         """Answers when the process is alive (the coordinator checks before re-forming a group)."""

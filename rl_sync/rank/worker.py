@@ -89,8 +89,9 @@ class WorkerRank(Participant):
     _rl_sync_gate: StepGate | None = None
     rl_sync_control_group: str | None = None
     """The Ray concurrency group (`rl_sync.rank.steps.CONTROL_GROUP`) the class's actors declare
-    for staged rounds' calls, so those run beside the engine's generation; None: every call
-    waits for the one before it."""
+    for staged rounds' calls, so those run beside the engine's generation, which must then run
+    inside `_rl_sync_steps().generating()` with its `boundary()` before each step (vLLM:
+    `VllmWorkerMixin.rl_sync_generating`); None: every call waits for the one before it."""
     rl_sync_load_fallbacks: Callable[[list[tuple[str, torch.Tensor]]], None]
     """The subclass's hook taking `(name, tensor)` of each fallback a round delivered (see the
     module docstring): required when any name is bound as a fallback."""
@@ -110,6 +111,11 @@ class WorkerRank(Participant):
 
     def _rl_sync_new_numbering(self) -> None:
         self._rl_sync_version = None
+
+    def _rl_sync_control_of(self, side: str) -> str:
+        """The control group a worker reports (`RankReport.control_group`): its class's, where its
+        commits may land mid-generation (see `rl_sync.rank.steps`)."""
+        return (self.rl_sync_control_group or "") if side == "worker" else ""
 
     def _rl_sync_steps(self) -> StepGate:
         """When this rank's commits run against its engine's steps (`rl_sync.rank.steps`)."""
@@ -218,7 +224,6 @@ class WorkerRank(Participant):
             self._rl_sync_written = round_info.version
         else:
             self._rl_sync_pending = names
-            self._rl_sync_steps().ready = round_info.version
             prepare = getattr(self, "rl_sync_prepare", None)
             if prepare is not None:
                 prepare(round_info.names, kept.shadow.spare_of)
@@ -493,7 +498,6 @@ class WorkerRank(Participant):
             self._rl_sync_written = version
         else:  # (every worker ends before any commits: what would refuse the commit refuses here)
             self._rl_sync_follow(lambda rebound: None)
-            self._rl_sync_steps().ready = version
 
     def _rl_sync_buffered(self) -> bool:
         """Whether rounds land in shadows (double buffering)."""

@@ -336,10 +336,9 @@ def test_staged_rounds_arrive_while_the_engine_generates_then_match_a_fresh_engi
 
 
 def _gate(rank) -> tuple[bool, int]:
-    """Whether the rank's engine is generating, and its commits made between two steps (read on
+    """Whether the rank's engine has requests, and its commits made between two steps (read on
     the rank's control thread: its main one may be generating)."""
-    gate = rank._rl_sync_steps()
-    return gate.generating_now, gate.between_steps
+    return rank.llm.llm_engine.has_unfinished_requests(), rank._rl_sync_steps().between_steps
 
 
 def _in_control(rank, fn, *args):
@@ -362,10 +361,10 @@ def _generating(engine: VllmEngine, prompts) -> list:
 def test_a_commit_asked_for_mid_generation_lands_between_steps_or_after_it_then_matches_a_fresh_engine(
     references, tp2, tmp_path, tp
 ):
-    """A staged round's commit reaches a generating engine on its rank's control thread. A lone
-    rank makes it between two steps and its generation goes on (its requests keep their KV); the
-    ranks of a TP2 engine make it once their generation ended, never one of them mid-way. Either
-    way no prefix cached before it is served after it (the long prompt fills a cache block)."""
+    """A staged round's commit reaches a generating TP1 engine on its rank's control thread, is
+    made between two steps and the generation goes on (its requests keep their KV); the ranks of
+    a TP2 engine take it after their generation, in order, never one of them mid-way. Either way
+    no prefix cached before it is served after it (the long prompt fills a cache block)."""
     config = hf_config("qwen2")
     trainers = _trainers(config)
     init = _unrelated_checkpoint(tmp_path / "init", config, trainers)

@@ -72,8 +72,8 @@ def _addresses(actor) -> dict[str, int]:
 
 
 def _between_steps(rank_self) -> tuple[bool, int]:
-    gate = rank_self._rl_sync_steps()
-    return gate.generating_now, gate.between_steps
+    """Whether the engine has requests, and its commits made between two steps."""
+    return rank_self.llm.llm_engine.has_unfinished_requests(), rank_self._rl_sync_steps().between_steps
 
 
 def _staged(sync, engine, asked: str, during: bool = False):

@@ -77,16 +77,15 @@ def test_a_commit_the_engine_never_steps_for_times_out_naming_the_version():
     with pytest.raises(TimeoutError) as raised:
         rank.gate.commit(4, timeout_s=0.2)
     assert str(raised.value) == (
-        "commit of version 4: the engine did not reach a step boundary within 0.2 s (a tensor-parallel "
-        "engine commits when its generation ends)"
+        "commit of version 4: the engine reached no step boundary and did not stop generating within 0.2 s"
     )
     release.set()
     engine.join(5.0)
     assert rank.made == [], "not made during the generation"
 
 
-def _hold(gate: StepGate, release: threading.Event, agree=None) -> None:
-    with gate.generating(agree):
+def _hold(gate: StepGate, release: threading.Event) -> None:
+    with gate.generating():
         assert release.wait(10.0)
 
 
@@ -114,60 +113,17 @@ def test_a_failed_commit_between_steps_raises_in_the_call_and_the_generation_goe
     assert steps == [0, 1, 2, 3]
 
 
-class Agreement:
-    """The engine's ranks' collective: each passes its value, all get the largest (a barrier)."""
-
-    def __init__(self, ranks: int):
-        self.values: list[int] = []
-        self.barrier = threading.Barrier(ranks, action=lambda: None)
-        self.lock = threading.Lock()
-
-    def __call__(self, value: int) -> int:
-        with self.lock:
-            self.values.append(value)
-        self.barrier.wait(10.0)
-        largest = max(self.values)
-        self.barrier.wait(10.0)
-        with self.lock:
-            self.values.clear()
-        return largest
-
-
-def test_tensor_parallel_ranks_commit_together_when_a_generation_starts_never_mid_way():
-    ranks, agree = [Rank(), Rank()], Agreement(2)
-    for rank in ranks:
-        rank.gate.ready = 2
-    release = threading.Event()
-    engines = [_in_thread(lambda r=r: _hold(r.gate, release, agree), f"engine{i}")[0] for i, r in enumerate(ranks)]
-    while not all(r.gate.generating_now for r in ranks):
+def test_a_commit_asked_for_during_a_call_that_runs_no_step_is_made_once_the_last_call_ends():
+    rank, first, second = Rank(), threading.Event(), threading.Event()
+    calls = [_in_thread(lambda e=e: _hold(rank.gate, e), f"call{i}")[0] for i, e in enumerate((first, second))]
+    while rank.gate._generating < 2:
         time.sleep(0.001)
-    call, out = _in_thread(lambda: ranks[0].gate.commit(2, timeout_s=10.0), "control0")
-    time.sleep(0.1)
-    assert ranks[0].made == [] and "value" not in out, "no commit during a tensor-parallel generation"
-    release.set()
-    for thread in engines + [call]:
-        thread.join(10.0)
-    assert ranks[0].made == [(2, "control0")] and ranks[1].made == [], "rank 0 commits once its generation ended"
-    release.clear()
-    engines = [_in_thread(lambda r=r: _hold(r.gate, release, agree), f"engine{i}")[0] for i, r in enumerate(ranks)]
-    while not all(r.gate.generating_now for r in ranks):
-        time.sleep(0.001)
-    assert ranks[1].made == [(2, "engine1")], "rank 1 made it before its next generation's first step"
-    release.set()
-    for thread in engines:
-        thread.join(10.0)
-    assert ranks[1].gate.commit(2, timeout_s=1.0) >= 0.0 and len(ranks[1].made) == 1, "its own call finds it made"
-
-
-def test_an_agreed_commit_a_rank_does_not_hold_fails_its_call_and_is_not_made():
-    ranks, agree = [Rank(), Rank()], Agreement(2)
-    ranks[0].gate.ready = 3
-    ranks[0].gate.commit(3, timeout_s=5.0)
-    release = threading.Event()
-    release.set()
-    engines = [_in_thread(lambda r=r: _hold(r.gate, release, agree), f"engine{i}")[0] for i, r in enumerate(ranks)]
-    for thread in engines:
-        thread.join(10.0)
-    assert ranks[1].made == []
-    with pytest.raises(RuntimeError, match="version 3 is not staged on this rank"):
-        ranks[1].gate.commit(3, timeout_s=1.0)
+    commit, out = _in_thread(lambda: rank.gate.commit(6, timeout_s=10.0), "control")
+    first.set()
+    calls[0].join(5.0)
+    time.sleep(0.05)
+    assert rank.made == [] and "value" not in out, "another call still runs"
+    second.set()
+    for thread in calls[1:] + [commit]:
+        thread.join(5.0)
+    assert rank.made == [(6, "control")] and out["value"] >= 0.0 and rank.gate.between_steps == 0
