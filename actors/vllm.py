@@ -128,8 +128,10 @@ class VllmWorkerMixin(SyncWorkerMixin):
     def _rl_sync_control_of(self, side: str) -> str:
         """None for a tensor-parallel engine's ranks, which must switch at the same step: they take
         every call between two generations, in order."""
-        tp = self._rl_sync_bound().vllm_config.parallel_config.tensor_parallel_size
-        return super()._rl_sync_control_of(side) if tp == 1 else ""
+        control = super()._rl_sync_control_of(side)
+        if control and self._rl_sync_bound().vllm_config.parallel_config.tensor_parallel_size > 1:
+            return ""
+        return control
 
     def rl_sync_prepare(self, names, spare) -> None:
         """A LoRA group prepares nothing: its scaling runs at the commit, on the slot."""

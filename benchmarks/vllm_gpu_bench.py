@@ -55,13 +55,13 @@ import ray
 import torch
 from gpu_bench import copy_floor
 from gpu_common import ROOT, show, specs_8b, start_ray
+from mid_generation import commit_mid_generation, generation_seconds
 
 from actors import WeightSync
 from actors.ready import TrainerActor
 from actors.synthetic_actors import trainer_build
 from actors.vllm import VllmEngine
 from rl_sync.config.sync import SyncConfig
-from rl_sync.rank.steps import CONTROL_GROUP
 
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
 LLAMA3_8B = dict(
@@ -172,9 +172,9 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
         commits.append(staged.commit().commit_seconds)
         calls.append(time.perf_counter() - start)
         synced.append(calls[-1] + _synchronize_seconds(engine))
-    idle = [_generation_seconds(engine.ranks[0]) for _ in range(repeat)]
+    idle = [generation_seconds(engine.ranks[0], GENERATION) for _ in range(repeat)]
     for _ in range(repeat):
-        inflight.append(_commit_mid_generation(sync, engine))
+        inflight.append(commit_mid_generation(sync, engine.ranks[0], GENERATION))
     sync.close()
     bare = [_synchronize_seconds(engine) for _ in range(repeat)]  # nothing queued: what it adds to a commit
     median = statistics.median
@@ -193,45 +193,8 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
     }
 
 
-def _gate_state(rank_self) -> tuple[bool, int]:
-    """Whether the engine has requests, and its commits made between two steps."""
-    return rank_self.llm.llm_engine.has_unfinished_requests(), rank_self._rl_sync_steps().between_steps
-
-
 GENERATION = ([[1, 2, 3]] * 64, dict(max_tokens=256, temperature=0.0, ignore_eos=True), None)
 """What the engine generates while a staged round travels and commits: 64 prompts x 256 tokens."""
-
-
-def _generation_seconds(rank) -> float:
-    """Seconds of `GENERATION` on an engine's only rank, no round running."""
-    start = time.perf_counter()
-    ray.get(rank.generate.remote(*GENERATION))
-    return time.perf_counter() - start
-
-
-def _commit_mid_generation(sync: WeightSync, engine: VllmEngine) -> dict:
-    """A staged round staged and committed while the engine generates `GENERATION`: the commit
-    step, the engine's stall (`RoundStats.stall_seconds`: the commit between two of its steps),
-    whether it landed between steps, and the generation's seconds."""
-    rank = engine.ranks[0]
-    control = rank.call.options(concurrency_group=CONTROL_GROUP)
-    before = ray.get(control.remote(_gate_state))[1]
-    start = time.perf_counter()
-    running = rank.generate.remote(*GENERATION)
-    while not ray.get(control.remote(_gate_state))[0]:
-        time.sleep(0.001)
-    time.sleep(0.2)  # (decoding by now)
-    stats = sync.stage().commit()
-    still = not ray.wait([running], timeout=0)[0]
-    ray.get(running)
-    took = time.perf_counter() - start
-    after = ray.get(control.remote(_gate_state))[1]
-    return {
-        "step_s": stats.commit_seconds,
-        "stall_s": stats.stall_seconds,
-        "between_steps": int(still) * (after - before),
-        "generation_s": took,
-    }
 
 
 def _synchronize(rank_self) -> None:
