@@ -76,12 +76,13 @@ def paired_round(c: Coordinator, round_: OpenRound) -> list[RankStats] | None:
     return with_workers(c, [decode(RankStats, a) for a in answers[:world]])
 
 
-def begin(c: Coordinator, version: int, ticket: int, writes_all: bool, what: str) -> bool:
+def begin(c: Coordinator, version: int, ticket: int, writes_all: bool, what: str, staged: bool) -> bool:
     """Open round `version` (`ticket`; it `writes_all`: `writes_every_element`) on every colocated
-    worker; a worker whose memory moved since its export answers a new one, which its trainer maps
-    before any write. True if any moved."""
+    worker (`staged`: in its control group, beside its generation, `rl_sync.rank.steps`); a worker
+    whose memory moved since its export answers a new one, which its trainer maps before any
+    write. True if any moved."""
     step = c.config.round_timeout_s + 5
-    call = lambda m: m.ipc_begin(version, ticket, writes_all, c.reply)  # noqa: E731
+    call = lambda m: m.ipc_begin(version, ticket, writes_all, c.reply, staged)  # noqa: E731
     try:
         opened = gather(c.workers, call, c.budget.left(step), what)
         return _remapped(c, opened, what)
@@ -91,12 +92,12 @@ def begin(c: Coordinator, version: int, ticket: int, writes_all: bool, what: str
 
 
 def end(
-    c: Coordinator, version: int, names: tuple[str, ...] | None, results: list[RankStats], what: str
+    c: Coordinator, version: int, names: tuple[str, ...] | None, results: list[RankStats], what: str, staged: bool
 ) -> list[RankStats]:
-    """Close a colocated round on every worker once its trainers wrote it; `results` (the trainers')
-    with each worker's statistics added (`with_workers`)."""
+    """Close a colocated round on every worker once its trainers wrote it (`staged`: as `begin`);
+    `results` (the trainers') with each worker's statistics added (`with_workers`)."""
     step = c.config.round_timeout_s + 5
-    gather(c.workers, lambda m: m.ipc_end(version, names, c.reply), c.budget.left(step), what)
+    gather(c.workers, lambda m: m.ipc_end(version, names, c.reply, staged), c.budget.left(step), what)
     return with_workers(c, results)
 
 

@@ -498,7 +498,8 @@ class Coordinator:
         ticket, paired = colocated.next_ticket(self), paired and colocated.one_step(self)
         writes_all = writes_every_element(mode, None if planned is None else tuple(planned))
         what_ipc = f"round {version} (CUDA IPC)"
-        if self.ipc and not paired and colocated.begin(self, version, ticket, writes_all, what_ipc):
+        staged = what == "stage"
+        if self.ipc and not paired and colocated.begin(self, version, ticket, writes_all, what_ipc, staged):
             self.refresh.memory_moved()
         full = self.refresh.full_round(mode)
         if full is not None:
@@ -612,7 +613,7 @@ class Coordinator:
         run = lambda m: m.run(round_.blob, round_.version, self.reply)  # noqa: E731
         results = [decode(RankStats, r) for r in gather(self.ranks, run, self.budget.left(step), round_.what)]
         if self.ipc:
-            results = colocated.end(self, round_.version, round_.names, results, round_.what)
+            results = colocated.end(self, round_.version, round_.names, results, round_.what, staged=False)
         return results
 
     def push_patches(

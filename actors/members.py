@@ -87,8 +87,10 @@ class ActorMember:
     def ipc_export(self, devices: Sequence[str], timeout_s: float, reply: Rendezvous | None):
         return self.handle._rl_sync_ipc_export.remote(devices[0], timeout_s)
 
-    def ipc_begin(self, version: int, ticket: int, writes_all: bool, reply: Rendezvous | None):
-        return self._control(self.handle._rl_sync_ipc_begin).remote(ticket, writes_all)
+    def ipc_begin(self, version: int, ticket: int, writes_all: bool, reply: Rendezvous | None, staged: bool):
+        """(A staged round's in the control group: a blocking one's waits for a generation.)"""
+        call = self.handle._rl_sync_ipc_begin
+        return (self._control(call) if staged else call).remote(ticket, writes_all)
 
     def ipc_round(self, version: int, names: tuple[str, ...] | None, ticket: int, timeout_s: float, writes_all: bool):
         return self.handle._rl_sync_ipc_round.remote(version, names, ticket, timeout_s, writes_all)
@@ -96,8 +98,9 @@ class ActorMember:
     def ipc_remap(self, ipc: bytes):
         return self.handle._rl_sync_ipc_remap.remote(ipc)
 
-    def ipc_end(self, version: int, names: tuple[str, ...] | None, reply: Rendezvous | None):
-        return self._control(self.handle._rl_sync_ipc_end).remote(version, names)
+    def ipc_end(self, version: int, names: tuple[str, ...] | None, reply: Rendezvous | None, staged: bool):
+        call = self.handle._rl_sync_ipc_end
+        return (self._control(call) if staged else call).remote(version, names)
 
     def regroup(self, init: bytes, plan, bind_host: str | None, device: str):
         return self.handle._rl_sync_regroup.remote(init, plan, bind_host, device)
@@ -185,11 +188,11 @@ class ServiceMember:
         request = IpcRequest(0, None, timeout_s, self._reply(reply))
         return self.handle._rl_sync_service_ipc_export.remote(encode(request))
 
-    def ipc_begin(self, version: int, ticket: int, writes_all: bool, reply: Rendezvous | None):
+    def ipc_begin(self, version: int, ticket: int, writes_all: bool, reply: Rendezvous | None, staged: bool):
         request = IpcRequest(version, None, 1.0, self._reply(reply), ticket, writes_all)
         return self.handle._rl_sync_service_ipc_begin.remote(encode(request))
 
-    def ipc_end(self, version: int, names: tuple[str, ...] | None, reply: Rendezvous | None):
+    def ipc_end(self, version: int, names: tuple[str, ...] | None, reply: Rendezvous | None, staged: bool):
         request = IpcRequest(version, names, 1.0, self._reply(reply))
         return self.handle._rl_sync_service_ipc_end.remote(encode(request))
 

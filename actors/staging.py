@@ -151,7 +151,7 @@ def commit(c: Coordinator, version: int, token: str | None) -> RoundStats:
         received = gather(staged.receivers, lambda m: m.staged(version, left, c.reply), c.budget.left(step), what)
         results = [decode(RankStats, r) for r in sent + received]
         if c.ipc:
-            results = colocated.end(c, version, round_.names, results, what)
+            results = colocated.end(c, version, round_.names, results, what, staged=True)
         committed = c._commit(version, what)
     except Exception:  # (a worker's refusal too: no worker committed, their shadows hold the round)
         c.broken = f"round {version}"

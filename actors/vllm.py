@@ -41,7 +41,7 @@ import ray
 
 from rl_sync.rank.steps import CONTROL_GROUP, StepGate
 from rl_sync.vllm.lora import LoraSlots
-from rl_sync.vllm.prefix import forget_cached_prefixes
+from rl_sync.vllm.prefix import forget_cached_prefixes, forgets_in_place
 from rl_sync.vllm.rank import VllmDestinations, engine_rank_of
 
 from .worker_mixin import SyncWorkerMixin
@@ -117,13 +117,16 @@ class VllmWorkerMixin(SyncWorkerMixin):
 
     def rl_sync_generating(self) -> AbstractContextManager[None]:
         """Run whatever runs the engine's steps (its generation) inside this: a staged round's
-        commit then lands between two of them (`rl_sync.rank.steps`). Required of an actor that
-        declares `rl_sync_control_group` (whose commits arrive beside its generation)."""
-        gate, engine = self._rl_sync_steps(), self.rl_sync_llm().llm_engine
+        commit then lands between two of them (`rl_sync.rank.steps`), or, where requests in
+        flight could not keep their KV (`rl_sync.vllm.prefix.forgets_in_place`: a KV connector,
+        say), once the generation ends. Required of an actor that declares
+        `rl_sync_control_group` (whose commits arrive beside its generation)."""
+        gate, llm = self._rl_sync_steps(), self.rl_sync_llm()
+        engine = llm.llm_engine
         if getattr(engine, "_rl_sync_gate", None) is not gate:
             engine.step = _stepping(type(engine).step.__get__(engine), gate)  # type: ignore[method-assign]
             engine._rl_sync_gate = gate  # type: ignore[attr-defined]
-        return gate.generating()
+        return gate.generating(at_steps=forgets_in_place(llm))
 
     def _rl_sync_control_of(self, side: str) -> str:
         """None for a tensor-parallel engine's ranks, which must switch at the same step: they take

@@ -51,6 +51,10 @@ class StepGate:
         self._cond = threading.Condition()
         self._generating = 0
         """Generations (and other calls that may run the engine's steps) under way."""
+        self._held_over = 0
+        """Those of them during which commits wait for the end rather than the next step."""
+        self._epoch = 0
+        """Bindings so far (`forget`): a commit waiting across one is refused."""
         self._asked = NONE
         """The newest version this rank was asked to commit."""
         self._done = NONE
@@ -61,12 +65,15 @@ class StepGate:
         """Commits made at a step boundary, by the engine's thread, while it generated."""
 
     def forget(self) -> None:
-        """A new group's versions start anew (the rank bound again)."""
+        """A new group's versions start anew (the rank bound again); a commit still waiting is
+        refused."""
         with self._cond:
             self._asked = self._done = NONE
             self._failures.clear()
             self._held.clear()
             self.between_steps = 0
+            self._epoch += 1
+            self._cond.notify_all()
 
     @property
     def generating_now(self) -> bool:
@@ -74,16 +81,19 @@ class StepGate:
         return self._generating > 0
 
     @contextmanager
-    def generating(self) -> Iterator[None]:
-        """The engine generates (or may run its steps) inside: commits wait for `boundary()` or
-        for the last such context to end."""
+    def generating(self, at_steps: bool = True) -> Iterator[None]:
+        """The engine generates (or may run its steps) inside: commits wait for `boundary()` or,
+        where not `at_steps` (the engine cannot take one mid-generation), for the last such
+        context to end."""
         with self._cond:
             self._generating += 1
+            self._held_over += not at_steps
         try:
             yield
         finally:
             with self._cond:
                 self._generating -= 1
+                self._held_over -= not at_steps
                 self._cond.notify_all()
 
     def boundary(self) -> None:
@@ -91,31 +101,39 @@ class StepGate:
         if self._asked <= self._done:  # (no lock: the common case, every step)
             return
         with self._cond:
-            if self._asked > self._done:
+            if self._asked > self._done and not self._held_over:
                 self._run(self._asked)
                 self.between_steps += 1
 
     def commit(self, version: int, timeout_s: float) -> float:
         """Commit `version` on this rank: at the engine's next step while it generates, else now;
         waits at most `timeout_s` seconds for it. Returns the seconds the engine stopped for it;
-        raises what the commit raised, or `TimeoutError` (the commit may still be made later, at
-        the engine's next step)."""
-        deadline = time.monotonic() + timeout_s
+        raises what the commit raised, `TimeoutError` (the commit withdrawn, not made) or
+        `RuntimeError` (the rank bound anew meanwhile, or a later version made in its place)."""
+        deadline, epoch = time.monotonic() + timeout_s, self._epoch
         with self._cond:
             self._asked = max(self._asked, version)
             while self._done < version:
                 if not self._generating:
                     self._run(version)
                     break
-                if not self._cond.wait(max(0.0, deadline - time.monotonic())) and self._done < version:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+                if epoch != self._epoch:
+                    raise RuntimeError(f"commit of version {version}: the rank was bound anew meanwhile")
+                if self._done < version and time.monotonic() >= deadline:
+                    self._asked = self._done  # (withdrawn: no later step makes it)
                     raise TimeoutError(
                         f"commit of version {version}: the engine reached no step boundary and did not "
-                        f"stop generating within {timeout_s:.1f} s"
+                        f"stop generating within {timeout_s:.1f} s; not made"
                     )
             failure = self._failures.pop(version, None)
             if failure is not None:
                 raise failure
-            return self._held.pop(version, 0.0)
+            if version not in self._held:
+                raise RuntimeError(f"commit of version {version}: version {self._done} was made instead")
+            for older in [v for v in self._held if v < version]:
+                del self._held[older]
+            return self._held[version]
 
     def _run(self, version: int) -> None:
         """Commit `version` here and now (the lock held); its failure goes to its caller."""

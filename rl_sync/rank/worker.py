@@ -380,8 +380,6 @@ class WorkerRank(Participant):
             if index.numel() and (int(index.min()) < 0 or int(index.max()) >= view.numel()):
                 raise ValueError(f"patch for {name!r} indexes outside this worker's {tuple(view.shape)} box")
         self._rl_sync_version = self._rl_sync_written = None
-        if self._rl_sync_kept.shadow is not None:
-            self._rl_sync_kept.shadow.settle()
         written = 0
         for name, (index, values) in patches.items():
             view = views[name].tensor
@@ -491,7 +489,7 @@ class WorkerRank(Participant):
         until `_rl_sync_commit` (what the engine replaced or moved is bound anew first, as in
         `_rl_sync_staged`)."""
         assert self._rl_sync_ipc is not None  # colocated rounds run on an export
-        self._rl_sync_ipc.end(on_host=self._rl_sync_buffered())
+        self._rl_sync_ipc.end(self._rl_sync_ipc_timeout if self._rl_sync_buffered() else None)
         self._rl_sync_round_names = names
         if not self._rl_sync_buffered():
             self._rl_sync_updated(names)

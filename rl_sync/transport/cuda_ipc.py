@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -79,6 +80,7 @@ from .base import Ops, Pending, Transport
 from .cuda_memory import Backing, IpcUnavailable, MappedRange, backings, buffer_id, export_fd, extent_bytes, map_fds
 from .doorbell import READIES, READY, READY_ALTERNATE, TRAINER, WORKER, Doorbell
 from .fd_passing import FdOffer, receive_fds
+from .nccl import POLL_S
 from .registry import join
 
 
@@ -284,14 +286,21 @@ class WorkerExport:
         """The trainer's state once it is done with round `ticket` (`rl_sync.transport.doorbell`)."""
         return self.bell.wait(TRAINER, ticket, deadline)
 
-    def end(self, on_host: bool = False) -> None:
+    def end(self, on_host_within: float | None = None) -> None:
         """Make this worker's later work wait for the trainer's writes: the work this thread
-        queues on the device, or, `on_host`, all of it (returns once the writes ended: a staged
-        round, which another thread may commit, `rl_sync.rank.steps`)."""
-        if on_host:
-            self.done.synchronize()
-        else:
+        queues on the device, or, given `on_host_within` seconds, all of it (returns once the
+        writes ended, `TimeoutError` past that: a staged round, which another thread may commit,
+        `rl_sync.rank.steps`)."""
+        if on_host_within is None:
             torch.cuda.current_stream(self.device).wait_event(self.done)
+            return
+        deadline = time.monotonic() + on_host_within
+        while not self.done.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the trainer's writes into GPU {self.device} did not end within {on_host_within:.0f} s"
+                )
+            time.sleep(POLL_S)
 
     def close(self) -> None:
         """Withdraw descriptors the trainer has not taken, and unmap the doorbell."""

@@ -25,10 +25,13 @@ Requests the engine holds (a commit between two of its steps,
 `pause_generation(mode="keep", clear_cache=False)`; their later tokens come from
 the new weights. What they cache from then on is never served to another
 request: a request that computed nothing yet hashes its tokens anew under the
-new root; one that computed tokens but filled no block yet (its first block
-would be hashed from the new root) gets a salt of this update's on that block
-(vLLM's `cache_salt`, which only its first block's hash reads); the blocks of
-the others chain from hashes of the old root. vLLM's own reset, which runs
+new root (SHA-256 of its tokens, inside the commit); one that computed tokens
+but filled no block yet (its first block would be hashed from the new root)
+gets a salt of this update's on that block (vLLM's `cache_salt`, which only its
+first block's hash reads); the blocks of the others chain from hashes of the
+old root. A started request never reads the prefix cache again (vLLM's
+`skip_reading_prefix_cache`): preempted later, it would look its old-root
+hashes up. vLLM's own reset, which runs
 where the fast path cannot, refuses while requests hold blocks.
 
 Otherwise it calls vLLM's own reset, and raises `RuntimeError(STALE_PREFIXES)`
@@ -102,8 +105,17 @@ def _rehash_held(scheduler, seed: bytes) -> None:
         if request.num_computed_tokens == 0:
             request.block_hashes.clear()
             request.update_block_hashes()
-        elif not request.block_hashes:
+            continue
+        request.skip_reading_prefix_cache = True  # (preempted later, it computes its tokens anew)
+        if not request.block_hashes:
             request.cache_salt = f"{request.cache_salt or ''}|rl-sync update {seed.hex()}"
+
+
+def forgets_in_place(llm) -> bool:
+    """Whether `forget_cached_prefixes` takes the fast path on `llm`, so requests it holds keep
+    what they computed (vLLM's own reset refuses while they hold blocks)."""
+    scheduler = _in_process_scheduler(llm)
+    return scheduler is not None and _fast_path_allowed(scheduler)
 
 
 def forget_cached_prefixes(llm) -> bool:
@@ -111,9 +123,8 @@ def forget_cached_prefixes(llm) -> bool:
     later (they keep what they computed). Returns True where the seed was replaced (O(1) and
     O(requests held)), False where vLLM's own reset ran. Raises `RuntimeError(STALE_PREFIXES)`
     where vLLM refuses (requests hold KV-cache blocks)."""
-    scheduler = _in_process_scheduler(llm)
-    if scheduler is not None and _fast_path_allowed(scheduler):
-        _rehash_held(scheduler, new_root())
+    if forgets_in_place(llm):
+        _rehash_held(_in_process_scheduler(llm), new_root())
         return True
     if not llm.reset_prefix_cache():
         raise RuntimeError(STALE_PREFIXES)
