@@ -103,6 +103,8 @@ def test_requests_held_keep_what_they_computed_and_nothing_they_cache_later_is_s
     seed = bytes(kv_cache_utils.NONE_HASH).hex()
     assert unhashed.cache_salt == f"user|rl-sync update {seed}", "its first block, hashed later, is its own"
     assert hashed.block_hashes == old_hashed and hashed.cache_salt is None, "its later blocks chain from the old root"
+    assert unhashed.skip_reading_prefix_cache and hashed.skip_reading_prefix_cache, "preempted, they compute anew"
+    assert not hasattr(waiting, "skip_reading_prefix_cache"), "it reads the cache, under the new root"
 
 
 @pytest.mark.parametrize(
@@ -116,6 +118,7 @@ def test_requests_held_keep_what_they_computed_and_nothing_they_cache_later_is_s
 )
 def test_vllms_own_reset_runs_where_a_new_root_is_not_equivalent(seeded, sched, why):
     llm, before = FakeLlm(sched), kv_cache_utils.NONE_HASH
+    assert not prefix.forgets_in_place(llm), "a commit between steps waits for the generation's end"
     assert prefix.forget_cached_prefixes(llm) is False, why
     assert llm.resets == 1 and before == kv_cache_utils.NONE_HASH, why
 
