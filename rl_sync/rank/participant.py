@@ -35,6 +35,7 @@ from .address import interface_address
 from .background import joined
 from .claim import Claim, GroupTag
 from .pairing import Pair
+from .serial import one_at_a_time
 from .side import DescribeOptions, Side
 
 _NONE: Mapping = MappingProxyType({})
@@ -84,6 +85,7 @@ class Participant:
         does not play, so the session keeps replaying its compiled round."""
         return self._rl_sync_entries(side).endpoints if side in (self._rl_sync_sides or {}) else _NONE
 
+    @one_at_a_time
     def _rl_sync_describe(
         self, side: str, side_rank: int, side_size: int, options: DescribeOptions | None = None
     ) -> bytes:
@@ -253,6 +255,7 @@ class Participant:
         """Hook: a worker records its version and hands over fallbacks."""
         return stats
 
+    @one_at_a_time
     def _rl_sync_close(self, abort: bool = False, group: str | None = None) -> None:
         """Leave the group whose token is `group` (`None`: whichever holds this rank); a close
         from a group that no longer holds the rank changes nothing."""

@@ -62,6 +62,7 @@ from ..wire.plan_info import PlanInfo
 from .background import BackgroundRound
 from .kept import KeptDestinations
 from .participant import Participant
+from .serial import one_at_a_time
 from .shadow import Shadows
 from .side import DescribeOptions
 from .steps import StepGate
@@ -96,6 +97,7 @@ class WorkerRank(Participant):
     """The subclass's hook taking `(name, tensor)` of each fallback a round delivered (see the
     module docstring): required when any name is bound as a fallback."""
 
+    @one_at_a_time
     def _rl_sync_describe(
         self, side: str, side_rank: int, side_size: int, options: DescribeOptions | None = None
     ) -> bytes:
@@ -242,6 +244,7 @@ class WorkerRank(Participant):
         if hook is not None:
             hook(names)
 
+    @one_at_a_time
     def _rl_sync_commit(self, version: int, timeout_s: float = STOP_WAIT_S) -> float:
         """Double buffering: the round completed everywhere; make it live, between two of the
         engine's steps while it generates (`rl_sync.rank.steps`), waiting at most `timeout_s`
@@ -265,6 +268,7 @@ class WorkerRank(Participant):
         self._rl_sync_updated(self._rl_sync_round_names)
         self._rl_sync_written = version
 
+    @one_at_a_time
     def _rl_sync_record(self, version: int) -> bool:
         """The coordinator recorded `version`: report it from now on, if it is what the live
         weights hold (the last round written, nothing written since). Returns whether it is."""
@@ -273,6 +277,7 @@ class WorkerRank(Participant):
         self._rl_sync_version, self._rl_sync_written = version, None
         return True
 
+    @one_at_a_time
     def _rl_sync_stage(self, round_blob: bytes, answer: Callable[[Callable[[], bytes]], bytes] | None = None) -> None:
         """Start a round into the shadows on a thread of its own and return at once: the process
         serves other calls meanwhile, the live weights stay as they are until `_rl_sync_commit`.
@@ -294,6 +299,7 @@ class WorkerRank(Participant):
 
         self._rl_sync_background = BackgroundRound(version, run if answer is None else lambda: answer(run))
 
+    @one_at_a_time
     def _rl_sync_staged(self, version: int, timeout_s: float) -> bytes:
         """The staged round's `RankStats` once it ended (waiting at most `timeout_s` seconds), or
         what it raised (a round that failed is forgotten: nothing of it is committed). The
@@ -417,6 +423,7 @@ class WorkerRank(Participant):
             self._rl_sync_ipc.close()
         self._rl_sync_ipc = None
 
+    @one_at_a_time
     def _rl_sync_ipc_begin(self, ticket: int, writes_all: bool = False) -> bytes | None:
         """Open colocated round `ticket`: check the bindings, bring swapped shadows that hold the
         round before up to date unless the round `writes_all` (`Shadows.prepare`), then tell the
@@ -483,6 +490,7 @@ class WorkerRank(Participant):
             self._rl_sync_version = held
         return None
 
+    @one_at_a_time
     def _rl_sync_ipc_end(self, version: int, names: tuple[str, ...] | None = None) -> None:
         """Close a colocated round: this worker's later work waits for the trainer's writes; the
         live weights hold `version` (written, not recorded), or, double buffered, the shadows do
