@@ -30,7 +30,9 @@ control group (`WorkerRank.rl_sync_control_group`) takes `_rl_sync_stage`,
 `_rl_sync_staged`, its `_rl_sync_ipc_begin` / `_rl_sync_ipc_end` of a staged
 round, `_rl_sync_commit` and `_rl_sync_record` there, in the order sent, beside
 its generation (`rl_sync.rank.steps`: the commit lands between two of the
-engine's steps); every other call waits for a generation to end, as before; `_rl_sync_version_of`,
+engine's steps); every other call waits for a generation to end, as before,
+and describe and close also wait for a control call still running
+(`rl_sync.rank.serial`); `_rl_sync_version_of`,
 `_rl_sync_apply_patches` (then `_rl_sync_record`) and `_rl_sync_close`
 between rounds. An engine joining or leaving (between rounds):
 `_rl_sync_describe` on the joining ranks, then `_rl_sync_regroup` on every
