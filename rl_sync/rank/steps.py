@@ -17,7 +17,7 @@ the Ray call that brought it. `StepGate` orders the two on one rank:
 Only a lone rank commits this way: the ranks of a tensor-parallel engine must
 switch at the same step, so their actors declare no control group and take every
 call, the commit included, between two generations, in the order sent
-(`WorkerRank._rl_sync_control`).
+(`VllmWorkerMixin._rl_sync_control_of`).
 
 Typical use (the engine's thread; `commit` on another)::
 
@@ -76,9 +76,9 @@ class StepGate:
             self._cond.notify_all()
 
     @property
-    def generating_now(self) -> bool:
-        """Whether the engine is inside a generation."""
-        return self._generating > 0
+    def generations(self) -> int:
+        """Generations (and other calls that may run the engine's steps) under way now."""
+        return self._generating
 
     @contextmanager
     def generating(self, at_steps: bool = True) -> Iterator[None]:

@@ -52,6 +52,18 @@ def remaining(deadline: float, what: str) -> float:
     return left
 
 
+POLL_S = 0.0005
+"""How often a host wait polls a CUDA event."""
+
+
+def event_reached(event, deadline: float, what: str) -> None:
+    """Block the host until CUDA `event` completed, or `TimeoutError` (`remaining`'s) at
+    `deadline`: it polls, never an unbounded CUDA synchronize."""
+    while not event.query():
+        remaining(deadline, what)
+        time.sleep(POLL_S)
+
+
 class Pending(ABC):
     """One posted bucket."""
 

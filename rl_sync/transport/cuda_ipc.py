@@ -76,11 +76,10 @@ import torch
 
 from ..wire.dtypes import dtype_name
 from ..wire.messages import check_transport
-from .base import Ops, Pending, Transport
+from .base import Ops, Pending, Transport, event_reached
 from .cuda_memory import Backing, IpcUnavailable, MappedRange, backings, buffer_id, export_fd, extent_bytes, map_fds
 from .doorbell import READIES, READY, READY_ALTERNATE, TRAINER, WORKER, Doorbell
 from .fd_passing import FdOffer, receive_fds
-from .nccl import POLL_S
 from .registry import join
 
 
@@ -294,13 +293,8 @@ class WorkerExport:
         if on_host_within is None:
             torch.cuda.current_stream(self.device).wait_event(self.done)
             return
-        deadline = time.monotonic() + on_host_within
-        while not self.done.query():
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the trainer's writes into GPU {self.device} did not end within {on_host_within:.0f} s"
-                )
-            time.sleep(POLL_S)
+        what = f"the trainer's writes into GPU {self.device}, waited for {on_host_within:.0f} s"
+        event_reached(self.done, time.monotonic() + on_host_within, what)
 
     def close(self) -> None:
         """Withdraw descriptors the trainer has not taken, and unmap the doorbell."""

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import hmac
 import struct
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -57,14 +56,13 @@ import torch
 from blake3 import blake3
 
 from ..config.sync import Integrity
-from .base import Ops, Pending, Transport, remaining
+from .base import Ops, Pending, Transport, event_reached
 from .nh import nh_keys, nh_reduce
 
 TAG_BYTES = 32
 PUBLIC_KEY = b"rl-sync public checksum key"
 KEY_CONTEXT = "rl-sync 2026-12 transfer digest key"
 """BLAKE3 key derivation context: the tag key is `blake3(key, derive_key_context=KEY_CONTEXT)`."""
-POLL_S = 0.0005
 T = TypeVar("T")
 
 
@@ -118,9 +116,7 @@ def device_ready(device: torch.device, deadline: float, what: str) -> None:
         return
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(device))
-    while not done.query():
-        remaining(deadline, what)
-        time.sleep(POLL_S)
+    event_reached(done, deadline, what)
 
 
 @dataclass

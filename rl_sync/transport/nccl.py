@@ -28,9 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Ops, Pending, Transport, check_ops
+from .base import POLL_S, Ops, Pending, Transport, check_ops
 
-POLL_S = 0.0005
 UNIQUE_ID_BYTES = 128
 """`NCCL_UNIQUE_ID_BYTES`: the length of an NCCL unique id."""
 

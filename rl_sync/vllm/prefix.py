@@ -111,11 +111,17 @@ def _rehash_held(scheduler, seed: bytes) -> None:
             request.cache_salt = f"{request.cache_salt or ''}|rl-sync update {seed.hex()}"
 
 
+def _fast_path_scheduler(llm) -> Any | None:
+    """The in-process scheduler whose prefixes a new root forgets (`_fast_path_allowed`), or None
+    where vLLM's own reset must run."""
+    scheduler = _in_process_scheduler(llm)
+    return scheduler if scheduler is not None and _fast_path_allowed(scheduler) else None
+
+
 def forgets_in_place(llm) -> bool:
     """Whether `forget_cached_prefixes` takes the fast path on `llm`, so requests it holds keep
     what they computed (vLLM's own reset refuses while they hold blocks)."""
-    scheduler = _in_process_scheduler(llm)
-    return scheduler is not None and _fast_path_allowed(scheduler)
+    return _fast_path_scheduler(llm) is not None
 
 
 def forget_cached_prefixes(llm) -> bool:
@@ -123,8 +129,9 @@ def forget_cached_prefixes(llm) -> bool:
     later (they keep what they computed). Returns True where the seed was replaced (O(1) and
     O(requests held)), False where vLLM's own reset ran. Raises `RuntimeError(STALE_PREFIXES)`
     where vLLM refuses (requests hold KV-cache blocks)."""
-    if forgets_in_place(llm):
-        _rehash_held(_in_process_scheduler(llm), new_root())
+    scheduler = _fast_path_scheduler(llm)
+    if scheduler is not None:
+        _rehash_held(scheduler, new_root())
         return True
     if not llm.reset_prefix_cache():
         raise RuntimeError(STALE_PREFIXES)

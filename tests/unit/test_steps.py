@@ -46,22 +46,34 @@ def test_an_idle_engine_commits_at_once_on_the_calling_thread():
     assert rank.gate.commit(3, timeout_s=5.0) >= 0.0 and len(rank.made) == 1, "made once"
 
 
-def test_a_lone_engine_generating_commits_on_its_own_thread_between_two_steps():
-    rank, steps = Rank(), []
-    asked = threading.Event()
+def _until_generating(gate: StepGate, generations: int = 1) -> None:
+    while gate.generations < generations:
+        time.sleep(0.001)
+
+
+def _engine_steps(rank: Rank, steps: int, pause_at: int) -> tuple[threading.Thread, threading.Event, list]:
+    """An engine thread running `steps` steps inside a generation, once it runs: before step
+    `pause_at` it waits for `asked`, then a little (the commit call is waiting by then). Each
+    step's index and the commits made before it are in the list."""
+    asked, seen = threading.Event(), []
 
     def generate():
         with rank.gate.generating():
-            for step in range(6):
-                if step == 2:
+            for step in range(steps):
+                if step == pause_at:
                     assert asked.wait(5.0)
-                    time.sleep(0.05)  # (the commit call is waiting by now)
+                    time.sleep(0.05)
                 rank.gate.boundary()
-                steps.append((step, list(rank.made)))
+                seen.append((step, list(rank.made)))
 
     engine, _ = _in_thread(generate, "engine")
-    while not rank.gate.generating_now:
-        time.sleep(0.001)
+    _until_generating(rank.gate)
+    return engine, asked, seen
+
+
+def test_a_lone_engine_generating_commits_on_its_own_thread_between_two_steps():
+    rank = Rank()
+    engine, asked, steps = _engine_steps(rank, steps=6, pause_at=2)
     asked.set()
     held = rank.gate.commit(7, timeout_s=10.0)
     engine.join(10.0)
@@ -72,8 +84,7 @@ def test_a_lone_engine_generating_commits_on_its_own_thread_between_two_steps():
 def test_a_commit_the_engine_never_steps_for_times_out_naming_the_version():
     rank, release = Rank(), threading.Event()
     engine, _ = _in_thread(lambda: _hold(rank.gate, release), "engine")
-    while not rank.gate.generating_now:
-        time.sleep(0.001)
+    _until_generating(rank.gate)
     with pytest.raises(TimeoutError) as raised:
         rank.gate.commit(4, timeout_s=0.2)
     assert str(raised.value) == (
@@ -92,33 +103,18 @@ def _hold(gate: StepGate, release: threading.Event) -> None:
 
 def test_a_failed_commit_between_steps_raises_in_the_call_and_the_generation_goes_on():
     rank = Rank(fail=True)
-    steps: list[int] = []
-    asked = threading.Event()
-
-    def generate():
-        with rank.gate.generating():
-            for step in range(4):
-                if step == 1:
-                    assert asked.wait(5.0)
-                    time.sleep(0.05)
-                rank.gate.boundary()
-                steps.append(step)
-
-    engine, _ = _in_thread(generate, "engine")
-    while not rank.gate.generating_now:
-        time.sleep(0.001)
+    engine, asked, steps = _engine_steps(rank, steps=4, pause_at=1)
     asked.set()
     with pytest.raises(ValueError, match="engine hook refused version 5"):
         rank.gate.commit(5, timeout_s=10.0)
     engine.join(10.0)
-    assert steps == [0, 1, 2, 3]
+    assert [step for step, _ in steps] == [0, 1, 2, 3]
 
 
 def test_a_commit_asked_for_during_a_call_that_runs_no_step_is_made_once_the_last_call_ends():
     rank, first, second = Rank(), threading.Event(), threading.Event()
     calls = [_in_thread(lambda e=e: _hold(rank.gate, e), f"call{i}")[0] for i, e in enumerate((first, second))]
-    while rank.gate._generating < 2:
-        time.sleep(0.001)
+    _until_generating(rank.gate, generations=2)
     commit, out = _in_thread(lambda: rank.gate.commit(6, timeout_s=10.0), "control")
     first.set()
     calls[0].join(5.0)
@@ -133,8 +129,7 @@ def test_a_commit_asked_for_during_a_call_that_runs_no_step_is_made_once_the_las
 def test_a_commit_waiting_when_the_rank_binds_anew_is_refused_and_not_made():
     rank, release = Rank(), threading.Event()
     engine, _ = _in_thread(lambda: _hold(rank.gate, release), "engine")
-    while not rank.gate.generating_now:
-        time.sleep(0.001)
+    _until_generating(rank.gate)
     call, out = _in_thread(lambda: rank.gate.commit(8, timeout_s=10.0), "control")
     time.sleep(0.05)
     rank.gate.forget()
@@ -154,8 +149,7 @@ def test_a_generation_that_holds_commits_over_makes_them_at_its_end_not_at_a_ste
             rank.gate.boundary()
 
     engine, _ = _in_thread(generate, "engine")
-    while not rank.gate.generating_now:
-        time.sleep(0.001)
+    _until_generating(rank.gate)
     asked.set()
     rank.gate.commit(9, timeout_s=10.0)
     engine.join(5.0)
