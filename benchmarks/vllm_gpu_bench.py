@@ -172,8 +172,9 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
         commits.append(staged.commit().commit_seconds)
         calls.append(time.perf_counter() - start)
         synced.append(calls[-1] + _synchronize_seconds(engine))
-    idle = [generation_seconds(engine.ranks[0], GENERATION) for _ in range(repeat)]
-    for _ in range(repeat):
+    idle = []
+    for _ in range(repeat):  # interleaved: the machine's drift lands on both alike
+        idle.append(generation_seconds(engine.ranks[0], GENERATION))
         inflight.append(commit_mid_generation(sync, engine.ranks[0], GENERATION))
     sync.close()
     bare = [_synchronize_seconds(engine) for _ in range(repeat)]  # nothing queued: what it adds to a commit
@@ -189,6 +190,7 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
         "between_steps": sum(r["between_steps"] for r in inflight),
         "generation_idle_s": median(idle),
         "generation_staged_s": median(r["generation_s"] for r in inflight),
+        "generation_pairs_s": [(round(a, 3), round(r["generation_s"], 3)) for a, r in zip(idle, inflight)],
         "inflight_rounds": len(inflight),
     }
 

@@ -26,13 +26,17 @@ message (`rl_sync.transport.registry`). Typical use::
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, wait
+from typing import TypeVar
 
 import torch
 
 Ops = Sequence[tuple[int, torch.Tensor]]
+Made = TypeVar("Made")
 
 
 def check_ops(ops: Ops, world_size: int, rank: int, what: str) -> None:
@@ -62,6 +66,32 @@ def event_reached(event, deadline: float, what: str) -> None:
     while not event.query():
         remaining(deadline, what)
         time.sleep(POLL_S)
+
+
+def made_within(make: Callable[[], Made], deadline: float, what: str, discard: Callable[[Made], None]) -> Made:
+    """`make()` run on a daemon thread of its own, waited for until `deadline`: for a call that
+    blocks without a bound of its own (an NCCL communicator's creation waits for every rank).
+    Past the deadline, `TimeoutError` naming `what`; the call is abandoned, and what it makes
+    if it ever returns goes to `discard`."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(make())
+        except BaseException as exc:  # (raised to the waiting caller)
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"rl-sync: {what}", daemon=True).start()
+    bound = max(0.0, deadline - time.monotonic())
+    if not wait([future], timeout=bound).done:
+
+        def discard_late(late: Future) -> None:
+            if late.exception() is None:
+                discard(late.result())
+
+        future.add_done_callback(discard_late)
+        raise TimeoutError(f"{what}: not done within {bound:.1f} s; abandoned")
+    return future.result()
 
 
 class Pending(ABC):

@@ -12,7 +12,8 @@ instead of a hang) and raises `TimeoutError`.
 The unique ids are created by `new_unique_id()` on one rank and handed to the
 others by the coordinator in an `NcclRendezvous`, from which every rank joins
 through the registry. NCCL refuses two ranks of one communicator on the same
-GPU. Typical use::
+GPU. Joining is bounded (`join_timeout_s`): a rank whose peers do not all join
+raises `TimeoutError` rather than wait inside NCCL for ever. Typical use::
 
     rendezvous = NcclRendezvous(tuple(new_unique_id()), tuple(new_unique_id()))  # one rank, relayed
     t = NcclTransport(rank, world, rendezvous.unique_id, device, broadcast_ranks=[0, 2, 3],
@@ -28,10 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import POLL_S, Ops, Pending, Transport, check_ops
+from .base import POLL_S, Ops, Pending, Transport, check_ops, made_within
 
 UNIQUE_ID_BYTES = 128
 """`NCCL_UNIQUE_ID_BYTES`: the length of an NCCL unique id."""
+JOIN_S = 300.0
+"""How long a rank waits, by default, for every rank to join its communicators."""
 
 
 def _nccl():
@@ -63,6 +66,22 @@ def _comm_id(nccl, unique_id: Sequence[int]):
     if isinstance(nccl.get_unique_id(), bytes):
         return bytes(x & 0xFF for x in unique_id)
     return tuple(x - 256 if x > 127 else x for x in unique_id)
+
+
+def _formed(size: int, unique_id: Sequence[int], rank: int, device: torch.device, deadline: float):
+    """Rank `rank` of the `size`-rank communicator `unique_id`, formed by `deadline`.
+    `ncclCommInitRank` blocks until every rank joined and takes no bound, and CuPy offers no
+    non-blocking creation: it runs on a thread of its own (its device made current there), which
+    a rank that never joins leaves waiting inside NCCL; a communicator formed after the deadline
+    is aborted at once."""
+    nccl = _nccl()
+
+    def make():
+        torch.cuda.set_device(device)
+        return nccl.NcclCommunicator(size, _comm_id(nccl, unique_id), rank)
+
+    what = f"rank {rank}: forming the NCCL communicator of {size} ranks (every rank must join)"
+    return made_within(make, deadline, what, discard=lambda late: late.abort())
 
 
 @dataclass(frozen=True)
@@ -106,18 +125,25 @@ class NcclTransport(Transport):
         *,
         broadcast_ranks: Sequence[int] = (),
         broadcast_id: Sequence[int] | None = None,
+        join_timeout_s: float = JOIN_S,
     ):
-        nccl = _nccl()
+        """`join_timeout_s` bounds joining: both communicators formed (every rank joined), or
+        `TimeoutError` here (`_formed`)."""
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         torch.cuda.set_device(self.device)
         self.stream = torch.cuda.Stream(self.device, priority=-1)  # ahead of digest kernels for SMs
-        self.comm = nccl.NcclCommunicator(world_size, _comm_id(nccl, unique_id), rank)
+        deadline = time.monotonic() + join_timeout_s
+        self.comm = _formed(world_size, unique_id, rank, self.device, deadline)
         self.bcast_ranks = list(broadcast_ranks)
         self.bcast = None
         if rank in self.bcast_ranks and broadcast_id is not None:
-            self.bcast = nccl.NcclCommunicator(
-                len(self.bcast_ranks), _comm_id(nccl, broadcast_id), self.bcast_ranks.index(rank)
-            )
+            try:
+                self.bcast = _formed(
+                    len(self.bcast_ranks), broadcast_id, self.bcast_ranks.index(rank), self.device, deadline
+                )
+            except BaseException:
+                self.comm.abort()
+                raise
         self._last: torch.cuda.Event | None = None
         self._closed = False
 
@@ -136,6 +162,7 @@ class NcclTransport(Transport):
             device,
             broadcast_ranks=broadcast_ranks,
             broadcast_id=rendezvous.broadcast_id,
+            join_timeout_s=info.join_timeout_s,
         )
 
     def post(self, sends: Ops, recvs: Ops, label: str = "") -> Pending:
