@@ -65,6 +65,7 @@ from .members import Member, ServiceMember, collect, failed, gather, give_contro
 from .metrics import RoundMetrics
 from .records import Recording
 from .staging import OpenRound, Staged, commit, stage, unstage
+from .steps import agreed_steps
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -585,11 +586,13 @@ class Coordinator:
 
     def _commit(self, version: int, what: str) -> tuple[float, float]:
         """Make a double-buffered round live on every worker (between two of its engine's steps
-        where it generates: `rl_sync.rank.steps`); returns the seconds the step took and the
+        where it generates, the same step on a tensor-parallel engine's ranks: `rl_sync.rank.steps`,
+        `actors.steps`); returns the seconds the step took and the
         longest any worker's engine stopped for it (0 where workers do not say)."""
         start = time.perf_counter()
         step, wait = self.config.round_timeout_s + 5, self.budget.left(self.config.round_timeout_s)
-        call = lambda m: m.commit(version, wait, self.reply)  # noqa: E731
+        at_steps = agreed_steps(self.workers, version, wait, self.budget.left(step), f"{what} commit")
+        call = lambda m: m.commit(version, wait, self.reply, at_steps.get(id(m)))  # noqa: E731
         held = gather(self.workers, call, self.budget.left(step), f"{what} commit")
         return time.perf_counter() - start, max((h for h in held if isinstance(h, float)), default=0.0)
 

@@ -39,6 +39,9 @@ class ActorMember:
         self.control: str | None = None
         """The concurrency group the actor declares for a staged round's calls (its `RankReport`
         says), which then run beside its generation (`rl_sync.rank.steps`)."""
+        self.engine_ranks = 1
+        """With a control group: its engine's ranks, which commit before the same step
+        (`RankReport.engine_ranks`, `actors.steps`)."""
 
     def _control(self, method):
         """`method` in the actor's control group, if it declares one."""
@@ -61,8 +64,14 @@ class ActorMember:
     def run(self, blob: bytes, version: int, reply: Rendezvous | None):
         return self.handle._rl_sync_run.remote(blob)
 
-    def commit(self, version: int, timeout_s: float, reply: Rendezvous | None):
-        return self._control(self.handle._rl_sync_commit).remote(version, timeout_s)
+    def commit(self, version: int, timeout_s: float, reply: Rendezvous | None, at_step: int | None = None):
+        return self._control(self.handle._rl_sync_commit).remote(version, timeout_s, at_step)
+
+    def arm(self, version: int, timeout_s: float):
+        return self._control(self.handle._rl_sync_arm).remote(version, timeout_s)
+
+    def disarm(self, version: int):
+        return self._control(self.handle._rl_sync_disarm).remote(version)
 
     def stage(self, blob: bytes, version: int, reply: Rendezvous | None):
         return self._control(self.handle._rl_sync_stage).remote(blob)
@@ -150,7 +159,8 @@ class ServiceMember:
         request = RoundRequest(blob, version, self._reply(reply))
         return self.handle._rl_sync_service_run.remote(encode(request), not self.double_buffer)
 
-    def commit(self, version: int, timeout_s: float, reply: Rendezvous | None):
+    def commit(self, version: int, timeout_s: float, reply: Rendezvous | None, at_step: int | None = None):
+        """(Its ranks take no step agreed, `actors.steps`: vLLM's workers run them.)"""
         return self.handle._rl_sync_service_commit.remote(encode(RoundRequest(b"", version, self._reply(reply))))
 
     def stage(self, blob: bytes, version: int, reply: Rendezvous | None):
@@ -214,22 +224,23 @@ Member = ActorMember | ServiceMember
 
 
 def note_controls(members: Sequence[Member], reports: Sequence[RankReport], controls: dict) -> None:
-    """Record each actor member's control group as its report says (`RankReport.control_group`;
-    `reports`: one per rank) in `controls` (actor handle -> group), and give it to the members
-    (`give_controls`)."""
+    """Record each actor member's control group and engine ranks as its report says
+    (`RankReport.control_group`, `.engine_ranks`; `reports`: one per rank) in `controls` (actor
+    handle -> both), and give them to the members (`give_controls`)."""
     at = 0
     for member, size in ((m, m.size) for m in members):
         if isinstance(member, ActorMember):
-            controls[member.handle] = reports[at].control_group or None
+            report = reports[at]
+            controls[member.handle] = (report.control_group or None, report.engine_ranks)
         at += size
     give_controls(members, controls)
 
 
 def give_controls(members: Sequence[Member], controls: dict) -> None:
-    """Each actor member its control group, as `controls` (actor handle -> group) recorded it."""
+    """Each actor member its control group and engine ranks, as `controls` recorded them."""
     for member in members:
         if isinstance(member, ActorMember):
-            member.control = controls.get(member.handle)
+            member.control, member.engine_ranks = controls.get(member.handle, (None, 1))
 
 
 def gather(members: Sequence, call: Callable, timeout_s: float, what: str) -> list:

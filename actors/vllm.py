@@ -128,13 +128,10 @@ class VllmWorkerMixin(SyncWorkerMixin):
             engine._rl_sync_gate = gate  # type: ignore[attr-defined]
         return gate.generating(at_steps=forgets_in_place(llm))
 
-    def _rl_sync_control_of(self, side: str) -> str:
-        """None for a tensor-parallel engine's ranks, which must switch at the same step: they take
-        every call between two generations, in order."""
-        control = super()._rl_sync_control_of(side)
-        if control and self._rl_sync_bound().vllm_config.parallel_config.tensor_parallel_size > 1:
-            return ""
-        return control
+    def _rl_sync_engine_ranks(self) -> int:
+        """The engine's tensor-parallel size: its ranks run their steps in lockstep, and switch
+        before the same one (`rl_sync.rank.steps`)."""
+        return self._rl_sync_bound().vllm_config.parallel_config.tensor_parallel_size
 
     def rl_sync_prepare(self, names, spare) -> None:
         """A LoRA group prepares nothing: its scaling runs at the commit, on the slot."""

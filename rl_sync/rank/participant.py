@@ -112,8 +112,18 @@ class Participant:
         modes, reasons = (self._rl_sync_modes(), self._rl_sync_reasons()) if side == "worker" else ({}, {})
         kept = sum(e.tensor.numel() * e.tensor.element_size() for e in endpoints.values()) if side == "worker" else 0
         swap = self._rl_sync_swap_bytes() if side == "worker" else 0
+        control = self._rl_sync_control_of(side)
         report = RankReport(
-            side_rank, device, gpu, tuple(reports), modes, kept, reasons, swap, self._rl_sync_control_of(side)
+            side_rank,
+            device,
+            gpu,
+            tuple(reports),
+            modes,
+            kept,
+            reasons,
+            swap,
+            control,
+            self._rl_sync_engine_ranks() if control else 1,
         )
         return encode(report, compress=True)
 
@@ -152,6 +162,11 @@ class Participant:
         """The Ray concurrency group this rank takes a staged round's calls in, playing `side`
         ('': none; a worker's may have one, `rl_sync.rank.worker`)."""
         return ""
+
+    def _rl_sync_engine_ranks(self) -> int:
+        """The ranks of this worker's engine, which commit before the same step (see
+        `RankReport.engine_ranks`)."""
+        return 1
 
     def _rl_sync_ping(self) -> None:
         """Answers when the process is alive (the coordinator checks before re-forming a group)."""

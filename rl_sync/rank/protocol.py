@@ -30,7 +30,9 @@ control group (`WorkerRank.rl_sync_control_group`) takes `_rl_sync_stage`,
 `_rl_sync_staged`, its `_rl_sync_ipc_begin` / `_rl_sync_ipc_end` of a staged
 round, `_rl_sync_commit` and `_rl_sync_record` there, in the order sent, beside
 its generation (`rl_sync.rank.steps`: the commit lands between two of the
-engine's steps); every other call waits for a generation to end, as before,
+engine's steps; the ranks of a tensor-parallel engine take `_rl_sync_arm`
+first, all of them, then `_rl_sync_commit` with the step they agree on, or
+`_rl_sync_disarm` where the commit will not come); every other call waits for a generation to end, as before,
 and describe and close also wait for a control call still running
 (`rl_sync.rank.serial`); `_rl_sync_version_of`,
 `_rl_sync_apply_patches` (then `_rl_sync_record`) and `_rl_sync_close`
@@ -67,7 +69,11 @@ class SyncRank(Protocol):
 
     def _rl_sync_run(self, round_blob: bytes) -> bytes: ...
 
-    def _rl_sync_commit(self, version: int, timeout_s: float = 30.0) -> float: ...
+    def _rl_sync_commit(self, version: int, timeout_s: float = 30.0, at_step: int | None = None) -> float: ...
+
+    def _rl_sync_arm(self, version: int, timeout_s: float) -> int | None: ...
+
+    def _rl_sync_disarm(self, version: int) -> None: ...
 
     def _rl_sync_stage(self, round_blob: bytes) -> None: ...
 

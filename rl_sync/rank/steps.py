@@ -7,17 +7,28 @@ the Ray call that brought it. `StepGate` orders the two on one rank:
 
 * the engine's generation (anything that runs its steps) runs inside
   `gate.generating()`, and `gate.boundary()` runs before each step (rl-sync's
-  vLLM ranks wrap vLLM's `LLMEngine.step`, `actors.vllm`);
+  vLLM ranks wrap vLLM's `LLMEngine.step`, `actors.vllm`); the gate numbers
+  the boundaries from 0, across generations;
 * the commit (`gate.commit(version, timeout_s)`) arrives on another thread of
   the rank's process (the actor's control calls, `CONTROL_GROUP`). While the
   engine generates, it is handed to the next boundary, where the engine's own
   thread makes it and goes on with its next step; while the engine is idle, it
   is made at once, and a generation starting meanwhile waits for it.
 
-Only a lone rank commits this way: the ranks of a tensor-parallel engine must
-switch at the same step, so their actors declare no control group and take every
-call, the commit included, between two generations, in the order sent
-(`VllmWorkerMixin._rl_sync_control_of`).
+The ranks of a tensor-parallel engine must all switch before the same step. They
+run their steps in lockstep (each step's collectives wait for every rank), so
+their boundary numbers agree, and a commit takes two calls on every rank:
+
+1. `arm(version, timeout_s)` holds the rank at its next boundary and returns that
+   boundary's number (None where commits wait for the generation's end);
+2. once every rank of the engine answered, `commit(version, timeout_s, at_step=S)`
+   with S the largest number: a rank held at a smaller one runs its steps up to S
+   (another rank is already inside that step and waits for it) and each commits
+   before step S, or at once where it is idle there. `disarm(version)` releases a
+   rank whose engine will not commit (another rank's arming failed).
+
+A rank held without its step past `timeout_s` gives up, withdrawn, and the
+commit then refuses step S (it ran past it): the coordinator breaks the group.
 
 Typical use (the engine's thread; `commit` on another)::
 
@@ -27,6 +38,9 @@ Typical use (the engine's thread; `commit` on another)::
             gate.boundary()
             engine.step()
     held = gate.commit(version, timeout_s=60.0)  # seconds the engine stopped for it
+    # a tensor-parallel engine: on every rank, then
+    step = max(rank.arm(version, 60.0) for rank in engine_ranks)
+    held = [rank.commit(version, 60.0, at_step=step) for rank in engine_ranks]  # (at once)
 """
 
 from __future__ import annotations
@@ -55,20 +69,31 @@ class StepGate:
         """Those of them during which commits wait for the end rather than the next step."""
         self._epoch = 0
         """Bindings so far (`forget`): a commit waiting across one is refused."""
+        self._steps = 0
+        """Boundaries passed: the number of the next one."""
         self._asked = NONE
         """The newest version this rank was asked to commit."""
+        self._at_step: int | None = None
+        """The boundary it is to be made at (a tensor-parallel engine's), None: the next one."""
+        self._armed = NONE
+        """The version whose commit's step this rank waits for, held at a boundary (`arm`)."""
+        self._armed_until = 0.0
         self._done = NONE
         """The newest version committed here (or failed: it is never tried again)."""
         self._failures: dict[int, BaseException] = {}
         self._held: dict[int, float] = {}
         self.between_steps = 0
         """Commits made at a step boundary, by the engine's thread, while it generated."""
+        self.last_at_step: int | None = None
+        """The number of the boundary where the last of them was made (the same on every rank of
+        a tensor-parallel engine)."""
 
     def forget(self) -> None:
         """A new group's versions start anew (the rank bound again); a commit still waiting is
         refused."""
         with self._cond:
-            self._asked = self._done = NONE
+            self._asked = self._done = self._armed = NONE
+            self._at_step = None
             self._failures.clear()
             self._held.clear()
             self.between_steps = 0
@@ -97,52 +122,103 @@ class StepGate:
                 self._cond.notify_all()
 
     def boundary(self) -> None:
-        """Before one of the engine's steps: make the commit asked for since the last one."""
-        if self._asked <= self._done:  # (no lock: the common case, every step)
-            return
+        """Before one of the engine's steps: held while armed without a step; then make the commit
+        asked for at this boundary (or, without a step, since the last one)."""
         with self._cond:
-            if self._asked > self._done and not self._held_over:
-                self._run(self._asked)
-                self.between_steps += 1
+            here, epoch = self._steps, self._epoch
+            start = time.perf_counter()
+            while self._armed > self._done and self._at_step is None and not self._held_over:
+                left = self._armed_until - time.monotonic()
+                if left <= 0 or epoch != self._epoch:
+                    self._armed = NONE  # (withdrawn: a commit at this step is refused, `commit`)
+                    break
+                self._cond.wait(left)
+            if self._asked > self._done and not self._held_over and self._at_step in (None, here):
+                self._run(self._asked, held=time.perf_counter() - start)
+                self.between_steps, self.last_at_step = self.between_steps + 1, here
+            self._steps = here + 1
+            self._cond.notify_all()
 
-    def commit(self, version: int, timeout_s: float) -> float:
-        """Commit `version` on this rank: at the engine's next step while it generates, else now;
-        waits at most `timeout_s` seconds for it. Returns the seconds the engine stopped for it;
-        raises what the commit raised, `TimeoutError` (the commit withdrawn, not made) or
-        `RuntimeError` (the rank bound anew meanwhile, or a later version made in its place)."""
+    def arm(self, version: int, timeout_s: float) -> int | None:
+        """A tensor-parallel engine's commit of `version`, first call: hold this rank at its next
+        boundary (at most `timeout_s` seconds) and return that boundary's number; None where the
+        engine's generations hold commits over to their end (no step to agree on)."""
+        with self._cond:
+            if self._held_over:
+                return None
+            self._armed, self._armed_until = version, time.monotonic() + timeout_s
+            return self._steps
+
+    def disarm(self, version: int) -> None:
+        """Release a rank armed for `version` whose commit will not come (no commit is made)."""
+        with self._cond:
+            if self._armed == version and self._at_step is None:
+                self._armed = NONE
+                self._cond.notify_all()
+
+    def commit(self, version: int, timeout_s: float, at_step: int | None = None) -> float:
+        """Commit `version` on this rank: at the engine's next step (`at_step`: before that one)
+        while it generates, else now; waits at most `timeout_s` seconds for it. Returns the
+        seconds the engine stopped for it; raises what the commit raised, `TimeoutError` (the
+        commit withdrawn, not made) or `RuntimeError` (the rank bound anew meanwhile, ran past
+        `at_step`, or a later version was made in its place)."""
         deadline, epoch = time.monotonic() + timeout_s, self._epoch
         with self._cond:
             self._asked = max(self._asked, version)
+            self._at_step = at_step
+            if at_step is None:
+                self._armed = NONE  # (no step agreed: the next boundary makes it)
+            self._cond.notify_all()
             while self._done < version:
-                if not self._generating:
-                    self._run(version)
+                self._check_step(version, at_step)
+                if not self._generating and at_step in (None, self._steps):
+                    self._run(version, held=0.0)
                     break
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
                 if epoch != self._epoch:
                     raise RuntimeError(f"commit of version {version}: the rank was bound anew meanwhile")
                 if self._done < version and time.monotonic() >= deadline:
-                    self._asked = self._done  # (withdrawn: no later step makes it)
+                    self._withdraw()
                     raise TimeoutError(
                         f"commit of version {version}: the engine reached no step boundary and did not "
                         f"stop generating within {timeout_s:.1f} s; not made"
                     )
-            failure = self._failures.pop(version, None)
-            if failure is not None:
-                raise failure
-            if version not in self._held:
-                raise RuntimeError(f"commit of version {version}: version {self._done} was made instead")
-            for older in [v for v in self._held if v < version]:
-                del self._held[older]
-            return self._held[version]
+            return self._outcome(version)
 
-    def _run(self, version: int) -> None:
-        """Commit `version` here and now (the lock held); its failure goes to its caller."""
+    def _check_step(self, version: int, at_step: int | None) -> None:
+        """`RuntimeError` (the commit withdrawn) where this rank is past `at_step`."""
+        if at_step is not None and self._steps > at_step:
+            passed = self._steps
+            self._withdraw()
+            raise RuntimeError(
+                f"commit of version {version} before step {at_step}: this rank is past it (step {passed}: "
+                "it gave up waiting for the step, or its engine's ranks do not run in lockstep); not made"
+            )
+
+    def _withdraw(self) -> None:
+        """The commit asked for is not made: no later step makes it."""
+        self._asked, self._armed, self._at_step = self._done, NONE, None
+
+    def _outcome(self, version: int) -> float:
+        failure = self._failures.pop(version, None)
+        if failure is not None:
+            raise failure
+        if version not in self._held:
+            raise RuntimeError(f"commit of version {version}: version {self._done} was made instead")
+        for older in [v for v in self._held if v < version]:
+            del self._held[older]
+        return self._held[version]
+
+    def _run(self, version: int, held: float) -> None:
+        """Commit `version` here and now (the lock held; `held`: seconds the engine already stood
+        for it); its failure goes to its caller."""
         start = time.perf_counter()
         try:
             self._apply(version)
         except BaseException as exc:  # (handed to the commit call waiting for it)
             self._failures[version] = exc
         else:
-            self._held[version] = time.perf_counter() - start
+            self._held[version] = held + time.perf_counter() - start
         self._done = max(self._done, version)
+        self._armed, self._at_step = NONE, None
         self._cond.notify_all()

@@ -245,11 +245,23 @@ class WorkerRank(Participant):
             hook(names)
 
     @one_at_a_time
-    def _rl_sync_commit(self, version: int, timeout_s: float = STOP_WAIT_S) -> float:
+    def _rl_sync_commit(self, version: int, timeout_s: float = STOP_WAIT_S, at_step: int | None = None) -> float:
         """Double buffering: the round completed everywhere; make it live, between two of the
-        engine's steps while it generates (`rl_sync.rank.steps`), waiting at most `timeout_s`
-        seconds for that. Returns the seconds the engine stopped for it."""
-        return self._rl_sync_steps().commit(version, timeout_s)
+        engine's steps while it generates (`rl_sync.rank.steps`; `at_step`: before that one, a
+        tensor-parallel engine's, after `_rl_sync_arm`), waiting at most `timeout_s` seconds for
+        that. Returns the seconds the engine stopped for it."""
+        return self._rl_sync_steps().commit(version, timeout_s, at_step)
+
+    @one_at_a_time
+    def _rl_sync_arm(self, version: int, timeout_s: float) -> int | None:
+        """A tensor-parallel engine's commit of `version`: hold at the engine's next step boundary
+        (at most `timeout_s` seconds) and return its number (`rl_sync.rank.steps`)."""
+        return self._rl_sync_steps().arm(version, timeout_s)
+
+    @one_at_a_time
+    def _rl_sync_disarm(self, version: int) -> None:
+        """Release this rank from `_rl_sync_arm`: the commit will not come."""
+        self._rl_sync_steps().disarm(version)
 
     def _rl_sync_commit_now(self, version: int) -> None:
         """Make the round live (by copy, or by swap where the engine allows,

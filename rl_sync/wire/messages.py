@@ -69,6 +69,10 @@ class RankReport:
     control_group: str = ""
     """The Ray concurrency group a worker's actor declares for a staged round's calls, so they
     run beside its generation (`rl_sync.rank.steps`); '' where it declares none."""
+    engine_ranks: int = 1
+    """With a control group: the ranks of this worker's engine (its tensor-parallel size), this one
+    and the workers next to it in the group's order, which must commit before the same step of
+    their engine (`rl_sync.rank.steps`: armed first, together)."""
 
 
 @dataclass(frozen=True)

@@ -335,10 +335,11 @@ def test_staged_rounds_arrive_while_the_engine_generates_then_match_a_fresh_engi
         POOL.give_back(Trainer, trainers)
 
 
-def _gate(rank) -> tuple[bool, int]:
-    """Whether the rank's engine has requests, and its commits made between two steps (read on
-    the rank's control thread: its main one may be generating)."""
-    return rank.llm.llm_engine.has_unfinished_requests(), rank._rl_sync_steps().between_steps
+def _gate(rank) -> tuple[bool, int, int | None]:
+    """Whether the rank's engine has requests, its commits made between two steps and the step
+    before which the last was (read on the rank's control thread: its main one may be generating)."""
+    gate = rank._rl_sync_steps()
+    return rank.llm.llm_engine.has_unfinished_requests(), gate.between_steps, gate.last_at_step
 
 
 def _in_control(rank, fn, *args):
@@ -351,20 +352,20 @@ def _generating(engine: VllmEngine, prompts) -> list:
         r.generate.remote(prompts, dict(max_tokens=80, temperature=0.0, ignore_eos=True), None) for r in engine.ranks
     ]
     deadline = time.monotonic() + 60
-    while not all(g for g, _ in ray.get([_in_control(r, _gate) for r in engine.ranks], timeout=30)):
+    while not all(g for g, _, _ in ray.get([_in_control(r, _gate) for r in engine.ranks], timeout=30)):
         assert time.monotonic() < deadline, "the generation never started"
         time.sleep(0.01)
     return refs
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_a_commit_asked_for_mid_generation_lands_between_steps_or_after_it_then_matches_a_fresh_engine(
+def test_a_commit_asked_for_mid_generation_lands_between_two_steps_then_the_engine_matches_a_fresh_one(
     references, tp2, tmp_path, tp
 ):
-    """A staged round's commit reaches a generating TP1 engine on its rank's control thread, is
-    made between two steps and the generation goes on (its requests keep their KV); the ranks of
-    a TP2 engine take it after their generation, in order, never one of them mid-way. Either way
-    no prefix cached before it is served after it (the long prompt fills a cache block)."""
+    """A staged round's commit reaches a generating engine on its ranks' control threads, is made
+    between two steps and the generation goes on (its requests keep their KV); the ranks of a TP2
+    engine, armed first, all make it before the same step. No prefix cached before it is served
+    after it (the long prompt fills a cache block)."""
     config = hf_config("qwen2")
     trainers = _trainers(config)
     init = _unrelated_checkpoint(tmp_path / "init", config, trainers)
@@ -379,11 +380,9 @@ def test_a_commit_asked_for_mid_generation_lands_between_steps_or_after_it_then_
         unfinished = len(ray.wait(running, num_returns=len(running), timeout=0)[1])
         outputs = ray.get(running, timeout=120)[0]
         assert [len(o["tokens"]) for o in outputs] == [80] * len(outputs)
-        counts = [n for _, n in ray.get([_in_control(r, _gate) for r in engine.ranks])]
-        if tp == 1:
-            assert unfinished == 1 and counts == [1], "the commit landed between two steps, the generation went on"
-        else:
-            assert unfinished == 0 and counts == [0, 0], "a TP2 engine commits after its generation"
+        gates = ray.get([_in_control(r, _gate) for r in engine.ranks])
+        assert unfinished == tp and [n for _, n, _ in gates] == [1] * tp, "made between two steps, generation went on"
+        assert len({at for _, _, at in gates}) == 1, f"every rank switched before the same step: {gates}"
         assert stats.stall_seconds > 0 and sync.versions() == [2] * tp
         path = write_checkpoint(str(tmp_path / "step"), config, _state(trainers))
         served = engine.generate(PROMPTS, **SAMPLING)

@@ -154,3 +154,117 @@ def test_a_generation_that_holds_commits_over_makes_them_at_its_end_not_at_a_ste
     rank.gate.commit(9, timeout_s=10.0)
     engine.join(5.0)
     assert rank.made == [(9, "MainThread")] and rank.gate.between_steps == 0
+
+
+class Lockstep:
+    """The ranks of a tensor-parallel engine: each runs `steps` steps on a thread of its own, and
+    every step waits for all of them (a barrier stands in for the step's collectives). Each
+    rank's list holds, for every step, the versions committed on it before the step ran."""
+
+    def __init__(self, ranks: int, steps: int, step_s: float = 0.002):
+        self.ranks = [Rank() for _ in range(ranks)]
+        self.seen: list[list[list[int]]] = [[] for _ in range(ranks)]
+        collective = threading.Barrier(ranks, timeout=10.0)
+
+        def generate(at: int) -> None:
+            rank = self.ranks[at]
+            with rank.gate.generating():
+                for _ in range(steps):
+                    rank.gate.boundary()
+                    self.seen[at].append([v for v, _ in rank.made])
+                    collective.wait()
+                    time.sleep(step_s)
+
+        self.engines = [_in_thread(lambda at=at: generate(at), f"engine{at}")[0] for at in range(ranks)]
+        for rank in self.ranks:
+            _until_generating(rank.gate)
+
+    def join(self) -> None:
+        for engine in self.engines:
+            engine.join(20.0)
+
+    def first_step_with(self, version: int) -> list[int | None]:
+        return [next((i for i, made in enumerate(s) if version in made), None) for s in self.seen]
+
+
+def _commit_everywhere(ranks: list[Rank], version: int, at_step: int) -> list[dict]:
+    calls = [_in_thread(lambda r=r: r.gate.commit(version, 10.0, at_step=at_step), "control") for r in ranks]
+    for thread, _ in calls:
+        thread.join(10.0)
+    return [out for _, out in calls]
+
+
+@pytest.mark.parametrize("lag_s", [0.0, 0.003, 0.02])
+def test_a_tensor_parallel_engines_ranks_armed_one_after_the_other_all_commit_before_the_same_step(lag_s):
+    engine = Lockstep(ranks=2, steps=120)
+    time.sleep(0.05)
+    first = engine.ranks[0].gate.arm(3, timeout_s=10.0)
+    time.sleep(lag_s)  # the other rank may be inside a step by now, waiting for the held one
+    second = engine.ranks[1].gate.arm(3, timeout_s=10.0)
+    assert first is not None and second is not None and abs(first - second) <= 1
+    outs = _commit_everywhere(engine.ranks, 3, at_step=max(first, second))
+    engine.join()
+    assert [sorted(out) for out in outs] == [["value"], ["value"]], outs
+    assert engine.first_step_with(3) == [max(first, second)] * 2, "every rank switched before the same step"
+    assert [r.gate.last_at_step for r in engine.ranks] == [max(first, second)] * 2
+    assert [r.made for r in engine.ranks] == [[(3, "engine0")], [(3, "engine1")]]
+    assert [len(s) for s in engine.seen] == [120, 120]
+
+
+def test_a_rank_armed_while_idle_commits_at_once_at_its_step_or_waits_for_the_generation_that_brings_it():
+    rank = Rank()
+    assert rank.gate.arm(2, timeout_s=5.0) == 0
+    assert rank.gate.commit(2, timeout_s=5.0, at_step=0) >= 0.0 and rank.made == [(2, "MainThread")]
+    later, seen = Rank(), []
+    assert later.gate.arm(4, timeout_s=5.0) == 0
+    call, out = _in_thread(lambda: later.gate.commit(4, timeout_s=5.0, at_step=2), "control")
+    time.sleep(0.05)
+    assert later.made == [], "two steps first"
+    with later.gate.generating():
+        for _ in range(4):
+            later.gate.boundary()
+            seen.append(len(later.made))
+    call.join(5.0)
+    assert seen == [0, 0, 1, 1] and later.made == [(4, "MainThread")] and out["value"] >= 0.0
+
+
+def test_a_disarmed_rank_goes_on_without_the_commit():
+    engine = Lockstep(ranks=2, steps=60)
+    time.sleep(0.03)
+    armed = [rank.gate.arm(5, timeout_s=10.0) for rank in engine.ranks]
+    time.sleep(0.05)
+    steps_held = [len(s) for s in engine.seen]
+    for rank in engine.ranks:
+        rank.gate.disarm(5)
+    engine.join()
+    assert max(steps_held) <= max(a for a in armed if a is not None) + 1, "held while armed"
+    assert [len(s) for s in engine.seen] == [60, 60] and [r.made for r in engine.ranks] == [[], []]
+
+
+def test_a_rank_held_past_its_bound_goes_on_and_then_refuses_the_step_it_ran_past():
+    engine = Lockstep(ranks=1, steps=40)
+    time.sleep(0.02)
+    at = engine.ranks[0].gate.arm(6, timeout_s=0.1)
+    assert at is not None
+    time.sleep(0.3)
+    with pytest.raises(RuntimeError) as raised:
+        engine.ranks[0].gate.commit(6, timeout_s=5.0, at_step=at)
+    engine.join()
+    message = str(raised.value)
+    assert message.startswith(f"commit of version 6 before step {at}: this rank is past it (step ")
+    assert message.endswith("it gave up waiting for the step, or its engine's ranks do not run in lockstep); not made")
+    assert engine.ranks[0].made == [] and len(engine.seen[0]) == 40
+
+
+def test_a_generation_that_holds_commits_over_arms_nothing():
+    rank, release = Rank(), threading.Event()
+
+    def generate():
+        with rank.gate.generating(at_steps=False):
+            assert release.wait(5.0)
+
+    engine, _ = _in_thread(generate, "engine")
+    _until_generating(rank.gate)
+    assert rank.gate.arm(7, timeout_s=5.0) is None
+    release.set()
+    engine.join(5.0)

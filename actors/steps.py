@@ -1,0 +1,67 @@
+"""The step a tensor-parallel engine's ranks commit before, agreed by the coordinator.
+
+A staged round's commit lands between two of an engine's steps
+(`rl_sync.rank.steps`); the ranks of a tensor-parallel engine must all switch
+before the same one. Before the commit, the coordinator arms every rank of each
+such engine at once (each holds at its next step boundary and answers its
+number), then commits each engine's ranks before the largest number they
+answered. Ranks are listed engine by engine, each engine's in tensor-parallel
+order, so an engine is `engine_ranks` consecutive members (`RankReport`).
+
+Typical use (the coordinator's commit)::
+
+    steps = agreed_steps(workers, version, wait_s, timeout_s, "round 3 commit")
+    gather(workers, lambda m: m.commit(version, wait_s, reply, steps.get(id(m))), ...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .calls import SyncError
+from .members import ActorMember, Member, collect, failed
+
+RELEASE_S = 10.0
+"""How long the coordinator waits for armed ranks to be released when the agreement failed."""
+
+
+def lockstep_engines(workers: Sequence[Member]) -> list[list[ActorMember]]:
+    """The members of each tensor-parallel engine whose commits land between two of its steps."""
+    engines: list[list[ActorMember]] = []
+    at = 0
+    while at < len(workers):
+        member = workers[at]
+        size = member.engine_ranks if isinstance(member, ActorMember) and member.control else 1
+        engine = list(workers[at : at + size])
+        if size > 1:
+            if len(engine) < size or any(getattr(m, "engine_ranks", 1) != size for m in engine):
+                labels = ", ".join(m.label for m in engine)
+                raise SyncError(
+                    f"{member.label} reports an engine of {size} tensor-parallel ranks, but the workers after it "
+                    f"({labels}) are not its other ranks; list the workers engine by engine"
+                )
+            engines.append(engine)  # type: ignore[arg-type]
+        at += size
+    return engines
+
+
+def agreed_steps(workers: Sequence[Member], version: int, wait_s: float, timeout_s: float, what: str) -> dict:
+    """Arm every rank of each tensor-parallel engine for `version`'s commit (held at most `wait_s`
+    seconds), answering within `timeout_s`: `{id(member): step}` with the largest step its engine's
+    ranks answered, or None where one of them commits at its generation's end. Where a rank fails,
+    the others are released (no commit comes) and the failure raised (`SyncError`)."""
+    engines = lockstep_engines(workers)
+    members = [m for engine in engines for m in engine]
+    if not members:
+        return {}
+    steps, failures = collect(members, lambda m: m.arm(version, wait_s), timeout_s)
+    if failures:
+        collect(members, lambda m: m.disarm(version), RELEASE_S)
+        raise failed(f"{what} (agreeing on a step of each tensor-parallel engine)", failures, len(members), timeout_s)
+    agreed, at = {}, 0
+    for engine in engines:
+        answered = steps[at : at + len(engine)]
+        at += len(engine)
+        step = None if None in answered else max(answered)
+        agreed.update({id(m): step for m in engine})
+    return agreed
