@@ -37,8 +37,8 @@ def lockstep_engines(workers: Sequence[Member]) -> list[list[ActorMember]]:
             if len(engine) < size or any(getattr(m, "engine_ranks", 1) != size for m in engine):
                 labels = ", ".join(m.label for m in engine)
                 raise SyncError(
-                    f"{member.label} reports an engine of {size} tensor-parallel ranks, but the workers after it "
-                    f"({labels}) are not its other ranks; list the workers engine by engine"
+                    f"{member.label} reports an engine of {size} tensor-parallel ranks, but it and the workers "
+                    f"after it ({labels}) are not one engine's ranks; list the workers engine by engine"
                 )
             engines.append(engine)  # type: ignore[arg-type]
         at += size
