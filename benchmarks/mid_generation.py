@@ -1,8 +1,8 @@
-"""A staged round staged and committed while a TP1 vLLM engine generates: its commit lands between
-two of the engine's steps (`rl_sync.rank.steps`). Shared by `staged_bench.py` and
-`vllm_gpu_bench.py`.
+"""A staged round staged and committed while a vLLM engine generates: its commit lands between
+two of the engine's steps, the same one on every rank (`rl_sync.rank.steps`). Shared by
+`staged_bench.py` and `vllm_gpu_bench.py`.
 
-    figures = commit_mid_generation(sync, engine.ranks[0], (prompts, sampling, None))
+    figures = commit_mid_generation(sync, engine.ranks, (prompts, sampling, None))
     figures["stall_s"]      # what the engine stopped for (RoundStats.stall_seconds)
 """
 
@@ -19,9 +19,11 @@ DECODING_S = 0.2
 """How long the generation runs before the round is staged (its prefill done by then)."""
 
 
-def _state(rank_self) -> tuple[bool, int]:
-    """Whether the engine has requests, and its commits made between two steps."""
-    return rank_self.llm.llm_engine.has_unfinished_requests(), rank_self._rl_sync_steps().between_steps
+def _state(rank_self) -> tuple[bool, int, int | None]:
+    """Whether the engine has requests, its commits made between two steps, and the step before
+    which the last was."""
+    gate = rank_self._rl_sync_steps()
+    return rank_self.llm.llm_engine.has_unfinished_requests(), gate.between_steps, gate.last_at_step
 
 
 def generation_seconds(rank, generation: tuple) -> float:
@@ -31,28 +33,34 @@ def generation_seconds(rank, generation: tuple) -> float:
     return time.perf_counter() - start
 
 
-def commit_mid_generation(sync: WeightSync, rank, generation: tuple) -> dict:
-    """Start `generation` on the engine's only `rank`, stage and commit a round once it decodes:
+def _states(ranks: list) -> list[tuple[bool, int, int | None]]:
+    return ray.get([r.call.options(concurrency_group=CONTROL_GROUP).remote(_state) for r in ranks], timeout=60)
+
+
+def commit_mid_generation(sync: WeightSync, ranks: list, generation: tuple) -> dict:
+    """Start `generation` on every rank of one engine, stage and commit a round once it decodes:
     the commit step, the engine's stall, whether the commit landed between two steps (the
-    generation still running when it returned), and the generation's seconds."""
-    control = rank.call.options(concurrency_group=CONTROL_GROUP)
-    before = ray.get(control.remote(_state), timeout=60)[1]
+    generation still running when it returned; on every rank, before the same step), and the
+    generation's seconds."""
+    before = sum(n for _, n, _ in _states(ranks))
     start = time.perf_counter()
-    running = rank.generate.remote(*generation)
+    running = [r.generate.remote(*generation) for r in ranks]
     deadline = time.monotonic() + 60
-    while not ray.get(control.remote(_state), timeout=60)[0]:
+    while not all(generating for generating, _, _ in _states(ranks)):
         if time.monotonic() > deadline:
             raise TimeoutError("the generation did not start within 60 s")
         time.sleep(0.001)
     time.sleep(DECODING_S)
     stats = sync.stage().commit()
-    still = not ray.wait([running], timeout=0)[0]
+    still = len(ray.wait(running, num_returns=len(running), timeout=0)[1]) == len(running)
     ray.get(running, timeout=600)
     took = time.perf_counter() - start
-    after = ray.get(control.remote(_state), timeout=60)[1]
+    after = _states(ranks)
+    same_step = len({at for _, _, at in after}) == 1
+    made = sum(n for _, n, _ in after) - before == len(ranks)
     return {
         "step_s": stats.commit_seconds,
         "stall_s": stats.stall_seconds,
-        "between_steps": int(still) * (after - before),
+        "between_steps": int(still and same_step and made),
         "generation_s": took,
     }

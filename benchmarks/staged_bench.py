@@ -15,10 +15,10 @@ engine (its TP ranks as Ray actors, external launcher). Every round moves the sa
   transfer the generation outlasted less);
 * **Ray call**: a call that does nothing into every engine rank at once, from the driver: the
   least any commit step (such a call from the coordinator) costs.
-* **mid-generation** (TP1 engines, `--tp 1`; a TP>1 engine's ranks take a commit between two
-  generations): the same generation started first, then a round staged and committed while it
-  runs (`mid_generation.py`): the commit step, the engine's stall (`RoundStats.stall_seconds`,
-  the commit made between two of its steps), and the generation's tokens per second.
+* **mid-generation**: the same generation started first, then a round staged and committed while
+  it runs (`mid_generation.py`): the commit step, the engine's stall (`RoundStats.stall_seconds`,
+  the commit made between two of its steps, the same one on every TP rank, which are held from
+  their arming to the commit: `actors.steps`), and the generation's tokens per second.
 
 The same script runs on CPUs (vLLM's CPU build; defaults: 2 trainers, TP2) and on GPUs
 (`--device cuda`, vLLM's CUDA build: a trainer and each engine rank on a GPU of their own,
@@ -163,13 +163,12 @@ def measure(engine: VllmEngine, trainers, rounds: int, prompts: list[list[int]],
         out["commit_call"].append(time.perf_counter() - start)
         out["transfer"].append(stats.seconds)
         out["commit"].append(stats.commit_seconds)
-    if len(engine.ranks) == 1:
-        generation = (prompts, dict(max_tokens=tokens, temperature=0.0, ignore_eos=True), None)
-        mid = [commit_mid_generation(sync, engine.ranks[0], generation) for _ in range(rounds)]
-        out["mid_stall"] = [m["stall_s"] for m in mid]
-        out["mid_step"] = [m["step_s"] for m in mid]
-        out["mid_during"] = [generated / m["generation_s"] for m in mid]
-        out["mid_between"] = [float(m["between_steps"]) for m in mid]
+    generation = (prompts, dict(max_tokens=tokens, temperature=0.0, ignore_eos=True), None)
+    mid = [commit_mid_generation(sync, engine.ranks, generation) for _ in range(rounds)]
+    out["mid_stall"] = [m["stall_s"] for m in mid]
+    out["mid_step"] = [m["step_s"] for m in mid]
+    out["mid_during"] = [generated / m["generation_s"] for m in mid]
+    out["mid_between"] = [float(m["between_steps"]) for m in mid]
     out["ray_call"] = ray_call_floor(engine, 10 * rounds)
     if profile:
         profile_commits(sync, engine, trainers, rounds, lambda: _generate(engine, prompts, tokens))
@@ -249,18 +248,17 @@ def show(args, result: dict, params: int) -> None:
         ),
         ("stall: commit against blocking round", f"{commit / blocking:.1%}"),
     ]
-    if "mid_stall" in result:
-        stall = _median(result["mid_stall"])
-        rows += [
-            ("committed mid-generation (TP1): commit step (s)", f"{_median(result['mid_step']):.4f}"),
-            ("... the engine's stall, between two steps (s)", f"{stall:.5f}"),
-            ("... commits made between two steps", f"{sum(result['mid_between']):.0f} of {args.rounds}"),
-            (
-                "... generation with the round staged and committed beside it (tokens/s)",
-                f"{_median(result['mid_during']):.1f}",
-            ),
-            ("stall: mid-generation commit against blocking round", f"{stall / blocking:.1%}"),
-        ]
+    stall = _median(result["mid_stall"])
+    rows += [
+        ("committed mid-generation: commit step (s)", f"{_median(result['mid_step']):.4f}"),
+        ("... the engine's stall, between two steps (s)", f"{stall:.5f}"),
+        ("... commits made between two steps (every rank: one)", f"{sum(result['mid_between']):.0f} of {args.rounds}"),
+        (
+            "... generation with the round staged and committed beside it (tokens/s)",
+            f"{_median(result['mid_during']):.1f}",
+        ),
+        ("stall: mid-generation commit against blocking round", f"{stall / blocking:.1%}"),
+    ]
     for row in rows:
         table.add_row(*row)
     Console().print(table)

@@ -175,7 +175,7 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
     idle = []
     for _ in range(repeat):  # interleaved: the machine's drift lands on both alike
         idle.append(generation_seconds(engine.ranks[0], GENERATION))
-        inflight.append(commit_mid_generation(sync, engine.ranks[0], GENERATION))
+        inflight.append(commit_mid_generation(sync, engine.ranks, GENERATION))
     sync.close()
     bare = [_synchronize_seconds(engine) for _ in range(repeat)]  # nothing queued: what it adds to a commit
     median = statistics.median

@@ -13,7 +13,7 @@ from actors.steps import agreed_steps
 from rl_sync.rank.steps import CONTROL_GROUP, StepGate
 
 
-@ray.remote(num_cpus=0.05, concurrency_groups={CONTROL_GROUP: 1})
+@ray.remote(num_cpus=0.05, concurrency_groups={CONTROL_GROUP: 1})  # type: ignore[call-overload]
 class GateRank:
     """A worker's arming calls on a gate that has passed `steps` boundaries."""
 
