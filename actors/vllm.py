@@ -120,7 +120,8 @@ class VllmWorkerMixin(SyncWorkerMixin):
         commit then lands between two of them (`rl_sync.rank.steps`), or, where requests in
         flight could not keep their KV (`rl_sync.vllm.prefix.forgets_in_place`: a KV connector,
         say), once the generation ends. Required of an actor that declares
-        `rl_sync_control_group` (whose commits arrive beside its generation)."""
+        `rl_sync_control_group` (whose commits arrive beside its generation); every rank of a
+        tensor-parallel engine runs each generation through it, so their step numbers agree."""
         gate, llm = self._rl_sync_steps(), self.rl_sync_llm()
         engine = llm.llm_engine
         if getattr(engine, "_rl_sync_gate", None) is not gate:
@@ -217,9 +218,9 @@ of their own."""
 
 class VllmRankActor(VllmWorkerMixin):
     """One TP rank of a vLLM engine (wrap with `ray.remote(concurrency_groups=RANK_GROUPS)` and pass
-    `control_group=CONTROL_GROUP`; `VllmEngine.launch` does): a TP1 engine's rank then takes a
-    staged round's calls beside `generate`, and its commit lands between two of the engine's
-    steps (`rl_sync.rank.steps`).
+    `control_group=CONTROL_GROUP`; `VllmEngine.launch` does): the rank then takes a staged
+    round's calls beside `generate`, and its commit lands between two of the engine's steps,
+    the same one on every rank (`rl_sync.rank.steps`).
 
     Rank 0 hosts the engine's torch.distributed rendezvous on `host` (its Ray node
     address by default, never every interface); `start` builds the `LLM` on every rank
