@@ -121,12 +121,14 @@ class VllmWorkerMixin(SyncWorkerMixin):
         flight could not keep their KV (`rl_sync.vllm.prefix.forgets_in_place`: a KV connector,
         say), once the generation ends. Required of an actor that declares
         `rl_sync_control_group` (whose commits arrive beside its generation); every rank of a
-        tensor-parallel engine runs each generation through it, so their step numbers agree."""
+        tensor-parallel engine runs each generation through it, so their step numbers, counted
+        from the engine's creation, agree."""
         gate, llm = self._rl_sync_steps(), self.rl_sync_llm()
         engine = llm.llm_engine
-        if getattr(engine, "_rl_sync_gate", None) is not gate:
+        if getattr(engine, "_rl_sync_gate", None) is not gate:  # (an engine built anew)
             engine.step = _stepping(type(engine).step.__get__(engine), gate)  # type: ignore[method-assign]
             engine._rl_sync_gate = gate  # type: ignore[attr-defined]
+            gate.engine_started()
         return gate.generating(at_steps=forgets_in_place(llm))
 
     def _rl_sync_engine_ranks(self) -> int:

@@ -8,7 +8,8 @@ the Ray call that brought it. `StepGate` orders the two on one rank:
 * the engine's generation (anything that runs its steps) runs inside
   `gate.generating()`, and `gate.boundary()` runs before each step (rl-sync's
   vLLM ranks wrap vLLM's `LLMEngine.step`, `actors.vllm`); the gate numbers
-  the boundaries from 0, across generations;
+  the boundaries from 0 (`engine_started()`: the engine built), across
+  generations;
 * the commit (`gate.commit(version, timeout_s)`) arrives on another thread of
   the rank's process (the actor's control calls, `CONTROL_GROUP`). While the
   engine generates, it is handed to the next boundary, where the engine's own
@@ -99,6 +100,12 @@ class StepGate:
             self.between_steps = 0
             self._epoch += 1
             self._cond.notify_all()
+
+    def engine_started(self) -> None:
+        """The engine was built anew (every rank of a tensor-parallel engine builds its own
+        together): its boundaries count from 0 again, alike on every rank."""
+        with self._cond:
+            self._steps = 0
 
     @property
     def generations(self) -> int:

@@ -268,3 +268,13 @@ def test_a_generation_that_holds_commits_over_arms_nothing():
     assert rank.gate.arm(7, timeout_s=5.0) is None
     release.set()
     engine.join(5.0)
+
+
+def test_an_engine_built_anew_counts_its_steps_from_zero():
+    rank = Rank()
+    for _ in range(5):
+        rank.gate.boundary()
+    assert rank.gate.arm(1, timeout_s=5.0) == 5
+    rank.gate.disarm(1)
+    rank.gate.engine_started()
+    assert rank.gate.arm(1, timeout_s=5.0) == 0
