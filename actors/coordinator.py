@@ -591,7 +591,7 @@ class Coordinator:
         longest any worker's engine stopped for it (0 where workers do not say)."""
         start = time.perf_counter()
         step, wait = self.config.round_timeout_s + 5, self.budget.left(self.config.round_timeout_s)
-        at_steps = agreed_steps(self.workers, version, wait, self.budget.left(step), f"{what} commit")
+        at_steps = agreed_steps(self.workers, version, self.budget.left(step), f"{what} commit")
         call = lambda m: m.commit(version, wait, self.reply, at_steps.get(id(m)))  # noqa: E731
         held = gather(self.workers, call, self.budget.left(step), f"{what} commit")
         return time.perf_counter() - start, max((h for h in held if isinstance(h, float)), default=0.0)

@@ -10,7 +10,7 @@ order, so an engine is `engine_ranks` consecutive members (`RankReport`).
 
 Typical use (the coordinator's commit)::
 
-    steps = agreed_steps(workers, version, wait_s, timeout_s, "round 3 commit")
+    steps = agreed_steps(workers, version, timeout_s, "round 3 commit")
     gather(workers, lambda m: m.commit(version, wait_s, reply, steps.get(id(m))), ...)
 """
 
@@ -21,6 +21,11 @@ from collections.abc import Sequence
 from .calls import SyncError
 from .members import ActorMember, Member, collect, failed
 
+ANSWER_S = 30.0
+"""How long the coordinator waits for every rank's arming answer (each answers at once)."""
+HOLD_S = ANSWER_S + 30.0
+"""How long an armed rank holds at most: past the answers' wait, with room for the commit to
+reach it (a rank that gave up refuses the commit, and the group breaks)."""
 RELEASE_S = 10.0
 """How long the coordinator waits for armed ranks to be released when the agreement failed."""
 
@@ -45,23 +50,23 @@ def lockstep_engines(workers: Sequence[Member]) -> list[list[ActorMember]]:
     return engines
 
 
-def agreed_steps(workers: Sequence[Member], version: int, wait_s: float, timeout_s: float, what: str) -> dict:
-    """Arm every rank of each tensor-parallel engine for `version`'s commit (held at most `wait_s`
-    seconds), answering within `timeout_s`: `{id(member): step}` with the largest step its engine's
-    ranks answered, or None where one of them commits at its generation's end. Where a rank fails,
-    the others are released (no commit comes) and the failure raised (`SyncError`)."""
+def agreed_steps(workers: Sequence[Member], version: int, timeout_s: float, what: str) -> dict[int, int]:
+    """Arm every rank of each tensor-parallel engine for `version`'s commit (held at most
+    `HOLD_S`), answering within `timeout_s` (at most `ANSWER_S`): `{id(member): step}` with the
+    largest step its engine's ranks answered. Where a rank fails, the others are released (no
+    commit comes) and the failure raised (`SyncError`)."""
     engines = lockstep_engines(workers)
     members = [m for engine in engines for m in engine]
     if not members:
         return {}
-    steps, failures = collect(members, lambda m: m.arm(version, wait_s), timeout_s)
+    answer_s = min(timeout_s, ANSWER_S)
+    steps, failures = collect(members, lambda m: m.arm(version, HOLD_S), answer_s)
     if failures:
         collect(members, lambda m: m.disarm(version), RELEASE_S)
-        raise failed(f"{what} (agreeing on a step of each tensor-parallel engine)", failures, len(members), timeout_s)
+        raise failed(f"{what} (agreeing on a step of each tensor-parallel engine)", failures, len(members), answer_s)
     agreed, at = {}, 0
     for engine in engines:
-        answered = steps[at : at + len(engine)]
+        step = max(steps[at : at + len(engine)])
         at += len(engine)
-        step = None if None in answered else max(answered)
         agreed.update({id(m): step for m in engine})
     return agreed

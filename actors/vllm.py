@@ -122,14 +122,22 @@ class VllmWorkerMixin(SyncWorkerMixin):
         say), once the generation ends. Required of an actor that declares
         `rl_sync_control_group` (whose commits arrive beside its generation); every rank of a
         tensor-parallel engine runs each generation through it, so their step numbers, counted
-        from the engine's creation, agree."""
+        from their binding, agree."""
         gate, llm = self._rl_sync_steps(), self.rl_sync_llm()
         engine = llm.llm_engine
-        if getattr(engine, "_rl_sync_gate", None) is not gate:  # (an engine built anew)
+        if getattr(engine, "_rl_sync_gate", None) is not gate:
             engine.step = _stepping(type(engine).step.__get__(engine), gate)  # type: ignore[method-assign]
             engine._rl_sync_gate = gate  # type: ignore[attr-defined]
-            gate.engine_started()
         return gate.generating(at_steps=forgets_in_place(llm))
+
+    def _rl_sync_control_of(self, side: str) -> str:
+        """None for a tensor-parallel engine whose generations hold commits over to their end
+        (`forgets_in_place`): its ranks take every call in order, between two generations, so
+        they never run one with two versions."""
+        control = super()._rl_sync_control_of(side)
+        if control and self._rl_sync_engine_ranks() > 1 and not forgets_in_place(self.rl_sync_llm()):
+            return ""
+        return control
 
     def _rl_sync_engine_ranks(self) -> int:
         """The engine's tensor-parallel size: its ranks run their steps in lockstep, and switch
@@ -242,7 +250,7 @@ class VllmRankActor(VllmWorkerMixin):
         self.rl_sync_control_group = control_group
         """`CONTROL_GROUP` where the actor was declared with `RANK_GROUPS` (Ray kills an actor
         asked to run a call in a group it lacks); None: a staged round's calls, its commit
-        included, wait for a generation to end (as a TP>1 engine's always do)."""
+        included, wait for a generation to end."""
         self.llm: LLM | None = None
         self.host = host or ray.util.get_node_ip_address()
         os.environ.update(env or {})

@@ -8,8 +8,8 @@ the Ray call that brought it. `StepGate` orders the two on one rank:
 * the engine's generation (anything that runs its steps) runs inside
   `gate.generating()`, and `gate.boundary()` runs before each step (rl-sync's
   vLLM ranks wrap vLLM's `LLMEngine.step`, `actors.vllm`); the gate numbers
-  the boundaries from 0 (`engine_started()`: the engine built), across
-  generations;
+  the boundaries from 0 (again at `forget()`: every rank of an engine binds
+  together), across generations;
 * the commit (`gate.commit(version, timeout_s)`) arrives on another thread of
   the rank's process (the actor's control calls, `CONTROL_GROUP`). While the
   engine generates, it is handed to the next boundary, where the engine's own
@@ -21,7 +21,7 @@ run their steps in lockstep (each step's collectives wait for every rank), so
 their boundary numbers agree, and a commit takes two calls on every rank:
 
 1. `arm(version, timeout_s)` holds the rank at its next boundary and returns that
-   boundary's number (None where commits wait for the generation's end);
+   boundary's number;
 2. once every rank of the engine answered, `commit(version, timeout_s, at_step=S)`
    with S the largest number: a rank held at a smaller one runs its steps up to S
    (another rank is already inside that step and waits for it) and each commits
@@ -90,22 +90,17 @@ class StepGate:
         a tensor-parallel engine)."""
 
     def forget(self) -> None:
-        """A new group's versions start anew (the rank bound again); a commit still waiting is
-        refused."""
+        """A new group's versions start anew (the rank bound again, as every rank of its engine
+        is, before any of them generates again), and its step numbers; a commit still waiting
+        is refused."""
         with self._cond:
             self._asked = self._done = self._armed = NONE
-            self._at_step = None
+            self._at_step = self.last_at_step = None
+            self._steps = self.between_steps = 0
             self._failures.clear()
             self._held.clear()
-            self.between_steps = 0
             self._epoch += 1
             self._cond.notify_all()
-
-    def engine_started(self) -> None:
-        """The engine was built anew (every rank of a tensor-parallel engine builds its own
-        together): its boundaries count from 0 again, alike on every rank."""
-        with self._cond:
-            self._steps = 0
 
     @property
     def generations(self) -> int:
@@ -134,7 +129,7 @@ class StepGate:
         with self._cond:
             here, epoch = self._steps, self._epoch
             start = time.perf_counter()
-            while self._armed > self._done and self._at_step is None and not self._held_over:
+            while self._armed > self._done and self._at_step is None:
                 left = self._armed_until - time.monotonic()
                 if left <= 0 or epoch != self._epoch:
                     self._armed = NONE  # (withdrawn: a commit at this step is refused, `commit`)
@@ -146,13 +141,12 @@ class StepGate:
             self._steps = here + 1
             self._cond.notify_all()
 
-    def arm(self, version: int, timeout_s: float) -> int | None:
+    def arm(self, version: int, timeout_s: float) -> int:
         """A tensor-parallel engine's commit of `version`, first call: hold this rank at its next
-        boundary (at most `timeout_s` seconds) and return that boundary's number; None where the
-        engine's generations hold commits over to their end (no step to agree on)."""
+        boundary (at most `timeout_s` seconds) and return that boundary's number. (Only for an
+        engine whose generations take commits between steps: one that holds them over to its
+        generation's end takes every call in order instead, `VllmWorkerMixin._rl_sync_control_of`.)"""
         with self._cond:
-            if self._held_over:
-                return None
             self._armed, self._armed_until = version, time.monotonic() + timeout_s
             return self._steps
 
@@ -205,6 +199,7 @@ class StepGate:
     def _withdraw(self) -> None:
         """The commit asked for is not made: no later step makes it."""
         self._asked, self._armed, self._at_step = self._done, NONE, None
+        self._cond.notify_all()
 
     def _outcome(self, version: int) -> float:
         failure = self._failures.pop(version, None)

@@ -253,7 +253,7 @@ class WorkerRank(Participant):
         return self._rl_sync_steps().commit(version, timeout_s, at_step)
 
     @one_at_a_time
-    def _rl_sync_arm(self, version: int, timeout_s: float) -> int | None:
+    def _rl_sync_arm(self, version: int, timeout_s: float) -> int:
         """A tensor-parallel engine's commit of `version`: hold at the engine's next step boundary
         (at most `timeout_s` seconds) and return its number (`rl_sync.rank.steps`)."""
         return self._rl_sync_steps().arm(version, timeout_s)

@@ -22,7 +22,7 @@ class GateRank:
         for _ in range(steps):
             self.gate.boundary()
 
-    def _rl_sync_arm(self, version: int, timeout_s: float) -> int | None:
+    def _rl_sync_arm(self, version: int, timeout_s: float) -> int:
         if self.refuse:
             raise ValueError(f"rank refuses to arm version {version}")
         return self.gate.arm(version, timeout_s)
@@ -46,7 +46,7 @@ def _members(ranks: list, engine_ranks: list[int]) -> list[ActorMember]:
 def test_each_tensor_parallel_engine_commits_before_the_largest_step_its_ranks_answered(ray_session):
     ranks = [GateRank.remote(s) for s in (7, 8, 3, 5, 5)]
     members = _members(ranks, [2, 2, 1, 2, 2])
-    steps = agreed_steps(members, version=4, wait_s=30.0, timeout_s=30.0, what="round 4 commit")
+    steps = agreed_steps(members, version=4, timeout_s=30.0, what="round 4 commit")
     assert [steps.get(id(m)) for m in members] == [8, 8, None, 5, 5], "the lone rank takes no agreed step"
     assert ray.get([r.armed.remote() for r in ranks], timeout=30) == [4, 4, -1, 4, 4]
 
@@ -55,7 +55,7 @@ def test_a_rank_that_refuses_to_arm_fails_the_commit_and_its_engines_other_ranks
     ranks = [GateRank.remote(2), GateRank.remote(2, refuse=True), GateRank.remote(2), GateRank.remote(2)]
     members = _members(ranks, [2, 2, 2, 2])
     with pytest.raises(ValueError) as raised:
-        agreed_steps(members, version=6, wait_s=30.0, timeout_s=30.0, what="round 6 commit")
+        agreed_steps(members, version=6, timeout_s=30.0, what="round 6 commit")
     assert str(raised.value).startswith(
         "round 6 commit (agreeing on a step of each tensor-parallel engine) failed on 1 of 4 members:\n"
         "  worker 1: ValueError: rank refuses to arm version 6"
@@ -67,7 +67,7 @@ def test_workers_not_listed_engine_by_engine_are_refused_by_name(ray_session):
     ranks = [GateRank.remote(0) for _ in range(3)]
     members = _members(ranks, [2, 1, 2])
     with pytest.raises(SyncError) as raised:
-        agreed_steps(members, version=1, wait_s=30.0, timeout_s=30.0, what="round 1 commit")
+        agreed_steps(members, version=1, timeout_s=30.0, what="round 1 commit")
     assert str(raised.value) == (
         "worker 0 reports an engine of 2 tensor-parallel ranks, but it and the workers after it (worker 0, worker 1) "
         "are not one engine's ranks; list the workers engine by engine"

@@ -256,25 +256,10 @@ def test_a_rank_held_past_its_bound_goes_on_and_then_refuses_the_step_it_ran_pas
     assert engine.ranks[0].made == [] and len(engine.seen[0]) == 40
 
 
-def test_a_generation_that_holds_commits_over_arms_nothing():
-    rank, release = Rank(), threading.Event()
-
-    def generate():
-        with rank.gate.generating(at_steps=False):
-            assert release.wait(5.0)
-
-    engine, _ = _in_thread(generate, "engine")
-    _until_generating(rank.gate)
-    assert rank.gate.arm(7, timeout_s=5.0) is None
-    release.set()
-    engine.join(5.0)
-
-
-def test_an_engine_built_anew_counts_its_steps_from_zero():
+def test_a_rank_bound_anew_counts_its_steps_from_zero():
     rank = Rank()
     for _ in range(5):
         rank.gate.boundary()
     assert rank.gate.arm(1, timeout_s=5.0) == 5
-    rank.gate.disarm(1)
-    rank.gate.engine_started()
+    rank.gate.forget()
     assert rank.gate.arm(1, timeout_s=5.0) == 0

@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.core import kv_cache_utils
 
+from rl_sync.rank.steps import CONTROL_GROUP
 from rl_sync.vllm import prefix
 
 BLOCK = list(range(32))
@@ -142,3 +143,32 @@ def test_a_refused_reset_raises_naming_why_and_what_to_do(seeded):
         "vLLM refused to reset its prefix cache (requests are running); the weights changed, so cached "
         "prefixes would be stale: finish or abort requests before pushing"
     )
+
+
+@pytest.mark.parametrize(
+    "tp, sched, group",
+    [
+        (1, scheduler(connector=object()), CONTROL_GROUP),
+        (2, scheduler(), CONTROL_GROUP),
+        (2, scheduler(connector=object()), ""),
+        (2, scheduler(events=True), ""),
+    ],
+)
+def test_a_tensor_parallel_engine_whose_commits_wait_for_the_generations_end_takes_every_call_in_order(
+    seeded, tp, sched, group
+):
+    """Its ranks could not agree on a step (`rl_sync.rank.steps`), and committing each at its own
+    generation's end beside the next generation could give its ranks two versions: they report
+    no control group. A lone rank keeps it (its commit waits for its own generation)."""
+    from actors.vllm import VllmWorkerMixin
+
+    class Rank(VllmWorkerMixin):
+        rl_sync_control_group = CONTROL_GROUP
+
+        def rl_sync_llm(self):
+            return FakeLlm(sched)
+
+        def _rl_sync_engine_ranks(self) -> int:
+            return tp
+
+    assert Rank()._rl_sync_control_of("worker") == group
