@@ -39,9 +39,9 @@ class ActorMember:
         self.control: str | None = None
         """The concurrency group the actor declares for a staged round's calls (its `RankReport`
         says), which then run beside its generation (`rl_sync.rank.steps`)."""
-        self.engine_ranks = 1
-        """With a control group: its engine's ranks, which commit before the same step
-        (`RankReport.engine_ranks`, `actors.steps`)."""
+        self.engine_ranks, self.engine = 1, ""
+        """With a control group: its engine's ranks, which commit before the same step, and the
+        engine's name (`RankReport.engine_ranks`, `.engine`, `actors.steps`)."""
 
     def _control(self, method):
         """`method` in the actor's control group, if it declares one."""
@@ -224,23 +224,23 @@ Member = ActorMember | ServiceMember
 
 
 def note_controls(members: Sequence[Member], reports: Sequence[RankReport], controls: dict) -> None:
-    """Record each actor member's control group and engine ranks as its report says
-    (`RankReport.control_group`, `.engine_ranks`; `reports`: one per rank) in `controls` (actor
-    handle -> both), and give them to the members (`give_controls`)."""
+    """Record each actor member's control group and engine as its report says
+    (`RankReport.control_group`, `.engine_ranks`, `.engine`; `reports`: one per rank) in
+    `controls` (actor handle -> the three), and give them to the members (`give_controls`)."""
     at = 0
     for member, size in ((m, m.size) for m in members):
         if isinstance(member, ActorMember):
             report = reports[at]
-            controls[member.handle] = (report.control_group or None, report.engine_ranks)
+            controls[member.handle] = (report.control_group or None, report.engine_ranks, report.engine)
         at += size
     give_controls(members, controls)
 
 
 def give_controls(members: Sequence[Member], controls: dict) -> None:
-    """Each actor member its control group and engine ranks, as `controls` recorded them."""
+    """Each actor member its control group and engine, as `controls` recorded them."""
     for member in members:
         if isinstance(member, ActorMember):
-            member.control, member.engine_ranks = controls.get(member.handle, (None, 1))
+            member.control, member.engine_ranks, member.engine = controls.get(member.handle, (None, 1, ""))
 
 
 def gather(members: Sequence, call: Callable, timeout_s: float, what: str) -> list:

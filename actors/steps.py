@@ -36,18 +36,26 @@ def lockstep_engines(workers: Sequence[Member]) -> list[list[ActorMember]]:
     at = 0
     while at < len(workers):
         member = workers[at]
-        size = member.engine_ranks if isinstance(member, ActorMember) and member.control else 1
-        engine = list(workers[at : at + size])
-        if size > 1:
-            if len(engine) < size or any(getattr(m, "engine_ranks", 1) != size for m in engine):
-                labels = ", ".join(m.label for m in engine)
-                raise SyncError(
-                    f"{member.label} reports an engine of {size} tensor-parallel ranks, but it and the workers "
-                    f"after it ({labels}) are not one engine's ranks; list the workers engine by engine"
-                )
-            engines.append(engine)  # type: ignore[arg-type]
-        at += size
+        if not isinstance(member, ActorMember) or not member.control or member.engine_ranks == 1:
+            at += 1
+            continue
+        engine = list(workers[at : at + member.engine_ranks])
+        if not _one_engine(member, engine):
+            raise SyncError(
+                f"{member.label} reports an engine of {member.engine_ranks} tensor-parallel ranks, but it and the "
+                f"workers after it ({', '.join(m.label for m in engine)}) are not one engine's ranks; list the "
+                "workers engine by engine"
+            )
+        engines.append(engine)  # type: ignore[arg-type]
+        at += member.engine_ranks
     return engines
+
+
+def _one_engine(first: ActorMember, engine: list[Member]) -> bool:
+    """Whether `engine` is `first`'s engine's ranks: as many as it reported, each of its name."""
+    return len(engine) == first.engine_ranks and all(
+        isinstance(m, ActorMember) and (m.engine_ranks, m.engine) == (first.engine_ranks, first.engine) for m in engine
+    )
 
 
 def agreed_steps(workers: Sequence[Member], version: int, timeout_s: float, what: str) -> dict[int, int]:

@@ -58,6 +58,7 @@ class VllmWorkerMixin(SyncWorkerMixin):
 
     _rl_sync_vllm: VllmDestinations | None = None
     _rl_sync_lora: LoraSlots | None = None
+    _rl_sync_engine_id = ""
     rl_sync_takes_lora = True
     rl_sync_llm: Callable[[], LLM]
     """The subclass's: the `LLM` holding this rank."""
@@ -65,10 +66,11 @@ class VllmWorkerMixin(SyncWorkerMixin):
     def rl_sync_destinations(self, checkpoint):
         side = self._rl_sync_sides["worker"]
         self._rl_sync_vllm, self._rl_sync_lora = VllmDestinations.of_llm(self.rl_sync_llm()), None
+        where = engine_rank_of(self._rl_sync_vllm.vllm_config, side.rank, side.size)
+        self._rl_sync_engine_id = where.exchange(secrets.token_hex(8))[0]  # (one name for the engine's ranks)
         if side.options.lora is None:
             options = side.options
             return self._rl_sync_vllm.bind(checkpoint, side.rank, side.size, options.sharded, options.next_writes_all)
-        where = engine_rank_of(self._rl_sync_vllm.vllm_config, side.rank, side.size)
         self._rl_sync_lora = LoraSlots(self._rl_sync_vllm.model, side.options.lora)
         return self._rl_sync_lora.bind(checkpoint, where, side.size // where.size)
 
@@ -135,14 +137,14 @@ class VllmWorkerMixin(SyncWorkerMixin):
         (`forgets_in_place`): its ranks take every call in order, between two generations, so
         they never run one with two versions."""
         control = super()._rl_sync_control_of(side)
-        if control and self._rl_sync_engine_ranks() > 1 and not forgets_in_place(self.rl_sync_llm()):
+        if control and self._rl_sync_engine()[0] > 1 and not forgets_in_place(self.rl_sync_llm()):
             return ""
         return control
 
-    def _rl_sync_engine_ranks(self) -> int:
-        """The engine's tensor-parallel size: its ranks run their steps in lockstep, and switch
-        before the same one (`rl_sync.rank.steps`)."""
-        return self._rl_sync_bound().vllm_config.parallel_config.tensor_parallel_size
+    def _rl_sync_engine(self) -> tuple[int, str]:
+        """The engine's tensor-parallel size and the name its ranks drew at binding: they run their
+        steps in lockstep, and switch before the same one (`rl_sync.rank.steps`)."""
+        return self._rl_sync_bound().vllm_config.parallel_config.tensor_parallel_size, self._rl_sync_engine_id
 
     def rl_sync_prepare(self, names, spare) -> None:
         """A LoRA group prepares nothing: its scaling runs at the commit, on the slot."""

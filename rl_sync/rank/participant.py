@@ -113,6 +113,7 @@ class Participant:
         kept = sum(e.tensor.numel() * e.tensor.element_size() for e in endpoints.values()) if side == "worker" else 0
         swap = self._rl_sync_swap_bytes() if side == "worker" else 0
         control = self._rl_sync_control_of(side)
+        engine_ranks, engine = self._rl_sync_engine() if control else (1, "")
         report = RankReport(
             side_rank,
             device,
@@ -123,7 +124,8 @@ class Participant:
             reasons,
             swap,
             control,
-            self._rl_sync_engine_ranks() if control else 1,
+            engine_ranks,
+            engine,
         )
         return encode(report, compress=True)
 
@@ -163,10 +165,10 @@ class Participant:
         ('': none; a worker's may have one, `rl_sync.rank.worker`)."""
         return ""
 
-    def _rl_sync_engine_ranks(self) -> int:
-        """The ranks of this worker's engine, which commit before the same step (see
-        `RankReport.engine_ranks`)."""
-        return 1
+    def _rl_sync_engine(self) -> tuple[int, str]:
+        """The ranks of this worker's engine, which commit before the same step, and the engine's
+        name (see `RankReport.engine_ranks`, `.engine`)."""
+        return 1, ""
 
     def _rl_sync_ping(self) -> None:
         """Answers when the process is alive (the coordinator checks before re-forming a group)."""

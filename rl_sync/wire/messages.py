@@ -73,6 +73,9 @@ class RankReport:
     """With a control group: the ranks of this worker's engine (its tensor-parallel size), this one
     and the workers next to it in the group's order, which must commit before the same step of
     their engine (`rl_sync.rank.steps`: armed first, together)."""
+    engine: str = ""
+    """With more than one engine rank: a name the engine's ranks drew together at binding, the
+    same on each (the coordinator checks that the ranks it groups are one engine's)."""
 
 
 @dataclass(frozen=True)

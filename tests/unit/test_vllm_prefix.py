@@ -168,7 +168,7 @@ def test_a_tensor_parallel_engine_whose_commits_wait_for_the_generations_end_tak
         def rl_sync_llm(self):
             return FakeLlm(sched)
 
-        def _rl_sync_engine_ranks(self) -> int:
-            return tp
+        def _rl_sync_engine(self) -> tuple[int, str]:
+            return tp, "engine-a"
 
     assert Rank()._rl_sync_control_of("worker") == group
