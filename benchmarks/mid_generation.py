@@ -4,6 +4,7 @@ two of the engine's steps, the same one on every rank (`rl_sync.rank.steps`). Sh
 
     figures = commit_mid_generation(sync, engine.ranks, (prompts, sampling, None))
     figures["stall_s"]      # what the engine stopped for (RoundStats.stall_seconds)
+    ray.get(rank.call.remote(time_steps))   # then each generation's steps: ray.get(rank.call.remote(step_summary))
 """
 
 from __future__ import annotations
@@ -24,6 +25,37 @@ def _state(rank_self) -> tuple[bool, int, int | None]:
     which the last was."""
     gate = rank_self._rl_sync_steps()
     return rank_self.llm.llm_engine.has_unfinished_requests(), gate.between_steps, gate.last_at_step
+
+
+def time_steps(rank_self) -> None:
+    """Time each of the engine's steps from now on (around rl-sync's own wrapper, installed by
+    the generations before), for `step_summary`."""
+    engine = rank_self.llm.llm_engine
+    if hasattr(engine, "bench_steps"):
+        return
+    inner, engine.bench_steps = engine.step, []
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            engine.bench_steps.append(time.perf_counter() - start)
+
+    engine.step = timed
+
+
+def step_summary(rank_self) -> dict:
+    """The steps timed since the last call (`time_steps`): how many, their seconds in all, the
+    median and the five longest (ms)."""
+    steps, rank_self.llm.llm_engine.bench_steps = rank_self.llm.llm_engine.bench_steps, []
+    ordered = sorted(steps)
+    return {
+        "steps": len(steps),
+        "total_s": round(sum(steps), 3),
+        "median_ms": round(1e3 * ordered[len(ordered) // 2], 2) if steps else 0.0,
+        "longest_ms": [round(1e3 * t, 1) for t in ordered[-5:][::-1]],
+    }
 
 
 def generation_seconds(rank, generation: tuple) -> float:

@@ -55,7 +55,7 @@ import ray
 import torch
 from gpu_bench import copy_floor
 from gpu_common import ROOT, show, specs_8b, start_ray
-from mid_generation import commit_mid_generation, generation_seconds
+from mid_generation import commit_mid_generation, generation_seconds, step_summary, time_steps
 
 from actors import WeightSync
 from actors.ready import TrainerActor
@@ -172,10 +172,14 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
         commits.append(staged.commit().commit_seconds)
         calls.append(time.perf_counter() - start)
         synced.append(calls[-1] + _synchronize_seconds(engine))
-    idle = []
+    idle, rank = [], engine.ranks[0]
+    steps: dict[str, list[dict]] = {"idle": [], "round": []}
+    ray.get(rank.call.remote(time_steps))
     for _ in range(repeat):  # interleaved: the machine's drift lands on both alike
-        idle.append(generation_seconds(engine.ranks[0], GENERATION))
+        idle.append(generation_seconds(rank, GENERATION))
+        steps["idle"].append(ray.get(rank.call.remote(step_summary)))
         inflight.append(commit_mid_generation(sync, engine.ranks, GENERATION))
+        steps["round"].append(ray.get(rank.call.remote(step_summary)))
     sync.close()
     bare = [_synchronize_seconds(engine) for _ in range(repeat)]  # nothing queued: what it adds to a commit
     median = statistics.median
@@ -191,6 +195,7 @@ def staged_rows(trainer, engine: VllmEngine, repeat: int) -> dict:
         "generation_idle_s": median(idle),
         "generation_staged_s": median(r["generation_s"] for r in inflight),
         "generation_pairs_s": [(round(a, 3), round(r["generation_s"], 3)) for a, r in zip(idle, inflight)],
+        "generation_steps": steps,
         "inflight_rounds": len(inflight),
     }
 
