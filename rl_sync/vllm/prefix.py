@@ -47,6 +47,9 @@ Typical use (on the engine rank, after every rank applied a round)::
 from __future__ import annotations
 
 import hashlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 STALE_PREFIXES = (
@@ -93,18 +96,32 @@ def new_root() -> bytes:
     shared the old one, after the same number of updates); returns the new seed."""
     from vllm.v1.core import kv_cache_utils
 
-    seed = hashlib.sha256(SEED_SALT + kv_cache_utils.NONE_HASH).digest()
+    seed = next_root()
     kv_cache_utils.NONE_HASH = type(kv_cache_utils.NONE_HASH)(seed)
     return seed
 
 
-def _rehash_held(scheduler, seed: bytes) -> None:
+def next_root() -> bytes:
+    """The seed the next `new_root` gives (vLLM's seed left as it is)."""
+    from vllm.v1.core import kv_cache_utils
+
+    return hashlib.sha256(SEED_SALT + kv_cache_utils.NONE_HASH).digest()
+
+
+def _rehash_held(scheduler, seed: bytes, ahead: Ahead | None = None) -> None:
     """After `new_root` gave `seed`: what requests the engine holds cache from now on is never
-    served to another (see the module docstring; the salt is the same on every rank)."""
+    served to another (see the module docstring; the salt is the same on every rank). A request
+    that computed nothing takes its hashes from `ahead` where they were computed under `seed` for
+    its tokens, else hashes them here."""
+    ready = ahead.hashes if ahead is not None and ahead.root == seed else {}
     for request in list(scheduler.requests.values()):
         if request.num_computed_tokens == 0:
+            computed = ready.get(request.request_id) if ready else None
             request.block_hashes.clear()
-            request.update_block_hashes()
+            if computed is not None and computed[0] == request.num_tokens:
+                request.block_hashes.extend(computed[1])
+            else:
+                request.update_block_hashes()
             continue
         request.skip_reading_prefix_cache = True  # (preempted later, it computes its tokens anew)
         if not request.block_hashes:
@@ -124,15 +141,64 @@ def forgets_in_place(llm) -> bool:
     return _fast_path_scheduler(llm) is not None
 
 
-def forget_cached_prefixes(llm) -> bool:
+def forget_cached_prefixes(llm, ahead: Ahead | None = None) -> bool:
     """No prefix cached before this call is served after it, nor what requests held now cache
     later (they keep what they computed). Returns True where the seed was replaced (O(1) and
-    O(requests held)), False where vLLM's own reset ran. Raises `RuntimeError(STALE_PREFIXES)`
-    where vLLM refuses (requests hold KV-cache blocks)."""
+    O(requests held), `ahead` sparing the hashing of waiting requests: `hash_ahead`), False
+    where vLLM's own reset ran. Raises `RuntimeError(STALE_PREFIXES)` where vLLM refuses
+    (requests hold KV-cache blocks)."""
     scheduler = _fast_path_scheduler(llm)
     if scheduler is not None:
-        _rehash_held(scheduler, new_root())
+        _rehash_held(scheduler, new_root(), ahead)
         return True
     if not llm.reset_prefix_cache():
         raise RuntimeError(STALE_PREFIXES)
     return False
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """Block hashes computed ahead of a commit, off the engine's stall (`hash_ahead`)."""
+
+    root: bytes
+    """The seed they chain from: the next `new_root`'s."""
+    hashes: dict[str, tuple[int, list]]
+    """Per request that had computed nothing: its tokens then, and its block hashes."""
+
+
+def hash_ahead(llm) -> Ahead | None:
+    """The block hashes the requests `llm` holds that computed nothing yet will need under the next
+    root, computed here (on any thread, while the engine runs: only their prompts are read), so a
+    commit between two steps does not hash them inside the engine's stall. None where the fast
+    path is not taken, or where this vLLM's block hasher is not of the form known here (then the
+    commit hashes them itself)."""
+    scheduler = _fast_path_scheduler(llm)
+    if scheduler is None:
+        return None
+    root, hashes = next_root(), {}
+    for request in list(scheduler.requests.values()):  # (a copy: the engine's thread adds to it)
+        form = _hasher_form(getattr(request, "_block_hasher", None))
+        if request.num_computed_tokens == 0 and form is not None:
+            hashes[request.request_id] = (request.num_tokens, _hashes_under(request, root, *form))
+    return Ahead(root, hashes)
+
+
+def _hasher_form(hasher) -> tuple[int, Callable] | None:
+    """vLLM's request block hasher's block size and hash function (`get_request_block_hasher`'s
+    arguments), or None where it is not that function."""
+    names = inspect.getclosurevars(hasher).nonlocals if inspect.isfunction(hasher) else {}
+    size, hash_fn = names.get("hash_block_size"), names.get("caching_hash_fn")
+    return (size, hash_fn) if isinstance(size, int) and callable(hash_fn) else None
+
+
+def _hashes_under(request, root: bytes, size: int, hash_fn: Callable) -> list:
+    """`request`'s full blocks hashed as vLLM's block hasher does, chained from `root`."""
+    from vllm.v1.core.kv_cache_utils import NONE_HASH, generate_block_hash_extra_keys, hash_block_tokens
+
+    parent, hashes, mm_index = type(NONE_HASH)(root), [], 0
+    tokens = request.all_token_ids
+    for start in range(0, request.num_tokens - size + 1, size):
+        extra, mm_index = generate_block_hash_extra_keys(request, start, start + size, mm_index)
+        parent = hash_block_tokens(hash_fn, parent, tokens[start : start + size], extra)
+        hashes.append(parent)
+    return hashes

@@ -172,3 +172,61 @@ def test_a_tensor_parallel_engine_whose_commits_wait_for_the_generations_end_tak
             return tp, "engine-a"
 
     assert Rank()._rl_sync_control_of("worker") == group
+
+
+def _requests(hasher, tokens: int = 80) -> dict:
+    """vLLM requests that computed nothing: plain, salted, of a LoRA adapter, and one with no full
+    block; the same for the same `tokens`."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.request import Request
+
+    sampling = SamplingParams(max_tokens=4)
+    kinds: dict[str, dict] = {
+        "plain": {},
+        "salted": {"cache_salt": "tenant"},
+        "lora": {"lora_request": LoRARequest("a", 1, "/a")},
+    }
+    held = {
+        name: Request(name, list(range(7, 7 + tokens)), sampling, None, block_hasher=hasher, **kwargs)
+        for name, kwargs in kinds.items()
+    }
+    held["short"] = Request("short", [1, 2, 3], sampling, None, block_hasher=hasher)
+    return held
+
+
+def test_hashes_computed_ahead_are_the_ones_the_commit_would_compute_and_spare_it_the_hashing(seeded):
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    hasher = kv_cache_utils.get_request_block_hasher(16, get_hash_fn_by_name("sha256"))
+    held, reference = _requests(hasher), _requests(hasher)
+    llm = FakeLlm(scheduler(held=held))
+    ahead = prefix.hash_ahead(llm)
+    assert ahead is not None and set(ahead.hashes) == {"plain", "salted", "lora", "short"}
+    late = _requests(hasher, tokens=40)["plain"]
+    late.request_id = "late"
+    held["late"] = late  # (arrived after the hashing ahead: hashed inside the commit)
+    for request in [held[n] for n in ("plain", "salted", "lora", "short")]:
+        request.update_block_hashes = None  # (hashing them inside the commit would fail)
+    assert prefix.forget_cached_prefixes(llm, ahead) is True
+    for request in reference.values():
+        request.block_hashes.clear()
+        request.update_block_hashes()  # vLLM's own hashing, under the new root
+    for name, request in reference.items():
+        assert held[name].block_hashes == request.block_hashes, name
+    assert [len(held[n].block_hashes) for n in ("plain", "salted", "lora", "short", "late")] == [5, 5, 5, 0, 2]
+    assert len({held[n].block_hashes[0] for n in ("plain", "salted", "lora")}) == 3, "salt and adapter keyed"
+
+
+def test_hashes_computed_ahead_under_another_root_are_not_used(seeded):
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    hasher = kv_cache_utils.get_request_block_hasher(16, get_hash_fn_by_name("sha256"))
+    held = _requests(hasher)
+    llm = FakeLlm(scheduler(held=held))
+    ahead = prefix.hash_ahead(llm)
+    prefix.new_root()  # (another update came first)
+    before = {name: list(r.block_hashes) for name, r in held.items()}
+    prefix.forget_cached_prefixes(llm, ahead)
+    assert ahead is not None and held["plain"].block_hashes != ahead.hashes["plain"][1]
+    assert held["plain"].block_hashes != before["plain"] and len(held["plain"].block_hashes) == 5
