@@ -41,7 +41,7 @@ import ray
 
 from rl_sync.rank.steps import CONTROL_GROUP, StepGate
 from rl_sync.vllm.lora import LoraSlots
-from rl_sync.vllm.prefix import forget_cached_prefixes, forgets_in_place
+from rl_sync.vllm.prefix import Ahead, forget_cached_prefixes, forgets_in_place, hash_ahead
 from rl_sync.vllm.rank import VllmDestinations, engine_rank_of
 
 from .worker_mixin import SyncWorkerMixin
@@ -59,6 +59,7 @@ class VllmWorkerMixin(SyncWorkerMixin):
     _rl_sync_vllm: VllmDestinations | None = None
     _rl_sync_lora: LoraSlots | None = None
     _rl_sync_engine_id = ""
+    _rl_sync_ahead: Ahead | None = None
     rl_sync_takes_lora = True
     rl_sync_llm: Callable[[], LLM]
     """The subclass's: the `LLM` holding this rank."""
@@ -106,7 +107,13 @@ class VllmWorkerMixin(SyncWorkerMixin):
             self._rl_sync_lora.after_update(names)
         else:
             self._rl_sync_bound().after_update(names)
-        forget_cached_prefixes(self.rl_sync_llm())
+        ahead, self._rl_sync_ahead = self._rl_sync_ahead, None
+        forget_cached_prefixes(self.rl_sync_llm(), ahead)
+
+    def _rl_sync_before_commit(self) -> None:
+        """The waiting requests' block hashes under the prefix root the commit gives, computed
+        beside the engine's steps rather than inside its stall (`prefix.hash_ahead`)."""
+        self._rl_sync_ahead = hash_ahead(self.rl_sync_llm())
 
     def rl_sync_write_modes(self) -> dict[str, str]:
         if self._rl_sync_lora is not None:

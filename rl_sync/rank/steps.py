@@ -61,8 +61,10 @@ NONE = -1
 class StepGate:
     """When a rank's commits run against its engine's steps (see the module docstring)."""
 
-    def __init__(self, apply: Callable[[int], None]):
-        self._apply = apply
+    def __init__(self, apply: Callable[[int], None], ahead: Callable[[], None] = lambda: None):
+        self._apply, self._ahead = apply, ahead
+        """`apply(version)` makes a commit; `ahead()` does what it can of the next one's work before
+        the commit waits for the engine, on the commit's thread, while the engine runs."""
         self._cond = threading.Condition()
         self._generating = 0
         """Generations (and other calls that may run the engine's steps) under way."""
@@ -146,6 +148,7 @@ class StepGate:
         boundary (at most `timeout_s` seconds) and return that boundary's number. (Only for an
         engine whose generations take commits between steps: one that holds them over to its
         generation's end takes every call in order instead, `VllmWorkerMixin._rl_sync_control_of`.)"""
+        self._ahead()
         with self._cond:
             self._armed, self._armed_until = version, time.monotonic() + timeout_s
             return self._steps
@@ -163,6 +166,8 @@ class StepGate:
         seconds the engine stopped for it; raises what the commit raised, `TimeoutError` (the
         commit withdrawn, not made) or `RuntimeError` (the rank bound anew meanwhile, ran past
         `at_step`, or a later version was made in its place)."""
+        if at_step is None:
+            self._ahead()  # (an agreed step's ran at the arming)
         deadline, epoch = time.monotonic() + timeout_s, self._epoch
         with self._cond:
             self._asked = max(self._asked, version)

@@ -122,8 +122,12 @@ class WorkerRank(Participant):
     def _rl_sync_steps(self) -> StepGate:
         """When this rank's commits run against its engine's steps (`rl_sync.rank.steps`)."""
         if self._rl_sync_gate is None:
-            self._rl_sync_gate = StepGate(self._rl_sync_commit_now)
+            self._rl_sync_gate = StepGate(self._rl_sync_commit_now, self._rl_sync_before_commit)
         return self._rl_sync_gate
+
+    def _rl_sync_before_commit(self) -> None:
+        """Hook: what of the next commit's work can run before it, beside the engine's steps (a
+        vLLM rank hashes its waiting requests, `VllmWorkerMixin`)."""
 
     def _rl_sync_forget_moved(self) -> None:
         """A weight the engine moved holds what the engine put there: no version until a round."""

@@ -179,7 +179,10 @@ def hash_ahead(llm) -> Ahead | None:
     for request in list(scheduler.requests.values()):  # (a copy: the engine's thread adds to it)
         form = _hasher_form(getattr(request, "_block_hasher", None))
         if request.num_computed_tokens == 0 and form is not None:
-            hashes[request.request_id] = (request.num_tokens, _hashes_under(request, root, *form))
+            try:
+                hashes[request.request_id] = (request.num_tokens, _hashes_under(request, root, *form))
+            except (ImportError, TypeError):  # (another vLLM's hashing helpers: the commit hashes)
+                return None
     return Ahead(root, hashes)
 
 

@@ -263,3 +263,13 @@ def test_a_rank_bound_anew_counts_its_steps_from_zero():
     assert rank.gate.arm(1, timeout_s=5.0) == 5
     rank.gate.forget()
     assert rank.gate.arm(1, timeout_s=5.0) == 0
+
+
+def test_the_work_ahead_of_a_commit_runs_before_it_waits_for_the_engine_once_per_commit():
+    ahead: list[int] = []
+    rank = Rank()
+    rank.gate = StepGate(rank.apply, ahead=lambda: ahead.append(len(rank.made)))
+    rank.gate.commit(1, timeout_s=5.0)
+    assert rank.gate.arm(2, timeout_s=5.0) == 0
+    rank.gate.commit(2, timeout_s=5.0, at_step=0)
+    assert ahead == [0, 1] and [v for v, _ in rank.made] == [1, 2], "before each commit; an agreed one's at its arming"
