@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import secrets
 import socket
@@ -45,6 +46,8 @@ from rl_sync.vllm.prefix import Ahead, forget_cached_prefixes, forgets_in_place,
 from rl_sync.vllm.rank import VllmDestinations, engine_rank_of
 
 from .worker_mixin import SyncWorkerMixin
+
+LOG = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -112,8 +115,13 @@ class VllmWorkerMixin(SyncWorkerMixin):
 
     def _rl_sync_before_commit(self) -> None:
         """The waiting requests' block hashes under the prefix root the commit gives, computed
-        beside the engine's steps rather than inside its stall (`prefix.hash_ahead`)."""
-        self._rl_sync_ahead = hash_ahead(self.rl_sync_llm())
+        beside the engine's steps rather than inside its stall (`prefix.hash_ahead`); where that
+        fails, the commit hashes them itself (a warning says why)."""
+        try:
+            self._rl_sync_ahead = hash_ahead(self.rl_sync_llm())
+        except Exception as exc:  # (an optimisation: never the commit's failure)
+            self._rl_sync_ahead = None
+            LOG.warning("rl-sync: hashing waiting requests ahead of a commit failed (%r); the commit hashes them", exc)
 
     def rl_sync_write_modes(self) -> dict[str, str]:
         if self._rl_sync_lora is not None:

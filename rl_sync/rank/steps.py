@@ -166,9 +166,9 @@ class StepGate:
         seconds the engine stopped for it; raises what the commit raised, `TimeoutError` (the
         commit withdrawn, not made) or `RuntimeError` (the rank bound anew meanwhile, ran past
         `at_step`, or a later version was made in its place)."""
+        deadline, epoch = time.monotonic() + timeout_s, self._epoch
         if at_step is None:
             self._ahead()  # (an agreed step's ran at the arming)
-        deadline, epoch = time.monotonic() + timeout_s, self._epoch
         with self._cond:
             self._asked = max(self._asked, version)
             self._at_step = at_step

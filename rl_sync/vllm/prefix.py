@@ -112,14 +112,14 @@ def _rehash_held(scheduler, seed: bytes, ahead: Ahead | None = None) -> None:
     """After `new_root` gave `seed`: what requests the engine holds cache from now on is never
     served to another (see the module docstring; the salt is the same on every rank). A request
     that computed nothing takes its hashes from `ahead` where they were computed under `seed` for
-    its tokens, else hashes them here."""
+    its tokens (the same request object: an id may come back), else hashes them here."""
     ready = ahead.hashes if ahead is not None and ahead.root == seed else {}
     for request in list(scheduler.requests.values()):
         if request.num_computed_tokens == 0:
             computed = ready.get(request.request_id) if ready else None
             request.block_hashes.clear()
-            if computed is not None and computed[0] == request.num_tokens:
-                request.block_hashes.extend(computed[1])
+            if computed is not None and computed[0] is request and computed[1] == request.num_tokens:
+                request.block_hashes.extend(computed[2])
             else:
                 request.update_block_hashes()
             continue
@@ -162,8 +162,8 @@ class Ahead:
 
     root: bytes
     """The seed they chain from: the next `new_root`'s."""
-    hashes: dict[str, tuple[int, list]]
-    """Per request that had computed nothing: its tokens then, and its block hashes."""
+    hashes: dict[str, tuple[Any, int, list]]
+    """Per request id that had computed nothing: the request, its tokens then, its block hashes."""
 
 
 def hash_ahead(llm) -> Ahead | None:
@@ -176,11 +176,13 @@ def hash_ahead(llm) -> Ahead | None:
     if scheduler is None:
         return None
     root, hashes = next_root(), {}
+    forms: dict[int, tuple[int, Callable] | None] = {}  # (per hasher: every request shares one)
     for request in list(scheduler.requests.values()):  # (a copy: the engine's thread adds to it)
-        form = _hasher_form(getattr(request, "_block_hasher", None))
+        hasher = getattr(request, "_block_hasher", None)
+        form = forms[id(hasher)] if id(hasher) in forms else forms.setdefault(id(hasher), _hasher_form(hasher))
         if request.num_computed_tokens == 0 and form is not None:
             try:
-                hashes[request.request_id] = (request.num_tokens, _hashes_under(request, root, *form))
+                hashes[request.request_id] = (request, request.num_tokens, _hashes_under(request, root, *form))
             except (ImportError, TypeError):  # (another vLLM's hashing helpers: the commit hashes)
                 return None
     return Ahead(root, hashes)

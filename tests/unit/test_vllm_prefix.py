@@ -174,9 +174,9 @@ def test_a_tensor_parallel_engine_whose_commits_wait_for_the_generations_end_tak
     assert Rank()._rl_sync_control_of("worker") == group
 
 
-def _requests(hasher, tokens: int = 80) -> dict:
+def _requests(hasher, tokens: int = 80, first: int = 7) -> dict:
     """vLLM requests that computed nothing: plain, salted, of a LoRA adapter, and one with no full
-    block; the same for the same `tokens`."""
+    block; the same for the same `tokens` and `first` token."""
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
     from vllm.v1.request import Request
@@ -188,7 +188,7 @@ def _requests(hasher, tokens: int = 80) -> dict:
         "lora": {"lora_request": LoRARequest("a", 1, "/a")},
     }
     held = {
-        name: Request(name, list(range(7, 7 + tokens)), sampling, None, block_hasher=hasher, **kwargs)
+        name: Request(name, list(range(first, first + tokens)), sampling, None, block_hasher=hasher, **kwargs)
         for name, kwargs in kinds.items()
     }
     held["short"] = Request("short", [1, 2, 3], sampling, None, block_hasher=hasher)
@@ -228,5 +228,20 @@ def test_hashes_computed_ahead_under_another_root_are_not_used(seeded):
     prefix.new_root()  # (another update came first)
     before = {name: list(r.block_hashes) for name, r in held.items()}
     prefix.forget_cached_prefixes(llm, ahead)
-    assert ahead is not None and held["plain"].block_hashes != ahead.hashes["plain"][1]
+    assert ahead is not None and held["plain"].block_hashes != ahead.hashes["plain"][2]
     assert held["plain"].block_hashes != before["plain"] and len(held["plain"].block_hashes) == 5
+
+
+def test_a_request_id_that_came_back_with_other_tokens_is_hashed_by_the_commit_not_taken(seeded):
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    hasher = kv_cache_utils.get_request_block_hasher(16, get_hash_fn_by_name("sha256"))
+    held = _requests(hasher)
+    llm = FakeLlm(scheduler(held=held))
+    ahead = prefix.hash_ahead(llm)
+    held["plain"] = _requests(hasher, first=9)["plain"]  # (the same id and length, other tokens)
+    prefix.forget_cached_prefixes(llm, ahead)
+    fresh = _requests(hasher, first=9)["plain"]
+    fresh.block_hashes.clear()
+    fresh.update_block_hashes()
+    assert ahead is not None and held["plain"].block_hashes == fresh.block_hashes != ahead.hashes["plain"][2]
