@@ -72,7 +72,7 @@ def rank(monkeypatch):
     engine = types.SimpleNamespace(model=model, vllm_config=None)
     monkeypatch.setattr(vllm_actors.VllmDestinations, "of_llm", classmethod(lambda cls, llm: engine))
     monkeypatch.setattr(vllm_actors, "engine_rank_of", lambda config, rank, size: EngineRank(0, 1, lambda o: [o]))
-    monkeypatch.setattr(vllm_actors, "forget_cached_prefixes", lambda llm: None)
+    monkeypatch.setattr(vllm_actors, "forget_cached_prefixes", lambda llm, ahead=None: None)
 
     class Rank(vllm_actors.VllmWorkerMixin):
         def rl_sync_llm(self):
