@@ -43,9 +43,10 @@ class ActorMember:
         """With a control group: its engine's ranks, which commit before the same step, and the
         engine's name (`RankReport.engine_ranks`, `.engine`, `actors.steps`)."""
 
-    def _control(self, method):
-        """`method` in the actor's control group, if it declares one."""
-        return method if self.control is None else method.options(concurrency_group=self.control)
+    def _control(self, method, beside: bool = True):
+        """`method` in the actor's control group, if it declares one and the call runs `beside`
+        the engine's generation (a blocking round's does not: it waits for one to end)."""
+        return method if self.control is None or not beside else method.options(concurrency_group=self.control)
 
     def results(self, value) -> list:
         return [value]
@@ -97,9 +98,7 @@ class ActorMember:
         return self.handle._rl_sync_ipc_export.remote(devices[0], timeout_s)
 
     def ipc_begin(self, version: int, ticket: int, writes_all: bool, reply: Rendezvous | None, staged: bool):
-        """(A staged round's in the control group: a blocking one's waits for a generation.)"""
-        call = self.handle._rl_sync_ipc_begin
-        return (self._control(call) if staged else call).remote(ticket, writes_all)
+        return self._control(self.handle._rl_sync_ipc_begin, beside=staged).remote(ticket, writes_all)
 
     def ipc_round(self, version: int, names: tuple[str, ...] | None, ticket: int, timeout_s: float, writes_all: bool):
         return self.handle._rl_sync_ipc_round.remote(version, names, ticket, timeout_s, writes_all)
@@ -108,8 +107,7 @@ class ActorMember:
         return self.handle._rl_sync_ipc_remap.remote(ipc)
 
     def ipc_end(self, version: int, names: tuple[str, ...] | None, reply: Rendezvous | None, staged: bool):
-        call = self.handle._rl_sync_ipc_end
-        return (self._control(call) if staged else call).remote(version, names)
+        return self._control(self.handle._rl_sync_ipc_end, beside=staged).remote(version, names)
 
     def regroup(self, init: bytes, plan, bind_host: str | None, device: str):
         return self.handle._rl_sync_regroup.remote(init, plan, bind_host, device)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import POLL_S, Ops, Pending, Transport, check_ops, made_within
+from .base import Ops, Pending, Transport, check_ops, event_reached, made_within
 
 UNIQUE_ID_BYTES = 128
 """`NCCL_UNIQUE_ID_BYTES`: the length of an NCCL unique id."""
@@ -221,13 +221,13 @@ class NcclTransport(Transport):
         """Watchdog: poll the last transfer until `deadline` (abort and raise past it), then let
         the caller's stream (unpacking after that transfer) drain."""
         if self._last is not None:
-            while not self._last.query():
-                if time.monotonic() > deadline:
-                    self.abort()
-                    raise TimeoutError(
-                        f"rank {self.rank}: NCCL transfers did not complete in time; communicator aborted"
-                    )
-                time.sleep(POLL_S)
+            try:
+                event_reached(self._last, deadline, f"rank {self.rank}: NCCL transfers")
+            except TimeoutError:
+                self.abort()
+                raise TimeoutError(
+                    f"rank {self.rank}: NCCL transfers did not complete in time; communicator aborted"
+                ) from None
             self._last = None
         torch.cuda.current_stream(self.device).synchronize()
 

@@ -178,13 +178,18 @@ def hash_ahead(llm) -> Ahead | None:
     root, hashes = next_root(), {}
     forms: dict[int, tuple[int, Callable] | None] = {}  # (per hasher: every request shares one)
     for request in list(scheduler.requests.values()):  # (a copy: the engine's thread adds to it)
+        if request.num_computed_tokens:
+            continue
         hasher = getattr(request, "_block_hasher", None)
-        form = forms[id(hasher)] if id(hasher) in forms else forms.setdefault(id(hasher), _hasher_form(hasher))
-        if request.num_computed_tokens == 0 and form is not None:
-            try:
-                hashes[request.request_id] = (request, request.num_tokens, _hashes_under(request, root, *form))
-            except (ImportError, TypeError):  # (another vLLM's hashing helpers: the commit hashes)
-                return None
+        if id(hasher) not in forms:
+            forms[id(hasher)] = _hasher_form(hasher)
+        form = forms[id(hasher)]
+        if form is None:
+            continue
+        try:
+            hashes[request.request_id] = (request, request.num_tokens, _hashes_under(request, root, *form))
+        except (ImportError, TypeError):  # (another vLLM's hashing helpers: the commit hashes)
+            return None
     return Ahead(root, hashes)
 
 
