@@ -40,21 +40,25 @@ def time_steps(rank_self) -> None:
         try:
             return inner(*args, **kwargs)
         finally:
-            engine.bench_steps.append(time.perf_counter() - start)
+            engine.bench_steps.append((start, time.perf_counter() - start))
 
     engine.step = timed
 
 
 def step_summary(rank_self) -> dict:
     """The steps timed since the last call (`time_steps`): how many, their seconds in all, the
-    median and the five longest (ms)."""
-    steps, rank_self.llm.llm_engine.bench_steps = rank_self.llm.llm_engine.bench_steps, []
+    seconds from the first's start to the last's end (the gaps between steps included), the
+    median, the five longest and every step in order (ms)."""
+    timed, rank_self.llm.llm_engine.bench_steps = rank_self.llm.llm_engine.bench_steps, []
+    steps = [took for _, took in timed]
     ordered = sorted(steps)
     return {
         "steps": len(steps),
         "total_s": round(sum(steps), 3),
+        "span_s": round(timed[-1][0] + timed[-1][1] - timed[0][0], 3) if timed else 0.0,
         "median_ms": round(1e3 * ordered[len(ordered) // 2], 2) if steps else 0.0,
         "longest_ms": [round(1e3 * t, 1) for t in ordered[-5:][::-1]],
+        "each_ms": [round(1e3 * t, 2) for t in steps],
     }
 
 
