@@ -30,10 +30,11 @@ LLAMA_8B = ModelConfig(
 
 
 def start_ray() -> None:
+    """Ray on loopback; actors import what this process does (the repository, `benchmarks/`)."""
     ray.init(
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}},
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])}},
     )
 
 
