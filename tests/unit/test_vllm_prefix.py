@@ -45,8 +45,8 @@ class HeldRequest:
     """A request the scheduler holds: `computed` tokens computed, `hashed` of its blocks hashed
     (each from the root of its time, as vLLM's block hasher chains them)."""
 
-    def __init__(self, computed: int, hashed: int, salt: str | None = None):
-        self.num_computed_tokens, self.cache_salt = computed, salt
+    def __init__(self, computed: int, hashed: int, salt: str | None = None, preemptions: int = 0):
+        self.num_computed_tokens, self.cache_salt, self.num_preemptions = computed, salt, preemptions
         self.block_hashes: list[bytes] = []
         self.blocks = max(hashed, 2)
         self.block_hashes.extend(self._hashes()[:hashed])
@@ -93,19 +93,24 @@ def test_an_idle_in_process_engine_gets_a_new_root_and_vllms_loop_does_not_run(s
     assert llm.resets == 0 and before != kv_cache_utils.NONE_HASH
 
 
-def test_requests_held_keep_what_they_computed_and_nothing_they_cache_later_is_served_to_another(seeded):
+def test_requests_held_keep_what_they_computed_and_nothing_they_cache_later_is_served_to_a_later_one(seeded):
     waiting, unhashed, hashed = HeldRequest(0, 2), HeldRequest(5, 0, salt="user"), HeldRequest(40, 2)
-    old_waiting, old_hashed = list(waiting.block_hashes), list(hashed.block_hashes)
-    llm = FakeLlm(scheduler(held={"w": waiting, "u": unhashed, "h": hashed}))
+    preempted, preempted_unhashed = HeldRequest(0, 2, preemptions=1), HeldRequest(0, 0, preemptions=2)
+    old_waiting, old_hashed, old_preempted = list(waiting.block_hashes), list(hashed.block_hashes), list(preempted.block_hashes)
+    held = {"w": waiting, "u": unhashed, "h": hashed, "p": preempted, "pu": preempted_unhashed}
+    llm = FakeLlm(scheduler(held=held))
     assert prefix.forget_cached_prefixes(llm) is True and llm.resets == 0
     assert waiting.block_hashes == waiting._hashes() and waiting.block_hashes[0] != old_waiting[0], (
-        "a request that computed nothing hashes its prompt from the new root"
+        "a request that never started hashes its prompt from the new root"
     )
     seed = bytes(kv_cache_utils.NONE_HASH).hex()
     assert unhashed.cache_salt == f"user|rl-sync update {seed}", "its first block, hashed later, is its own"
+    assert preempted_unhashed.cache_salt == f"|rl-sync update {seed}", "preempted before filling a block"
     assert hashed.block_hashes == old_hashed and hashed.cache_salt is None, "its later blocks chain from the old root"
-    assert unhashed.skip_reading_prefix_cache and hashed.skip_reading_prefix_cache, "preempted, they compute anew"
-    assert not hasattr(waiting, "skip_reading_prefix_cache"), "it reads the cache, under the new root"
+    assert preempted.block_hashes == old_preempted and preempted.cache_salt is None, (
+        "preempted before the commit, it resumes from the blocks it cached"
+    )
+    assert not any(hasattr(r, "skip_reading_prefix_cache") for r in held.values()), "preempted, each reads its own"
 
 
 @pytest.mark.parametrize(
@@ -200,6 +205,9 @@ def test_hashes_computed_ahead_are_the_ones_the_commit_would_compute_and_spare_i
 
     hasher = kv_cache_utils.get_request_block_hasher(16, get_hash_fn_by_name("sha256"))
     held, reference = _requests(hasher), _requests(hasher)
+    preempted = _requests(hasher, first=3)["plain"]
+    preempted.request_id, preempted.num_preemptions = "preempted", 1  # (computed tokens set back to 0)
+    held["preempted"], before_preempted = preempted, list(preempted.block_hashes)
     llm = FakeLlm(scheduler(held=held))
     ahead = prefix.hash_ahead(llm)
     assert ahead is not None and set(ahead.hashes) == {"plain", "salted", "lora", "short"}
@@ -216,6 +224,7 @@ def test_hashes_computed_ahead_are_the_ones_the_commit_would_compute_and_spare_i
         assert held[name].block_hashes == request.block_hashes, name
     assert [len(held[n].block_hashes) for n in ("plain", "salted", "lora", "short", "late")] == [5, 5, 5, 0, 2]
     assert len({held[n].block_hashes[0] for n in ("plain", "salted", "lora")}) == 3, "salt and adapter keyed"
+    assert preempted.block_hashes == before_preempted and len(before_preempted) == 5, "it resumes from its blocks"
 
 
 def test_hashes_computed_ahead_under_another_root_are_not_used(seeded):
