@@ -31,10 +31,11 @@ LLAMA_8B = ModelConfig(
 
 def start_ray() -> None:
     """Ray on loopback; actors import what this process does (the repository, `benchmarks/`)."""
+    pythonpath = os.environ.get("PYTHONPATH", "")
     ray.init(
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])}},
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), pythonpath])}},
     )
 
 

@@ -96,7 +96,8 @@ def test_an_idle_in_process_engine_gets_a_new_root_and_vllms_loop_does_not_run(s
 def test_requests_held_keep_what_they_computed_and_nothing_they_cache_later_is_served_to_a_later_one(seeded):
     waiting, unhashed, hashed = HeldRequest(0, 2), HeldRequest(5, 0, salt="user"), HeldRequest(40, 2)
     preempted, preempted_unhashed = HeldRequest(0, 2, preemptions=1), HeldRequest(0, 0, preemptions=2)
-    old_waiting, old_hashed, old_preempted = list(waiting.block_hashes), list(hashed.block_hashes), list(preempted.block_hashes)
+    old_waiting, old_hashed = list(waiting.block_hashes), list(hashed.block_hashes)
+    old_preempted = list(preempted.block_hashes)
     held = {"w": waiting, "u": unhashed, "h": hashed, "p": preempted, "pu": preempted_unhashed}
     llm = FakeLlm(scheduler(held=held))
     assert prefix.forget_cached_prefixes(llm) is True and llm.resets == 0
@@ -254,3 +255,48 @@ def test_a_request_id_that_came_back_with_other_tokens_is_hashed_by_the_commit_n
     fresh.block_hashes.clear()
     fresh.update_block_hashes()
     assert ahead is not None and held["plain"].block_hashes == fresh.block_hashes != ahead.hashes["plain"][2]
+
+
+def _cache_manager(block: int):
+    """vLLM's own KV-cache manager, prefix caching on, 32 blocks of `block` tokens."""
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)])
+    return KVCacheManager(config, max_model_len=256, scheduler_block_size=block, hash_block_size=block)
+
+
+@pytest.mark.parametrize("preempted", ["before the commit", "after the commit"])
+def test_a_preempted_request_resumes_from_its_own_blocks_and_no_later_request_reads_them(seeded, preempted):
+    """vLLM's cache manager: a request that computed 70 tokens (four 16-token blocks cached) and
+    is preempted resumes from them, whichever side of the commit; a request that had not started
+    when the commit came, and one that arrived after it, find nothing with the same prompt."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.request import Request
+
+    hasher = kv_cache_utils.get_request_block_hasher(16, get_hash_fn_by_name("sha256"))
+    manager = _cache_manager(16)
+
+    def request(name: str) -> Request:
+        return Request(name, list(range(70)), SamplingParams(max_tokens=8), None, block_hasher=hasher)
+
+    started, waiting = request("started"), request("waiting")
+    blocks, hits, *_ = manager.get_computed_blocks(started)
+    manager.allocate_slots(started, 70, hits, blocks)
+    started.num_computed_tokens = 70
+
+    def preempt() -> None:  # (as vLLM's scheduler does)
+        manager.free(started)
+        started.num_computed_tokens, started.num_preemptions = 0, started.num_preemptions + 1
+
+    if preempted == "before the commit":
+        preempt()
+    assert manager.get_computed_blocks(waiting)[1] == 64, "before the commit, an equal prompt is served"
+    prefix.forget_cached_prefixes(FakeLlm(scheduler(held={"started": started, "waiting": waiting})))
+    if preempted == "after the commit":
+        preempt()
+    assert manager.get_computed_blocks(started)[1] == 64, "it resumes from the blocks it cached"
+    assert manager.get_computed_blocks(waiting)[1] == 0 and manager.get_computed_blocks(request("later"))[1] == 0
