@@ -150,8 +150,9 @@ def forgets_in_place(llm) -> bool:
 
 
 def forget_cached_prefixes(llm, ahead: Ahead | None = None) -> bool:
-    """No prefix cached before this call is served after it, nor what requests held now cache
-    later (they keep what they computed). Returns True where the seed was replaced (O(1) and
+    """No request that starts after this call is served a prefix cached before it, nor what
+    requests held now cache later (they keep what they computed and, preempted, resume from
+    it). Returns True where the seed was replaced (O(1) and
     O(requests held), `ahead` sparing the hashing of waiting requests: `hash_ahead`), False
     where vLLM's own reset ran. Raises `RuntimeError(STALE_PREFIXES)` where vLLM refuses
     (requests hold KV-cache blocks)."""
