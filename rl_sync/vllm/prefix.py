@@ -27,14 +27,16 @@ the new weights. No request that starts after the commit reads what they cache:
 a request that never started hashes its tokens anew under the new root (hashed
 ahead, `hash_ahead`, or inside the commit); a started one (running, or
 preempted: vLLM sets its computed tokens back to 0 and counts the preemption)
-keeps the hashes it has, whose blocks chain from the old root, and if it
-filled no block yet (its first block would be hashed from the new root) gets a
-salt of this update's on that block (vLLM's `cache_salt`, which only its first
-block's hash reads). Preempted before or after the commit, a started request
-so resumes from the blocks it cached, as it would with no update (computing
-them anew under the new weights cost the engine a 112 ms step and 15 more
-steps in a 6.5 s generation on an H100); what it reads was computed for the
-requests started before the commit. vLLM's own reset, which runs where the
+keeps the hashes it has, whose blocks chain from the old root, and gets a salt
+of this update's on its first block (vLLM's `cache_salt`, which only the first
+block's hash reads: it counts where the request filled no block yet, so its
+first would be hashed from the new root, or where vLLM hashes its blocks anew,
+as for a streaming session's next input). Preempted before or after the
+commit, a started request so resumes from the blocks it cached, as it would
+with no update (computing them anew under the new weights cost the engine a
+112 ms step and 15 more steps in a 6.5 s generation on an H100); what it reads
+was computed by requests started before the commit, under the old weights or,
+after it, the new. vLLM's own reset, which runs where the
 fast path cannot, refuses while requests hold blocks.
 
 Otherwise it calls vLLM's own reset, and raises `RuntimeError(STALE_PREFIXES)`
@@ -124,9 +126,8 @@ def _rehash_held(scheduler, seed: bytes, ahead: Ahead | None = None) -> None:
     its tokens (the same request object: an id may come back), else hashes them here."""
     ready = ahead.hashes if ahead is not None and ahead.root == seed else {}
     for request in list(scheduler.requests.values()):
-        if _started(request):
-            if not request.block_hashes:
-                request.cache_salt = f"{request.cache_salt or ''}|rl-sync update {seed.hex()}"
+        if _started(request):  # (salted even with hashes: vLLM's streaming sessions hash anew)
+            request.cache_salt = f"{request.cache_salt or ''}|rl-sync update {seed.hex()}"
             continue
         computed = ready.get(request.request_id) if ready else None
         request.block_hashes.clear()

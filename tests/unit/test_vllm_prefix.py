@@ -107,10 +107,9 @@ def test_requests_held_keep_what_they_computed_and_nothing_they_cache_later_is_s
     seed = bytes(kv_cache_utils.NONE_HASH).hex()
     assert unhashed.cache_salt == f"user|rl-sync update {seed}", "its first block, hashed later, is its own"
     assert preempted_unhashed.cache_salt == f"|rl-sync update {seed}", "preempted before filling a block"
-    assert hashed.block_hashes == old_hashed and hashed.cache_salt is None, "its later blocks chain from the old root"
-    assert preempted.block_hashes == old_preempted and preempted.cache_salt is None, (
-        "preempted before the commit, it resumes from the blocks it cached"
-    )
+    assert hashed.block_hashes == old_hashed, "its later blocks chain from the old root"
+    assert preempted.block_hashes == old_preempted, "preempted before the commit, it resumes from its blocks"
+    assert hashed.cache_salt == preempted.cache_salt == f"|rl-sync update {seed}", "hashed anew, still its own"
     assert not any(hasattr(r, "skip_reading_prefix_cache") for r in held.values()), "preempted, each reads its own"
 
 
@@ -300,3 +299,30 @@ def test_a_preempted_request_resumes_from_its_own_blocks_and_no_later_request_re
         preempt()
     assert manager.get_computed_blocks(started)[1] == 64, "it resumes from the blocks it cached"
     assert manager.get_computed_blocks(waiting)[1] == 0 and manager.get_computed_blocks(request("later"))[1] == 0
+
+
+def test_a_started_request_that_fills_its_first_block_after_the_commit_keeps_it_from_later_requests(seeded):
+    """vLLM's cache manager: a request that computed 10 tokens (no full block) when the commit came
+    fills its first block after it, from the new root; a later request with the same tokens finds
+    it not (its first 10 tokens' KV came from the old weights)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.request import Request
+
+    hasher = kv_cache_utils.get_request_block_hasher(16, get_hash_fn_by_name("sha256"))
+    manager = _cache_manager(16)
+    started = Request("started", list(range(10)), SamplingParams(max_tokens=40), None, block_hasher=hasher)
+    blocks, hits, *_ = manager.get_computed_blocks(started)
+    manager.allocate_slots(started, 10, hits, blocks)
+    started.num_computed_tokens = 10
+    prefix.forget_cached_prefixes(FakeLlm(scheduler(held={"started": started})))
+    started.append_output_token_ids(list(range(10, 30)))  # (its first block fills: hashed now)
+    manager.allocate_slots(started, 20)
+    started.num_computed_tokens = 30
+    assert len(started.block_hashes) == 1
+    later = Request("later", list(range(30)), SamplingParams(max_tokens=8), None, block_hasher=hasher)
+    same_salt = Request("same_salt", list(range(30)), SamplingParams(max_tokens=8), None, block_hasher=hasher)
+    same_salt.cache_salt, same_salt.block_hashes[:] = started.cache_salt, []
+    same_salt.update_block_hashes()
+    assert manager.get_computed_blocks(later)[1] == 0, "the block is the started request's own"
+    assert manager.get_computed_blocks(same_salt)[1] == 16, "cached: found with the started request's salt"
